@@ -1,0 +1,3 @@
+from kvcdn_core.cli import main
+
+main()

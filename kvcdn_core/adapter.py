@@ -1,0 +1,149 @@
+"""The model adapter: one architecture family on top of Hugging Face transformers.
+
+:class:`ModelAdapter` holds the common behaviour: load model and tokenizer from a directory, make a
+cache, run the model on a cache (the one place that knows the transformers calling convention),
+export a cache to named tensors and import it back. A family plugin subclasses it, names the
+``architectures`` it serves, gives a tiny ``validation_configs`` entry per architecture and overrides
+only what its cache does differently.
+
+This module imports torch and transformers lazily, inside methods, so that plugins can import it at
+start-up for free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core.errors import ArtifactError, KvcdnError
+
+
+class ModelAdapter:
+    """Base adapter: decoder-only transformers models with a ``DynamicCache``.
+
+    Handles full-attention and sliding-window layers. Subclasses override :meth:`export_layer`,
+    :meth:`import_layer` and :meth:`new_cache` for other cache layouts.
+    """
+
+    #: Family name, shown by ``kvcdn plugins`` and ``kvcdn validate --family``.
+    family: ClassVar[str] = ""
+    #: ``config.json`` ``architectures`` values this adapter serves.
+    architectures: ClassVar[tuple[str, ...]] = ()
+    #: architecture → keyword arguments of its transformers config class, a tiny float32 model
+    #: (2-4 layers, hidden 64-128) for offline validation. ``vocab_size`` is set by the builder.
+    validation_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: The extra to install for this family: ``pip install 'kvcdn[<extra>]'``. Defaults to family.
+    extra: ClassVar[str | None] = None
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, model_dir: Path, device: str, dtype: str):
+        """Return ``(model, tokenizer)`` loaded from a local directory, in eval mode."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        model.to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return model, tokenizer
+
+    def encode_context(self, tokenizer, text: str) -> list[int]:
+        """Token ids of a document that starts a sequence (with the tokenizer's start tokens)."""
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_continuation(self, tokenizer, text: str) -> list[int]:
+        """Token ids of text that continues a sequence (no start tokens)."""
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # -- running ------------------------------------------------------------------------------
+
+    def new_cache(self, model):
+        """An empty cache laid out for this model."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+
+    def forward(self, model, input_ids, cache):
+        """Run ``input_ids`` (shape [1, T]) on ``cache``; return ``(logits [1, T, V], cache)``.
+
+        The only place that knows how transformers takes and returns a cache.
+        """
+        out = model(input_ids=input_ids, cache=cache, use_cache=True)
+        new_cache = getattr(out, "cache", None)
+        if new_cache is None:
+            new_cache = getattr(out, "past_key_values", None)
+        return out.logits, (new_cache if new_cache is not None else cache)
+
+    # -- export / import ------------------------------------------------------------------------
+
+    def export_cache(self, model, cache) -> tuple[list[dict], dict[str, Any]]:
+        """Named tensors and per-layer manifest entries for a cache."""
+        layers, tensors = [], {}
+        for index, layer in enumerate(self.cache_layers(cache)):
+            entry, named = self.export_layer(index, layer)
+            entry = {"index": index, **entry, "tensors": {k: f"layers.{index}.{k}" for k in named}}
+            layers.append(entry)
+            tensors.update({f"layers.{index}.{k}": v for k, v in named.items()})
+        return layers, tensors
+
+    def import_cache(self, model, layers: list[dict], tensors: dict[str, Any], device: str):
+        """Rebuild a cache for ``model`` from named tensors and manifest layer entries."""
+        cache = self.new_cache(model)
+        targets = self.cache_layers(cache)
+        if len(targets) != len(layers):
+            raise ArtifactError(
+                f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}"
+            )
+        for entry, layer in zip(layers, targets):
+            named = {k: tensors[v].to(device) for k, v in entry["tensors"].items()}
+            self.import_layer(entry, named, layer)
+        return cache
+
+    def cache_layers(self, cache) -> list:
+        return list(cache.layers)
+
+    def layer_kind(self, layer) -> str:
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            return fmt.SLIDING_WINDOW
+        if type(layer) is DynamicLayer:
+            return fmt.FULL_ATTENTION
+        raise KvcdnError(
+            f"cache layer type {type(layer).__name__} is not supported by the {self.family or 'base'} "
+            "adapter; no artifact was written"
+        )
+
+    def export_layer(self, index: int, layer) -> tuple[dict, dict[str, Any]]:
+        """One layer's manifest entry (without ``index``/``tensors``) and its named tensors."""
+        kind = self.layer_kind(layer)
+        entry: dict[str, Any] = {"kind": kind}
+        if kind == fmt.SLIDING_WINDOW:
+            entry["window"] = int(layer.sliding_window)
+            entry["cumulative_length"] = int(layer.cumulative_length)
+        return entry, {"key": layer.keys, "value": layer.values}
+
+    def import_layer(self, entry: dict, named: dict[str, Any], layer) -> None:
+        """Fill an empty cache layer from an artifact layer entry."""
+        kind = self.layer_kind(layer)
+        if kind != entry["kind"]:
+            raise ArtifactError(
+                f"layer {entry['index']} is '{entry['kind']}' in the artifact but '{kind}' in the model"
+            )
+        keys, values = named["key"], named["value"]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        if kind == fmt.SLIDING_WINDOW:
+            if int(entry["window"]) != int(layer.sliding_window):
+                raise ArtifactError(
+                    f"layer {entry['index']} has window {entry['window']}, the model {layer.sliding_window}"
+                )
+            # Without the cumulative length, positions and the sliding mask drift after reload.
+            layer.cumulative_length = int(entry["cumulative_length"])
+
+    # -- info -----------------------------------------------------------------------------------
+
+    @classmethod
+    def extra_name(cls) -> str:
+        return cls.extra or cls.family

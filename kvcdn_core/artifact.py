@@ -1,0 +1,320 @@
+"""The `.kv` artifact: one self-describing safetensors file.
+
+Layout (see docs/artifact-format.md): the safetensors header metadata holds ``kvcdn.format``,
+``kvcdn.format_version`` and ``kvcdn.manifest`` (JSON). Token ids are the ``token_ids`` tensor.
+Reading the header, the manifest and the token ids is pure Python (no torch), so ``inspect`` and
+``search`` stay fast; :func:`load_tensors` reads the data region in one pass and builds tensors on
+that buffer without copying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import sys
+import tempfile
+from array import array
+from pathlib import Path
+from typing import Any
+
+from kvcdn_core.errors import ArtifactError
+
+FORMAT_NAME = "kvcdn-kv"
+FORMAT_VERSION = 1
+META_FORMAT = "kvcdn.format"
+META_VERSION = "kvcdn.format_version"
+META_MANIFEST = "kvcdn.manifest"
+TOKEN_IDS = "token_ids"
+
+# Largest header we accept; safetensors itself caps it at 100 MB.
+MAX_HEADER_BYTES = 100_000_000
+
+#: safetensors dtype name → (bytes per element, torch dtype name)
+DTYPES = {
+    "F64": (8, "float64"),
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "I64": (8, "int64"),
+    "I32": (4, "int32"),
+    "I16": (2, "int16"),
+    "I8": (1, "int8"),
+    "U8": (1, "uint8"),
+    "BOOL": (1, "bool"),
+}
+TORCH_TO_ST = {torch_name: st for st, (_, torch_name) in DTYPES.items()}
+
+#: Layer kinds a manifest may name.
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+MLA_LATENT = "mla_latent"
+LINEAR_ATTENTION = "linear_attention"
+RECURRENT_STATE = "recurrent_state"
+LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, LINEAR_ATTENTION, RECURRENT_STATE)
+#: Kinds whose cache can be cropped to any shorter prefix.
+CROPPABLE_KINDS = (FULL_ATTENTION, MLA_LATENT)
+
+REQUIRED_MANIFEST_KEYS = ("kvcdn_version", "created_at", "model", "compute_dtype", "token_count",
+                          "layers", "tensors")
+
+
+@dataclasses.dataclass
+class Header:
+    """A parsed and validated artifact header."""
+
+    path: Path
+    manifest: dict[str, Any]
+    entries: dict[str, dict[str, Any]]  # tensor name → {dtype, shape, data_offsets}
+    data_start: int
+    file_size: int
+
+    @property
+    def token_count(self) -> int:
+        return int(self.manifest["token_count"])
+
+
+def _fail(path, message: str) -> ArtifactError:
+    return ArtifactError(f"{path}: {message}")
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate the header of an artifact, without touching the tensor data."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            file_size = os.fstat(fh.fileno()).st_size
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise _fail(path, f"not a kvcdn artifact: file is {file_size} bytes, too short for a safetensors header")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES or header_len > file_size - 8:
+                if header_len <= MAX_HEADER_BYTES:
+                    raise _fail(path, f"truncated: header says {header_len} bytes, file has {file_size - 8}")
+                raise _fail(path, "not a kvcdn artifact: not a safetensors file (implausible header length)")
+            raw = fh.read(header_len)
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+    except (ValueError, UnicodeDecodeError):
+        raise _fail(path, "corrupted or not a safetensors file: header is not valid JSON") from None
+    meta = header.pop("__metadata__", None) or {}
+    if meta.get(META_FORMAT) != FORMAT_NAME:
+        raise _fail(path, "not a kvcdn artifact: safetensors file without a kvcdn manifest")
+    try:
+        version = int(meta.get(META_VERSION, ""))
+    except ValueError:
+        raise _fail(path, f"corrupted: format version {meta.get(META_VERSION)!r} is not a number") from None
+    if version > FORMAT_VERSION:
+        raise _fail(path, f"format version {version} is newer than this kvcdn reads ({FORMAT_VERSION}); upgrade kvcdn")
+    if version < 1:
+        raise _fail(path, f"unknown format version {version}")
+    try:
+        manifest = json.loads(meta.get(META_MANIFEST, ""))
+        if not isinstance(manifest, dict):
+            raise ValueError
+    except ValueError:
+        raise _fail(path, "corrupted: the manifest is not valid JSON") from None
+    data_start = 8 + header_len
+    result = Header(path, manifest, header, data_start, file_size)
+    _validate(result)
+    return result
+
+
+def _validate(h: Header) -> None:
+    path, manifest = h.path, h.manifest
+    missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise _fail(path, f"corrupted: manifest lacks {', '.join(missing)}")
+    data_len = 0
+    for name, entry in h.entries.items():
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            width = DTYPES[dtype][0]
+        except (KeyError, TypeError, ValueError):
+            raise _fail(path, f"corrupted: bad header entry for tensor '{name}'") from None
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        if end - start != count * width or start < 0:
+            raise _fail(path, f"corrupted: tensor '{name}' has {end - start} bytes, its shape needs {count * width}")
+        data_len = max(data_len, end)
+    actual = h.file_size - h.data_start
+    if actual < data_len:
+        raise _fail(path, f"truncated: {actual} bytes of tensor data, the header needs {data_len}")
+    if actual > data_len:
+        raise _fail(path, f"corrupted: {actual - data_len} unexpected trailing bytes")
+    for name, spec in manifest["tensors"].items():
+        entry = h.entries.get(name)
+        if entry is None:
+            raise _fail(path, f"corrupted: manifest names tensor '{name}', which the file lacks")
+        if list(entry["shape"]) != list(spec["shape"]) or entry["dtype"] != spec["dtype"]:
+            raise _fail(path, f"corrupted: tensor '{name}' is {entry['dtype']}{entry['shape']}, "
+                              f"the manifest says {spec['dtype']}{spec['shape']}")
+    token_entry = h.entries.get(TOKEN_IDS)
+    if token_entry is None or token_entry["shape"] != [int(manifest["token_count"])]:
+        raise _fail(path, f"corrupted: '{TOKEN_IDS}' tensor missing or not of length token_count")
+    for layer in manifest["layers"]:
+        for tensor_name in layer.get("tensors", {}).values():
+            if tensor_name not in manifest["tensors"]:
+                raise _fail(path, f"corrupted: layer {layer.get('index')} names unknown tensor '{tensor_name}'")
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    return read_header(path).manifest
+
+
+def read_token_ids(path: str | os.PathLike, header: Header | None = None) -> list[int]:
+    """The artifact's token ids, read without loading the cache tensors (no torch)."""
+    h = header or read_header(path)
+    entry = h.entries[TOKEN_IDS]
+    start, end = entry["data_offsets"]
+    codes = {"I64": "q", "I32": "i"}
+    if entry["dtype"] not in codes:
+        raise _fail(h.path, f"corrupted: '{TOKEN_IDS}' has dtype {entry['dtype']}, expected I64 or I32")
+    with open(h.path, "rb") as fh:
+        fh.seek(h.data_start + start)
+        raw = fh.read(end - start)
+    ids = array(codes[entry["dtype"]])
+    ids.frombytes(raw)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def _iter_tensor_bytes(h: Header, names):
+    with open(h.path, "rb") as fh:
+        for name in names:
+            start, end = h.entries[name]["data_offsets"]
+            fh.seek(h.data_start + start)
+            yield name, fh.read(end - start)
+
+
+def check_hashes(header: Header) -> list[str]:
+    """Re-hash every tensor the manifest lists; return the names whose sha256 differs."""
+    specs = header.manifest["tensors"]
+    return [
+        name for name, data in _iter_tensor_bytes(header, list(specs))
+        if hashlib.sha256(data).hexdigest() != specs[name].get("sha256")
+    ]
+
+
+def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True) -> dict[str, Any]:
+    """Read the whole data region once and return every tensor as a torch tensor.
+
+    The tensors share one buffer (``torch.frombuffer``), so loading costs one read plus, when
+    ``verify_hashes`` is on, one sha256 pass per tensor.
+    """
+    import torch
+
+    buffer = bytearray(header.file_size - header.data_start)
+    with open(header.path, "rb") as fh:
+        fh.seek(header.data_start)
+        view = memoryview(buffer)
+        done = 0
+        while done < len(buffer):
+            n = fh.readinto(view[done:])
+            if not n:
+                raise _fail(header.path, "truncated while reading tensor data")
+            done += n
+    specs = header.manifest["tensors"]
+    if verify_hashes:
+        bad = [name for name, spec in specs.items()
+               if hashlib.sha256(view[slice(*header.entries[name]["data_offsets"])]).hexdigest()
+               != spec.get("sha256")]
+        if bad:
+            raise _fail(header.path, f"corrupted: sha256 mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
+    tensors = {}
+    for name, entry in header.entries.items():
+        start, end = entry["data_offsets"]
+        dtype = getattr(torch, DTYPES[entry["dtype"]][1])
+        if end == start:
+            t = torch.empty(entry["shape"], dtype=dtype)
+        else:
+            t = torch.frombuffer(buffer, dtype=dtype, offset=start, count=(end - start) // DTYPES[entry["dtype"]][0])
+            t = t.view(entry["shape"])
+        tensors[name] = t if device == "cpu" else t.to(device)
+    return tensors
+
+
+def tensor_bytes(t) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, as stored in the file."""
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def write_artifact(path: str | os.PathLike, manifest: dict[str, Any], tensors: dict[str, Any]) -> Path:
+    """Write an artifact atomically: temporary file in the same directory, fsync, rename.
+
+    ``tensors`` maps names to torch tensors and must include ``token_ids``. The manifest's
+    ``tensors`` table (dtype, shape, sha256) is filled in here.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if TOKEN_IDS not in tensors:
+        raise ValueError("an artifact needs a token_ids tensor")
+    manifest = dict(manifest)
+    table = {}
+    prepared = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        prepared[name] = t
+        table[name] = {
+            "dtype": TORCH_TO_ST[str(t.dtype).removeprefix("torch.")],
+            "shape": list(t.shape),
+            "sha256": hashlib.sha256(tensor_bytes(t)).hexdigest(),
+        }
+    manifest["tensors"] = table
+    manifest["token_count"] = int(prepared[TOKEN_IDS].numel())
+    metadata = {
+        META_FORMAT: FORMAT_NAME,
+        META_VERSION: str(FORMAT_VERSION),
+        META_MANIFEST: json.dumps(manifest, sort_keys=True, ensure_ascii=False),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(prepared, tmp, metadata=metadata)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def reuse_mode(manifest: dict[str, Any]) -> str:
+    """``any_prefix`` when every layer can be cropped, else ``whole_prefix``."""
+    kinds = {layer["kind"] for layer in manifest["layers"]}
+    return "any_prefix" if kinds <= set(CROPPABLE_KINDS) else "whole_prefix"

@@ -1,0 +1,11 @@
+"""Core's built-in commands, registered through the same hook as any plugin's."""
+
+from kvcdn_core import hookimpl
+
+
+@hookimpl
+def kvcdn_register_commands(cli):
+    from kvcdn_core.commands import continue_cmd, diag, generate, inspect, plugins_cmd, verify
+
+    for module in (generate, verify, diag, inspect, continue_cmd, plugins_cmd):
+        cli.add_command(module.command)

@@ -1,0 +1,79 @@
+"""Options and helpers that several commands share, so each is spelled one way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.paths import default_artifact_path, ensure_kv_suffix
+
+
+def model_options(default_model: str | None = None):
+    """``--model --revision --device --dtype --quiet``: how to load the model."""
+    from kvcdn_core.runtime_defaults import DEFAULT_MODEL
+
+    def decorate(f):
+        options = [
+            click.option("--model", "model", default=default_model,
+                         help=f"Hugging Face id or local directory [default: the artifact's model, else {DEFAULT_MODEL}]"),
+            click.option("--revision", default=None, help="Model revision (branch, tag or commit) on the hub."),
+            click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto",
+                         show_default=True, help="Where to run the model."),
+            click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                         default="auto", show_default=True,
+                         help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA."),
+            click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+        ]
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+
+
+format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+                             show_default=True, help="Output for people (table) or tools (json).")
+force_option = click.option("--force", is_flag=True,
+                            help="Use an artifact even if it was made with another model or dtype.")
+
+
+def read_text_file(path: str, what: str = "context file") -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KvcdnError(f"{what} '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise KvcdnError(f"{what} '{path}' is a directory") from None
+    except UnicodeDecodeError:
+        raise KvcdnError(f"{what} '{path}' is not UTF-8 text") from None
+    if not text.strip():
+        raise KvcdnError(f"{what} '{path}' is empty")
+    return text
+
+
+def artifact_path(explicit: str | None, command: str, model: str) -> Path:
+    if explicit:
+        return ensure_kv_suffix(explicit)
+    return default_artifact_path(command, model)
+
+
+def emit_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def open_artifact(path: Path, model: str | None, revision: str | None, device: str, dtype: str):
+    """Read an artifact's header and load the model it names (or ``model``): ``(session, header)``."""
+    from kvcdn_core import artifact, runtime
+
+    header = artifact.read_header(path)
+    named = header.manifest.get("model", {})
+    session = runtime.load_session(
+        model or named.get("id") or runtime.DEFAULT_MODEL,
+        revision if revision is not None else (named.get("revision") if not model else None),
+        device,
+        dtype if dtype != "auto" else header.manifest.get("compute_dtype", "auto"),
+    )
+    return session, header

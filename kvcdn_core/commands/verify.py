@@ -1,0 +1,77 @@
+"""``kvcdn verify``: continuing from the artifact must be token-exact against a full prefill."""
+
+from __future__ import annotations
+
+import click
+
+from kvcdn_core.commands.common import (artifact_path, emit_json, force_option, format_option,
+                                        model_options, open_artifact, read_text_file)
+from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
+
+
+def prepare(command_name, model, revision, device, dtype, quiet, kv_path, context_file):
+    """The artifact to check: the existing one at ``kv_path``, or one generated from the context."""
+    from kvcdn_core import artifact, runtime
+
+    path = artifact_path(kv_path, command_name, model or DEFAULT_MODEL)
+    if kv_path and path.exists():
+        return open_artifact(path, model, revision, device, dtype)
+    if not context_file:
+        if kv_path:
+            raise KvcdnError(f"artifact '{path}' does not exist; pass --context-file to generate it")
+        raise KvcdnError("pass --kv-path of an existing artifact, or --context-file to generate one")
+    context = read_text_file(context_file)
+    session = runtime.load_session(model or DEFAULT_MODEL, revision, device, dtype)
+    runtime.generate(session, context, path, progress=not quiet)
+    if not quiet:
+        click.echo(f"generated {path}", err=True)
+    return session, artifact.read_header(path)
+
+
+def check_options(f):
+    for option in reversed([
+        model_options(),
+        click.option("--kv-path", default=None,
+                     help="Artifact to check; generated from --context-file when it does not exist."),
+        click.option("--context-file", default=None, help="Document to generate the artifact from."),
+        click.option("--question", default=DEFAULT_QUESTION, show_default=True,
+                     help="Text fed after the context on both paths."),
+        click.option("--n", "n", type=click.IntRange(1), default=32, show_default=True,
+                     help="Tokens to decode greedily."),
+        force_option,
+        format_option,
+    ]):
+        f = option(f)
+    return f
+
+
+@click.command("verify")
+@check_options
+def command(model, revision, device, dtype, quiet, kv_path, context_file, question, n, force, fmt):
+    """Check that continuing from an artifact is token-exact against a full prefill.
+
+    Path A prefills context + question from scratch; path B loads the artifact from disk and feeds
+    only the question. Both decode N tokens greedily and are compared by token id. Exit 0 on PASS,
+    1 on MISMATCH.
+    """
+    from kvcdn_core.verify import run_verify
+
+    session, header = prepare("verify", model, revision, device, dtype, quiet, kv_path, context_file)
+    result = run_verify(session, header, question, n, force=force)
+    if fmt == "json":
+        emit_json({"path": str(header.path), "model": session.model_ref, **result.as_dict()})
+    else:
+        click.echo(f"artifact: {header.path} ({result.context_tokens} context + {result.question_tokens} question tokens)")
+        click.echo(f"reference (full prefill): {result.reference_text!r}")
+        click.echo(f"cached (artifact):        {result.cached_text!r}")
+        status = "PASS" if result.passed else "MISMATCH"
+        click.echo(f"token match: {result.matches}/{result.n} ({status})")
+        first = result.first_divergence
+        if first is None:
+            click.echo("first divergence: none")
+        else:
+            click.echo(f"first divergence: index {first} (reference {result.reference_ids[first]}, "
+                       f"cached {result.cached_ids[first]})")
+    if not result.passed:
+        raise CheckFailed(f"cached continuation diverges from the full prefill at token {result.first_divergence}")

@@ -1,0 +1,238 @@
+"""Model sessions: load a model through its adapter, prefill, continue greedily, save and load caches.
+
+Everything here imports torch lazily: command modules import this file at call time only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from pathlib import Path
+from typing import Any
+
+import kvcdn_core
+from kvcdn_core import artifact as fmt
+from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.model_files import architecture_of, fingerprint, read_config, resolve_model_dir
+from kvcdn_core.plugins import get_host
+from kvcdn_core.progress import Progress
+
+from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
+
+
+@dataclasses.dataclass
+class Session:
+    """A loaded model, its tokenizer, the adapter that drives it and its fingerprint."""
+
+    adapter: Any
+    model: Any
+    tokenizer: Any
+    model_ref: str
+    revision: str | None
+    model_dir: Path
+    fingerprint: dict
+    device: str
+    dtype: str
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise KvcdnError("--device cuda asked for, but torch sees no CUDA device")
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise KvcdnError("--device mps asked for, but torch sees no MPS device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """auto: float32 on CPU (several times faster than bfloat16 without AMX), bfloat16 on CUDA."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def adapter_for(architecture: str):
+    """The adapter class that claims an architecture, or a clear error naming what to install."""
+    host = get_host()
+    adapters = host.model_adapters()
+    cls = adapters.get(architecture)
+    if cls is None:
+        families = sorted(host.families())
+        installed = ", ".join(families) if families else "none"
+        guess = _guess_extra(architecture)
+        raise KvcdnError(
+            f"no installed kvcdn model plugin serves architecture '{architecture}' "
+            f"(installed families: {installed}); install one, e.g. pip install 'kvcdn[{guess}]'"
+        )
+    return cls
+
+
+_EXTRA_HINTS = {
+    "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
+    "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
+    "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",
+    "stablelm": "olmo-granite", "starcoder": "olmo-granite", "mamba": "ssm",
+}
+
+
+def _guess_extra(architecture: str) -> str:
+    lower = architecture.lower()
+    if "mamba" in lower:
+        return "ssm"
+    for key, extra in _EXTRA_HINTS.items():
+        if lower.startswith(key):
+            return extra
+    return "all"
+
+
+def load_session(model_ref: str, revision: str | None = None, device: str = "auto",
+                 dtype: str = "auto") -> Session:
+    model_dir = resolve_model_dir(model_ref, revision)
+    config = read_config(model_dir)
+    adapter = adapter_for(architecture_of(config))()
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    try:
+        model, tokenizer = adapter.load(model_dir, device, dtype)
+    except KvcdnError:
+        raise
+    except Exception as exc:
+        raise KvcdnError(f"cannot load model '{model_ref}': {type(exc).__name__}: {exc}") from None
+    local = Path(model_ref).expanduser()
+    ref = str(local.resolve()) if local.is_dir() else model_ref
+    return Session(adapter, model, tokenizer, ref, revision, model_dir, fingerprint(model_dir),
+                   device, dtype)
+
+
+def _ids_tensor(session: Session, ids: list[int]):
+    import torch
+
+    return torch.tensor([ids], dtype=torch.long, device=session.device)
+
+
+def prefill(session: Session, ids: list[int], chunk: int = DEFAULT_CHUNK, progress: bool = True,
+            cache=None, label: str = "prefill"):
+    """Run ``ids`` through the model in chunks; return ``(cache, logits of the last token)``."""
+    import torch
+
+    if not ids:
+        raise KvcdnError("nothing to prefill: the context has no tokens")
+    cache = session.adapter.new_cache(session.model) if cache is None else cache
+    logits = None
+    with torch.inference_mode(), Progress(len(ids), label, enabled=progress) as bar:
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            out, cache = session.adapter.forward(session.model, _ids_tensor(session, piece), cache)
+            logits = out[0, -1].float()
+            bar.update(len(piece))
+    return cache, logits
+
+
+def greedy(session: Session, cache, prompt_ids: list[int], n: int, forced: list[int] | None = None):
+    """Feed ``prompt_ids`` on ``cache``, then decode ``n`` tokens greedily.
+
+    Returns ``(token ids, per-step logits)``. With ``forced``, step i feeds ``forced[i]`` instead of
+    the argmax (teacher forcing), so two paths can be compared logit by logit.
+    """
+    import torch
+
+    if not prompt_ids:
+        raise KvcdnError("the question has no tokens")
+    tokens, step_logits = [], []
+    with torch.inference_mode():
+        out, cache = session.adapter.forward(session.model, _ids_tensor(session, prompt_ids), cache)
+        logits = out[0, -1].float()
+        for i in range(n):
+            step_logits.append(logits.cpu())
+            nxt = int(torch.argmax(logits))
+            tokens.append(nxt)
+            if i == n - 1:
+                break
+            feed = forced[i] if forced is not None else nxt
+            out, cache = session.adapter.forward(session.model, _ids_tensor(session, [feed]), cache)
+            logits = out[0, -1].float()
+    return tokens, step_logits
+
+
+def decode(session: Session, ids: list[int]) -> str:
+    return session.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def build_manifest(session: Session, layers: list[dict], context: str) -> dict:
+    return {
+        "kvcdn_version": kvcdn_core.__version__,
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "id": session.model_ref,
+            "revision": session.revision,
+            "family": session.adapter.family,
+            **session.fingerprint,
+        },
+        "compute_dtype": session.dtype,
+        "context": context,
+        "layers": layers,
+        "quantization": None,
+    }
+
+
+def save_cache(session: Session, cache, ids: list[int], context: str, path: Path) -> Path:
+    import torch
+
+    layers, tensors = session.adapter.export_cache(session.model, cache)
+    manifest = build_manifest(session, layers, context)
+    manifest["reuse"] = fmt.reuse_mode(manifest)
+    tensors[fmt.TOKEN_IDS] = torch.tensor(ids, dtype=torch.long)
+    return fmt.write_artifact(path, manifest, tensors)
+
+
+def generate(session: Session, context: str, path: Path, chunk: int = DEFAULT_CHUNK,
+             progress: bool = True) -> tuple[Path, list[int]]:
+    """Prefill a document and save its cache as an artifact."""
+    ids = session.adapter.encode_context(session.tokenizer, context)
+    cache, _ = prefill(session, ids, chunk=chunk, progress=progress)
+    return save_cache(session, cache, ids, context, path), ids
+
+
+def check_model(session: Session, manifest: dict, force: bool = False) -> None:
+    """Refuse an artifact made with another model (by fingerprint), unless ``force``."""
+    want = manifest.get("model", {})
+    problems = [
+        f"{key.replace('_sha256', '')} differs"
+        for key in ("architecture", "config_sha256", "tokenizer_sha256")
+        if want.get(key) != session.fingerprint.get(key)
+    ]
+    if problems and not force:
+        raise ArtifactError(
+            f"artifact was made with model '{want.get('id')}' ({want.get('architecture')}), "
+            f"not the loaded '{session.model_ref}': {', '.join(problems)}; pass --force to use it anyway"
+        )
+
+
+def load_cache(session: Session, header: fmt.Header, force: bool = False, verify_hashes: bool = True):
+    """Load an artifact's cache into tensors for the session's model; return ``(cache, token ids)``."""
+    check_model(session, header.manifest, force)
+    manifest = header.manifest
+    if manifest.get("quantization"):
+        from kvcdn_core.quant import dequantize_tensors
+
+        tensors = dequantize_tensors(header, session.device, verify_hashes)
+    else:
+        tensors = fmt.load_tensors(header, verify_hashes=verify_hashes)
+    dtype = manifest["compute_dtype"]
+    if dtype != session.dtype and not force:
+        raise ArtifactError(
+            f"artifact was computed in {dtype}, the model is loaded in {session.dtype}; "
+            f"pass --dtype {dtype} (or --force to convert)"
+        )
+    import torch
+
+    target = getattr(torch, session.dtype)
+    tensors = {k: (v.to(target) if v.is_floating_point() else v) for k, v in tensors.items()}
+    ids = tensors.pop(fmt.TOKEN_IDS).tolist()
+    cache = session.adapter.import_cache(session.model, manifest["layers"], tensors, session.device)
+    return cache, ids

@@ -1,0 +1,143 @@
+"""Storage backends: where artifacts live. Local disk is built in; S3 and hosted are plugins.
+
+A backend is addressed by a URI (``file:///srv/kv``, ``s3://bucket/prefix``, ...) and stores
+opaque objects under string keys. Writes are atomic where the medium allows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import ClassVar
+from urllib.parse import urlparse
+
+from kvcdn_core import hookimpl
+from kvcdn_core.errors import KvcdnError
+
+
+@dataclasses.dataclass
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class StorageBackend:
+    """The interface every storage backend implements."""
+
+    #: URI schemes this backend serves.
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_uri(cls, uri: str) -> StorageBackend:
+        raise NotImplementedError
+
+    def put_file(self, key: str, source: Path) -> None:
+        """Store the file at ``source`` under ``key``, replacing any previous object."""
+        raise NotImplementedError
+
+    def get_file(self, key: str, target: Path) -> None:
+        """Write object ``key`` to ``target`` atomically."""
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        raise NotImplementedError
+
+
+def safe_key(key: str) -> str:
+    """Refuse keys that could escape the storage root."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in key:
+        raise KvcdnError(f"invalid storage key '{key}'")
+    return key
+
+
+class LocalStorage(StorageBackend):
+    """Objects as files under a root directory; writes go to a temp file and are renamed."""
+
+    schemes = ("file",)
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    @classmethod
+    def from_uri(cls, uri: str) -> LocalStorage:
+        parsed = urlparse(uri)
+        return cls(parsed.path if parsed.scheme == "file" else uri)
+
+    def path_of(self, key: str) -> Path:
+        return self.root / safe_key(key)
+
+    def put_file(self, key: str, source: Path) -> None:
+        target = self.path_of(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(source, "rb") as fh:
+            atomic_write_stream(target, fh)
+
+    def get_file(self, key: str, target: Path) -> None:
+        source = self.path_of(key)
+        if not source.is_file():
+            raise KvcdnError(f"no object '{key}' in {self.root}")
+        with open(source, "rb") as fh:
+            atomic_write_stream(Path(target), fh)
+
+    def exists(self, key: str) -> bool:
+        return self.path_of(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self.path_of(key).unlink(missing_ok=True)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.rglob("*")):
+            if path.is_file() and not path.name.startswith("."):
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    found.append(ObjectInfo(key, path.stat().st_size))
+        return found
+
+
+def atomic_write_stream(target: Path, stream, chunk: int = 1 << 20) -> int:
+    """Copy a binary stream to ``target`` through a temp file in the same directory; return bytes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    written = 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(stream, out, chunk)
+            written = out.tell()
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return written
+
+
+def open_storage(uri: str) -> StorageBackend:
+    """The backend for a URI, found through the storage hook; a bare path means local disk."""
+    from kvcdn_core.plugins import get_host
+
+    scheme = urlparse(uri).scheme if "://" in uri else "file"
+    backends = get_host().storage_backends()
+    cls = backends.get(scheme)
+    if cls is None:
+        known = ", ".join(sorted(backends)) or "none"
+        raise KvcdnError(f"no storage backend for '{scheme}://' (installed: {known})")
+    return cls.from_uri(uri)
+
+
+@hookimpl
+def kvcdn_register_storage_backends():
+    return [LocalStorage]

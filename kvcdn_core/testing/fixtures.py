@@ -1,0 +1,45 @@
+"""pytest fixtures for kvcdn and its plugins (loaded through the ``pytest11`` entry point)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def kvcdn_host(monkeypatch):
+    """A fresh plugin host with only core's built-ins, installed as the process-wide host.
+
+    Register a plugin in-process with ``kvcdn_host.register(module_or_object, "name", "kvcdn.models")``.
+    """
+    from kvcdn_core import plugins
+
+    host = plugins.PluginHost(discover=False)
+    monkeypatch.setattr(plugins, "_HOST", host)
+    return host
+
+
+@pytest.fixture
+def discovered_host(monkeypatch):
+    """A fresh host that discovers installed plugins (after tests changed the environment)."""
+    from kvcdn_core import plugins
+
+    host = plugins.PluginHost()
+    monkeypatch.setattr(plugins, "_HOST", host)
+    return host
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Factory ``tiny_model(adapter_cls, architecture) -> Path``: a saved tiny model, built once."""
+    from kvcdn_core.tiny import build_tiny_model
+
+    built = {}
+
+    def make(adapter_cls, architecture):
+        key = (adapter_cls, architecture)
+        if key not in built:
+            out = tmp_path_factory.mktemp(architecture)
+            built[key] = build_tiny_model(adapter_cls, architecture, out)
+        return built[key]
+
+    return make

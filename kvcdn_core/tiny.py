@@ -1,0 +1,112 @@
+"""Tiny offline models for validation and tests: a byte-level BPE tokenizer and random weights.
+
+The Hugging Face hub is not always reachable (CI, air-gapped hosts), so every adapter ships a tiny
+config per architecture; this module turns one into a saved model directory that loads by path.
+Weights use a wide init so greedy decoding does not sit on near-ties and its output varies.
+
+Run ``python -m kvcdn_core.tiny ARCH OUT_DIR`` to build one by hand.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+SAMPLE_TEXT = """\
+The lighthouse keeper kept a ledger of every ship that passed the northern cape. Each entry noted
+the hour, the flag, the weather and the state of the sea. Over forty years the ledger grew to nine
+volumes, and the harbour office came to trust it more than its own records.
+
+Reuse is the whole point of a cache. A long document is read once, its attention keys and values
+are stored, and every later question about the same document starts where the reading stopped.
+The saving grows with the length of the document and with the number of questions asked of it.
+
+In 1887 the cape saw its worst storm. Waves broke over the gallery, the lamp failed twice, and the
+keeper wrote by candlelight that three schooners had turned back and one had not. The missing ship
+was found in spring, beached and empty, forty miles to the south.
+
+Engineers who run retrieval services know the pattern: the same manuals, contracts and code files
+are sent to the model again and again. Prefill dominates the bill. Numbers, dates and names such as
+0.25, 2048, 3.14159, March 12th and Amundsen must survive the round trip without a single change.
+"""
+
+TOKENIZER_VOCAB = 384
+EOS = "<|endoftext|>"
+BOS = "<|startoftext|>"
+
+
+def train_tokenizer(bos: bool = False, vocab_size: int = TOKENIZER_VOCAB):
+    """A small byte-level BPE trained on :data:`SAMPLE_TEXT`; any UTF-8 text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, BOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([SAMPLE_TEXT] * 4, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+        )
+    kwargs = {"bos_token": BOS} if bos else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, **kwargs)
+
+
+def model_class(architecture: str):
+    import transformers
+
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        raise ValueError(f"transformers {transformers.__version__} has no class {architecture}")
+    return cls
+
+
+def build_tiny_model(adapter_cls, architecture: str, out_dir: str | Path, seed: int = 0,
+                     init_std: float = 0.3) -> Path:
+    """Build the adapter's tiny config for ``architecture`` with random weights and save it."""
+    import torch
+
+    out = Path(out_dir)
+    kwargs = dict(adapter_cls.validation_configs[architecture])
+    bos = kwargs.pop("_bos", False)
+    tokenizer = train_tokenizer(bos=bos)
+    cls = model_class(architecture)
+    kwargs.setdefault("vocab_size", len(tokenizer))
+    kwargs.setdefault("initializer_range", init_std)
+    kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+    kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    if bos:
+        kwargs.setdefault("bos_token_id", tokenizer.bos_token_id)
+    config = cls.config_class(**kwargs)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from kvcdn_core.plugins import get_host
+
+    parser = argparse.ArgumentParser(prog="python -m kvcdn_core.tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("architecture", help="e.g. Qwen3ForCausalLM")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    adapters = get_host().model_adapters()
+    if args.architecture not in adapters:
+        print(f"error: no installed adapter serves {args.architecture}", file=sys.stderr)
+        return 2
+    print(build_tiny_model(adapters[args.architecture], args.architecture, args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

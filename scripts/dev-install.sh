@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install kvcdn core and every plugin under plugins/ in editable mode, with the test tools.
+# Usage: scripts/dev-install.sh            (into the active Python environment)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
+"$PY" -m pip install --quiet "torch==${KVCDN_TORCH_VERSION:-2.13.0}"
+args=(-e ".[test]")
+for plugin in plugins/*/; do
+  args+=(-e "$plugin")
+done
+"$PY" -m pip install --quiet "${args[@]}"
