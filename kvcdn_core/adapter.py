@@ -19,6 +19,14 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
 
+def quiet_transformers() -> None:
+    """transformers' own progress bars and advisory warnings would drown kvcdn's one-line output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 class ModelAdapter:
     """Base adapter: decoder-only transformers models with a ``DynamicCache``.
 
@@ -43,6 +51,7 @@ class ModelAdapter:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        quiet_transformers()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         model.to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

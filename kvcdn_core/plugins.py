@@ -213,7 +213,7 @@ def _is_blocked(ep, blocked: set[str]) -> bool:
     return bool({ep.name, f"{ep.group}:{ep.name}", dist or ""} & blocked)
 
 
-_DISTS: dict[str, list[str]] | None = None
+_OWNERS: dict[tuple[str, str, str], tuple[str, str]] | None = None
 
 
 def _distribution_of(ep) -> tuple[str | None, str | None]:
@@ -221,16 +221,14 @@ def _distribution_of(ep) -> tuple[str | None, str | None]:
     dist = getattr(ep, "dist", None)
     if dist is not None:
         return dist.metadata["Name"], dist.version
-    global _DISTS
-    if _DISTS is None:
-        _DISTS = importlib.metadata.packages_distributions()
-    top = ep.value.split(":")[0].split(".")[0]
-    for name in _DISTS.get(top, []):
-        try:
-            return name, importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None, None
+    global _OWNERS
+    if _OWNERS is None:  # stevedore's cached entry points carry no distribution: look it up once
+        _OWNERS = {}
+        for d in importlib.metadata.distributions():
+            for e in d.entry_points:
+                if e.group in GROUPS:
+                    _OWNERS[(e.group, e.name, e.value)] = (d.metadata["Name"], d.version)
+    return _OWNERS.get((ep.group, ep.name, ep.value), (None, None))
 
 
 _HOST: PluginHost | None = None

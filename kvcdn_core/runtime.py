@@ -91,10 +91,11 @@ def _guess_extra(architecture: str) -> str:
 
 
 def load_session(model_ref: str, revision: str | None = None, device: str = "auto",
-                 dtype: str = "auto") -> Session:
+                 dtype: str = "auto", adapter_cls=None) -> Session:
+    """Load a model through the adapter that claims it (or ``adapter_cls``, for contract tests)."""
     model_dir = resolve_model_dir(model_ref, revision)
     config = read_config(model_dir)
-    adapter = adapter_for(architecture_of(config))()
+    adapter = (adapter_cls or adapter_for(architecture_of(config)))()
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     try:

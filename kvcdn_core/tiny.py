@@ -70,6 +70,9 @@ def build_tiny_model(adapter_cls, architecture: str, out_dir: str | Path, seed: 
     """Build the adapter's tiny config for ``architecture`` with random weights and save it."""
     import torch
 
+    from kvcdn_core.adapter import quiet_transformers
+
+    quiet_transformers()
     out = Path(out_dir)
     kwargs = dict(adapter_cls.validation_configs[architecture])
     bos = kwargs.pop("_bos", False)

@@ -1,0 +1,86 @@
+"""Stored credentials: one JSON file, mode 0600, in ``$XDG_CONFIG_HOME/kvcdn/``, written atomically.
+
+The file holds an API key and/or one OIDC session (tokens plus the issuer, client and token
+endpoint they belong to). A session is used only against the issuer it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.paths import config_home
+
+FILE_NAME = "credentials.json"
+
+
+def credentials_path() -> Path:
+    return config_home() / FILE_NAME
+
+
+def load() -> dict[str, Any]:
+    """The stored credentials (``{}`` when there are none)."""
+    path = credentials_path()
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return {}
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        # Someone widened it by hand: secrets must stay private, so narrow it back and say so.
+        print(f"warning: {path} was readable by others; its mode is now 0600", file=sys.stderr)
+        os.chmod(path, 0o600)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KvcdnError(f"credentials file {path} is unreadable ({exc}); remove it with kvcdn logout") from None
+    if not isinstance(data, dict):
+        raise KvcdnError(f"credentials file {path} is not a JSON object; remove it with kvcdn logout")
+    return data
+
+
+def save(data: dict[str, Any]) -> Path:
+    """Replace the credentials file atomically (temp file 0600 in the same dir, fsync, rename)."""
+    path = credentials_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=f".{FILE_NAME}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def update(**changes: Any) -> dict[str, Any]:
+    """Set (or, with ``None``, remove) top-level entries and save; return the new content."""
+    data = load()
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    if data:
+        save(data)
+    else:
+        clear()
+    return data
+
+
+def clear() -> bool:
+    """Remove the credentials file; ``True`` when there was one."""
+    try:
+        credentials_path().unlink()
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,59 @@
+"""Opt-out usage telemetry: one small event per hosted command, never in the way.
+
+What is sent: the command name, the kvcdn version, the duration and whether it succeeded. Never
+prompts, file contents, paths, artifact names or ids, tokens or who you are (no Authorization
+header either). Off with ``KVCDN_TELEMETRY=0``; never sent when no ``api_url`` is configured.
+The event goes out after the command's output is written, from a daemon thread that the command
+waits for at most :data:`MAX_WAIT_S`; a slow or absent receiver costs at most that.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+MAX_WAIT_S = 0.150
+PATH = "/api/v1/telemetry"
+
+
+def enabled(api_url: str | None) -> bool:
+    return bool(api_url) and os.environ.get("KVCDN_TELEMETRY", "1").strip() != "0"
+
+
+def event(command: str, duration_s: float, success: bool) -> dict:
+    import kvcdn_core
+
+    return {
+        "event": "command",
+        "command": command,
+        "kvcdn_version": kvcdn_core.__version__,
+        "duration_ms": int(round(duration_s * 1000)),
+        "success": bool(success),
+    }
+
+
+def _post(url: str, payload: dict, timeout: float) -> None:
+    import httpx
+
+    try:
+        httpx.post(url, json=payload, timeout=timeout)
+    except Exception:  # telemetry must never surface an error
+        pass
+
+
+def send(api_url: str | None, command: str, duration_s: float, success: bool,
+         max_wait_s: float = MAX_WAIT_S) -> threading.Thread | None:
+    """Send one event if telemetry is on; return after it was sent or ``max_wait_s``, whichever first."""
+    if not enabled(api_url):
+        return None
+    import httpx  # noqa: F401  (already loaded by every hosted command; import here, not in the thread)
+
+    started = time.monotonic()
+    thread = threading.Thread(
+        target=_post, args=(api_url.rstrip("/") + PATH, event(command, duration_s, success), 2.0),
+        name="kvcdn-telemetry", daemon=True,
+    )
+    thread.start()
+    thread.join(max(0.0, max_wait_s - (time.monotonic() - started)))
+    return thread

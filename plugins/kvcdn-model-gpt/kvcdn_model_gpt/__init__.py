@@ -1,0 +1,159 @@
+"""kvcdn model family: GPT-2, GPT-NeoX, GPTBigCode, Bloom and Falcon.
+
+All five keep a plain transformers ``DynamicCache`` of full-attention layers, whatever their
+position encoding (learned absolute positions, rotary, ALiBi) or key/value head layout (multi-head,
+multi-query, grouped), so the base adapter exports and imports them. What this plugin adds:
+
+- a refusal, before any work, for configs whose cache is not a plain decoder cache (GPT-2 and
+  GPTBigCode with ``add_cross_attention`` use an encoder-decoder cache);
+- a refusal, instead of an index error deep in the model, for a sequence longer than the learned
+  absolute position table of GPT-2 and GPTBigCode (``n_positions``);
+- the key/value head count and position encoding in each layer's manifest entry, so an artifact says
+  what its tensors are (a multi-query layer holds one key head for all query heads; an ALiBi layer's
+  keys carry no position at all).
+"""
+
+from __future__ import annotations
+
+from kvcdn_core import hookimpl
+from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core.errors import ArtifactError, KvcdnError
+
+__version__ = "0.1.0"
+
+#: model_type → config attribute naming the size of a learned absolute position table.
+LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions"}
+
+
+def position_encoding(config) -> str:
+    """How the model encodes positions: ``learned`` (absolute table), ``rotary`` or ``alibi``."""
+    model_type = config.model_type
+    if model_type in LEARNED_POSITIONS:
+        return "learned"
+    if model_type == "bloom" or (model_type == "falcon" and getattr(config, "alibi", False)):
+        return "alibi"
+    return "rotary"
+
+
+class GptAdapter(ModelAdapter):
+    family = "gpt"
+    architectures = (
+        "GPT2LMHeadModel",
+        "GPTNeoXForCausalLM",
+        "GPTBigCodeForCausalLM",
+        "BloomForCausalLM",
+        "FalconForCausalLM",
+    )
+    validation_configs = {
+        "GPT2LMHeadModel": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512),
+        "GPTNeoXForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=2048,
+                                   use_parallel_residual=True, tie_word_embeddings=False),
+        # StarCoder / SantaCoder layout: one key/value head shared by every query head.
+        "GPTBigCodeForCausalLM": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512,
+                                      multi_query=True),
+        "BloomForCausalLM": dict(hidden_size=64, n_layer=2, n_head=4),
+        # Falcon-40B/180B layout: new decoder architecture with grouped key/value heads.
+        "FalconForCausalLM": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  new_decoder_architecture=True, num_kv_heads=2, alibi=False),
+    }
+
+    def load(self, model_dir, device, dtype):
+        model, tokenizer = super().load(model_dir, device, dtype)
+        config = model.config
+        if getattr(config, "add_cross_attention", False):
+            raise KvcdnError(
+                f"{config.architectures[0] if config.architectures else config.model_type} with "
+                "add_cross_attention keeps an encoder-decoder cache; kvcdn artifacts hold decoder-only "
+                "caches, so this model is not supported"
+            )
+        return model, tokenizer
+
+    def forward(self, model, input_ids, cache):
+        attr = LEARNED_POSITIONS.get(model.config.model_type)
+        if attr is not None:
+            limit = int(getattr(model.config, attr))
+            total = int(cache.get_seq_length()) + int(input_ids.shape[-1])
+            if total > limit:
+                raise KvcdnError(
+                    f"{total} tokens exceed the {limit} learned positions of this "
+                    f"{model.config.model_type} model ({attr}); use a shorter context"
+                )
+        return super().forward(model, input_ids, cache)
+
+    def cache_layers(self, cache) -> list:
+        from transformers import DynamicCache
+
+        if not isinstance(cache, DynamicCache):
+            raise KvcdnError(
+                f"the model returned a {type(cache).__name__}, not a decoder DynamicCache; "
+                "no artifact was written"
+            )
+        return super().cache_layers(cache)
+
+    def export_cache(self, model, cache):
+        layers, tensors = super().export_cache(model, cache)
+        encoding = position_encoding(model.config)
+        groups = falcon_kv_groups(model.config)
+        for entry in layers:
+            if groups:
+                for name in entry["tensors"].values():
+                    tensors[name] = collapse_heads(tensors[name], groups)
+                if tensors[entry["tensors"]["key"]].shape[1] == groups:
+                    entry["repeated_heads"] = int(model.config.num_attention_heads) // groups
+            entry["kv_heads"] = int(tensors[entry["tensors"]["key"]].shape[1])
+            entry["position_encoding"] = encoding
+        return layers, tensors
+
+    def import_cache(self, model, layers, tensors, device):
+        tensors = dict(tensors)
+        heads = int(model.config.num_attention_heads)
+        for entry in layers:
+            repeat = int(entry.get("repeated_heads", 1))
+            if repeat == 1:
+                continue
+            for name in entry["tensors"].values():
+                t = tensors[name]
+                if t.shape[1] * repeat != heads:
+                    raise ArtifactError(
+                        f"layer {entry['index']} stores {t.shape[1]} key/value heads repeated {repeat} "
+                        f"times, the loaded model has {heads} attention heads"
+                    )
+                tensors[name] = t.repeat_interleave(repeat, dim=1)
+        return super().import_cache(model, layers, tensors, device)
+
+
+def _bit_views():
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def falcon_kv_groups(config) -> int | None:
+    """Falcon's new decoder architecture caches every query head, though only ``num_kv_heads``
+    distinct key/value heads exist (transformers broadcasts each group before caching)."""
+    if config.model_type != "falcon" or not getattr(config, "new_decoder_architecture", False):
+        return None
+    groups = int(config.num_kv_heads)
+    return groups if groups < int(config.num_attention_heads) else None
+
+
+def collapse_heads(t, groups: int):
+    """Keep one head per group when every head of the group is an exact copy; else ``t`` unchanged.
+
+    Exact copies only: the check is bitwise, so a cache that does not repeat its heads is stored as is.
+    """
+    heads = t.shape[1]
+    if heads == groups or heads % groups:
+        return t
+    grouped = t.unflatten(1, (groups, heads // groups))
+    first = grouped[:, :, :1]
+    bits = _bit_views()[t.element_size()]
+    if not bool((grouped.view(bits) == first.view(bits)).all()):
+        return t
+    return first.squeeze(2).contiguous()
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [GptAdapter]

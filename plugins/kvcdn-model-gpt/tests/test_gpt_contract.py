@@ -1,0 +1,9 @@
+import pytest
+
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_gpt import GptAdapter
+
+
+@pytest.mark.parametrize("architecture", sorted(GptAdapter.validation_configs))
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(GptAdapter, architecture, tmp_path)

@@ -1,0 +1,148 @@
+"""generate / verify / diag / inspect / continue end to end on a tiny Qwen3, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from kvcdn_core import artifact as fmt
+
+
+def test_generate_then_verify_passes(cli, qwen3_dir, context_file, tmp_path):
+    out = tmp_path / "doc.kv"
+    result = cli("generate", "--model", qwen3_dir, "--context-file", context_file, "--output", out, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert f"wrote {out}" in result.stdout
+    manifest = fmt.read_manifest(out)
+    assert manifest["model"]["id"] == str(qwen3_dir)
+    assert manifest["context"] == context_file.read_text()
+    assert manifest["compute_dtype"] == "float32"
+
+    # The model defaults to the one the manifest names; the context comes from the artifact.
+    result = cli("verify", "--kv-path", out, "--n", "16")
+    assert result.exit_code == 0, result.stderr
+    assert "token match: 16/16 (PASS)" in result.stdout
+    assert "first divergence: none" in result.stdout
+
+
+def test_verify_generates_when_the_artifact_does_not_exist(cli, qwen3_dir, context_file, tmp_path):
+    result = cli("verify", "--model", qwen3_dir, "--context-file", context_file, "--n", "8", "--format", "json",
+                 "--kv-path", tmp_path / "new", "-q")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["status"] == "PASS" and data["matches"] == 8 and data["first_divergence"] is None
+    assert data["reference_ids"] == data["cached_ids"]
+    assert (tmp_path / "new.kv").exists()
+    assert "appending '.kv'" in result.stderr
+
+
+def test_default_output_goes_to_the_xdg_data_dir(cli, qwen3_dir, context_file, tmp_path):
+    result = cli("generate", "--model", qwen3_dir, "--context-file", context_file, "-q", "--format", "json")
+    path = json.loads(result.stdout)["path"]
+    expected_dir = os.path.join(os.environ["XDG_DATA_HOME"], "kvcdn", "generate")
+    assert os.path.dirname(path) == expected_dir
+    name = os.path.basename(path)
+    assert name.startswith("generate-") and name.endswith(f"-{str(qwen3_dir).strip('/').replace('/', '_')}.kv")
+
+
+def test_tampered_artifact_fails_loudly(cli, qwen3_artifact, tmp_path):
+    tampered = tmp_path / "tampered.kv"
+    shutil.copy(qwen3_artifact, tampered)
+    data = bytearray(tampered.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    tampered.write_bytes(bytes(data))
+    result = cli("verify", "--kv-path", tampered, "--n", "4")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and "sha256 mismatch" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = cli("inspect", tampered, "--check")
+    assert result.exit_code == 1 and "FAILED" in result.stdout
+
+
+def test_truncated_artifact_is_a_one_line_error(cli, qwen3_artifact, tmp_path):
+    cut = tmp_path / "cut.kv"
+    cut.write_bytes(qwen3_artifact.read_bytes()[:5000])
+    for args in (("inspect", cut), ("verify", "--kv-path", cut), ("continue", "--kv-path", cut)):
+        result = cli(*args)
+        assert result.exit_code == 2, args
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+        assert "truncated" in result.stderr
+
+
+def test_foreign_model_artifact_is_refused_unless_forced(cli, qwen3_artifact, qwen2_dir):
+    result = cli("verify", "--kv-path", qwen3_artifact, "--model", qwen2_dir, "--n", "4")
+    assert result.exit_code == 2
+    assert "pass --force" in result.stderr and "architecture differs" in result.stderr
+
+
+def test_diag_reports_per_step_logit_agreement(cli, qwen3_artifact):
+    result = cli("diag", "--kv-path", qwen3_artifact, "--n", "6", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert len(data["steps"]) == 6 and data["status"] == "PASS"
+    assert all(s["argmax_agree"] and s["top5_overlap"] == 1.0 for s in data["steps"])
+    assert data["max_abs_logit_diff"] < 1e-3
+    # An impossible threshold turns the same comparison into a failed check.
+    result = cli("diag", "--kv-path", qwen3_artifact, "--n", "3", "--max-logit-diff", "-1")
+    assert result.exit_code == 1 and "exceeds" in result.stderr
+
+
+def test_continue_matches_a_full_prefill(cli, qwen3_artifact, qwen3_dir):
+    from kvcdn_core import runtime, verify
+
+    result = cli("continue", "--kv-path", qwen3_artifact, "--question", " And then?", "--n", "12",
+                 "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="float32")
+    context_ids = fmt.read_token_ids(qwen3_artifact)
+    question_ids = session.adapter.encode_continuation(session.tokenizer, " And then?")
+    expected, _ = verify.reference(session, context_ids, question_ids, 12)
+    assert data["token_ids"] == expected
+    assert data["reused_tokens"] == len(context_ids)
+
+
+def test_inspect_human_form(cli, qwen3_artifact):
+    result = cli("inspect", qwen3_artifact, "--check")
+    assert result.exit_code == 0
+    assert "Qwen3ForCausalLM (family qwen)" in result.stdout
+    assert "2 full_attention" in result.stdout
+    assert "OK, every tensor matches its sha256" in result.stdout
+
+
+def test_input_errors_exit_2_with_one_line(cli, qwen3_dir, tmp_path):
+    cases = [
+        (("generate", "--model", qwen3_dir, "--context-file", tmp_path / "missing.txt"), "does not exist"),
+        (("generate", "--model", tmp_path / "nomodel", "--context-file", tmp_path / "x"), "does not exist"),
+        (("verify", "--model", qwen3_dir), "pass --kv-path"),
+        (("inspect", tmp_path / "nothing.kv"), "cannot read"),
+        (("verify", "--n", "0", "--kv-path", "x.kv"), "Invalid value"),
+    ]
+    (tmp_path / "empty.txt").write_text("  \n")
+    cases.append((("generate", "--model", qwen3_dir, "--context-file", tmp_path / "empty.txt"), "is empty"))
+    for args, message in cases:
+        result = cli(*args)
+        assert result.exit_code == 2, (args, result.stdout, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_unclaimed_architecture_gets_a_clear_error(cli, qwen3_dir, tmp_path, context_file):
+    model = tmp_path / "weird"
+    shutil.copytree(qwen3_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["MadeUpForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    result = cli("generate", "--model", model, "--context-file", context_file)
+    assert result.exit_code == 2
+    assert "no installed kvcdn model plugin serves architecture 'MadeUpForCausalLM'" in result.stderr
+    assert "pip install 'kvcdn[" in result.stderr
+
+
+def test_unreachable_hub_is_explained(cli, context_file, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("generate", "--model", "no-such-org/no-such-model", "--context-file", context_file)
+    assert result.exit_code == 2
+    assert "cannot get model 'no-such-org/no-such-model'" in result.stderr
+    assert "local model directory" in result.stderr

@@ -1,0 +1,147 @@
+"""The plugin host: discovery, failure isolation, blocking, in-process registration."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import types
+
+import pytest
+
+import kvcdn_core
+from kvcdn_core.plugins import PluginHost
+
+
+def _fake_distribution(root, name, group, module, source):
+    """A real installed distribution on disk: a module and a dist-info with entry_points.txt."""
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{name.replace('-', '_')}-0.3.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3.0\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{name} = {module}\n")
+    return root
+
+
+@pytest.fixture
+def plugin_dir(tmp_path):
+    root = tmp_path / "site"
+    root.mkdir()
+    _fake_distribution(root, "broken-plugin", "kvcdn.models", "broken_plugin_mod",
+                       "import a_module_that_does_not_exist\n")
+    _fake_distribution(root, "odd-plugin", "kvcdn.commands", "odd_plugin_mod", """
+        from kvcdn_core import hookimpl
+
+        @hookimpl
+        def kvcdn_register_gadgets():
+            return []
+        """)
+    _fake_distribution(root, "hello-plugin", "kvcdn.commands", "hello_plugin_mod", """
+        import click
+        from kvcdn_core import hookimpl
+
+        @click.command("hello")
+        def hello():
+            click.echo("hello from a plugin")
+
+        @hookimpl
+        def kvcdn_register_commands(cli):
+            cli.add_command(hello)
+        """)
+    return root
+
+
+def test_broken_and_unknown_hook_plugins_are_skipped_and_reported(plugin_dir, run_kvcdn):
+    env = {"PYTHONPATH": str(plugin_dir)}
+    code, out, err = run_kvcdn("hello", env=env)
+    assert code == 0 and out.strip() == "hello from a plugin"
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, err
+    assert "plugin 'broken-plugin' (kvcdn.models) failed to load" in err
+    assert "ModuleNotFoundError" in err and "Traceback" not in err
+    assert "plugin 'odd-plugin' (kvcdn.commands) implements an unknown hook" in err
+    assert "kvcdn_register_gadgets" in err
+
+    code, out, _ = run_kvcdn("plugins", "--format", "json", env=env)
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert code == 0
+    assert rows["broken-plugin"]["status"] == "failed"
+    assert rows["broken-plugin"]["distribution"] == "broken-plugin"
+    assert rows["broken-plugin"]["version"] == "0.3.0"
+    assert rows["hello-plugin"]["status"] == "loaded"
+    assert rows["hello-plugin"]["hooks"] == ["kvcdn_register_commands"]
+    assert rows["qwen"]["groups"] == ["kvcdn.models"]
+    assert rows["core"]["status"] == "loaded"
+
+
+def test_debug_shows_the_traceback(plugin_dir, run_kvcdn):
+    _, _, err = run_kvcdn("plugins", env={"PYTHONPATH": str(plugin_dir), "KVCDN_DEBUG": "1"})
+    assert "Traceback" in err and "a_module_that_does_not_exist" in err
+
+
+def test_disabled_plugins_are_blocked(plugin_dir, run_kvcdn):
+    env = {"PYTHONPATH": str(plugin_dir), "KVCDN_DISABLE_PLUGINS": "broken-plugin,hello-plugin"}
+    code, out, err = run_kvcdn("plugins", "--format", "json", env=env)
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert rows["broken-plugin"]["status"] == "blocked"
+    assert rows["hello-plugin"]["status"] == "blocked"
+    assert "broken-plugin" not in err
+    code, _, err = run_kvcdn("hello", env=env)
+    assert code == 2 and "No such command 'hello'" in err
+
+
+def test_plugins_table(run_kvcdn):
+    code, out, _ = run_kvcdn("plugins")
+    assert code == 0
+    assert out.splitlines()[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "GROUPS", "HOOKS", "STATUS"]
+    assert any(line.split()[0] == "qwen" and line.split()[-1] == "loaded" for line in out.splitlines()[1:])
+
+
+def test_in_process_registration_and_last_adapter_wins(kvcdn_host):
+    from kvcdn_core.adapter import ModelAdapter
+    from kvcdn_core.runtime import adapter_for
+
+    class ToyAdapter(ModelAdapter):
+        family = "toy"
+        architectures = ("ToyForCausalLM",)
+
+    plugin = types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [ToyAdapter]))
+    kvcdn_host.register(plugin, "toy", "kvcdn.models")
+    assert adapter_for("ToyForCausalLM") is ToyAdapter
+    assert kvcdn_host.infos["toy"].hooks == ["kvcdn_register_model_adapters"]
+
+
+def test_a_plugin_raising_in_a_hook_is_isolated(kvcdn_host, capsys):
+    def bad():
+        raise RuntimeError("boom")
+
+    plugin = types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(bad))
+    kvcdn_host.register(plugin, "bad", "kvcdn.models")
+    assert kvcdn_host.model_adapters() == {}
+    assert kvcdn_host.infos["bad"].status == "failed"
+    assert "raised in kvcdn_register_model_adapters" in capsys.readouterr().err
+    assert kvcdn_host.storage_backends()["file"].__name__ == "LocalStorage"
+
+
+def test_unclaimed_architecture_names_the_extra(kvcdn_host):
+    from kvcdn_core.errors import KvcdnError
+    from kvcdn_core.runtime import adapter_for
+
+    with pytest.raises(KvcdnError, match=r"pip install 'kvcdn\[gemma\]'"):
+        adapter_for("Gemma2ForCausalLM")
+
+
+def test_every_hook_is_documented():
+    from kvcdn_core import hookspecs
+
+    hooks = [name for name in dir(hookspecs) if name.startswith("kvcdn_")]
+    assert hooks
+    docs = open(__file__.replace("tests/test_plugins.py", "docs/plugin-guide.md"), encoding="utf-8").read()
+    for name in hooks:
+        assert getattr(hookspecs, name).__doc__.strip(), name
+        assert f"`{name}" in docs, f"{name} missing from docs/plugin-guide.md"
+
+
+def test_builtin_parts_register_through_the_hooks():
+    host = PluginHost(discover=False)
+    assert host.storage_backends()["file"].__name__ == "LocalStorage"
+    assert host.infos["core"].hooks == ["kvcdn_register_commands"]
