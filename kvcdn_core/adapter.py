@@ -151,6 +151,88 @@ class ModelAdapter:
             # Without the cumulative length, positions and the sliding mask drift after reload.
             layer.cumulative_length = int(entry["cumulative_length"])
 
+    # -- linear-attention and recurrent states (state-space and hybrid families) -----------------
+
+    def export_linear_state(self, layer) -> dict[str, Any]:
+        """Named tensors of a transformers linear-attention cache layer (Mamba, gated DeltaNet...).
+
+        ``conv_state`` and ``recurrent_state`` hold state 0; a layer with several states adds
+        ``conv_state.1``, ``recurrent_state.1``... States the model never filled are left out.
+        """
+        named = {}
+        for i in range(layer.number_of_states):
+            suffix = "" if i == 0 else f".{i}"
+            if layer.is_conv_states_initialized[i]:
+                named[f"conv_state{suffix}"] = layer.conv_states[i]
+            if layer.is_recurrent_states_initialized[i]:
+                named[f"recurrent_state{suffix}"] = layer.recurrent_states[i]
+        if not named:
+            raise KvcdnError("a linear-attention cache layer holds no state yet; prefill some tokens first")
+        return named
+
+    def import_linear_state(self, entry: dict, named: dict[str, Any], layer) -> None:
+        """Fill an empty linear-attention cache layer so the next forward continues from the saved state."""
+        for i in range(layer.number_of_states):
+            suffix = "" if i == 0 else f".{i}"
+            conv, state = named.get(f"conv_state{suffix}"), named.get(f"recurrent_state{suffix}")
+            if conv is not None:
+                layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=int(conv.shape[-1]))
+                layer.conv_states[i].copy_(conv)
+            if state is not None:
+                layer.lazy_initialization(recurrent_states=state, state_idx=i)
+                layer.recurrent_states[i].copy_(state)
+            # Without this flag the next forward treats the layer as empty and starts from zeros.
+            layer.has_previous_state[i] = conv is not None or state is not None
+        if not any(layer.has_previous_state.values()):
+            raise ArtifactError(f"layer {entry.get('index')} ('{entry.get('kind')}') has no state tensors")
+
+    # -- cropping -------------------------------------------------------------------------------
+
+    def crop(self, cache, layers: list[dict], n_tokens: int, token_count: int | None = None):
+        """Cut a restored cache back to its first ``n_tokens`` tokens, in place; return the cache.
+
+        Contract (prefix search relies on it):
+
+        - ``layers`` is the artifact manifest's ``layers`` list, in cache-layer order; ``token_count``
+          the artifact's token count (inferred from a full-attention layer when omitted).
+        - ``n_tokens == token_count`` is a no-op for every kind.
+        - ``0 < n_tokens < token_count``: kinds in ``artifact.CROPPABLE_KINDS`` (full attention, MLA
+          latent) are cut through :meth:`crop_layer`; any other kind (sliding window, linear
+          attention, recurrent state) raises :class:`KvcdnError` naming the kind and the layer, before
+          any layer is touched: those caches only hold a summary of the whole prefix, so a shorter
+          prefix cannot be recovered from them.
+        - ``n_tokens`` outside ``1..token_count`` raises :class:`KvcdnError`.
+        """
+        targets = self.cache_layers(cache)
+        if len(targets) != len(layers):
+            raise ArtifactError(f"manifest has {len(layers)} cache layers, the cache {len(targets)}")
+        if token_count is None:
+            token_count = self._croppable_length(targets, layers)
+        if not 0 < n_tokens <= token_count:
+            raise KvcdnError(f"cannot crop a {token_count}-token cache to {n_tokens} tokens")
+        if n_tokens == token_count:
+            return cache
+        for entry in layers:
+            if entry["kind"] not in fmt.CROPPABLE_KINDS:
+                raise KvcdnError(
+                    f"cannot reuse {n_tokens} of {token_count} tokens: layer {entry.get('index')} is "
+                    f"'{entry['kind']}', reusable only as the whole prefix"
+                )
+        for entry, layer in zip(layers, targets):
+            self.crop_layer(entry, layer, n_tokens)
+        return cache
+
+    def crop_layer(self, entry: dict, layer, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` positions of one croppable layer (keys/values on dim -2)."""
+        layer.keys = layer.keys[..., :n_tokens, :]
+        layer.values = layer.values[..., :n_tokens, :]
+
+    def _croppable_length(self, targets, layers) -> int:
+        for entry, layer in zip(layers, targets):
+            if entry["kind"] in fmt.CROPPABLE_KINDS and getattr(layer, "keys", None) is not None:
+                return int(layer.keys.shape[-2])
+        raise KvcdnError("cannot tell this cache's token count (no attention layer); pass token_count")
+
     # -- info -----------------------------------------------------------------------------------
 
     @classmethod

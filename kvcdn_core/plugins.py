@@ -25,6 +25,7 @@ GROUPS = ("kvcdn.models", "kvcdn.quantizers", "kvcdn.storage", "kvcdn.commands")
 BUILTINS = (
     ("kvcdn.commands", "core", "kvcdn_core.commands"),
     ("kvcdn.storage", "local", "kvcdn_core.storage"),
+    ("kvcdn.quantizers", "core-quantizers", "kvcdn_core.quantizers"),
 )
 
 

@@ -5,7 +5,7 @@ from kvcdn_core import hookimpl
 
 @hookimpl
 def kvcdn_register_commands(cli):
-    from kvcdn_core.commands import continue_cmd, diag, generate, inspect, plugins_cmd, verify
+    from kvcdn_core.commands import benchmark, continue_cmd, diag, generate, inspect, plot, plugins_cmd, verify
 
-    for module in (generate, verify, diag, inspect, continue_cmd, plugins_cmd):
+    for module in (generate, verify, diag, inspect, continue_cmd, plugins_cmd, benchmark, plot):
         cli.add_command(module.command)

@@ -10,7 +10,12 @@ multi-query, grouped), so the base adapter exports and imports them. What this p
   absolute position table of GPT-2 and GPTBigCode (``n_positions``);
 - the key/value head count and position encoding in each layer's manifest entry, so an artifact says
   what its tensors are (a multi-query layer holds one key head for all query heads; an ALiBi layer's
-  keys carry no position at all).
+  keys carry no position at all);
+- for Falcon's new decoder architecture (Falcon-40B/180B), where transformers caches a copy of each
+  key/value head for every query head of its group, the artifact keeps one head per group
+  (``repeated_heads`` in the layer entry) and the import repeats it: the artifact shrinks by
+  ``num_attention_heads / num_kv_heads`` (16x for Falcon-40B) and the rebuilt cache is bitwise the one
+  transformers made.
 """
 
 from __future__ import annotations
@@ -97,9 +102,10 @@ class GptAdapter(ModelAdapter):
         groups = falcon_kv_groups(model.config)
         for entry in layers:
             if groups:
-                for name in entry["tensors"].values():
-                    tensors[name] = collapse_heads(tensors[name], groups)
-                if tensors[entry["tensors"]["key"]].shape[1] == groups:
+                names = list(entry["tensors"].values())
+                collapsed = [collapse_heads(tensors[name], groups) for name in names]
+                if all(t.shape[1] == groups for t in collapsed):  # both or neither
+                    tensors.update(zip(names, collapsed))
                     entry["repeated_heads"] = int(model.config.num_attention_heads) // groups
             entry["kv_heads"] = int(tensors[entry["tensors"]["key"]].shape[1])
             entry["position_encoding"] = encoding

@@ -1,0 +1,75 @@
+"""``kvcdn benchmark``: time a full prefill against loading the cached context from disk."""
+
+from __future__ import annotations
+
+import click
+
+from kvcdn_core.commands.common import emit_json, format_option, model_options, read_text_file
+from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
+
+
+@click.command("benchmark")
+@model_options()
+@click.option("--lengths", default="255,485,945,1888,3774", show_default=True,
+              help="Context lengths in tokens, comma-separated.")
+@click.option("--reps", type=click.IntRange(1), default=5, show_default=True,
+              help="Timed runs per measurement, after one warm-up; medians are reported.")
+@click.option("--context-file", default=None,
+              help="UTF-8 document to cut the contexts from [default: a synthetic text, said in the output].")
+@click.option("--scheme", "schemes", default="none", show_default=True,
+              help="Comma-separated artifact schemes: none and any installed quantizer (e.g. none,int8).")
+@click.option("--question", default=DEFAULT_QUESTION, show_default=True,
+              help="Text fed after the cached context for the time to first token.")
+@click.option("--page-cache", type=click.Choice(["auto", "system", "file", "keep"]), default="auto",
+              show_default=True,
+              help="How loads are made cold: auto = drop_caches where permitted, else fadvise on the file; "
+                   "system = drop_caches only; file = fadvise only; keep = do not drop (warm loads).")
+@click.option("--output", "-o", default=None,
+              help="CSV path [default: $XDG_DATA_HOME/kvcdn/benchmark/<ms>-<model>-bench.csv].")
+@format_option
+def command(model, revision, device, dtype, quiet, lengths, reps, context_file, schemes, question,
+            page_cache, output, fmt):
+    """Measure prefill against a cached continuation for several context lengths.
+
+    For each length: the full prefill (prefill_s), one decode step on the resident cache
+    (kv_attn_s); and for each scheme: loading the artifact from a cold file and rebuilding the cache
+    (load_s), and load + the question + the first token (ttft_cached_s). One warm-up, then REPS
+    runs, medians. Writes a CSV (plot it with `kvcdn plot`) and prints a table.
+    """
+    from pathlib import Path
+
+    from kvcdn_core import benchmark as bench
+    from kvcdn_core import runtime
+
+    model = model or DEFAULT_MODEL
+    wanted = bench.parse_lengths(lengths)
+    scheme_list = bench.parse_schemes(schemes, bench.installed_schemes())
+    text = read_text_file(context_file) if context_file else None
+    path = Path(output) if output else bench.default_csv_path(model)
+    session = runtime.load_session(model, revision, device, dtype)
+    ids, source = bench.context_ids(session, text, max(wanted))
+    if text is None and not quiet and fmt != "json":
+        click.echo(f"context: {source}", err=True)
+    with bench.scratch_dir(path.parent) as work:
+        result = bench.run_benchmark(session, ids, wanted, reps, scheme_list, work, question,
+                                     bench.PageCache(page_cache), source, progress=not quiet)
+    bench.write_csv(result.rows, path)
+    broken = [r for r in result.rows if r.scheme == "none" and r.first_token_match is False]
+    if fmt == "json":
+        emit_json({
+            "csv": str(path), "model": session.model_ref, "device": session.device, "dtype": session.dtype,
+            "reps": reps, "context": result.context_source, "page_cache": result.page_cache,
+            "page_cache_method": result.page_cache_method,
+            "max_resident_after_drop": result.max_resident_after_drop,
+            "rows": [row.as_dict() for row in result.rows],
+        })
+    else:
+        click.echo(bench.table(result.rows))
+        click.echo(f"model: {session.model_ref} ({session.device}, {session.dtype}); "
+                   f"medians of {reps} run(s) after one warm-up")
+        click.echo(f"context: {result.context_source}")
+        click.echo(f"page cache: {result.page_cache}")
+        click.echo(f"wrote {path}")
+    for row in broken:
+        click.echo(f"warning: at {row.tokens} tokens the loaded artifact's first token differs from the "
+                   "resident cache's; run `kvcdn verify`", err=True)

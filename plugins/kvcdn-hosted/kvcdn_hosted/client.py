@@ -1,0 +1,191 @@
+"""Talking to the hosted API: which credential to send, retries, and one-line errors.
+
+Credential precedence: an API key (flag, ``KVCDN_API_KEY``, config, stored with ``kvcdn api-key
+set``) wins over a login session; a session is refreshed shortly before its access token expires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any
+
+from kvcdn_core.errors import KvcdnError
+
+from kvcdn_hosted import credentials, oidc
+from kvcdn_hosted.apikey import validate_api_key
+from kvcdn_hosted.config import Settings
+
+#: statuses worth another try: rate limited, and the usual proxy/restart answers
+TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+ATTEMPTS = 4
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 8.0
+LOGIN_HINT = "log in with `kvcdn login` or set an API key with `kvcdn api-key set KEY` (or KVCDN_API_KEY)"
+
+
+@dataclasses.dataclass
+class Credential:
+    method: str  # api_key | oidc
+    token: str
+    source: str  # where it came from, for whoami
+    expires_at: float | None = None
+
+
+def resolve_credential(settings: Settings, http=None) -> Credential | None:
+    """The credential to send, refreshing a login session that is about to expire."""
+    if settings.api_key:
+        key = validate_api_key(settings.api_key)
+        return Credential("api_key", key, settings.sources.get("api_key", "settings"))
+    stored = credentials.load()
+    if stored.get("api_key"):
+        return Credential("api_key", validate_api_key(stored["api_key"]), f"stored {credentials.credentials_path()}")
+    session = stored.get("session")
+    if not session:
+        return None
+    if settings.issuer_url and session.get("issuer") != settings.issuer_url:
+        return None  # a session of another issuer is no credential for this one
+    if oidc.needs_refresh(session):
+        import httpx
+
+        with httpx.Client() if http is None else _borrowed(http) as client:
+            session = oidc.refresh(client, session)
+        credentials.update(session=session)
+    return Credential("oidc", session["access_token"], f"login session ({session['issuer']})",
+                      session.get("expires_at"))
+
+
+class _borrowed:
+    def __init__(self, client):
+        self.client = client
+
+    def __enter__(self):
+        return self.client
+
+    def __exit__(self, *exc):
+        return False
+
+
+def backoff_delay(attempt: int, retry_after: str | None = None) -> float:
+    """Exponential backoff with jitter; a server's ``Retry-After`` (seconds) is honoured up to the cap."""
+    if retry_after:
+        try:
+            return min(max(float(retry_after), 0.0), BACKOFF_MAX_S)
+        except ValueError:
+            pass
+    return min(BACKOFF_BASE_S * (2 ** attempt), BACKOFF_MAX_S) * (0.5 + random.random() / 2)
+
+
+def server_message(response) -> str:
+    """What the server said, in one line: its ``message`` (or ``error``), else the status text."""
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        text = data.get("message") or data.get("error") or data.get("detail")
+        if isinstance(text, (list, dict)):
+            text = str(text)
+        if text:
+            return " ".join(str(text).split())
+    text = " ".join((response.text or "").split())[:200]
+    return text or response.reason_phrase or "no details"
+
+
+def raise_for_response(response, what: str) -> None:
+    status = response.status_code
+    if status < 400:
+        return
+    message = server_message(response)
+    if status == 401:
+        raise KvcdnError(f"{what}: not authenticated ({message}); {LOGIN_HINT}")
+    if status == 403:
+        raise KvcdnError(f"{what}: forbidden ({message})")
+    raise KvcdnError(f"{what}: the server answered {status}: {message}")
+
+
+class HostedClient:
+    """An httpx client for one endpoint with one credential."""
+
+    def __init__(self, settings: Settings, *, auth: bool = True, credential: Credential | None = None):
+        import httpx
+
+        self.settings = settings
+        self.api_url = settings.require_api_url()
+        self.http = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), follow_redirects=False,
+                                 headers={"User-Agent": _user_agent()})
+        self.credential = credential
+        if auth and credential is None:
+            self.credential = resolve_credential(settings, self.http)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def url(self, path_or_url: str) -> str:
+        """An absolute URL; a server-relative one (``/api/...``) is joined to the endpoint."""
+        if path_or_url.startswith(("http://", "https://")):
+            return path_or_url
+        return self.api_url + "/" + path_or_url.lstrip("/")
+
+    def headers(self, auth: bool = True) -> dict[str, str]:
+        if auth and self.credential is not None:
+            return {"Authorization": f"Bearer {self.credential.token}"}
+        return {}
+
+    def require_credential(self, what: str) -> Credential:
+        if self.credential is None:
+            raise KvcdnError(f"{what}: not logged in; {LOGIN_HINT}")
+        return self.credential
+
+    def request(self, method: str, path: str, *, what: str, auth: bool = True, json: Any = None,
+                params: dict | None = None, headers: dict | None = None, ok=(200, 201, 204),
+                attempts: int = ATTEMPTS, timeout: float | None = None):
+        """Send with retries on transient failures; raise a one-line error on a final failure."""
+        import httpx
+
+        url = self.url(path)
+        sent = dict(self.headers(auth))
+        sent.update(headers or {})
+        for attempt in range(attempts):
+            try:
+                kwargs = {"json": json, "params": params, "headers": sent}
+                if timeout is not None:
+                    kwargs["timeout"] = timeout
+                response = self.http.request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt + 1 < attempts:
+                    time.sleep(backoff_delay(attempt))
+                    continue
+                raise KvcdnError(f"{what}: cannot reach {self.api_url} ({type(exc).__name__}: {exc})") from None
+            if response.status_code in TRANSIENT_STATUSES and attempt + 1 < attempts:
+                time.sleep(backoff_delay(attempt, response.headers.get("Retry-After")))
+                continue
+            if response.status_code in ok:
+                return response
+            raise_for_response(response, what)
+            raise KvcdnError(f"{what}: unexpected status {response.status_code}")
+        raise AssertionError("unreachable")
+
+    def json(self, method: str, path: str, *, what: str, **kwargs) -> Any:
+        response = self.request(method, path, what=what, **kwargs)
+        if response.status_code == 204 or not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise KvcdnError(f"{what}: the server's answer is not JSON") from None
+
+
+def _user_agent() -> str:
+    import kvcdn_core
+
+    from kvcdn_hosted import __version__
+
+    return f"kvcdn/{kvcdn_core.__version__} kvcdn-hosted/{__version__}"

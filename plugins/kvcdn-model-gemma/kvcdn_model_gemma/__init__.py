@@ -1,0 +1,38 @@
+"""kvcdn model family: Gemma, Gemma 2 and Gemma 3 (the text-only ``Gemma3ForCausalLM``).
+
+Gemma 2 and 3 interleave sliding-window layers with global ones (``layer_types``) and Gemma 2 caps
+attention and final logits (softcapping). transformers builds a ``DynamicCache`` with one
+sliding-window layer per local layer; the base adapter records each layer's kind, window and
+cumulative length, so the artifact says exactly which layers are windowed. Softcapping acts on
+logits, not on the cache, so nothing is stored for it; the validation configs turn it on so the
+contract covers it.
+"""
+
+from kvcdn_core import hookimpl
+from kvcdn_core.adapter import ModelAdapter
+
+__version__ = "0.1.0"
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=4096, _bos=True)
+
+
+class GemmaAdapter(ModelAdapter):
+    family = "gemma"
+    architectures = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    validation_configs = {
+        "GemmaForCausalLM": dict(_COMMON, num_hidden_layers=2),
+        "Gemma2ForCausalLM": dict(_COMMON, num_hidden_layers=2, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+                                  final_logit_softcapping=30.0),
+        "Gemma3ForCausalLM": dict(_COMMON, num_hidden_layers=4, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention",
+                                               "sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=16, final_logit_softcapping=30.0),
+    }
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [GemmaAdapter]

@@ -1,0 +1,39 @@
+"""kvcdn model family: OLMo, OLMo 2, Granite, Granite MoE, StableLM and StarCoder2.
+
+Open-weights decoder models whose caches are standard transformers ``DynamicCache`` layers: full
+attention everywhere, plus sliding-window layers for StarCoder2 when its config sets
+``sliding_window``. Their differences (QK norms, clipped QKV, Granite's multipliers, partial rotary
+embeddings, biases, experts) live in the forward pass, not in the cache, so the base adapter exports
+and imports them unchanged.
+"""
+
+from kvcdn_core import hookimpl
+from kvcdn_core.adapter import ModelAdapter
+
+__version__ = "0.1.0"
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+class OlmoGraniteAdapter(ModelAdapter):
+    family = "olmo-granite"
+    architectures = ("OlmoForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
+                     "GraniteMoeForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM")
+    validation_configs = {
+        "OlmoForCausalLM": dict(_COMMON, clip_qkv=8.0),
+        "Olmo2ForCausalLM": dict(_COMMON),
+        "GraniteForCausalLM": dict(_COMMON, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                   attention_multiplier=0.25, logits_scaling=2.0),
+        "GraniteMoeForCausalLM": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                      embedding_multiplier=4.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.25, logits_scaling=2.0),
+        "StableLmForCausalLM": dict(_COMMON, partial_rotary_factor=0.25, qk_layernorm=True,
+                                    use_qkv_bias=True),
+        "Starcoder2ForCausalLM": dict(_COMMON, sliding_window=24),
+    }
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [OlmoGraniteAdapter]

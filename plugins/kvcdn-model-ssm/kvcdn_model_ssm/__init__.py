@@ -1,0 +1,93 @@
+"""kvcdn model family: state-space models (Mamba, Mamba2, FalconMamba).
+
+Their cache is not per-token keys and values but one recurrent state per layer: the last few inputs
+of the causal convolution (``conv_state``) and the SSM state (``recurrent_state``). Such a state
+summarises the whole prefix, so an artifact is reusable only as that whole prefix: every layer is
+``recurrent_state`` and the manifest says ``reuse: whole_prefix``.
+
+transformers 5.24 runs a multi-token input on Mamba and FalconMamba with a scan that starts from a
+zero state, dropping the cached one; :meth:`SSMAdapter.forward` feeds such input one token at a time
+instead, through the model's own single-step path, so chunked prefill and a multi-token question on
+a restored state are exact. Mamba2's chunked scan takes the saved state and runs in one call.
+"""
+
+from __future__ import annotations
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core import hookimpl
+from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core.errors import ArtifactError, KvcdnError
+
+__version__ = "0.1.0"
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4)
+
+#: ``config.model_type`` values whose multi-token forward ignores a cached state (transformers 5.24).
+STATE_DROPPING_MODEL_TYPES = ("mamba", "falcon_mamba")
+
+
+class SSMAdapter(ModelAdapter):
+    family = "ssm"
+    architectures = ("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM")
+    validation_configs = {
+        "MambaForCausalLM": dict(_COMMON),
+        # num_heads * head_dim == expand * hidden_size; chunk_size below the 64-token prefill chunk
+        # so that the chunked scan crosses its own chunk boundaries with a carried state.
+        "Mamba2ForCausalLM": dict(_COMMON, num_heads=8, head_dim=16, n_groups=2, chunk_size=32),
+        "FalconMambaForCausalLM": dict(_COMMON),
+    }
+
+    # -- running ------------------------------------------------------------------------------
+
+    def forward(self, model, input_ids, cache):
+        """Run ``input_ids`` on ``cache``, continuing from its state.
+
+        Only the new tokens are fed, never the cached prefix (``generate()`` would re-run it: an
+        all-recurrent cache has no sequence length to skip by). On models whose multi-token path
+        restarts from zeros, tokens after the first chunk go through one at a time.
+        """
+        import torch
+
+        if input_ids.shape[1] == 1 or not self._restarts_from_zero(model, cache):
+            return super().forward(model, input_ids, cache)
+        pieces = []
+        for t in range(input_ids.shape[1]):
+            logits, cache = super().forward(model, input_ids[:, t:t + 1], cache)
+            pieces.append(logits)
+        return torch.cat(pieces, dim=1), cache
+
+    def _restarts_from_zero(self, model, cache) -> bool:
+        if model.config.model_type not in STATE_DROPPING_MODEL_TYPES:
+            return False
+        return any(any(layer.has_previous_state.values()) for layer in self.cache_layers(cache))
+
+    # -- export / import ------------------------------------------------------------------------
+
+    def layer_kind(self, layer) -> str:
+        from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin):
+            return fmt.RECURRENT_STATE
+        raise KvcdnError(
+            f"cache layer type {type(layer).__name__} is not a recurrent state; the ssm adapter "
+            "serves pure state-space models only; no artifact was written"
+        )
+
+    def export_layer(self, index: int, layer) -> tuple[dict, dict]:
+        kind = self.layer_kind(layer)
+        named = self.export_linear_state(layer)
+        entry = {"kind": kind, "conv_kernel": int(layer.conv_kernel_size[0] or 0)}
+        return entry, named
+
+    def import_layer(self, entry: dict, named: dict, layer) -> None:
+        kind = self.layer_kind(layer)
+        if entry["kind"] != kind:
+            raise ArtifactError(
+                f"layer {entry['index']} is '{entry['kind']}' in the artifact but '{kind}' in the model"
+            )
+        self.import_linear_state(entry, named, layer)
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [SSMAdapter]
