@@ -433,11 +433,13 @@ def _measure_load(session, path: Path, scheme: str, question_ids, expected: int,
 
 def quantize(source: Path, scheme: str, target: Path) -> Path:
     """Quantize an artifact with an installed quantizer (the same code path as ``kvcdn quant``)."""
-    try:
-        from kvcdn_core import quant
-    except ImportError:
-        raise KvcdnError(f"scheme '{scheme}' needs kvcdn's quantization support, which is not installed") from None
-    return quant.quantize_artifact(source, target, scheme)
+    from kvcdn_core import artifact as fmt
+    from kvcdn_core import quant
+
+    header = fmt.read_header(source)
+    quantizer = quant.get_quantizer_class(scheme)()
+    result = quant.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer)
+    return fmt.write_artifact(target, result.manifest, result.tensors)
 
 
 # -- output ---------------------------------------------------------------------------------------
