@@ -11,14 +11,19 @@ from kvcdn_core.errors import KvcdnError
 from kvcdn_core.paths import default_artifact_path, ensure_kv_suffix
 
 
-def model_options(default_model: str | None = None):
-    """``--model --revision --device --dtype --quiet``: how to load the model."""
+def model_options(from_artifact: bool = True):
+    """``--model --revision --device --dtype --quiet``: how to load the model.
+
+    ``from_artifact``: the command reads an artifact, whose manifest names the default model.
+    """
     from kvcdn_core.runtime_defaults import DEFAULT_MODEL
+
+    default_help = f"the artifact's model, else {DEFAULT_MODEL}" if from_artifact else DEFAULT_MODEL
 
     def decorate(f):
         options = [
-            click.option("--model", "model", default=default_model,
-                         help=f"Hugging Face id or local directory [default: the artifact's model, else {DEFAULT_MODEL}]"),
+            click.option("--model", "model", default=None,
+                         help=f"Hugging Face id or local directory [default: {default_help}]"),
             click.option("--revision", default=None, help="Model revision (branch, tag or commit) on the hub."),
             click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto",
                          show_default=True, help="Where to run the model."),

@@ -1,23 +1,50 @@
-"""``kvcdn continue``: the local inference path, continuing from a saved artifact."""
+"""``kvcdn continue``: the local inference path, continuing from a saved artifact.
+
+Two ways in: ``--kv-path`` + ``--question`` feeds a question after one artifact's context;
+``--dir`` + ``--prompt-file`` takes a whole prompt, finds the artifact with the longest usable
+prefix of it, reuses that prefix and prefills only the rest (token-exact with a full prefill).
+"""
 
 from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import emit_json, force_option, format_option, model_options, open_artifact
+from kvcdn_core.commands.common import (emit_json, force_option, format_option, model_options, open_artifact,
+                                        read_text_file)
+from kvcdn_core.errors import KvcdnError
 from kvcdn_core.paths import ensure_kv_suffix
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
 
 @click.command("continue")
 @model_options()
-@click.option("--kv-path", required=True, help="Artifact to continue from.")
-@click.option("--question", default=DEFAULT_QUESTION, show_default=True, help="Text fed after the context.")
+@click.option("--kv-path", default=None, help="Artifact to continue from (with --question).")
+@click.option("--question", default=None, help=f"Text fed after the artifact's context [default: {DEFAULT_QUESTION!r}].")
+@click.option("--dir", "directory", default=None,
+              help="Search this directory for the artifact sharing the longest prefix with --prompt-file.")
+@click.option("--prompt-file", default=None, help="UTF-8 file with the whole prompt (with --dir).")
 @click.option("--n", "n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate.")
 @force_option
 @format_option
-def command(model, revision, device, dtype, quiet, kv_path, question, n, force, fmt):
-    """Load an artifact, feed QUESTION after its context and generate N tokens greedily."""
+def command(model, revision, device, dtype, quiet, kv_path, question, directory, prompt_file, n, force, fmt):
+    """Generate N tokens greedily, continuing from a saved artifact.
+
+    With --kv-path: load the artifact and feed QUESTION after its context. With --dir and
+    --prompt-file: reuse the best artifact's usable prefix of the prompt, prefill the rest, and
+    report how many prompt tokens were reused.
+    """
+    if directory is not None or prompt_file is not None:
+        if kv_path is not None or question is not None:
+            raise KvcdnError("--dir/--prompt-file and --kv-path/--question are two modes; pass one pair")
+        if directory is None or prompt_file is None:
+            raise KvcdnError("--dir and --prompt-file go together")
+        return _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_file, n, force, fmt)
+    if kv_path is None:
+        raise KvcdnError("pass --kv-path (with --question), or --dir with --prompt-file")
+    _continue_artifact(model, revision, device, dtype, kv_path, question or DEFAULT_QUESTION, n, force, fmt)
+
+
+def _continue_artifact(model, revision, device, dtype, kv_path, question, n, force, fmt):
     from kvcdn_core import runtime
 
     session, header = open_artifact(ensure_kv_suffix(kv_path), model, revision, device, dtype)
@@ -29,4 +56,22 @@ def command(model, revision, device, dtype, quiet, kv_path, question, n, force, 
         emit_json({"path": str(header.path), "model": session.model_ref, "reused_tokens": len(context_ids),
                    "question_tokens": len(question_ids), "token_ids": ids, "text": text})
     else:
+        click.echo(text)
+
+
+def _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_file, n, force, fmt):
+    from kvcdn_core import runtime, search
+    from kvcdn_core.commands.search import load_for, reuse_line, warn
+
+    prompt = read_text_file(prompt_file, "prompt file")
+    found = search.search(directory, prompt, model, revision, warn=warn)
+    session, found = load_for(found, revision, device, dtype)
+    pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)
+    ids = search.greedy_from(session, pre.cache, pre.logits, n)
+    text = runtime.decode(session, ids)
+    if fmt == "json":
+        emit_json({**pre.as_dict(), "model": session.model_ref, "prompt_tokens": pre.query_tokens,
+                   "token_ids": ids, "text": text})
+    else:
+        click.echo(reuse_line(pre, "prompt"), err=True)
         click.echo(text)

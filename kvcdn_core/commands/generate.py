@@ -11,7 +11,7 @@ from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL
 
 
 @click.command("generate")
-@model_options()
+@model_options(from_artifact=False)
 @click.option("--context-file", required=True, help="UTF-8 text file with the document to cache.")
 @click.option("--output", "-o", default=None,
               help="Artifact path [default: $XDG_DATA_HOME/kvcdn/generate/generate-<ms>-<model>.kv].")

@@ -1,0 +1,198 @@
+"""The hosted endpoint as a kvcdn storage backend, and the hosted API calls behind it.
+
+URIs: ``kvcdn://`` (the configured ``api_url``) or ``kvcdn+https://host[:port]`` /
+``kvcdn+http://host[:port]`` (that endpoint). Keys are artifact ids; ``put_file`` uploads with the
+key as the artifact's name. Credentials come from the usual settings (env, config, stored login).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import quote, urlparse
+
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.storage import ObjectInfo, StorageBackend
+
+API = "/api/v1"
+
+
+def _id(artifact_id: str) -> str:
+    """An artifact id as one URL path segment (never a way to reach another route)."""
+    artifact_id = (artifact_id or "").strip()
+    if not artifact_id:
+        raise KvcdnError("artifact id is empty")
+    return quote(artifact_id, safe="")
+
+
+def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The declared hints the server checks against the artifact's own manifest at confirm."""
+    model = manifest.get("model") or {}
+    quantization = manifest.get("quantization")
+    return {
+        "model_id": model.get("id"),
+        "architecture": model.get("architecture"),
+        "tokens": manifest.get("token_count"),
+        "layers": len(manifest.get("layers") or []),
+        "dtype": manifest.get("compute_dtype"),
+        "quantization": quantization.get("scheme") if isinstance(quantization, dict) else quantization,
+    }
+
+
+class HostedStorage(StorageBackend):
+    """Artifacts on a kvcdn hosted endpoint (``kvcdn serve``)."""
+
+    schemes: ClassVar[tuple[str, ...]] = ("kvcdn", "kvcdn+http", "kvcdn+https")
+
+    def __init__(self, settings, *, quiet: bool = True):
+        self.settings = settings
+        self.quiet = quiet
+        self._client = None
+
+    @classmethod
+    def from_uri(cls, uri: str) -> HostedStorage:
+        from kvcdn_hosted.config import load_settings
+
+        parsed = urlparse(uri)
+        if parsed.scheme == "kvcdn":
+            if parsed.netloc or parsed.path.strip("/"):
+                raise KvcdnError(f"'{uri}': use kvcdn:// for the configured endpoint or kvcdn+https://host")
+            return cls(load_settings())
+        base = parsed.scheme.removeprefix("kvcdn+") + "://" + parsed.netloc + parsed.path.rstrip("/")
+        return cls(load_settings(api_url=base))
+
+    @property
+    def client(self):
+        if self._client is None:
+            from kvcdn_hosted.client import HostedClient
+
+            self._client = HostedClient(self.settings)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- the hosted API ------------------------------------------------------------------------
+
+    def upload(self, source: Path, name: str, visibility: str = "private") -> dict[str, Any]:
+        """Upload a checked ``.kv`` file; return the confirmed artifact record."""
+        from kvcdn_core import artifact
+
+        from kvcdn_hosted import transfer
+
+        source = Path(source)
+        manifest = artifact.read_header(source).manifest  # refuses a non-.kv before any request
+        size = source.stat().st_size
+        digest = transfer.sha256_file(source, "sha256", quiet=self.quiet)
+        client = self.client
+        client.require_credential("upload")
+        grant = client.json("POST", f"{API}/artifacts/upload-url", what="upload", json={
+            "name": name, "size_bytes": size, "sha256": digest, "visibility": visibility,
+            "manifest": manifest_summary(manifest)})
+        artifact_id = grant.get("artifact_id")
+        if not artifact_id:
+            raise KvcdnError("upload: the server's answer has no artifact_id")
+        confirm_body = None
+        parts = (grant.get("multipart") or {}).get("parts") if isinstance(grant.get("multipart"), dict) else None
+        if parts:
+            confirm_body = {"parts": self._upload_parts(source, parts, grant["multipart"])}
+        else:
+            if str(grant.get("method", "PUT")).upper() != "PUT" or not grant.get("url"):
+                raise KvcdnError("upload: the server offered no PUT url")
+            transfer.put_bytes(client.http, client.url(grant["url"]), source,
+                               headers=grant.get("headers") or {}, label="upload", quiet=self.quiet)
+        record = client.json("POST", f"{API}/artifacts/{_id(artifact_id)}/confirm-upload",
+                             what="upload confirm", json=confirm_body)
+        record = record if isinstance(record, dict) else {}
+        record.setdefault("artifact_id", artifact_id)
+        return record
+
+    def _upload_parts(self, source: Path, parts: list[dict], multipart: dict) -> list[dict]:
+        from kvcdn_hosted import transfer
+
+        size = source.stat().st_size
+        part_size = int(multipart.get("part_size") or 0)
+        done = []
+        for index, part in enumerate(sorted(parts, key=lambda p: int(p["part_number"]))):
+            number = int(part["part_number"])
+            start = int(part.get("offset", (number - 1) * part_size))
+            length = int(part.get("size", min(part_size, size - start)))
+            response = transfer.put_bytes(self.client.http, self.client.url(part["url"]), source, start=start,
+                                          length=length, label=f"upload part {index + 1}/{len(parts)}",
+                                          quiet=self.quiet)
+            done.append({"part_number": number, "etag": response.headers.get("ETag", "").strip()})
+        return done
+
+    def artifacts(self, page_size: int = 100) -> list[dict[str, Any]]:
+        """Every artifact the credential can see, following the pagination cursor."""
+        found: list[dict[str, Any]] = []
+        cursor = None
+        for _ in range(10_000):
+            params = {"limit": page_size}
+            if cursor:
+                params["cursor"] = cursor
+            page = self.client.json("GET", f"{API}/artifacts", what="list", params=params)
+            items = page.get("artifacts", page.get("items", [])) if isinstance(page, dict) else page
+            found.extend(items or [])
+            cursor = page.get("next_cursor") if isinstance(page, dict) else None
+            if not cursor:
+                return found
+        raise KvcdnError("list: the server kept returning more pages")
+
+    def describe(self, artifact_id: str) -> dict[str, Any]:
+        return self.client.json("GET", f"{API}/artifacts/{_id(artifact_id)}", what=f"artifact {artifact_id}")
+
+    def download_grant(self, artifact_id: str) -> dict[str, Any]:
+        # public artifacts need no credential: send one only when we have it
+        return self.client.json("POST", f"{API}/artifacts/{_id(artifact_id)}/download-url",
+                                what=f"download {artifact_id}")
+
+    def download(self, artifact_id: str, target: Path) -> Path:
+        from kvcdn_hosted import transfer
+
+        grant = self.download_grant(artifact_id)
+        url = grant.get("download_url") or grant.get("url")
+        if not url:
+            raise KvcdnError("download: the server's answer has no download_url")
+        size = grant.get("size_bytes")
+        return transfer.download_to(self.client.http, self.client.url(url), Path(target),
+                                    sha256=grant.get("sha256"), size=int(size) if size is not None else None,
+                                    label="download", quiet=self.quiet)
+
+    def remove(self, artifact_id: str) -> None:
+        self.client.request("DELETE", f"{API}/artifacts/{_id(artifact_id)}", what=f"delete {artifact_id}",
+                            ok=(200, 204))
+
+    def infer(self, artifact_id: str, question: str, n: int, org: str | None = None,
+              project: str | None = None) -> dict[str, Any]:
+        if org and project:
+            path = f"{API}/orgs/{quote(org, safe='')}/projects/{quote(project, safe='')}/artifacts/{_id(artifact_id)}/infer"
+        else:
+            path = f"{API}/artifacts/{_id(artifact_id)}/infer"
+        return self.client.json("POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0)
+
+    # -- StorageBackend --------------------------------------------------------------------------
+
+    def put_file(self, key: str, source: Path) -> None:
+        self.upload(Path(source), name=key)
+
+    def get_file(self, key: str, target: Path) -> None:
+        self.download(key, Path(target))
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.describe(key)
+        except KvcdnError as exc:
+            if " 404" in str(exc) or "not found" in str(exc).lower():
+                return False
+            raise
+        return True
+
+    def delete(self, key: str) -> None:
+        self.remove(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return [ObjectInfo(a["artifact_id"], int(a.get("size_bytes") or 0)) for a in self.artifacts()
+                if str(a.get("artifact_id", "")).startswith(prefix)]

@@ -1,0 +1,112 @@
+"""kvcdn model family: DeepSeek-V2 and DeepSeek-V3, with their multi-head latent attention (MLA) cache.
+
+MLA does not cache per-head keys and values. Each token leaves two small vectors per layer:
+
+- the compressed latent, ``kv_a_layernorm(kv_a_proj_with_mqa(h)[:kv_lora_rank])``, from which every
+  head's non-rotary key and its value are decompressed (``kv_b_proj``) at attention time;
+- the rotary key, ``qk_rope_head_dim`` wide, rotated at the token's position and shared by all heads.
+
+transformers (5.x) caches exactly these two, in a ``DynamicLayer`` whose ``keys`` are the latent and
+whose ``values`` are the rotary key, each viewed as one head. That layer type looks like full
+attention to the base adapter, so this plugin exports and imports it itself: the manifest says
+``mla_latent`` with the widths, and the tensors are named ``latent`` and ``rotary_key``. A cache whose
+shapes are not those of the latent (a transformers version that caches decompressed heads, say) is
+refused rather than written under a wrong name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core import hookimpl
+from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core.errors import ArtifactError, KvcdnError
+
+__version__ = "0.1.0"
+
+LATENT = "latent"
+ROTARY_KEY = "rotary_key"
+
+_MLA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=4096,
+            tie_word_embeddings=False)
+
+
+def mla_widths(config) -> tuple[int, int]:
+    """``(kv_lora_rank, qk_rope_head_dim)``: the widths of the latent and of the rotary key."""
+    return int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+
+
+class DeepseekAdapter(ModelAdapter):
+    family = "deepseek"
+    architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    validation_configs = {
+        # DeepSeek-V2-Lite layout: no query compression, greedy expert routing, plain rotary.
+        "DeepseekV2ForCausalLM": dict(_MLA, q_lora_rank=None, topk_method="greedy"),
+        # DeepSeek-V3 layout: compressed queries, grouped routing, interleaved YaRN rotary.
+        "DeepseekV3ForCausalLM": dict(
+            _MLA, q_lora_rank=32, n_group=2, topk_group=1,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ),
+    }
+
+    def layer_kind(self, layer) -> str:
+        from transformers.cache_utils import DynamicLayer
+
+        if type(layer) is DynamicLayer:
+            return fmt.MLA_LATENT
+        raise KvcdnError(
+            f"cache layer type {type(layer).__name__} is not an MLA latent layer the deepseek adapter "
+            "knows; no artifact was written"
+        )
+
+    def export_cache(self, model, cache):
+        layers, tensors = super().export_cache(model, cache)
+        rank, rope = mla_widths(model.config)
+        for entry in layers:
+            latent = tensors[entry["tensors"][LATENT]]
+            rotary = tensors[entry["tensors"][ROTARY_KEY]]
+            if latent.shape[1] != 1 or latent.shape[-1] != rank or rotary.shape[-1] != rope:
+                raise KvcdnError(
+                    f"layer {entry['index']} caches tensors of shape {list(latent.shape)} and "
+                    f"{list(rotary.shape)}, not the MLA latent ({rank}) and rotary key ({rope}) this "
+                    "adapter stores; this transformers version caches DeepSeek differently, no "
+                    "artifact was written"
+                )
+            entry["kv_lora_rank"], entry["qk_rope_head_dim"] = rank, rope
+        return layers, tensors
+
+    def export_layer(self, index: int, layer) -> tuple[dict, dict[str, Any]]:
+        entry = {"kind": self.layer_kind(layer)}
+        return entry, {LATENT: layer.keys, ROTARY_KEY: layer.values}
+
+    def import_cache(self, model, layers, tensors, device):
+        rank, rope = mla_widths(model.config)
+        for entry in layers:
+            if entry["kind"] != fmt.MLA_LATENT:
+                raise ArtifactError(
+                    f"layer {entry['index']} is '{entry['kind']}' in the artifact, the model caches "
+                    f"'{fmt.MLA_LATENT}'"
+                )
+            if (entry.get("kv_lora_rank"), entry.get("qk_rope_head_dim")) != (rank, rope):
+                raise ArtifactError(
+                    f"layer {entry['index']} holds a latent of {entry.get('kv_lora_rank')} and a rotary "
+                    f"key of {entry.get('qk_rope_head_dim')}, the model uses {rank} and {rope}"
+                )
+        return super().import_cache(model, layers, tensors, device)
+
+    def import_layer(self, entry: dict, named: dict[str, Any], layer) -> None:
+        self.layer_kind(layer)
+        latent, rotary = named[LATENT], named[ROTARY_KEY]
+        layer.lazy_initialization(latent, rotary)
+        layer.keys, layer.values = latent, rotary
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [DeepseekAdapter]

@@ -1,0 +1,9 @@
+import pytest
+
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_deepseek import DeepseekAdapter
+
+
+@pytest.mark.parametrize("architecture", sorted(DeepseekAdapter.validation_configs))
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(DeepseekAdapter, architecture, tmp_path)
