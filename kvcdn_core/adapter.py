@@ -76,8 +76,14 @@ class ModelAdapter:
     def forward(self, model, input_ids, cache):
         """Run ``input_ids`` (shape [1, T]) on ``cache``; return ``(logits [1, T, V], cache)``.
 
-        The only place that knows how transformers takes and returns a cache.
+        The only place that knows how transformers takes and returns a cache. RoPE scalings that
+        depend on the sequence length are kept exact (or refused) by :mod:`kvcdn_core.rope_regime`.
         """
+        from kvcdn_core.rope_regime import guarded_forward
+
+        return guarded_forward(self, model, input_ids, cache, self._run)
+
+    def _run(self, model, input_ids, cache):
         out = model(input_ids=input_ids, cache=cache, use_cache=True)
         new_cache = getattr(out, "cache", None)
         if new_cache is None:

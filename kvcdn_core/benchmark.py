@@ -192,9 +192,15 @@ def resident_fraction(path: Path) -> float | None:
 
 
 def plain_read(path: Path) -> int:
-    """Read a whole file into memory the simplest fast way: the physical limit a load is held to."""
+    """Read a whole file into memory the simplest fast way: the physical limit a load is held to.
+
+    Same buffer as :func:`kvcdn_core.artifact.load_tensors` (uninitialised numpy, huge pages where
+    offered), so the two differ only by what loading adds: hashing, tensor views, the cache.
+    """
+    import numpy as np
+
     size = os.path.getsize(path)
-    buffer = bytearray(size)
+    buffer = np.empty(size, dtype=np.uint8)
     view = memoryview(buffer)
     done = 0
     with open(path, "rb", buffering=0) as fh:
@@ -239,6 +245,14 @@ def installed_schemes() -> list[str]:
     from kvcdn_core.plugins import get_host
 
     return sorted(get_host().quantizers())
+
+
+def check_lengths(session, lengths: list[int]) -> None:
+    """Refuse lengths beyond the model's context window before anything is built."""
+    longest = max(lengths)
+    limit = getattr(session.model.config, "max_position_embeddings", None)
+    if limit and longest > limit:
+        raise KvcdnError(f"--lengths goes to {longest} tokens, the model's context is {limit}")
 
 
 def context_ids(session, text: str | None, longest: int) -> tuple[list[int], str]:
@@ -318,10 +332,7 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
 
     if reps < 1:
         raise KvcdnError("--reps must be at least 1")
-    longest = max(lengths)
-    limit = getattr(session.model.config, "max_position_embeddings", None)
-    if limit and longest > limit:
-        raise KvcdnError(f"--lengths goes to {longest} tokens, the model's context is {limit}")
+    check_lengths(session, lengths)
     question_ids = session.adapter.encode_continuation(session.tokenizer, question)
     if not question_ids:
         raise KvcdnError("the question has no tokens")

@@ -232,8 +232,13 @@ def load_cache(session: Session, header: fmt.Header, force: bool = False, verify
         )
     import torch
 
-    target = getattr(torch, session.dtype)
-    tensors = {k: (v.to(target) if v.is_floating_point() else v) for k, v in tensors.items()}
+    target, computed = getattr(torch, session.dtype), getattr(torch, dtype)
+    # Linear-attention and recurrent layers keep their state wider than the compute dtype (float32
+    # under bfloat16) on purpose; narrowing it on load would make the restored state inexact.
+    kept = {name for layer in manifest["layers"] if layer["kind"] in (fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
+            for name in layer.get("tensors", {}).values()}
+    tensors = {k: (v.to(target) if v.is_floating_point() and (k not in kept or v.dtype == computed) else v)
+               for k, v in tensors.items()}
     ids = tensors.pop(fmt.TOKEN_IDS).tolist()
     cache = session.adapter.import_cache(session.model, manifest["layers"], tensors, session.device)
     return cache, ids

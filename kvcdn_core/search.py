@@ -8,9 +8,9 @@ Reusing (``continue --dir``, ``search --tree``) loads the best artifact, crops i
 prefix through the model adapter, and prefills only the rest of the prompt, so the result is the
 same token ids a full prefill of the prompt would see. Those functions import torch lazily.
 
-Usable prefix: a full-attention cache can be cut to any prefix; a sliding-window, linear-attention or
-recurrent layer keeps only a summary of the whole prefix, so such an artifact is usable only when
-all of it is a prefix of the query. A continuation also needs the logits of the query's last token,
+Usable prefix: a full-attention cache can be cut to any prefix; a sliding-window layer keeps only
+the last window and a linear-attention or recurrent layer a running state of the whole prefix, so
+such an artifact is usable only when all of it is a prefix of the query. A continuation also needs the logits of the query's last token,
 which no artifact stores, so at least one query token is always prefilled.
 """
 
@@ -34,6 +34,7 @@ from kvcdn_core.errors import ArtifactError, KvcdnError
 
 INDEX_NAME = ".kvcdn-index"
 INDEX_MAGIC = b"KVCDNIX1"
+INDEX_VERSION = 1
 ANY_PREFIX = "any_prefix"
 WHOLE_PREFIX = "whole_prefix"
 FINGERPRINT_KEYS = ("architecture", "config_sha256", "tokenizer_sha256")
@@ -123,6 +124,8 @@ def _read_index(path: Path, directory: Path) -> dict[str, Entry]:
             return {}
         (json_len,) = struct.unpack_from("<Q", data, 8)
         meta = json.loads(data[16:16 + json_len])
+        if meta.get("version") != INDEX_VERSION:
+            return {}
         start = 16 + json_len
         start += (-start) % 4
         ids = np.frombuffer(data, dtype="<i4", offset=start)
@@ -147,7 +150,7 @@ def _write_index(path: Path, entries: list[Entry]) -> None:
     for e in entries:
         records.append({**e.record(), "offset": offset})
         offset += e.token_count
-    blob = json.dumps({"version": 1, "entries": records}, separators=(",", ":")).encode()
+    blob = json.dumps({"version": INDEX_VERSION, "entries": records}, separators=(",", ":")).encode()
     head = INDEX_MAGIC + struct.pack("<Q", len(blob)) + blob
     head += b"\0" * ((-len(head)) % 4)
     try:
@@ -319,36 +322,22 @@ class QueryTokenizer:
     """The model's ``tokenizer.json`` through the ``tokenizers`` library, called like a transformers
     tokenizer (``tok(text, add_special_tokens=...)["input_ids"]``, ``tok.decode(ids)``).
 
-    ``transformers.AutoTokenizer`` imports torch (about 2 s); this loads in milliseconds. It follows
-    transformers' rule for start and end tokens: when ``tokenizer_config.json`` sets ``add_bos_token``
-    or ``add_eos_token`` (or ``tokenizer.json`` has no post-processor) the template is rebuilt from
-    those flags, otherwise the post-processor in ``tokenizer.json`` applies. :func:`query_tokenizer`
-    checks the result against a saved context and falls back to transformers when they disagree.
+    ``transformers.AutoTokenizer`` imports torch (about 2 s); this loads in milliseconds. The rule
+    for start and end tokens is transformers 5's: with a ``tokenizer.json``, its post-processor
+    decides them and ``add_bos_token``/``add_eos_token`` in ``tokenizer_config.json`` are ignored.
+    Without a post-processor transformers applies defaults of the tokenizer class, which only
+    transformers knows, so that case is refused here (and :func:`query_tokenizer` falls back).
+    :func:`query_tokenizer` also checks the result against a saved context.
     """
 
     kind = "tokenizers"
 
     def __init__(self, model_dir: Path):
-        from tokenizers import Tokenizer, processors
+        from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        try:
-            config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            config = {}
-        if "add_bos_token" in config or "add_eos_token" in config or self._tok.post_processor is None:
-            specials = []
-            for flag, key in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
-                token = config.get(key)
-                token = token.get("content") if isinstance(token, dict) else token
-                token_id = self._tok.token_to_id(token) if isinstance(token, str) else None
-                specials.append((token, token_id) if config.get(flag) and token_id is not None else None)
-            bos, eos = specials
-            single = " ".join(x for x in ((bos[0] + ":0") if bos else "", "$A:0", (eos[0] + ":0") if eos else "") if x)
-            pair = single + " " + " ".join(
-                x for x in ((bos[0] + ":1") if bos else "", "$B:1", (eos[0] + ":1") if eos else "") if x)
-            self._tok.post_processor = processors.TemplateProcessing(
-                single=single, pair=pair, special_tokens=[s for s in (bos, eos) if s])
+        if self._tok.post_processor is None:
+            raise ValueError("tokenizer.json has no post-processor; its start tokens depend on the class")
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self._tok.encode(text, add_special_tokens=add_special_tokens).ids}

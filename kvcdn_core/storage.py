@@ -51,6 +51,46 @@ class StorageBackend:
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         raise NotImplementedError
 
+    # -- optional operations with portable defaults (the hosted server uses these) -----------
+
+    def size_of(self, key: str) -> int | None:
+        """Size of object ``key`` in bytes, or None when it does not exist."""
+        for info in self.list(key):
+            if info.key == key:
+                return info.size
+        return None
+
+    def read_bytes(self, key: str) -> bytes | None:
+        """The whole (small) object ``key``, or None when it does not exist."""
+        if not self.exists(key):
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / "object"
+            self.get_file(key, target)
+            return target.read_bytes()
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Store a small object atomically."""
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "object"
+            source.write_bytes(data)
+            self.put_file(key, source)
+
+    def rename(self, source_key: str, target_key: str) -> None:
+        """Move an object to another key (copy + delete where the medium has no rename)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            staged = Path(tmp) / "object"
+            self.get_file(source_key, staged)
+            self.put_file(target_key, staged)
+        self.delete(source_key)
+
+    def presigned_url(self, method: str, key: str, expires_in: int, size: int | None = None) -> str | None:
+        """A URL that lets its holder ``PUT``/``GET`` one object without credentials until it expires.
+
+        None when the medium has no such URLs (the hosted server then signs its own).
+        """
+        return None
+
 
 def safe_key(key: str) -> str:
     """Refuse keys that could escape the storage root."""
@@ -95,11 +135,39 @@ class LocalStorage(StorageBackend):
     def delete(self, key: str) -> None:
         self.path_of(key).unlink(missing_ok=True)
 
+    def size_of(self, key: str) -> int | None:
+        try:
+            return self.path_of(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def read_bytes(self, key: str) -> bytes | None:
+        try:
+            return self.path_of(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        import io
+
+        atomic_write_stream(self.path_of(key), io.BytesIO(data))
+
+    def rename(self, source_key: str, target_key: str) -> None:
+        target = self.path_of(target_key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.path_of(source_key), target)
+
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         if not self.root.is_dir():
             return []
         found = []
-        for path in sorted(self.root.rglob("*")):
+        if ".." in prefix.split("/") or prefix.startswith("/") or "\\" in prefix:
+            raise KvcdnError(f"invalid storage prefix '{prefix}'")
+        # Walk only the deepest directory the prefix names, not the whole root.
+        start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        if not start.is_dir():
+            return []
+        for path in sorted(start.rglob("*")):
             if path.is_file() and not path.name.startswith("."):
                 key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix):

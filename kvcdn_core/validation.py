@@ -45,6 +45,9 @@ class ValidationRun:
     #: Fail the reference phase when greedy output has fewer distinct tokens (tiny random models:
     #: a degenerate output would let a broken cache pass). 0 for real models.
     min_distinct: int = 0
+    #: Fail the reference phase when the output is the same without the context (tiny models: a
+    #: cache the continuation cannot see proves nothing).
+    require_context_effect: bool = False
     path: Path | None = None
     header: Any = None
     context_ids: list[int] = dataclasses.field(default_factory=list)
@@ -114,6 +117,10 @@ def phase_reference(run: ValidationRun) -> PhaseResult:
     detail = f"{len(ids)} tokens, {distinct} distinct, smallest top-2 logit margin {margin:.3g}"
     if distinct < run.min_distinct:
         return run.result("reference", False, f"degenerate output: {detail} (want {run.min_distinct} distinct)")
+    if run.require_context_effect:
+        blind, _ = reference(run.session, [], run.question_ids, run.n)
+        if blind == ids:
+            return run.result("reference", False, f"the output does not depend on the context: {detail}")
     return run.result("reference", len(ids) == run.n, detail)
 
 
@@ -138,6 +145,11 @@ PHASES: list[tuple[str, Callable[[ValidationRun], PhaseResult]]] = [
     ("cache", phase_cache),
 ]
 
+# The quantized path (issue 4): int8, checked on every family's real cache; see kvcdn_core.quant.
+from kvcdn_core.quant import validation_phase as _quant_phase  # noqa: E402
+
+PHASES.append(("quant:int8", _quant_phase("int8")))
+
 
 def run_phases(run: ValidationRun, phases=None) -> list[PhaseResult]:
     """Run each phase, timing it; a refusal or crash fails that phase with its message."""
@@ -156,16 +168,27 @@ def run_phases(run: ValidationRun, phases=None) -> list[PhaseResult]:
 
 
 def validate_session(session, architecture: str, workdir: Path, n: int = 16,
-                     context: str | None = None, min_distinct: int = 0) -> list[PhaseResult]:
+                     context: str | None = None, min_distinct: int = 0,
+                     question: str = DEFAULT_QUESTION, require_context_effect: bool = False,
+                     ) -> list[PhaseResult]:
     """Every phase of :data:`PHASES` for a loaded model, on a context longer than its windows."""
     context = context or long_context(context_length_for(session), session.tokenizer)
-    run = ValidationRun(session, architecture, Path(workdir), n, context, min_distinct=min_distinct)
+    run = ValidationRun(session, architecture, Path(workdir), n, context, question, min_distinct,
+                        require_context_effect)
     return run_phases(run)
 
 
 #: Tiny random models must decode at least this many distinct tokens out of n for the check to mean
 #: anything (a constant output matches whatever the cache holds).
 TINY_MIN_DISTINCT = 4
+#: A short question for tiny models: their 2 layers with a 16-token window see only ~30 tokens back,
+#: and a longer question would hide the cached context from the continuation entirely.
+TINY_QUESTION = "\nQ: Why?\nA:"
+
+
+def tiny_options(n: int) -> dict:
+    """The validate_session options that keep a tiny random model's check meaningful."""
+    return dict(min_distinct=min(TINY_MIN_DISTINCT, n), question=TINY_QUESTION, require_context_effect=True)
 
 
 def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16) -> list[PhaseResult]:
@@ -174,4 +197,4 @@ def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16) ->
 
     model_dir = build_tiny_model(adapter_cls, architecture, workdir / architecture)
     session = runtime.load_session(str(model_dir), device="cpu", dtype="float32", adapter_cls=adapter_cls)
-    return validate_session(session, architecture, workdir, n, min_distinct=min(TINY_MIN_DISTINCT, n))
+    return validate_session(session, architecture, workdir, n, **tiny_options(n))

@@ -5,7 +5,7 @@ from kvcdn_core import hookimpl
 
 @hookimpl
 def kvcdn_register_commands(cli):
-    from kvcdn_core.commands import benchmark, continue_cmd, diag, generate, inspect, plot, plugins_cmd, verify
+    from kvcdn_core.commands import benchmark, continue_cmd, diag, generate, inspect, plot, plugins_cmd, quant, search, verify, validate
 
-    for module in (generate, verify, diag, inspect, continue_cmd, plugins_cmd, benchmark, plot):
+    for module in (generate, verify, diag, inspect, continue_cmd, plugins_cmd, benchmark, plot, search, quant, validate):
         cli.add_command(module.command)

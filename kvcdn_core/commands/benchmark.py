@@ -47,6 +47,7 @@ def command(model, revision, device, dtype, quiet, lengths, reps, context_file, 
     text = read_text_file(context_file) if context_file else None
     path = Path(output) if output else bench.default_csv_path(model)
     session = runtime.load_session(model, revision, device, dtype)
+    bench.check_lengths(session, wanted)
     ids, source = bench.context_ids(session, text, max(wanted))
     if text is None and not quiet and fmt != "json":
         click.echo(f"context: {source}", err=True)

@@ -23,7 +23,7 @@ def validate_api_key(key: str) -> str:
     body = key[len(PREFIX):]
     for position, char in enumerate(body, start=len(PREFIX) + 1):
         if char not in string.hexdigits:
-            shown = char if char.isprintable() and not char.isspace() else repr(char)
+            shown = char if char.isprintable() else repr(char)[1:-1]
             raise KvcdnError(f"API key has a non-hex character '{shown}' at position {position}; "
                              "after 'kv_' only 0-9 and a-f are allowed")
     if len(body) != HEX_LENGTH:

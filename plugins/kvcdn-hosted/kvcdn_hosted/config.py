@@ -28,8 +28,11 @@ ENV = {
     "default_org": "KVCDN_DEFAULT_ORG",
     "default_project": "KVCDN_DEFAULT_PROJECT",
     "api_key": "KVCDN_API_KEY",
+    # for identity providers that need them (an API scope, a resource indicator for JWT access tokens)
+    "oidc_scope": "KVCDN_OIDC_SCOPE",
+    "oidc_resource": "KVCDN_OIDC_RESOURCE",
 }
-DEFAULTS = {"client_id": "kvcdn-cli"}
+DEFAULTS = {"client_id": "kvcdn-cli", "oidc_scope": "openid offline_access"}
 
 
 def config_path() -> Path:
@@ -45,6 +48,8 @@ class Settings:
     default_org: str | None = None
     default_project: str | None = None
     api_key: str | None = None
+    oidc_scope: str = "openid offline_access"
+    oidc_resource: str | None = None
     #: setting → where its value came from: flag, env KVCDN_..., config <path>, default
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 

@@ -166,6 +166,8 @@ def pkce_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEFAU
     params = _base_params(client_id, scope, resource)
     params.update(response_type="code", redirect_uri=redirect_uri, state=state,
                   code_challenge=challenge, code_challenge_method="S256")
+    if "offline_access" in scope.split():
+        params["prompt"] = "consent"  # OIDC Core §11: a refresh token is granted only with consent
     separator = "&" if "?" in meta["authorization_endpoint"] else "?"
     url = meta["authorization_endpoint"] + separator + urllib.parse.urlencode(params)
     say(f"To log in, open this URL in a browser on this machine:\n{url}")
@@ -190,6 +192,8 @@ def pkce_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEFAU
         raise _oauth_error(query, "login failed in the browser", 400)
     if not secrets.compare_digest(query.get("state", ""), state):
         raise KvcdnError("login aborted: the redirect's state does not match (a forged or stale redirect)")
+    if query.get("iss") and query["iss"].rstrip("/") != str(meta.get("issuer", "")).rstrip("/"):
+        raise KvcdnError(f"login aborted: the redirect comes from issuer '{query['iss']}', not ours (RFC 9207)")
     if not query.get("code"):
         raise KvcdnError("login failed: the redirect carries no authorization code")
     data = {"grant_type": "authorization_code", "code": query["code"], "redirect_uri": redirect_uri,

@@ -32,7 +32,7 @@ def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     return {
         "model_id": model.get("id"),
         "architecture": model.get("architecture"),
-        "tokens": manifest.get("token_count"),
+        "token_count": manifest.get("token_count"),
         "layers": len(manifest.get("layers") or []),
         "dtype": manifest.get("compute_dtype"),
         "quantization": quantization.get("scheme") if isinstance(quantization, dict) else quantization,
@@ -122,7 +122,7 @@ class HostedStorage(StorageBackend):
             response = transfer.put_bytes(self.client.http, self.client.url(part["url"]), source, start=start,
                                           length=length, label=f"upload part {index + 1}/{len(parts)}",
                                           quiet=self.quiet)
-            done.append({"part_number": number, "etag": response.headers.get("ETag", "").strip()})
+            done.append({"part_number": number, "etag": response.headers.get("ETag", "")})  # verbatim
         return done
 
     def artifacts(self, page_size: int = 100) -> list[dict[str, Any]]:

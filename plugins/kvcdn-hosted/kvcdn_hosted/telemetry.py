@@ -29,7 +29,7 @@ def event(command: str, duration_s: float, success: bool) -> dict:
         "command": command,
         "kvcdn_version": kvcdn_core.__version__,
         "duration_ms": int(round(duration_s * 1000)),
-        "success": bool(success),
+        "ok": bool(success),
     }
 
 

@@ -5,7 +5,8 @@ attention and final logits (softcapping). transformers builds a ``DynamicCache``
 sliding-window layer per local layer; the base adapter records each layer's kind, window and
 cumulative length, so the artifact says exactly which layers are windowed. Softcapping acts on
 logits, not on the cache, so nothing is stored for it; the validation configs turn it on so the
-contract covers it.
+contract covers it. The tiny Gemma 2/3 configs untie the output embedding: tied, a random model
+repeats one token, which would let a broken cache pass.
 """
 
 from kvcdn_core import hookimpl
@@ -22,11 +23,11 @@ class GemmaAdapter(ModelAdapter):
     architectures = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
     validation_configs = {
         "GemmaForCausalLM": dict(_COMMON, num_hidden_layers=2),
-        "Gemma2ForCausalLM": dict(_COMMON, num_hidden_layers=2, sliding_window=16,
+        "Gemma2ForCausalLM": dict(_COMMON, num_hidden_layers=2, sliding_window=16, tie_word_embeddings=False,
                                   layer_types=["sliding_attention", "full_attention"],
                                   query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
                                   final_logit_softcapping=30.0),
-        "Gemma3ForCausalLM": dict(_COMMON, num_hidden_layers=4, sliding_window=16,
+        "Gemma3ForCausalLM": dict(_COMMON, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False,
                                   layer_types=["sliding_attention", "full_attention",
                                                "sliding_attention", "full_attention"],
                                   query_pre_attn_scalar=16, final_logit_softcapping=30.0),

@@ -1,16 +1,18 @@
-"""kvcdn model family: GPT-2, GPT-NeoX, GPTBigCode, Bloom and Falcon.
+"""kvcdn model family: GPT-2, GPT-Neo, GPT-J, GPT-NeoX, GPTBigCode, Bloom and Falcon.
 
-All five keep a plain transformers ``DynamicCache`` of full-attention layers, whatever their
+All of them keep a plain transformers ``DynamicCache`` of full-attention layers, whatever their
 position encoding (learned absolute positions, rotary, ALiBi) or key/value head layout (multi-head,
 multi-query, grouped), so the base adapter exports and imports them. What this plugin adds:
 
 - a refusal, before any work, for configs whose cache is not a plain decoder cache (GPT-2 and
-  GPTBigCode with ``add_cross_attention`` use an encoder-decoder cache);
+  GPTBigCode with ``add_cross_attention`` use an encoder-decoder cache), and for any cache that is
+  not a ``DynamicCache``;
 - a refusal, instead of an index error deep in the model, for a sequence longer than the learned
-  absolute position table of GPT-2 and GPTBigCode (``n_positions``);
+  absolute position table of GPT-2, GPT-Neo and GPTBigCode;
 - the key/value head count and position encoding in each layer's manifest entry, so an artifact says
   what its tensors are (a multi-query layer holds one key head for all query heads; an ALiBi layer's
-  keys carry no position at all);
+  keys carry no position at all). GPT-Neo's local layers mask attention to a window but cache every
+  token, so they are full-attention caches; their entry adds ``attention_window``;
 - for Falcon's new decoder architecture (Falcon-40B/180B), where transformers caches a copy of each
   key/value head for every query head of its group, the artifact keeps one head per group
   (``repeated_heads`` in the layer entry) and the import repeats it: the artifact shrinks by
@@ -27,7 +29,8 @@ from kvcdn_core.errors import ArtifactError, KvcdnError
 __version__ = "0.1.0"
 
 #: model_type → config attribute naming the size of a learned absolute position table.
-LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions"}
+LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions",
+                     "gpt_neo": "max_position_embeddings"}
 
 
 def position_encoding(config) -> str:
@@ -44,6 +47,8 @@ class GptAdapter(ModelAdapter):
     family = "gpt"
     architectures = (
         "GPT2LMHeadModel",
+        "GPTNeoForCausalLM",
+        "GPTJForCausalLM",
         "GPTNeoXForCausalLM",
         "GPTBigCodeForCausalLM",
         "BloomForCausalLM",
@@ -51,6 +56,12 @@ class GptAdapter(ModelAdapter):
     )
     validation_configs = {
         "GPT2LMHeadModel": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512),
+        # Local layers (window 32) alternate with global ones, as in GPT-Neo 125M-2.7B.
+        "GPTNeoForCausalLM": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                                  window_size=32, attention_types=[[["global", "local"], 1]],
+                                  max_position_embeddings=512),
+        "GPTJForCausalLM": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, rotary_dim=8,
+                                n_positions=2048, tie_word_embeddings=False),
         "GPTNeoXForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=2048,
                                    use_parallel_residual=True, tie_word_embeddings=False),
@@ -109,6 +120,8 @@ class GptAdapter(ModelAdapter):
                     entry["repeated_heads"] = int(model.config.num_attention_heads) // groups
             entry["kv_heads"] = int(tensors[entry["tensors"]["key"]].shape[1])
             entry["position_encoding"] = encoding
+            if local_attention(model.config, entry["index"]):
+                entry["attention_window"] = int(model.config.window_size)
         return layers, tensors
 
     def import_cache(self, model, layers, tensors, device):
@@ -127,6 +140,12 @@ class GptAdapter(ModelAdapter):
                     )
                 tensors[name] = t.repeat_interleave(repeat, dim=1)
         return super().import_cache(model, layers, tensors, device)
+
+
+def local_attention(config, index: int) -> bool:
+    """GPT-Neo's ``local`` layers: attention masked to ``window_size`` tokens, cache kept whole."""
+    layers = getattr(config, "attention_layers", None) if config.model_type == "gpt_neo" else None
+    return bool(layers) and layers[index] == "local"
 
 
 def _bit_views():

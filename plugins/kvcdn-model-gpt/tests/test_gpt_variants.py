@@ -82,3 +82,28 @@ def test_cross_attention_config_is_refused(tmp_path):
     model_dir = build_tiny_model(cross, "GPT2LMHeadModel", tmp_path / "model")
     with pytest.raises(KvcdnError, match="encoder-decoder cache"):
         runtime.load_session(str(model_dir), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("architecture", ["FalconForCausalLM", "BloomForCausalLM"])
+def test_a_cropped_cache_continues_exactly(architecture, tmp_path):
+    """Prefix search crops restored caches: exact for repeated (Falcon) heads and ALiBi (Bloom) too."""
+    session, header = _artifact(GptAdapter, architecture, tmp_path)
+    ids = fmt.read_token_ids(header.path, header)
+    keep = len(ids) // 2
+    tail = ids[keep:] + session.adapter.encode_continuation(session.tokenizer, " and the sea")
+    cache, _ = runtime.load_cache(session, header)
+    cache = session.adapter.crop(cache, header.manifest["layers"], keep, token_count=len(ids))
+    assert cache.get_seq_length() == keep
+    cropped, _ = runtime.greedy(session, cache, tail, 16)
+    reference, _ = runtime.greedy(session, session.adapter.new_cache(session.model), ids[:keep] + tail, 16)
+    assert cropped == reference
+
+
+def test_gpt_neo_local_layers_are_named(tmp_path):
+    """GPT-Neo's local layers cache every token (full attention) and say what window they attend to."""
+    _, header = _artifact(GptAdapter, "GPTNeoForCausalLM", tmp_path)
+    global_layer, local_layer = header.manifest["layers"]
+    assert global_layer["kind"] == local_layer["kind"] == fmt.FULL_ATTENTION
+    assert "attention_window" not in global_layer
+    assert local_layer["attention_window"] == 32
+    assert header.manifest["tensors"][local_layer["tensors"]["key"]]["shape"][2] == header.token_count

@@ -1,17 +1,18 @@
 """kvcdn model family: Llama (Llama 2, 3, 3.1, 3.2, and Yi checkpoints published as Llama).
 
 Llama models use the standard transformers ``DynamicCache`` of full-attention layers, so the base
-adapter exports and imports the cache. What this plugin adds is a guard on RoPE scaling: ``linear``
-and ``llama3`` scaling are static (a position always gets the same rotation), so a cache continues
-exactly; ``dynamic`` (NTK) scaling recomputes the frequencies from the current sequence length, so
-keys cached before the sequence passed ``max_position_embeddings`` were rotated differently from a
-full prefill. The adapter refuses that case with a clear error instead of producing a silently
-different continuation.
+adapter exports and imports the cache; this plugin names the architecture and its tiny validation
+configs. RoPE scaling: ``linear``, ``llama3`` and ``yarn`` rotate a position the same way at any
+sequence length, so a cache continues exactly; ``dynamic`` (NTK) and ``longrope`` depend on the
+sequence length and are kept exact or refused by core (``kvcdn_core.rope_regime``).
+
+transformers has no ``YiForCausalLM`` class: Yi checkpoints on the hub declare
+``LlamaForCausalLM`` and are served by this adapter; the early remote-code ``YiForCausalLM``
+checkpoints are not.
 """
 
 from kvcdn_core import hookimpl
 from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.errors import KvcdnError
 
 __version__ = "0.1.0"
 
@@ -19,14 +20,10 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
                num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
                _bos=True)
 
-#: Llama 3.1-style RoPE scaling, shrunk to the tiny model's context.
+#: Llama 3.1-style RoPE scaling, its original context shrunk below the validation context so the
+#: scaled and unscaled frequency bands both matter.
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-def rope_parameters(config) -> dict:
-    params = getattr(config, "rope_parameters", None) or {}
-    return params if isinstance(params, dict) else {}
 
 
 class LlamaAdapter(ModelAdapter):
@@ -35,19 +32,6 @@ class LlamaAdapter(ModelAdapter):
     validation_configs = {
         "LlamaForCausalLM": dict(_COMMON),
     }
-
-    def forward(self, model, input_ids, cache):
-        if rope_parameters(model.config).get("rope_type") == "dynamic":
-            limit = int(model.config.max_position_embeddings)
-            cached = cache.get_seq_length()
-            if cached and cached + input_ids.shape[-1] > limit:
-                raise KvcdnError(
-                    f"dynamic (NTK) RoPE scaling rescales every position once a sequence passes "
-                    f"{limit} tokens, so a cache of {cached} tokens cannot be continued to "
-                    f"{cached + input_ids.shape[-1]} tokens exactly; keep context and continuation "
-                    f"within {limit} tokens"
-                )
-        return super().forward(model, input_ids, cache)
 
 
 @hookimpl

@@ -30,11 +30,12 @@ class SSMAdapter(ModelAdapter):
     family = "ssm"
     architectures = ("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM")
     validation_configs = {
-        "MambaForCausalLM": dict(_COMMON),
+        # Sizes picked so greedy output on the sample text is varied and far from ties (see tests).
+        "MambaForCausalLM": dict(_COMMON, time_step_max=0.5),
         # num_heads * head_dim == expand * hidden_size; chunk_size below the 64-token prefill chunk
         # so that the chunked scan crosses its own chunk boundaries with a carried state.
         "Mamba2ForCausalLM": dict(_COMMON, num_heads=8, head_dim=16, n_groups=2, chunk_size=32),
-        "FalconMambaForCausalLM": dict(_COMMON),
+        "FalconMambaForCausalLM": dict(_COMMON, state_size=8),
     }
 
     # -- running ------------------------------------------------------------------------------

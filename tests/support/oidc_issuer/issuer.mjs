@@ -171,7 +171,7 @@ function makeProvider(issuer, jwk) {
       AuthorizationCode: 60,
       RefreshToken: 3600,
       IdToken: 300,
-      AccessToken: 300,
+      // AccessToken: the resource server's accessTokenTTL (see RESOURCES).
     },
   });
 }

@@ -1,0 +1,243 @@
+"""``kvcdn validate``: every installed family's tiny configs (offline), or one real model, through the
+reference path, the cache path and a bitwise round trip.
+
+This replaces a hand-kept list of "validated" models: ``--format markdown`` prints the README's
+support table from the same run (``tests/test_support_table.py`` checks the README against the
+installed adapters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from kvcdn_core.commands.common import emit_json, read_text_file
+from kvcdn_core.errors import CheckFailed, KvcdnError
+
+
+@dataclasses.dataclass
+class ArchReport:
+    """One architecture's validation: who serves it, its cache layers, and each phase's result."""
+
+    family: str
+    extra: str
+    architecture: str
+    source: str  # "tiny" or the model id
+    phases: list = dataclasses.field(default_factory=list)  # PhaseResult
+    layers: list = dataclasses.field(default_factory=list)  # manifest layer entries
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.phases) and all(p.passed for p in self.phases)
+
+    def layer_summary(self) -> str:
+        return summarize_layers(self.layers)
+
+    def as_dict(self) -> dict:
+        return {
+            "family": self.family, "extra": self.extra, "architecture": self.architecture,
+            "source": self.source, "passed": self.passed, "layers": self.layer_summary(),
+            "seconds": round(self.seconds, 3), "phases": [p.as_dict() for p in self.phases],
+        }
+
+
+def summarize_layers(layers: list[dict]) -> str:
+    """``2 full_attention, 2 sliding_window(16)``: counts of each layer kind, in first-seen order."""
+    counts: dict[str, int] = {}
+    for layer in layers:
+        kind = layer.get("kind", "?")
+        if "window" in layer:
+            kind = f"{kind}({layer['window']})"
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "-"
+
+
+def installed_adapters() -> dict[str, dict[str, type]]:
+    """family → architecture → adapter class, for every installed model plugin."""
+    from kvcdn_core.plugins import get_host
+
+    by_family: dict[str, dict[str, type]] = {}
+    for arch, cls in get_host().model_adapters().items():
+        by_family.setdefault(cls.family, {})[arch] = cls
+    return by_family
+
+
+def _failed(run_arch: str, phase: str, exc: BaseException):
+    from kvcdn_core.validation import PhaseResult
+
+    text = str(exc) if isinstance(exc, KvcdnError) else f"{type(exc).__name__}: {exc}"
+    return PhaseResult(run_arch, phase, False, text.splitlines()[0] if text else type(exc).__name__)
+
+
+def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None,
+                 **options) -> None:
+    """Run every validation phase on a loaded session and fill ``report``."""
+    from kvcdn_core.validation import ValidationRun, context_length_for, long_context, run_phases
+
+    text = context or long_context(context_length_for(session), session.tokenizer)
+    run = ValidationRun(session, report.architecture, workdir, n, text, **options)
+    report.phases.extend(run_phases(run))
+    if run.header is not None:
+        report.layers = run.header.manifest.get("layers", [])
+
+
+def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> ArchReport:
+    from kvcdn_core import runtime
+    from kvcdn_core.tiny import build_tiny_model
+    from kvcdn_core.validation import tiny_options
+
+    report = ArchReport(family, cls.extra_name(), arch, "tiny")
+    start = time.perf_counter()
+    if arch not in (cls.validation_configs or {}):
+        from kvcdn_core.validation import PhaseResult
+
+        report.phases.append(PhaseResult(arch, "load", False, "the adapter ships no tiny validation config"))
+        return report
+    try:
+        model_dir = build_tiny_model(cls, arch, workdir / arch)
+        session = runtime.load_session(str(model_dir), device="cpu", dtype="float32", adapter_cls=cls)
+    except Exception as exc:
+        report.phases.append(_failed(arch, "load", exc))
+    else:
+        validate_one(session, report, workdir, n, None, **tiny_options(n))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def validate_model(model: str, revision, device: str, dtype: str, workdir: Path, n: int,
+                   context: str | None) -> ArchReport:
+    from kvcdn_core import runtime
+
+    start = time.perf_counter()
+    session = runtime.load_session(model, revision, device, dtype)  # refusals exit 2 here
+    arch = session.fingerprint.get("architecture") or type(session.model).__name__
+    report = ArchReport(session.adapter.family, session.adapter.extra_name(), arch, model)
+    validate_one(session, report, workdir, n, context)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# -- output -------------------------------------------------------------------------------------
+
+def phase_names(reports: list[ArchReport]) -> list[str]:
+    names: list[str] = []
+    for r in reports:
+        for p in r.phases:
+            if p.phase not in names:
+                names.append(p.phase)
+    return names
+
+
+def _cell(phase) -> str:
+    if phase is None:
+        return "-"
+    status = "PASS" if phase.passed else "FAIL"
+    if phase.first_divergence is not None:
+        status += f"@{phase.first_divergence}"
+    return f"{status} {phase.seconds:.2f}s"
+
+
+def render_table(reports: list[ArchReport]) -> str:
+    names = phase_names(reports)
+    rows = [["FAMILY", "ARCHITECTURE", *[n.upper() for n in names], "LAYERS", "TOTAL"]]
+    for r in reports:
+        by_name = {p.phase: p for p in r.phases}
+        rows.append([r.family, r.architecture, *[_cell(by_name.get(n)) for n in names],
+                     r.layer_summary(), f"{r.seconds:.1f}s"])
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    failures = [(r, p) for r in reports for p in r.phases if not p.passed]
+    for r, p in failures:
+        where = "" if p.first_divergence is None else f" (first divergence at token {p.first_divergence})"
+        lines.append(f"{r.architecture} {p.phase}: {p.detail}{where}")
+    passed = sum(r.passed for r in reports)
+    lines.append(f"{passed}/{len(reports)} architectures pass" + ("" if reports else " (none installed)"))
+    return "\n".join(lines)
+
+
+def render_markdown(reports: list[ArchReport]) -> str:
+    """The README's support table: one row per architecture, sorted by family then architecture."""
+    lines = ["| Architecture | Family | Install | Cache layers (tiny config) | `kvcdn validate` |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in sorted(reports, key=lambda r: (r.family, r.architecture)):
+        status = "PASS" if r.passed else "FAIL"
+        lines.append(f"| `{r.architecture}` | {r.family} | `pip install 'kvcdn[{r.extra}]'` | "
+                     f"{r.layer_summary()} | {status} |")
+    return "\n".join(lines)
+
+
+@click.command("validate")
+@click.option("--family", default=None, help="Validate only this installed family's tiny configs.")
+@click.option("--model", default=None,
+              help="Validate one real model (Hugging Face id or local directory) instead of the tiny configs.")
+@click.option("--revision", default=None, help="Model revision (with --model).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
+              help="Where to run --model (tiny configs always run on the CPU in float32).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="Compute dtype for --model; auto is float32 on CPU, bfloat16 on CUDA.")
+@click.option("--context-file", default=None,
+              help="Context for --model [default: sample text longer than twice its sliding window].")
+@click.option("--n", "n", type=click.IntRange(1), default=16, show_default=True,
+              help="Tokens to decode greedily on both paths.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
+              show_default=True, help="table for people, json for tools, markdown for the README support table.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
+def command(family, model, revision, device, dtype, context_file, n, fmt, quiet):
+    """Check that every installed architecture (or one model) continues token-exact from its cache.
+
+    For each architecture: build the family's tiny offline config (or load --model), generate an
+    artifact of a context longer than any sliding window, and run the phases: roundtrip (every
+    tensor reloads bitwise), reference (full prefill + greedy decoding) and cache (load the artifact,
+    continue, compare token ids with the reference). Exit 0 when all pass, 1 when any fails, 2 for
+    an unknown family or a model no plugin serves.
+
+    \b
+      kvcdn validate                      # every installed family, offline
+      kvcdn validate --family gemma
+      kvcdn validate --model ./my-model --n 32
+      kvcdn validate --format markdown    # the README support table
+    """
+    if family and model:
+        raise KvcdnError("pass --family or --model, not both")
+    if context_file and not model:
+        raise KvcdnError("--context-file goes with --model (tiny configs use their own context)")
+    context = read_text_file(context_file) if context_file else None
+    say = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
+
+    with tempfile.TemporaryDirectory(prefix="kvcdn-validate-") as tmp:
+        workdir = Path(tmp)
+        if model:
+            say(f"validating {model} ...")
+            reports = [validate_model(model, revision, device, dtype, workdir, n, context)]
+        else:
+            reports = _validate_families(family, workdir, n, say)
+
+    if fmt == "json":
+        emit_json({"passed": all(r.passed for r in reports), "architectures": [r.as_dict() for r in reports]})
+    elif fmt == "markdown":
+        click.echo(render_markdown(reports))
+    else:
+        click.echo(render_table(reports))
+    failed = [r.architecture for r in reports if not r.passed]
+    if failed:
+        raise CheckFailed(f"validation failed for {len(failed)} of {len(reports)} architectures: {', '.join(failed)}")
+
+
+def _validate_families(family: str | None, workdir: Path, n: int, say) -> list:
+    adapters = installed_adapters()
+    if family is not None and family not in adapters:
+        installed = ", ".join(sorted(adapters)) or "none"
+        raise KvcdnError(f"unknown family '{family}'; installed families: {installed}")
+    reports = []
+    for fam in sorted(adapters) if family is None else [family]:
+        for arch, cls in sorted(adapters[fam].items()):
+            say(f"validating {fam}/{arch} ...")
+            report = validate_tiny_arch(fam, arch, cls, workdir, n)
+            say(f"  {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f}s")
+            reports.append(report)
+    return reports

@@ -1,0 +1,523 @@
+"""The hosted commands: login, logout, api-key, upload, list, download, delete, whoami, quota,
+admin mint-api-key, infer.
+
+Every command resolves its settings (flag → env → config → defaults), does its work, writes its
+output and then sends one telemetry event (see :mod:`kvcdn_hosted.telemetry`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from kvcdn_core.commands.common import emit_json
+from kvcdn_core.errors import KvcdnError
+
+
+# -- shared options and plumbing -----------------------------------------------------------------
+
+def endpoint_options(f):
+    f = click.option("--api-key", "api_key", default=None, metavar="KEY",
+                     help="Org API key (kv_...) [env KVCDN_API_KEY]; wins over a login session.")(f)
+    f = click.option("--api-url", "api_url", default=None, metavar="URL",
+                     help="Hosted endpoint [env KVCDN_API_URL, config api_url].")(f)
+    return f
+
+
+def issuer_options(f):
+    f = click.option("--client-id", "client_id", default=None,
+                     help="OIDC client id [env KVCDN_CLIENT_ID, config client_id, default kvcdn-cli].")(f)
+    f = click.option("--issuer-url", "issuer_url", default=None, metavar="URL",
+                     help="OIDC issuer [env KVCDN_ISSUER_URL, config issuer_url].")(f)
+    return f
+
+
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+
+SETTING_FLAGS = ("api_url", "api_key", "issuer_url", "client_id")
+
+
+def settings_from(kwargs: dict):
+    from kvcdn_hosted.config import load_settings
+
+    return load_settings(**{k: kwargs.get(k) for k in SETTING_FLAGS if k in kwargs})
+
+
+def hosted_command(name: str):
+    """Run a command body; write its error line itself, then send the telemetry event."""
+
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            started = time.monotonic()
+            try:
+                result = f(*args, **kwargs)
+            except KvcdnError as exc:
+                click.echo(f"error: {exc}", err=True)
+                _telemetry(kwargs, name, started, False)
+                raise click.exceptions.Exit(exc.exit_code) from None
+            except (click.exceptions.Exit, click.Abort, click.ClickException, KeyboardInterrupt):
+                _telemetry(kwargs, name, started, False)
+                raise
+            _telemetry(kwargs, name, started, True)
+            return result
+
+        return wrapper
+
+    return decorate
+
+
+def _telemetry(kwargs: dict, name: str, started: float, success: bool) -> None:
+    from kvcdn_hosted import telemetry
+
+    try:
+        api_url = settings_from(kwargs).api_url
+    except Exception:  # a broken config already produced its own error
+        return
+    telemetry.send(api_url, name, time.monotonic() - started, success)
+
+
+def _hosted(settings, quiet: bool = True):
+    from kvcdn_hosted.storage import HostedStorage
+
+    settings.require_api_url()
+    return HostedStorage(settings, quiet=quiet)
+
+
+def _backend(uri: str | None, settings, quiet: bool):
+    """``(hosted, backend)``: the hosted endpoint unless ``--to/--from`` names another backend."""
+    from kvcdn_hosted.storage import HostedStorage
+
+    if uri is None:
+        return True, _hosted(settings, quiet)
+    from kvcdn_core.storage import open_storage
+
+    backend = open_storage(uri)
+    if isinstance(backend, HostedStorage):
+        backend.quiet = quiet
+        return True, backend
+    return False, backend
+
+
+def _human_bytes(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _table(rows: list[tuple]) -> None:
+    rows = [tuple("" if c is None else str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _check_upload_source(path: str) -> tuple[Path, dict]:
+    """Refuse a non-.kv or unreadable file before any network call."""
+    from kvcdn_core import artifact
+
+    source = Path(path)
+    if not source.name.endswith(".kv"):
+        raise KvcdnError(f"'{path}' is not a .kv artifact (the file name must end in .kv)")
+    if not source.is_file():
+        raise KvcdnError(f"artifact '{path}' does not exist" if not source.exists() else f"'{path}' is not a file")
+    if not os.access(source, os.R_OK):
+        raise KvcdnError(f"artifact '{path}' is not readable")
+    return source, artifact.read_header(source).manifest
+
+
+# -- login, logout, api-key -------------------------------------------------------------------------
+
+@click.command("login")
+@issuer_options
+@click.option("--api-url", "api_url", default=None, metavar="URL", help="Hosted endpoint (used as the token resource).")
+@click.option("--no-browser", is_flag=True, help="Only print the URL and code; do not open a browser.")
+@click.option("--flow", type=click.Choice(["auto", "device", "browser"]), default="auto", show_default=True,
+              help="auto: the device flow when the issuer offers it, else browser (auth code + PKCE).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300, show_default=True,
+              help="Seconds to wait for the browser redirect (browser flow).")
+@hosted_command("login")
+def login(issuer_url, client_id, api_url, no_browser, flow, timeout_s):
+    """Log in with your identity provider (OIDC) and store the session privately."""
+    import httpx
+
+    from kvcdn_hosted import credentials, oidc
+
+    settings = settings_from(locals())
+    issuer = settings.require_issuer_url()
+    resource = settings.oidc_resource
+    say = functools.partial(click.echo, err=True)
+    opener = None
+    if not no_browser:
+        import webbrowser
+
+        opener = webbrowser.open
+    with httpx.Client(headers={"Accept": "application/json"}) as http:
+        meta = oidc.discover(http, issuer)
+        use_device = meta.get("device_authorization_endpoint") and flow in ("auto", "device")
+        if flow == "device" and not use_device:
+            raise KvcdnError(f"the issuer {issuer} does not offer the device flow; use --flow browser")
+        if use_device:
+            tokens = oidc.device_login(http, meta, settings.client_id, scope=settings.oidc_scope, resource=resource, say=say,
+                                       open_browser=opener)
+        else:
+            tokens = oidc.pkce_login(http, meta, settings.client_id, scope=settings.oidc_scope, resource=resource,
+                                     timeout_s=timeout_s,
+                                     say=say, open_browser=opener)
+    session = oidc.session_from_tokens(tokens, meta, issuer, settings.client_id, resource)
+    path = credentials.update(session=session) and credentials.credentials_path()
+    click.echo(f"logged in to {issuer}; session stored in {path}")
+    if credentials.load().get("api_key") or settings.api_key:
+        click.echo("note: an API key is set and takes precedence over this login (kvcdn api-key clear)", err=True)
+
+
+@click.command("logout")
+@hosted_command("logout")
+def logout():
+    """Remove the stored login session and API key (and revoke the refresh token)."""
+    import httpx
+
+    from kvcdn_hosted import credentials, oidc
+
+    stored = credentials.load()
+    if stored.get("session"):
+        with httpx.Client() as http:
+            oidc.revoke(http, stored["session"])
+    removed = credentials.clear()
+    click.echo("logged out: stored credentials removed" if removed else "no stored credentials")
+    if os.environ.get("KVCDN_API_KEY"):
+        click.echo("note: KVCDN_API_KEY is still set in your environment", err=True)
+
+
+@click.group("api-key")
+def api_key_group():
+    """Store, check or remove an org API key (kv_ followed by 64 hex characters)."""
+
+
+@api_key_group.command("set")
+@click.argument("key")
+@hosted_command("api-key set")
+def api_key_set(key):
+    """Store KEY (use - to read it from standard input, keeping it out of shell history)."""
+    from kvcdn_hosted import credentials
+    from kvcdn_hosted.apikey import mask, validate_api_key
+
+    if key == "-":
+        key = sys.stdin.readline()
+    key = validate_api_key(key)
+    credentials.update(api_key=key)
+    click.echo(f"API key {mask(key)} stored in {credentials.credentials_path()} (check it: kvcdn api-key verify)")
+
+
+@api_key_group.command("verify")
+@endpoint_options
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@hosted_command("api-key verify")
+def api_key_verify(api_url, api_key, fmt):
+    """Ask the endpoint whether the API key in use is valid, and for which org."""
+    from kvcdn_hosted.client import Credential, HostedClient, resolve_credential
+
+    settings = settings_from(locals())
+    settings.require_api_url()
+    credential = resolve_credential(settings)
+    if credential is None or credential.method != "api_key":
+        raise KvcdnError("no API key set: kvcdn api-key set KEY, KVCDN_API_KEY or --api-key")
+    with HostedClient(settings, credential=Credential(**vars(credential))) as client:
+        info = client.json("POST", "/api/v1/api-keys/verify", what="api-key verify")
+    if fmt == "json":
+        emit_json(info)
+    else:
+        click.echo(f"valid API key for org {info.get('org')} (customer {info.get('customer_id')}), from {credential.source}")
+
+
+@api_key_group.command("clear")
+@hosted_command("api-key clear")
+def api_key_clear():
+    """Remove the stored API key (a login session stays)."""
+    from kvcdn_hosted import credentials
+
+    had = "api_key" in credentials.load()
+    credentials.update(api_key=None)
+    click.echo("stored API key removed" if had else "no stored API key")
+
+
+# -- artifacts --------------------------------------------------------------------------------------
+
+@click.command("upload")
+@click.argument("artifact_path", metavar="ARTIFACT.kv")
+@click.option("--name", required=True, help="Name to list the artifact under.")
+@click.option("--visibility", type=click.Choice(["private", "public"]), default="private", show_default=True)
+@click.option("--to", "to_uri", default=None, metavar="URI",
+              help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@endpoint_options
+@quiet_option
+@hosted_command("upload")
+def upload(artifact_path, name, visibility, to_uri, fmt, api_url, api_key, quiet):
+    """Upload a .kv artifact and print its id."""
+    source, _manifest = _check_upload_source(artifact_path)
+    settings = settings_from(locals())
+    hosted, backend = _backend(to_uri, settings, quiet)
+    if hosted:
+        record = backend.upload(source, name, visibility)
+        artifact_id = record["artifact_id"]
+    else:
+        from kvcdn_hosted.transfer import sha256_file
+
+        key = name if name.endswith(".kv") else name + ".kv"
+        backend.put_file(key, source)
+        record = {"artifact_id": key, "name": name, "size_bytes": source.stat().st_size,
+                  "sha256": sha256_file(source), "storage": to_uri}
+        artifact_id = key
+    if fmt == "json":
+        emit_json(record)
+    else:
+        click.echo(artifact_id)
+
+
+@click.command("list")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "ids"]), default="table", show_default=True)
+@click.option("--long", "long_", is_flag=True, help="More columns: sha256, architecture, dtype, quantization.")
+@click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
+@endpoint_options
+@hosted_command("list")
+def list_cmd(fmt, long_, from_uri, api_url, api_key):
+    """List the artifacts you can see (all pages)."""
+    settings = settings_from(locals())
+    hosted, backend = _backend(from_uri, settings, True)
+    if hosted:
+        items = backend.artifacts()
+    else:
+        items = [{"artifact_id": o.key, "name": o.key, "size_bytes": o.size}
+                 for o in backend.list() if o.key.endswith(".kv")]
+    if fmt == "json":
+        emit_json(items)
+    elif fmt == "ids":
+        for item in items:
+            click.echo(item.get("artifact_id"))
+    elif not items:
+        click.echo("no artifacts", err=True)
+    else:
+        head = ["ID", "NAME", "SIZE", "TOKENS", "MODEL", "VISIBILITY", "CREATED"]
+        if long_:
+            head += ["ARCHITECTURE", "DTYPE", "QUANT", "SHA256"]
+        rows = [tuple(head)]
+        for a in items:
+            m = a.get("manifest") or {}
+            row = [a.get("artifact_id"), a.get("name"), _human_bytes(a.get("size_bytes")), m.get("token_count"),
+                   m.get("model_id"), a.get("visibility"), a.get("created_at")]
+            if long_:
+                row += [m.get("architecture"), m.get("dtype"), m.get("quantization") or "none", a.get("sha256")]
+            rows.append(tuple("-" if v is None else v for v in row))
+        _table(rows)
+
+
+def _default_download_name(artifact_id: str, record: dict | None) -> str:
+    name = (record or {}).get("name") or ""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
+    safe = safe.removesuffix(".kv") if safe else ""
+    return (safe or re.sub(r"[^A-Za-z0-9._-]+", "_", artifact_id)) + ".kv"
+
+
+@click.command("download")
+@click.argument("artifact_id", metavar="ID")
+@click.option("--output", "-o", default=None, metavar="PATH", help="Where to write [default: ./<name>.kv].")
+@click.option("--force", is_flag=True, help="Replace an existing file.")
+@click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
+@endpoint_options
+@quiet_option
+@hosted_command("download")
+def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
+    """Download an artifact, check its sha256 and .kv header, and write it atomically."""
+    from kvcdn_core.paths import ensure_kv_suffix
+
+    settings = settings_from(locals())
+    hosted, backend = _backend(from_uri, settings, quiet)
+    if output:
+        target = ensure_kv_suffix(output)
+    elif hosted:
+        record = None
+        try:
+            record = backend.describe(artifact_id)
+        except KvcdnError:
+            pass  # a public artifact of another tenant: download-url works, describe may not
+        target = Path(_default_download_name(artifact_id, record))
+    else:
+        target = Path(Path(artifact_id).name if artifact_id.endswith(".kv") else Path(artifact_id).name + ".kv")
+    if target.exists() and not force:
+        raise KvcdnError(f"'{target}' exists; pass --force to replace it or --output to choose another path")
+    if target.is_dir():
+        raise KvcdnError(f"'{target}' is a directory")
+    if hosted:
+        backend.download(artifact_id, target)
+    else:
+        _download_generic(backend, artifact_id, target)
+    click.echo(str(target))
+
+
+def _download_generic(backend, key: str, target: Path) -> None:
+    """Fetch from a plain storage backend into a temp file, check it is a .kv, then rename."""
+    import tempfile
+
+    from kvcdn_hosted.transfer import check_artifact
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        backend.get_file(key, tmp)
+        check_artifact(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@click.command("delete")
+@click.argument("artifact_id", metavar="ID")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
+@endpoint_options
+@hosted_command("delete")
+def delete(artifact_id, yes, from_uri, api_url, api_key):
+    """Delete an artifact (asks first unless --yes)."""
+    settings = settings_from(locals())
+    hosted, backend = _backend(from_uri, settings, True)
+    if hosted:
+        record = backend.describe(artifact_id)
+        label = f"{artifact_id} ({record.get('name')})" if record.get("name") else artifact_id
+    else:
+        if not backend.exists(artifact_id):
+            raise KvcdnError(f"no artifact '{artifact_id}' in {from_uri}")
+        label = artifact_id
+    if not yes:
+        if not sys.stdin.isatty():
+            raise KvcdnError(f"refusing to delete {label} without confirmation: pass --yes")
+        click.confirm(f"Delete artifact {label}?", abort=True, err=True)
+    if hosted:
+        backend.remove(artifact_id)
+    else:
+        backend.delete(artifact_id)
+    click.echo(f"deleted {artifact_id}")
+
+
+@click.command("infer")
+@click.argument("artifact_id", metavar="ID")
+@click.option("--question", "-q", required=True, help="Text to continue the artifact's context with.")
+@click.option("--n", "n", type=click.IntRange(1, 256), default=32, show_default=True, help="Tokens to generate.")
+@click.option("--org", default=None, help="Org (older servers) [env KVCDN_DEFAULT_ORG].")
+@click.option("--project", default=None, help="Project (older servers) [env KVCDN_DEFAULT_PROJECT].")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@endpoint_options
+@hosted_command("infer")
+def infer(artifact_id, question, n, org, project, fmt, api_url, api_key):
+    """Continue from an uploaded artifact on the server (no prefill on either side)."""
+    settings = settings_from(locals())
+    backend = _hosted(settings)
+    result = backend.infer(artifact_id, question, n, org or settings.default_org,
+                           project or settings.default_project)
+    if fmt == "json":
+        emit_json(result)
+    else:
+        click.echo(result.get("text", ""))
+
+
+# -- identity and quota -----------------------------------------------------------------------------
+
+@click.command("whoami")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="json includes access_token, the credential in use (for curl); table never shows it.")
+@endpoint_options
+@hosted_command("whoami")
+def whoami(fmt, api_url, api_key):
+    """Who the endpoint says you are, and which credential is in use."""
+    from kvcdn_hosted.client import HostedClient
+
+    settings = settings_from(locals())
+    with HostedClient(settings) as client:
+        credential = client.require_credential("whoami")
+        info = client.json("GET", "/api/v1/whoami", what="whoami")
+    info = dict(info or {})
+    if fmt == "json":
+        info.update(access_token=credential.token, credential=credential.method,
+                    credential_source=credential.source, api_url=settings.api_url)
+        emit_json(info)
+        return
+    rows = [("endpoint", settings.api_url), ("customer", info.get("customer_id")), ("org", info.get("org")),
+            ("method", info.get("method") or credential.method), ("credential", credential.source)]
+    if credential.expires_at:
+        left = int(credential.expires_at - time.time())
+        rows.append(("expires in", f"{left} s"))
+    for key, value in rows:
+        click.echo(f"{key + ':':12} {value if value is not None else '-'}")
+
+
+@click.command("quota")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@endpoint_options
+@hosted_command("quota")
+def quota(fmt, api_url, api_key):
+    """Your limits and usage on the endpoint."""
+    from kvcdn_hosted.client import HostedClient
+
+    settings = settings_from(locals())
+    with HostedClient(settings) as client:
+        client.require_credential("quota")
+        info = client.json("GET", "/api/v1/quota", what="quota")
+    if fmt == "json":
+        emit_json(info)
+        return
+    _table(_quota_rows(info or {}))
+
+
+def _quota_rows(info: dict) -> list[tuple]:
+    limits, usage = info.get("limits") or {}, info.get("usage") or {}
+    rows = [("WHAT", "USED", "LIMIT")]
+    for key in sorted(set(limits) | set(usage)):
+        used, limit = usage.get(key), limits.get(key)
+        if "bytes" in key:
+            used, limit = _human_bytes(used), (_human_bytes(limit) if limit is not None else "-")
+        rows.append((key, "-" if used is None else used, "-" if limit is None else limit))
+    if len(rows) == 1:
+        rows += [(k, v, "") for k, v in info.items()]
+    return rows
+
+
+@click.group("admin")
+def admin_group():
+    """Operator commands (need the server's admin secret in KVCDN_ADMIN_SECRET)."""
+
+
+@admin_group.command("mint-api-key")
+@click.argument("org")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option("--api-url", "api_url", default=None, metavar="URL", help="Hosted endpoint [env KVCDN_API_URL].")
+@hosted_command("admin mint-api-key")
+def mint_api_key(org, fmt, api_url):
+    """Mint (derive) the API key of ORG; prints the key."""
+    from kvcdn_hosted.client import HostedClient
+
+    secret = os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
+    if not secret:
+        raise KvcdnError("set KVCDN_ADMIN_SECRET to the server's admin secret (kvcdn serve prints where it is)")
+    settings = settings_from(locals())
+    with HostedClient(settings, auth=False) as client:
+        info = client.json("POST", "/api/v1/admin/api-keys", what="admin mint-api-key", json={"org_slug": org},
+                           headers={"X-Kvcdn-Admin-Secret": secret})
+    if fmt == "json":
+        emit_json(info)
+    else:
+        click.echo(info.get("api_key"))
+
+
+COMMANDS = (login, logout, api_key_group, upload, list_cmd, download, delete, infer, whoami, quota, admin_group)

@@ -1,0 +1,58 @@
+"""Settings resolution: flag → KVCDN_* env → config.toml → defaults; clear errors."""
+
+import pytest
+
+from kvcdn_core.errors import KvcdnError
+from kvcdn_hosted.config import load_settings, read_config_file
+
+
+def write_config(config_home, text):
+    config_home.mkdir(parents=True, exist_ok=True)
+    path = config_home / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_flag_env_file_default(config_home, monkeypatch):
+    write_config(config_home, 'api_url = "http://file:1"\nissuer_url = "http://issuer-file"\n'
+                              'default_org = "file-org"\n')
+    monkeypatch.setenv("KVCDN_API_URL", "http://env:2")
+    s = load_settings(api_url="http://flag:3/")
+    assert s.api_url == "http://flag:3" and s.sources["api_url"] == "flag"
+    s = load_settings()
+    assert s.api_url == "http://env:2" and s.sources["api_url"] == "env KVCDN_API_URL"
+    assert s.issuer_url == "http://issuer-file" and s.sources["issuer_url"].startswith("config ")
+    assert s.default_org == "file-org"
+    assert s.client_id == "kvcdn-cli" and s.sources["client_id"] == "default"
+    monkeypatch.setenv("KVCDN_CLIENT_ID", "other-client")
+    assert load_settings().client_id == "other-client"
+
+
+def test_no_builtin_endpoint_says_how_to_set_one(config_home):
+    s = load_settings()
+    assert s.api_url is None
+    with pytest.raises(KvcdnError) as err:
+        s.require_api_url()
+    assert "KVCDN_API_URL" in str(err.value) and "config.toml" in str(err.value)
+
+
+def test_malformed_toml_names_file_and_line(config_home):
+    path = write_config(config_home, 'api_url = "http://x"\nclient_id = \n')
+    with pytest.raises(KvcdnError) as err:
+        load_settings()
+    message = str(err.value)
+    assert str(path) in message and "line 2" in message and "\n" not in message
+
+
+def test_wrong_type_and_unknown_key(config_home, capsys):
+    path = write_config(config_home, 'api_url = 3\n')
+    with pytest.raises(KvcdnError, match="'api_url' must be a string"):
+        read_config_file(path)
+    write_config(config_home, 'api_url = "http://ok"\ncolour = "blue"\n')
+    assert load_settings().api_url == "http://ok"
+    assert "unknown setting 'colour'" in capsys.readouterr().err
+
+
+def test_url_must_be_http(config_home):
+    with pytest.raises(KvcdnError, match="not an http"):
+        load_settings(api_url="ftp://x")

@@ -1,0 +1,13 @@
+import pytest
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_glm import GlmAdapter
+
+
+@pytest.mark.parametrize("architecture", sorted(GlmAdapter.validation_configs))
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(GlmAdapter, architecture, tmp_path)
+    manifest = fmt.read_manifest(tmp_path / f"{architecture}.kv")
+    assert [layer["kind"] for layer in manifest["layers"]] == [fmt.FULL_ATTENTION] * 2
+    assert manifest["model"]["family"] == "glm"

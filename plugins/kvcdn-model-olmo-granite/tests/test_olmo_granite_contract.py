@@ -1,0 +1,17 @@
+import pytest
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_olmo_granite import OlmoGraniteAdapter
+
+
+@pytest.mark.parametrize("architecture", sorted(OlmoGraniteAdapter.validation_configs))
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(OlmoGraniteAdapter, architecture, tmp_path)
+    manifest = fmt.read_manifest(tmp_path / f"{architecture}.kv")
+    window = OlmoGraniteAdapter.validation_configs[architecture].get("sliding_window")
+    want = fmt.SLIDING_WINDOW if window else fmt.FULL_ATTENTION
+    assert [layer["kind"] for layer in manifest["layers"]] == [want] * 2
+    if window:
+        assert manifest["layers"][0]["window"] == window
+        assert manifest["layers"][0]["cumulative_length"] == manifest["token_count"] > 2 * window

@@ -1,0 +1,144 @@
+"""Qwen3-Next (gated-DeltaNet linear attention + full attention) and cropping restored caches.
+
+The adapter contract for Qwen3-Next runs in test_qwen_contract.py (it is one of QwenAdapter's
+validation configs); these tests check what is specific to linear-attention layers, against a full
+prefill of the same token ids in float32.
+"""
+
+import pytest
+import torch
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core import runtime
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.validation import long_context
+from kvcdn_model_qwen import QwenAdapter
+
+NEXT = "Qwen3NextForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def session_of(tiny_model):
+    loaded = {}
+
+    def get(architecture):
+        if architecture not in loaded:
+            path = tiny_model(QwenAdapter, architecture)
+            loaded[architecture] = runtime.load_session(str(path), device="cpu", dtype="float32",
+                                                        adapter_cls=QwenAdapter)
+        return loaded[architecture]
+
+    return get
+
+
+def ids_of(session, n_tokens):
+    return session.adapter.encode_context(session.tokenizer, long_context(n_tokens, session.tokenizer))
+
+
+def saved(session, ids, tmp_path):
+    cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
+    path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "ctx.kv")
+    return fmt.read_header(path)
+
+
+def question_ids(session):
+    ids = session.adapter.encode_continuation(session.tokenizer, " Which ship was missing, and where?")
+    assert len(ids) > 4
+    return ids
+
+
+def test_manifest_records_linear_and_full_layers(session_of, tmp_path):
+    session = session_of(NEXT)
+    header = saved(session, ids_of(session, 40), tmp_path)
+    manifest = header.manifest
+    assert [layer["kind"] for layer in manifest["layers"]] == [
+        fmt.LINEAR_ATTENTION, fmt.LINEAR_ATTENTION, fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION]
+    assert manifest["reuse"] == "whole_prefix"
+    linear, full = manifest["layers"][0], manifest["layers"][3]
+    assert set(linear["tensors"]) == {"conv_state", "recurrent_state"}
+    assert linear["conv_kernel"] == 4
+    assert set(full["tensors"]) == {"key", "value"}
+    assert manifest["tensors"][full["tensors"]["key"]]["shape"][2] == header.token_count
+
+
+def test_chunked_prefill_gives_the_one_pass_state(session_of):
+    session = session_of(NEXT)
+    ids = ids_of(session, 150)
+    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
+    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=64, progress=False)
+    _, one = session.adapter.export_cache(session.model, one_cache)
+    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
+    assert sorted(one) == sorted(chunked)
+    for name in one:
+        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=1e-4, msg=name)
+    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_multi_token_question_on_restored_state(session_of, tmp_path):
+    session = session_of(NEXT)
+    ids = ids_of(session, 150)
+    question = question_ids(session)
+    restored, restored_ids = runtime.load_cache(session, saved(session, ids, tmp_path))
+    assert restored_ids == ids
+    with torch.inference_mode():
+        cached, _ = session.adapter.forward(session.model, torch.tensor([question]), restored)
+        full, _ = session.adapter.forward(session.model, torch.tensor([ids + question]),
+                                          session.adapter.new_cache(session.model))
+    full = full[:, len(ids):]
+    # The chunked delta rule sums in 64-token blocks aligned to the start of each call, so float32
+    # rounding differs by ~2e-4 on logits of magnitude ~10; a lost state differs by ~4.
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-3)
+    assert torch.equal(cached.argmax(-1), full.argmax(-1))
+    # Control: the same check on a state that lost its linear-attention memory fails clearly.
+    broken, _ = runtime.load_cache(session, fmt.read_header(tmp_path / "ctx.kv"))
+    for layer in broken.layers[:3]:
+        layer.recurrent_states[0].zero_()
+    with torch.inference_mode():
+        wrong, _ = session.adapter.forward(session.model, torch.tensor([question]), broken)
+    assert float((wrong - full).abs().max()) > 0.1
+
+
+def test_crop_refuses_linear_attention(session_of, tmp_path):
+    session = session_of(NEXT)
+    ids = ids_of(session, 40)
+    header = saved(session, ids, tmp_path)
+    restored, _ = runtime.load_cache(session, header)
+    layers = header.manifest["layers"]
+    with pytest.raises(KvcdnError, match="layer 0 is 'linear_attention'"):
+        session.adapter.crop(restored, layers, len(ids) - 3)
+    # Nothing was cut: the full-attention layer still holds every token, the whole prefix reuses.
+    assert restored.layers[3].keys.shape[-2] == len(ids)
+    assert session.adapter.crop(restored, layers, len(ids)) is restored
+
+
+def test_crop_full_attention_equals_a_shorter_prefill(session_of, tmp_path):
+    """The croppable case of the same contract: a cropped Qwen3 cache continues like a fresh prefill."""
+    session = session_of("Qwen3ForCausalLM")
+    ids = ids_of(session, 60)
+    header = saved(session, ids, tmp_path)
+    assert header.manifest["reuse"] == "any_prefix"
+    restored, _ = runtime.load_cache(session, header)
+    keep = len(ids) - 17
+    session.adapter.crop(restored, header.manifest["layers"], keep)
+    assert restored.get_seq_length() == keep
+    question = question_ids(session)
+    with torch.inference_mode():
+        cropped, _ = session.adapter.forward(session.model, torch.tensor([question]), restored)
+        full, _ = session.adapter.forward(session.model, torch.tensor([ids[:keep] + question]),
+                                          session.adapter.new_cache(session.model))
+    torch.testing.assert_close(cropped, full[:, keep:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(KvcdnError, match="cannot crop"):
+        session.adapter.crop(restored, header.manifest["layers"], 0)
+
+
+def test_crop_refuses_sliding_window(tmp_path):
+    """Sliding-window layers keep only the last window: a shorter prefix is refused by kind."""
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    layer = DynamicSlidingWindowLayer(sliding_window=8)
+    layer.update(torch.zeros(1, 1, 20, 4), torch.zeros(1, 1, 20, 4))
+    cache = DynamicCache()
+    cache.layers = [layer]
+    layers = [{"index": 0, "kind": fmt.SLIDING_WINDOW}]
+    with pytest.raises(KvcdnError, match="'sliding_window'"):
+        QwenAdapter().crop(cache, layers, 10, token_count=20)

@@ -1,0 +1,66 @@
+"""``kvcdn serve``: run the hosted API (loopback only unless told otherwise)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import click
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; the default is loopback only (put TLS and a load balancer in front otherwise).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--storage", default=None, metavar="PATH|s3://bucket/prefix",
+              help="Where artifacts live [env KVCDN_STORAGE; default: $XDG_DATA_HOME/kvcdn/server/objects].")
+@click.option("--models", default=None, metavar="ID,...",
+              help="Models inference may load: hub ids or local directories [env KVCDN_MODELS]. "
+                   "Hub models already in the local cache are allowed too.")
+@click.option("--public-url", default=None,
+              help="External base URL used in signed links, e.g. https://kv.example.com [env KVCDN_PUBLIC_URL].")
+@click.option("--issuer-url", default=None, help="OIDC issuer whose access tokens are accepted [env KVCDN_ISSUER_URL].")
+@click.option("--client-id", default=None, help="Audience required in access tokens [env KVCDN_CLIENT_ID; default kvcdn-cli].")
+@click.option("--infer-concurrency", type=click.IntRange(1), default=None,
+              help="Inference requests run at once; more get 429 [env KVCDN_INFER_CONCURRENCY; default 2].")
+@click.option("--infer-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds before an inference request gets 504 [env KVCDN_INFER_TIMEOUT; default 120].")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="info", show_default=True)
+def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
+          log_level):
+    """Serve the kvcdn hosted API: artifact upload/list/download/delete, API keys, inference.
+
+    On first start it creates its API-key seed, admin secret and URL-signing key (files 0600 in
+    $XDG_DATA_HOME/kvcdn/server/) unless KVCDN_API_KEY_SEED / KVCDN_ADMIN_SECRET /
+    KVCDN_URL_SIGNING_KEY are set, and prints how to mint an org API key.
+    """
+    import uvicorn
+
+    from kvcdn_server.app import create_app
+    from kvcdn_server.config import load_config
+
+    config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout)
+    app = create_app(config)
+    shown = f"[{host}]" if ":" in host else host
+    base = config.public_url or f"http://{shown}:{port}"
+    click.echo(f"kvcdn serve: storage {config.storage_uri}; auth: org API keys"
+               + (f", OIDC tokens from {config.issuer_url}" if config.issuer_url else ""), err=True)
+    if config.created_secrets:
+        click.echo("created " + ", ".join(str(p) for p in config.created_secrets) + " (mode 0600)", err=True)
+    if not _is_loopback(host):
+        click.echo(f"warning: listening on {host}, not loopback: serve it behind TLS", err=True)
+    secret_hint = ("$KVCDN_ADMIN_SECRET" if "KVCDN_ADMIN_SECRET" in __import__("os").environ
+                   else f"$(cat {config.home / 'admin-secret'})")
+    click.echo("mint an org API key with:\n"
+               f"  curl -X POST {base}/api/v1/admin/api-keys -H \"X-Kvcdn-Admin-Secret: {secret_hint}\" "
+               "-H 'Content-Type: application/json' -d '{\"org_slug\": \"my-org\"}'", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, proxy_headers=True, server_header=False)

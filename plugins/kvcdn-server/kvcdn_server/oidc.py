@@ -1,0 +1,107 @@
+"""Verification of OIDC access tokens (JWTs) against the issuer's JWKS.
+
+Checked: ``alg`` against an allow-list of asymmetric algorithms (so neither ``none`` nor an ``HS*``
+token signed with the public key can pass), the ``kid`` against the JWKS (re-fetched at most once
+per 30 s when an unknown ``kid`` shows up, so rotation works and junk tokens cannot hammer the
+issuer), the signature, ``iss``, ``aud``, ``exp`` and ``sub``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import jwt
+
+from kvcdn_server.errors import ApiError, unauthorized
+
+JWKS_TTL = 300.0
+UNKNOWN_KID_REFETCH = 30.0
+
+
+@dataclass
+class TokenClaims:
+    subject: str
+    issuer: str
+    email: str | None
+    customer_id: str
+
+
+def oidc_customer_id(issuer: str, subject: str) -> str:
+    """The tenant of an OIDC subject, namespaced by its issuer."""
+    return "oidc:" + hashlib.sha256(f"{issuer}\0{subject}".encode()).hexdigest()[:32]
+
+
+class JwtVerifier:
+    def __init__(self, issuer: str, audience: str, algorithms: list[str], leeway: int = 30):
+        self.issuer = issuer
+        self.audience = audience
+        self.algorithms = list(algorithms)
+        self.leeway = leeway
+        self._lock = threading.Lock()
+        self._keys: dict[str, jwt.PyJWK] = {}
+        self._fetched_at = float("-inf")
+
+    def _fetch(self) -> None:
+        try:
+            with httpx.Client(timeout=5.0, follow_redirects=False) as client:
+                discovery = client.get(f"{self.issuer}/.well-known/openid-configuration")
+                discovery.raise_for_status()
+                meta = discovery.json()
+                if meta.get("issuer", "").rstrip("/") != self.issuer:
+                    raise ValueError("discovery document names another issuer")
+                jwks = client.get(meta["jwks_uri"])
+                jwks.raise_for_status()
+                keys = {}
+                for raw in jwks.json().get("keys", []):
+                    if raw.get("use", "sig") != "sig" or "kid" not in raw:
+                        continue
+                    try:
+                        keys[raw["kid"]] = jwt.PyJWK(raw)
+                    except jwt.PyJWTError:
+                        continue
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            raise ApiError(503, "issuer_unavailable", f"cannot fetch the issuer's keys: {type(exc).__name__}") from None
+        self._keys = keys
+        self._fetched_at = time.monotonic()
+
+    def _key(self, kid: str) -> jwt.PyJWK | None:
+        with self._lock:
+            age = time.monotonic() - self._fetched_at
+            if age > JWKS_TTL or (kid not in self._keys and age > UNKNOWN_KID_REFETCH):
+                self._fetch()
+            return self._keys.get(kid)
+
+    def verify(self, token: str) -> TokenClaims:
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise unauthorized("malformed token") from None
+        alg = header.get("alg")
+        if alg not in self.algorithms:
+            raise unauthorized(f"token algorithm '{alg}' is not allowed")
+        kid = header.get("kid")
+        if not isinstance(kid, str):
+            raise unauthorized("token has no key id")
+        key = self._key(kid)
+        if key is None:
+            raise unauthorized("token signed with an unknown key")
+        try:
+            claims = jwt.decode(token, key=key, algorithms=[alg], audience=self.audience, issuer=self.issuer,
+                                leeway=self.leeway, options={"require": ["exp", "iss", "aud", "sub"]})
+        except jwt.ExpiredSignatureError:
+            raise unauthorized("token expired") from None
+        except jwt.InvalidAudienceError:
+            raise unauthorized("token is for another audience") from None
+        except jwt.InvalidIssuerError:
+            raise unauthorized("token is from another issuer") from None
+        except jwt.PyJWTError as exc:
+            raise unauthorized(f"invalid token: {type(exc).__name__}") from None
+        subject = claims["sub"]
+        if not isinstance(subject, str) or not subject:
+            raise unauthorized("token has no subject")
+        email = claims.get("email") if isinstance(claims.get("email"), str) else None
+        return TokenClaims(subject, self.issuer, email, oidc_customer_id(self.issuer, subject))

@@ -1,0 +1,138 @@
+"""kvcdn benchmark end to end on a tiny Qwen3: the CSV schema, measured sizes, cold loads, refusals."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+
+from kvcdn_core import benchmark as bench
+from kvcdn_core.plot import png_size
+
+EXPECTED_COLUMNS = ["tokens", "prefill_s", "kv_attn_s", "kv_mb", "prefill_gflops", "speedup_compute",
+                    "scheme", "load_s", "load_gbps", "ttft_cached_s", "speedup_ttft", "artifact_bytes"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(qwen3_dir, tmp_path_factory):
+    """One benchmark of the tiny model (32 and 64 tokens, none and int8), run as a user runs it."""
+    from click.testing import CliRunner
+
+    from kvcdn_core.cli import make_cli
+
+    out = tmp_path_factory.mktemp("bench") / "tiny-bench.csv"
+    result = CliRunner().invoke(make_cli(), ["benchmark", "--model", str(qwen3_dir), "--lengths", "64,32",
+                                             "--reps", "1", "--scheme", "none,int8", "--page-cache", "file",
+                                             "--output", str(out), "--format", "json", "-q"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr
+    return out, json.loads(result.stdout)
+
+
+def _kv_bytes(model_dir, tokens: int) -> int:
+    """Bytes of a float32 full-attention cache, from the model's config (the hand computation)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * tokens * 4
+
+
+def test_csv_has_the_documented_columns_in_order(bench_run):
+    path, _ = bench_run
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == EXPECTED_COLUMNS
+    assert [(r[0], r[6]) for r in rows[1:]] == [("32", "none"), ("32", "int8"), ("64", "none"), ("64", "int8")]
+    for row in rows[1:]:
+        for column, value in zip(EXPECTED_COLUMNS, row):
+            if column != "scheme":
+                assert float(value) > 0, (column, value)
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")], "temp files or scratch left behind"
+
+
+def test_measurements_are_consistent(bench_run, qwen3_dir):
+    _, data = bench_run
+    rows = {(r["tokens"], r["scheme"]): r for r in data["rows"]}
+    for tokens in (32, 64):
+        none, int8 = rows[(tokens, "none")], rows[(tokens, "int8")]
+        # kv_mb is measured from the artifact; it must equal what the config says the cache holds.
+        assert none["kv_mb"] == pytest.approx(_kv_bytes(qwen3_dir, tokens) / 1e6)
+        assert none["artifact_bytes"] > _kv_bytes(qwen3_dir, tokens)  # plus header and token ids
+        assert int8["artifact_bytes"] < none["artifact_bytes"]
+        for row in (none, int8):
+            assert row["tokens"] == tokens
+            assert row["ttft_cached_s"] >= row["load_s"]
+            assert row["speedup_ttft"] == pytest.approx(row["prefill_s"] / row["ttft_cached_s"])
+            assert row["speedup_compute"] == pytest.approx(row["prefill_s"] / row["kv_attn_s"])
+            assert row["load_gbps"] == pytest.approx(row["artifact_bytes"] / row["load_s"] / 1e9)
+            assert row["prefill_gflops"] > 0
+        # The unquantized artifact continues exactly like the resident cache (a full prefill's).
+        assert none["first_token_match"] is True
+        # The compute columns describe the length, not the scheme.
+        assert none["prefill_s"] == int8["prefill_s"] and none["kv_mb"] == int8["kv_mb"]
+    assert data["page_cache_method"] == "fadvise"
+    assert "posix_fadvise" in data["page_cache"]
+    if data["max_resident_after_drop"] is not None and data["max_resident_after_drop"] > bench.COLD_RESIDENCY:
+        assert data["page_cache"].startswith("NOT cold")
+    assert data["context"].startswith("synthetic")
+
+
+def test_benchmark_then_plot_with_defaults(cli, qwen3_dir, tmp_path):
+    result = cli("benchmark", "--model", qwen3_dir, "--lengths", "16", "--reps", "1", "--page-cache", "keep", "-q")
+    assert result.exit_code == 0, result.stderr
+    folder = tmp_path / "xdg-data" / "kvcdn" / "benchmark"
+    (csv_path,) = folder.glob("*-bench.csv")
+    stamp, _, rest = csv_path.name.partition("-")
+    assert stamp.isdigit() and rest.endswith("-bench.csv")
+    assert f"wrote {csv_path}" in result.stdout
+    assert "page cache: warm" in result.stdout
+    assert "context: synthetic" in result.stdout and "prefill_s" in result.stdout
+
+    result = cli("plot")  # the newest CSV in the data directory
+    assert result.exit_code == 0, result.stderr
+    (png,) = (tmp_path / "xdg-data" / "kvcdn" / "plot").glob("*-amortized-cost.png")
+    assert png_size(png.read_bytes()) == (840, 600)
+    assert f"read {csv_path}" in result.stdout and "N*" in result.stdout
+
+
+def test_context_file_and_its_length(cli, qwen3_dir, context_file, tmp_path):
+    result = cli("benchmark", "--model", qwen3_dir, "--lengths", "2000", "--context-file", context_file,
+                 "--output", tmp_path / "b.csv")
+    assert result.exit_code == 2
+    assert "--lengths needs 2000" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "b.csv").exists()
+
+    result = cli("benchmark", "--model", qwen3_dir, "--lengths", "24", "--reps", "1", "--context-file", context_file,
+                 "--page-cache", "keep", "--output", tmp_path / "b.csv", "--format", "json", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["context"].startswith("context file")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scheme", "none,int7"], "unknown quantization scheme(s) int7; installed: none, "),
+    (["--lengths", "a,b"], "--lengths must be comma-separated token counts"),
+    (["--lengths", "0,32"], "--lengths must be positive"),
+    (["--lengths", "999999"], "the model's context is"),
+])
+def test_refusals(cli, qwen3_dir, tmp_path, args, message):
+    result = cli("benchmark", "--model", qwen3_dir, "--output", tmp_path / "b.csv", *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    assert not (tmp_path / "b.csv").exists()
+
+
+def test_unknown_scheme_lists_the_installed_ones():
+    with pytest.raises(bench.KvcdnError) as info:
+        bench.parse_schemes("none,int8,zz", ["fp8", "int8"])
+    assert str(info.value) == "unknown quantization scheme(s) zz; installed: none, fp8, int8"
+    assert bench.parse_schemes("none, int8,none", ["int8"]) == ["none", "int8"]
+
+
+def test_resident_fraction_sees_a_read_file(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(1 << 20))
+    assert bench.plain_read(path) == 1 << 20
+    fraction = bench.resident_fraction(path)
+    assert fraction is None or fraction > 0.9  # just read, so in the page cache

@@ -1,0 +1,114 @@
+"""kvcdn plot: break-even arithmetic, the 840x600 PNG, defaults and refusals (no model needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvcdn_core import plot
+
+HEADER = ("tokens,prefill_s,kv_attn_s,kv_mb,prefill_gflops,speedup_compute,"
+          "scheme,load_s,load_gbps,ttft_cached_s,speedup_ttft,artifact_bytes\n")
+
+
+def write_csv(path, rows):
+    path.write_text(HEADER + "".join(
+        f"{tokens},{prefill},0.01,10,5,{prefill / 0.01},{scheme},{load},1.0,{load + 0.01},{prefill / (load + 0.01)},1000\n"
+        for tokens, scheme, prefill, load in rows))
+    return path
+
+
+def test_break_even_arithmetic():
+    assert plot.break_even(10.0, 2.0) == 1.25  # 10 / (10 - 2)
+    assert plot.break_even(3.0, 0.5) == pytest.approx(1.2)  # 3 / 2.5
+    assert plot.break_even(4.0, 3.0) == 4.0  # 4 / 1
+    assert math.isinf(plot.break_even(1.0, 1.0)) and math.isinf(plot.break_even(1.0, 2.0))
+    cost = plot.Cost(512, "none", 10.0, 2.0)
+    assert cost.amortized(4) == 4.5  # 10/4 + 2
+    assert cost.amortized(cost.n_star) == pytest.approx(10.0)  # the curves meet at N*
+    assert cost.saving(100) == pytest.approx(1 - 2.1 / 10)  # (10/100 + 2) against 10
+
+
+def test_plot_png_and_table(cli, tmp_path):
+    csv_path = write_csv(tmp_path / "b.csv", [(512, "none", 10.0, 2.0), (2048, "none", 40.0, 0.5),
+                                              (2048, "int8", 40.0, 0.3), (64, "none", 0.1, 0.2)])
+    out = tmp_path / "chart.png"
+    result = cli("plot", "--csv-path", csv_path, "--out", out, "--max-n", "100", "--model", "Qwen/Qwen3-0.6B")
+    assert result.exit_code == 0, result.stderr
+    data = out.read_bytes()
+    assert plot.png_size(data) == (840, 600)
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["tokens", "scheme", "C_prefill_s", "C_load_s", "N*", "saving@N=100"]
+    assert lines[1].split() == ["64", "none", "0.1000", "0.2000", "never", "-101.0%"]  # 1 - (0.1/100 + 0.2) / 0.1
+    assert lines[2].split() == ["512", "none", "10.0000", "2.0000", "1.250", "79.0%"]
+    assert lines[3].split()[:5] == ["2048", "none", "40.0000", "0.5000", "1.013"]  # 40 / 39.5
+    assert lines[4].split()[:2] == ["2048", "int8"]
+
+    result = cli("plot", "--csv-path", csv_path, "--out", out, "--format", "json")
+    rows = json.loads(result.stdout)["rows"]
+    assert rows[1]["n_star"] == 1.25 and rows[0]["n_star"] is None
+    assert rows[1]["saving_at_max_n"] == pytest.approx(1 - (10 / 1000 + 2) / 10)
+
+
+def test_defaults_pick_the_newest_csv_and_a_timestamped_png(cli, tmp_path):
+    folder = tmp_path / "xdg-data" / "kvcdn" / "benchmark"
+    folder.mkdir(parents=True)
+    old = write_csv(folder / "1000-m_a-bench.csv", [(100, "none", 1.0, 0.5)])
+    new = write_csv(folder / "2000-m_a-bench.csv", [(200, "none", 3.0, 1.0)])
+    os.utime(old, (1, 1))
+    result = cli("plot")
+    assert result.exit_code == 0, result.stderr
+    assert f"read {new}" in result.stdout and "1.500" in result.stdout  # 3 / (3 - 1)
+    (png,) = (tmp_path / "xdg-data" / "kvcdn" / "plot").glob("*.png")
+    stamp, _, rest = png.name.partition("-")
+    assert stamp.isdigit() and rest == "m_a-amortized-cost.png"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("a,b\n1,2\n", "not a benchmark CSV: missing column(s) tokens, prefill_s, load_s"),
+    (HEADER, "has a header but no rows"),
+    (HEADER + "512,abc,0,0,0,0,none,1,0,0,0,0\n", "line 2: prefill_s 'abc' is not a number"),
+    (HEADER + "512,0,0,0,0,0,none,1,0,0,0,0\n", "line 2: prefill_s must be a positive number of seconds"),
+    (HEADER + "512,2,0,0,0,0,none,-1,0,0,0,0\n", "line 2: load_s must be a positive number of seconds"),
+    (HEADER + "-5,2,0,0,0,0,none,1,0,0,0,0\n", "tokens must be a positive number of tokens"),
+    ("", "missing column(s)"),
+])
+def test_invalid_csvs_are_refused(cli, tmp_path, content, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    result = cli("plot", "--csv-path", path, "--out", tmp_path / "x.png")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_other_refusals(cli, tmp_path):
+    csv_path = write_csv(tmp_path / "b.csv", [(512, "none", 10.0, 2.0)])
+    result = cli("plot", "--csv-path", csv_path, "--max-n", "1", "--out", tmp_path / "x.png")
+    assert result.exit_code == 2 and "--max-n must be at least 2" in result.stderr
+    result = cli("plot", "--csv-path", tmp_path / "missing.csv")
+    assert result.exit_code == 2 and "does not exist" in result.stderr
+    result = cli("plot")  # empty data directory
+    assert result.exit_code == 2 and "no benchmark CSV" in result.stderr and "kvcdn benchmark" in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_needs_no_torch_and_no_display(tmp_path):
+    csv_path = write_csv(tmp_path / "b.csv", [(512, "none", 10.0, 2.0)])
+    out = tmp_path / "p.png"
+    probe = (
+        "import sys\nfrom kvcdn_core.cli import main\n"
+        f"try:\n    main(['plot', '--csv-path', {str(csv_path)!r}, '--out', {str(out)!r}])\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "MPLBACKEND")}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY=\n" in proc.stdout
+    assert plot.png_size(out.read_bytes()) == (840, 600)

@@ -1,0 +1,176 @@
+"""Property tests of every quantization scheme: each round-trips within its stated error bound.
+
+Tensors are drawn as ``[batch, heads, tokens, channels]`` with zeros, constants, outliers, tiny and
+huge magnitudes, float16/bfloat16 inputs, and group sizes that do not divide the grouped axis. The
+low-bit schemes come from the kvcdn-quant-lowbit plugin; they are exercised here too when installed
+(their own package has the same properties in its tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcdn_core import quant
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.quantizers import Fp8Quantizer, Int8Quantizer, Int8TensorQuantizer
+
+CORE = [Int8TensorQuantizer, Int8Quantizer, Fp8Quantizer]
+PROFILE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _lowbit():
+    try:
+        from kvcdn_quant_lowbit import Int2Quantizer, Int4Quantizer
+    except ImportError:  # the core schemes are still tested
+        return []
+    return [Int4Quantizer, Int2Quantizer]
+
+
+SCHEMES = CORE + _lowbit()
+
+
+@st.composite
+def cache_tensors(draw):
+    """A float tensor shaped like one cache layer's keys or values, with awkward content."""
+    shape = [1, draw(st.integers(1, 3)), draw(st.integers(1, 70)), draw(st.integers(1, 40))]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["normal", "zeros", "constant", "outliers", "offset", "sparse"]))
+    magnitude = draw(st.sampled_from([1e-7, 1e-3, 1.0, 30.0, 1e5]))
+    if kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "constant":
+        x = torch.full(shape, draw(st.floats(-1.0, 1.0, allow_nan=False)) * magnitude)
+    else:
+        x = torch.randn(shape, generator=gen) * magnitude
+        if kind == "outliers":  # a few huge entries and one outlier channel, as in real keys
+            mask = torch.rand(shape, generator=gen) < 0.02
+            x = torch.where(mask, x * 1000, x)
+            x[..., draw(st.integers(0, shape[-1] - 1))] *= 50
+        elif kind == "offset":  # values far from zero with a small spread
+            x = x * 1e-3 + magnitude
+        elif kind == "sparse":
+            x = torch.where(torch.rand(shape, generator=gen) < 0.9, torch.zeros_like(x), x)
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
+    if dtype != torch.float32:
+        x = x.clamp(-6e4, 6e4).to(dtype)
+    return x
+
+
+def _make(cls, draw_params):
+    params = {}
+    if "group_size" in cls.default_params:
+        params["group_size"] = draw_params.draw(st.integers(1, 80))
+    if "residual" in cls.default_params:
+        params["residual"] = draw_params.draw(st.integers(0, 80))
+    return cls(**params)
+
+
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
+@PROFILE
+@given(x=cache_tensors(), role=st.sampled_from([quant.KEY, quant.VALUE]), data=st.data())
+def test_round_trip_within_bound(cls, x, role, data):
+    q = _make(cls, data)
+    parts, record = q.quantize(role, x)
+    y = q.dequantize(parts, record)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.isfinite(y).all()
+    # The bound is on what the scheme was given; a float16/bfloat16 output adds its own rounding.
+    y32 = q.dequantize(parts, record, torch.float32)
+    err = (x.float() - y32).abs()
+    bound = q.error_bound(role, x)
+    worst = (err - bound).max()
+    assert worst <= 0, f"{cls.scheme}: error exceeds bound by {float(worst):.3g} ({record})"
+    if not x.any():
+        assert not y.any(), "zeros must stay exactly zero"
+    keep = record["residual_tokens"]
+    if keep:
+        assert torch.equal(y[..., -keep:, :], x[..., -keep:, :]), "the residual window is kept bitwise"
+
+
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
+def test_zeros_and_constants_are_exact_or_near(cls):
+    q = cls(**({"residual": 0} if "residual" in cls.default_params else {}))
+    for value in (0.0, 1.0, -3.5, 1000.0):
+        x = torch.full((1, 2, 33, 8), value)
+        for role in (quant.KEY, quant.VALUE):
+            y = q.dequantize(*q.quantize(role, x))
+            assert torch.allclose(y, x, rtol=1e-3, atol=0), (cls.scheme, value, role)
+
+
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
+def test_bound_is_tight_enough_to_mean_something(cls):
+    """On ordinary data the observed error is a sizeable part of the bound (the bound is not vacuous)."""
+    x = torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(0))
+    q = cls(**({"residual": 0} if "residual" in cls.default_params else {}))
+    for role in (quant.KEY, quant.VALUE):
+        err = (x - q.dequantize(*q.quantize(role, x))).abs()
+        bound = q.error_bound(role, x)
+        assert (err <= bound).all()
+        assert float((err / bound).max()) > 0.5, cls.scheme
+        assert float(bound.max()) < float(x.abs().max()) * 0.4, cls.scheme
+
+
+def test_per_channel_int8_beats_one_scale_on_outlier_channels():
+    x = torch.randn(1, 1, 128, 32, generator=torch.Generator().manual_seed(1))
+    x[..., 5] *= 200  # a rotary-style outlier channel
+    per_tensor = Int8TensorQuantizer()
+    per_channel = Int8Quantizer()
+    e_t = (x - per_tensor.dequantize(*per_tensor.quantize(quant.KEY, x))).abs()
+    e_c = (x - per_channel.dequantize(*per_channel.quantize(quant.KEY, x))).abs()
+    normal = [c for c in range(32) if c != 5]
+    assert float(e_c[..., normal].mean()) * 50 < float(e_t[..., normal].mean())
+
+
+def test_storage_dtypes_and_shapes():
+    x = torch.randn(1, 2, 10, 16)
+    parts, record = Int8Quantizer().quantize(quant.KEY, x)
+    assert parts[""].dtype == torch.int8 and parts["scale"].shape == (1, 2, 1, 16)
+    parts, _ = Int8Quantizer().quantize(quant.VALUE, x)
+    assert parts["scale"].shape == (1, 2, 10, 1) and parts["scale"].dtype == torch.float16
+    parts, record = Fp8Quantizer().quantize(quant.KEY, x)
+    assert parts[""].dtype == torch.float8_e4m3fn and record["granularity"] == "per_token"
+    parts, _ = Int8TensorQuantizer().quantize(quant.KEY, x)
+    assert parts["scale"].numel() == 1
+
+
+def test_huge_values_fall_back_to_float32_scales():
+    x = torch.randn(1, 1, 8, 8) * 1e7
+    parts, _ = Int8Quantizer().quantize(quant.VALUE, x)
+    assert parts["scale"].dtype == torch.float32
+    y = Int8Quantizer().dequantize(*Int8Quantizer().quantize(quant.VALUE, x))
+    assert ((x - y).abs() <= Int8Quantizer().error_bound(quant.VALUE, x)).all()
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(KvcdnError, match="takes no parameter group_size"):
+        Int8Quantizer(group_size=64)
+    with pytest.raises(KvcdnError, match="residual must be a non-negative integer"):
+        Int8Quantizer.__mro__[0]  # noqa: B018 - the class exists
+        type("R", (Int8Quantizer,), {"default_params": {"residual": 0}})(residual=-1)
+
+
+@pytest.mark.parametrize("requested,target,implied", [
+    ("F32", "F32", None), ("f16", "F16", None), ("bfloat16", "BF16", None), ("float32", "F32", None),
+    ("I8", None, "int8"), ("int8", None, "int8"), ("FP8", None, "fp8"), ("f8_e4m3", None, "fp8"),
+])
+def test_target_dtype_accepted(requested, target, implied):
+    assert quant.normalize_target_dtype(requested) == (target, implied)
+
+
+@pytest.mark.parametrize("requested,why", [
+    ("U8", "signed"), ("I4", "storage format"), ("U4", "storage format"), ("FP4", "int4"),
+    ("FP1", "1-bit"), ("F64", "F32"), ("Q3", "unknown target dtype"),
+])
+def test_target_dtype_refused_with_reason(requested, why):
+    with pytest.raises(KvcdnError, match=why):
+        quant.normalize_target_dtype(requested)
+
+
+def test_role_of_names():
+    assert quant.role_of("key") == quant.KEY
+    assert quant.role_of("value") == quant.VALUE
+    assert quant.role_of("latent") == quant.KEY
+    assert quant.role_of("rotary_key") == quant.KEY
