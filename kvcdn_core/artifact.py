@@ -32,6 +32,8 @@ TOKEN_IDS = "token_ids"
 
 # Bytes per read call of load_tensors: hashing starts on a tensor as soon as its bytes are in.
 _READ_CHUNK = 16 << 20
+# Threads that hash tensors while load_tensors reads (at most the CPU count).
+_HASH_WORKERS = 4
 
 # Largest header we accept; safetensors itself caps it at 100 MB.
 MAX_HEADER_BYTES = 100_000_000
@@ -214,8 +216,9 @@ def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True
     """Read the whole data region once and return every tensor as a torch tensor.
 
     The tensors share one buffer (``torch.frombuffer``), so loading costs one read. With
-    ``verify_hashes`` each tensor is hashed by a worker thread as soon as its bytes are in (hashlib
-    releases the GIL), so the sha256 pass overlaps the read instead of following it. The buffer is
+    ``verify_hashes`` each tensor is hashed by worker threads as soon as its bytes are in (hashlib
+    releases the GIL), so the sha256 pass overlaps the read and spreads over cores instead of
+    following the read on one core (sha256 is slower than a fast disk on one core). The buffer is
     ``numpy.empty``: no zero-fill pass before the read, and huge pages where the kernel offers them.
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -233,7 +236,8 @@ def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True
     def digest(start: int, end: int) -> str:
         return hashlib.sha256(view[start:end]).hexdigest()
 
-    hashing = ThreadPoolExecutor(max_workers=1) if verify_hashes else contextlib.nullcontext()
+    workers = min(_HASH_WORKERS, os.cpu_count() or 1)
+    hashing = ThreadPoolExecutor(max_workers=workers) if verify_hashes else contextlib.nullcontext()
     with hashing as pool, open(header.path, "rb", buffering=0) as fh:
         fh.seek(header.data_start)
         done = queued = 0

@@ -8,6 +8,11 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "torch==${KVCDN_TORCH_VERSION:-2.13.0}"
 args=(-e ".[test]")
 for plugin in plugins/*/; do
-  args+=(-e "$plugin")
+  plugin=${plugin%/}
+  if grep -q '^test = ' "$plugin/pyproject.toml"; then
+    args+=(-e "$plugin[test]")   # the plugin's own test tools (e.g. an S3 server for the hosted tests)
+  else
+    args+=(-e "$plugin")
+  fi
 done
 "$PY" -m pip install --quiet "${args[@]}"

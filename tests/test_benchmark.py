@@ -67,6 +67,7 @@ def test_measurements_are_consistent(bench_run, qwen3_dir):
             assert row["speedup_compute"] == pytest.approx(row["prefill_s"] / row["kv_attn_s"])
             assert row["load_gbps"] == pytest.approx(row["artifact_bytes"] / row["load_s"] / 1e9)
             assert row["prefill_gflops"] > 0
+            assert row["plain_read_s"] > 0 and row["load_unverified_s"] > 0
         # The unquantized artifact continues exactly like the resident cache (a full prefill's).
         assert none["first_token_match"] is True
         # The compute columns describe the length, not the scheme.

@@ -303,3 +303,14 @@ def test_bos_model_continue_reuses_the_saved_context(tmp_path, bos_model_dir):
     assert out["reused_tokens"] == len(ctx) and out["prompt_tokens"] == len(ids)
     reference, _ = runtime.greedy(session, session.adapter.new_cache(session.model), ids, 8)
     assert out["token_ids"] == reference
+
+
+def test_default_directory_is_where_generate_writes(tmp_path, model_dir, hf_tok, monkeypatch):
+    from kvcdn_core.paths import data_home
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    write_fake(data_home() / "generate" / "generate-1-x.kv", model_dir, hf_tok(PARAS[0])["input_ids"])
+    result = run_cli("search", "--query", PARAS[0] + " more", "--format", "json")
+    assert result.exit_code == 0, result.output
+    [match] = json.loads(result.output)["matches"]
+    assert match["path"] == str(data_home() / "generate" / "generate-1-x.kv")

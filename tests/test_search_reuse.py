@@ -183,3 +183,24 @@ def test_crop_refuses_sliding_layers(sliding, tmp_path):
     cache, ids = runtime.load_cache(sliding, header)
     with pytest.raises(KvcdnError, match="sliding_window"):
         sliding.adapter.crop(cache, header.manifest["layers"], len(ids) // 2, token_count=len(ids))
+
+
+def test_tree_and_reuse_on_a_recurrent_model(tiny_model, tmp_path):
+    """Mamba: whole-prefix reuse, and branches copied per row (recurrent states update in place)."""
+    from kvcdn_core.plugins import get_host
+
+    pytest.importorskip("kvcdn_model_ssm", reason="the ssm family plugin (plugins/kvcdn-model-ssm) is not installed")
+    adapter_cls = get_host().model_adapters()["MambaForCausalLM"]
+    session = runtime.load_session(str(tiny_model(adapter_cls, "MambaForCausalLM")), device="cpu", dtype="float32")
+    runtime.generate(session, PARAS[0], tmp_path / "prefix.kv", progress=False)
+    runtime.generate(session, PARAS[0] + "\n\n" + PARAS[1], tmp_path / "longer.kv", progress=False)
+    prompt = PARAS[0] + QUESTION
+    ids = encode(session, prompt)
+    found, pre, tokens = continue_from(session, tmp_path, prompt)
+    assert [(m.path.name, m.usable_tokens) for m in found.ranking.matches] == [
+        ("prefix.kv", len(encode(session, PARAS[0]))), ("longer.kv", 0)]
+    assert pre.path.name == "prefix.kv" and tokens == reference(session, ids)
+    candidates = search.tree(session, search.prefill_reusing(session, found.ranking, found.query_ids), 3, 4)
+    assert len({c.token_ids[0] for c in candidates}) == 3
+    for c in candidates:
+        assert c.token_ids[1:] == reference(session, ids + [c.token_ids[0]], 3)

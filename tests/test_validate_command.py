@@ -61,7 +61,8 @@ def test_passing_family_as_json(window_host):
     assert data["passed"] is True
     (arch,) = data["architectures"]
     assert (arch["family"], arch["architecture"], arch["extra"]) == ("testwindow", "Qwen2ForCausalLM", "testwindow")
-    assert [p["phase"] for p in arch["phases"]] == ["roundtrip", "reference", "cache"]
+    # the core phases first; quantizers may append their own
+    assert [p["phase"] for p in arch["phases"]][:3] == ["roundtrip", "reference", "cache"]
     assert all(p["passed"] and p["seconds"] > 0 for p in arch["phases"])
     assert arch["layers"] == "2 sliding_window(16)"
     assert "token match 16/16" in arch["phases"][2]["detail"]
@@ -73,9 +74,9 @@ def test_broken_adapter_fails_with_first_divergence(kvcdn_host):
     assert result.exit_code == 1, result.output
     header, row = result.stdout.splitlines()[:2]
     assert header.split()[:5] == ["FAMILY", "ARCHITECTURE", "ROUNDTRIP", "REFERENCE", "CACHE"]
-    cells = row.split()
-    assert cells[:4] == ["testforgetful", "Qwen2ForCausalLM", "PASS", cells[3]]
-    assert cells[6].startswith("FAIL@")  # the cache phase, with the first divergent token
+    cells = row.split()  # family, architecture, then "STATUS SECONDS" per phase
+    assert cells[:3] == ["testforgetful", "Qwen2ForCausalLM", "PASS"]
+    assert cells[4] == "PASS" and cells[6].startswith("FAIL@")  # cache: with the first divergent token
     assert "Qwen2ForCausalLM cache: token match" in result.stdout
     assert "0/1 architectures pass" in result.stdout
     assert "error: validation failed for 1 of 1 architectures: Qwen2ForCausalLM" in result.stderr

@@ -21,7 +21,8 @@ from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 @click.option("--kv-path", default=None, help="Artifact to continue from (with --question).")
 @click.option("--question", default=None, help=f"Text fed after the artifact's context [default: {DEFAULT_QUESTION!r}].")
 @click.option("--dir", "directory", default=None,
-              help="Search this directory for the artifact sharing the longest prefix with --prompt-file.")
+              help="Search this directory for the artifact sharing the longest prefix with --prompt-file "
+                   "[default: $XDG_DATA_HOME/kvcdn].")
 @click.option("--prompt-file", default=None, help="UTF-8 file with the whole prompt (with --dir).")
 @click.option("--n", "n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate.")
 @force_option
@@ -29,15 +30,15 @@ from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 def command(model, revision, device, dtype, quiet, kv_path, question, directory, prompt_file, n, force, fmt):
     """Generate N tokens greedily, continuing from a saved artifact.
 
-    With --kv-path: load the artifact and feed QUESTION after its context. With --dir and
-    --prompt-file: reuse the best artifact's usable prefix of the prompt, prefill the rest, and
-    report how many prompt tokens were reused.
+    With --kv-path: load the artifact and feed QUESTION after its context. With --prompt-file (and
+    --dir): reuse the best saved artifact's usable prefix of the prompt, prefill the rest, and
+    report how many prompt tokens were reused; the output is the same as a full prefill's.
     """
     if directory is not None or prompt_file is not None:
         if kv_path is not None or question is not None:
             raise KvcdnError("--dir/--prompt-file and --kv-path/--question are two modes; pass one pair")
-        if directory is None or prompt_file is None:
-            raise KvcdnError("--dir and --prompt-file go together")
+        if prompt_file is None:
+            raise KvcdnError("--dir needs --prompt-file")
         return _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_file, n, force, fmt)
     if kv_path is None:
         raise KvcdnError("pass --kv-path (with --question), or --dir with --prompt-file")
@@ -63,7 +64,10 @@ def _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_fi
     from kvcdn_core import runtime, search
     from kvcdn_core.commands.search import load_for, reuse_line, warn
 
+    from kvcdn_core.paths import data_home
+
     prompt = read_text_file(prompt_file, "prompt file")
+    directory = directory or str(data_home())
     found = search.search(directory, prompt, model, revision, warn=warn)
     session, found = load_for(found, revision, device, dtype)
     pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)

@@ -47,7 +47,9 @@ def load_for(found, revision, device, dtype):
 
 @click.command("search")
 @model_options()
-@click.option("--dir", "directory", required=True, help="Directory searched recursively for .kv artifacts.")
+@click.option("--dir", "directory", default=None,
+              help="Directory searched recursively for .kv artifacts [default: $XDG_DATA_HOME/kvcdn, "
+                   "where generate writes by default].")
 @click.option("--query", default=None, help="Text whose longest saved token prefix is wanted.")
 @click.option("--query-file", default=None, help="Read the query from a UTF-8 file instead.")
 @click.option("--limit", type=click.IntRange(1), default=10, show_default=True, help="Rows to show.")
@@ -66,7 +68,9 @@ def command(model, revision, device, dtype, quiet, directory, query, query_file,
     model the artifacts were made with.
     """
     from kvcdn_core import search
+    from kvcdn_core.paths import data_home
 
+    directory = directory or str(data_home())
     text = query_text(query, query_file)
     found = search.search(directory, text, model, revision, warn=warn)
     out = {

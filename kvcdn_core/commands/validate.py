@@ -192,9 +192,9 @@ def command(family, model, revision, device, dtype, context_file, n, fmt, quiet)
 
     For each architecture: build the family's tiny offline config (or load --model), generate an
     artifact of a context longer than any sliding window, and run the phases: roundtrip (every
-    tensor reloads bitwise), reference (full prefill + greedy decoding) and cache (load the artifact,
-    continue, compare token ids with the reference). Exit 0 when all pass, 1 when any fails, 2 for
-    an unknown family or a model no plugin serves.
+    tensor reloads bitwise), reference (full prefill + greedy decoding), cache (load the artifact,
+    continue, compare token ids with the reference), and any that quantizers add. Exit 0 when all
+    pass, 1 when any fails, 2 for an unknown family or a model no plugin serves.
 
     \b
       kvcdn validate                      # every installed family, offline

@@ -17,6 +17,7 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from tests.support import hosted, services  # noqa: E402
+from tests.support.hosted import write_synthetic_kv  # noqa: E402
 
 S3_BUCKET = "kvcdn-test"
 #: Small per-tenant quotas; every test mints its own org, so each starts from zero.
@@ -105,24 +106,3 @@ def bob_token(oidc_issuer):
 def small_kv(tmp_path_factory):
     """A small valid `.kv` artifact whose model is not on the server (for storage-only tests)."""
     return write_synthetic_kv(tmp_path_factory.mktemp("kv") / "small.kv", tokens=8)
-
-
-def write_synthetic_kv(path: Path, tokens: int = 8, width: int = 8, model_id: str = "example/not-allowed",
-                       seed: int = 0) -> Path:
-    """A complete `.kv` (2 full-attention layers) written by core's writer, of any size."""
-    import torch
-
-    from kvcdn_core import artifact
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {"token_ids": torch.arange(tokens, dtype=torch.int64)}
-    layers = []
-    for i in range(2):
-        k, v = f"layers.{i}.key", f"layers.{i}.value"
-        tensors[k] = torch.randn(1, 2, tokens, width, generator=g)
-        tensors[v] = torch.randn(1, 2, tokens, width, generator=g)
-        layers.append({"index": i, "kind": "full_attention", "tensors": {"key": k, "value": v}})
-    manifest = {"kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00Z",
-                "model": {"id": model_id, "architecture": "Qwen3ForCausalLM", "family": "qwen"},
-                "compute_dtype": "float32", "layers": layers, "quantization": None}
-    return artifact.write_artifact(path, manifest, tensors)

@@ -5,6 +5,7 @@ each other; an interrupted download leaves nothing; telemetry on and off."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -23,6 +24,9 @@ from support.hosted_client import CountingReceiver, CuttingProxy  # noqa: E402
 QUESTION = "What comes next?"
 
 
+# oidc_issuer, moto_s3, local_server and s3_replicas are the session fixtures of tests/hosted/conftest.py
+
+
 @pytest.fixture(scope="module")
 def telemetry_sink():
     sink = CountingReceiver()
@@ -31,21 +35,21 @@ def telemetry_sink():
 
 
 @pytest.fixture(scope="module")
-def local_server(tmp_path_factory, qwen3_dir, telemetry_sink):
-    data = tmp_path_factory.mktemp("serve-local")
-    env = {"KVCDN_TELEMETRY_URL": telemetry_sink.url, "KVCDN_INFER_TIMEOUT": "300"}
-    with services.kvcdn_server(data, args=["--models", str(qwen3_dir)], env=env) as server:
+def telemetry_server(tmp_path_factory, telemetry_sink):
+    """A server that forwards telemetry to a local collector (the only thing it is used for)."""
+    with services.kvcdn_server(tmp_path_factory.mktemp("serve-telemetry"),
+                               env={"KVCDN_TELEMETRY_URL": telemetry_sink.url}) as server:
         yield server
 
 
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory, qwen3_dir):
-    data = tmp_path_factory.mktemp("serve-s3")
-    with services.moto_s3("kvcdn-client") as s3:
-        env = {**s3.env, "KVCDN_INFER_TIMEOUT": "300"}
-        with services.kvcdn_server(data, args=["--storage", "s3://kvcdn-client/tenants", "--models", str(qwen3_dir)],
-                                   env=env) as server:
-            yield server
+@pytest.fixture(params=["local", "s3"])
+def endpoint(request):
+    """``(server, admin secret)``: local storage, or the first of two replicas on one S3 bucket."""
+    if request.param == "local":
+        server = request.getfixturevalue("local_server")
+        return server, server.admin_secret()
+    a, _b, secret = request.getfixturevalue("s3_replicas")
+    return a, secret
 
 
 @pytest.fixture
@@ -55,14 +59,14 @@ def kv(cli, monkeypatch):
     for name in ("KVCDN_API_KEY", "KVCDN_API_URL", "KVCDN_ISSUER_URL", "KVCDN_ADMIN_SECRET"):
         monkeypatch.delenv(name, raising=False)
 
-    def run(server, *args, key=None, admin=False):
+    def run(server, *args, key=None, admin=None):
         monkeypatch.setenv("KVCDN_API_URL", server.url)
         if key:
             monkeypatch.setenv("KVCDN_API_KEY", key)
         else:
             monkeypatch.delenv("KVCDN_API_KEY", raising=False)
         if admin:
-            monkeypatch.setenv("KVCDN_ADMIN_SECRET", server.admin_secret())
+            monkeypatch.setenv("KVCDN_ADMIN_SECRET", admin)
         else:
             monkeypatch.delenv("KVCDN_ADMIN_SECRET", raising=False)
         from click.testing import CliRunner
@@ -86,8 +90,12 @@ def failed(result, code=2):
     return lines[-1]
 
 
-def mint(kv, server, org):
-    key = ok(kv(server, "admin", "mint-api-key", org, admin=True)).strip()
+_orgs = itertools.count()
+
+
+def mint(kv, server, prefix, secret=None):
+    org = f"{prefix}-{next(_orgs)}"
+    key = ok(kv(server, "admin", "mint-api-key", org, admin=secret or server.admin_secret())).strip()
     assert key.startswith("kv_") and len(key) == 67
     return key
 
@@ -99,12 +107,11 @@ def local_continue(cli, artifact, n):
     return json.loads(out.stdout)["token_ids"]
 
 
-@pytest.mark.parametrize("storage", ["local", "s3"])
-def test_two_tenant_workflow(storage, request, kv, cli, qwen3_artifact, tmp_path, monkeypatch):
-    server = request.getfixturevalue(f"{storage}_server")
+def test_two_tenant_workflow(endpoint, kv, cli, qwen3_artifact, tmp_path, monkeypatch):
+    server, secret = endpoint
     monkeypatch.chdir(tmp_path)
-    acme, globex = mint(kv, server, f"acme-{storage}"), mint(kv, server, f"globex-{storage}")
-    assert f"org acme-{storage}" in ok(kv(server, "api-key", "verify", key=acme))
+    acme, globex = mint(kv, server, "acme", secret), mint(kv, server, "globex", secret)
+    assert "org acme-" in ok(kv(server, "api-key", "verify", key=acme))
 
     artifact_id = ok(kv(server, "upload", qwen3_artifact, "--name", "sample", key=acme)).strip()
     listed = json.loads(ok(kv(server, "list", "--format", "json", key=acme)))
@@ -135,7 +142,7 @@ def test_two_tenant_workflow(storage, request, kv, cli, qwen3_artifact, tmp_path
     assert quota["usage"]["artifacts"] == 1 and quota["usage"]["storage_bytes"] == len(data)
     assert "artifacts" in ok(kv(server, "quota", key=acme))
     who = json.loads(ok(kv(server, "whoami", "--format", "json", key=acme)))
-    assert who["org"] == f"acme-{storage}" and who["access_token"] == acme
+    assert who["org"].startswith("acme-") and who["access_token"] == acme
     assert acme not in ok(kv(server, "whoami", key=acme))  # the table form never shows it
 
     # a public artifact: the other tenant (and no credential at all) may download it
@@ -151,13 +158,91 @@ def test_two_tenant_workflow(storage, request, kv, cli, qwen3_artifact, tmp_path
     assert "404" in failed(kv(server, "download", artifact_id, "--output", tmp_path / "gone.kv", key=acme))
 
 
+def test_multipart_upload_to_s3(kv, s3_replicas, tmp_path, monkeypatch):
+    import torch
+
+    from kvcdn_core import artifact
+    from kvcdn_hosted import transfer
+
+    puts = []
+    real_put = transfer.put_bytes
+
+    def counting_put(http, url, path, **kwargs):
+        puts.append((kwargs.get("start", 0), kwargs.get("length"), kwargs.get("label")))
+        return real_put(http, url, path, **kwargs)
+
+    monkeypatch.setattr(transfer, "put_bytes", counting_put)
+
+    tokens = 4
+    tensors = {"token_ids": torch.arange(tokens, dtype=torch.int64),
+               "layers.0.key": torch.randn(1, 2, tokens, 96 * 1024), "layers.0.value": torch.randn(1, 2, tokens, 96 * 1024)}
+    manifest = {"kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00Z",
+                "model": {"id": "tiny/none", "architecture": "Qwen3ForCausalLM"}, "compute_dtype": "float32",
+                "layers": [{"index": 0, "kind": "full_attention",
+                            "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}]}
+    big = artifact.write_artifact(tmp_path / "big.kv", manifest, tensors)
+    assert big.stat().st_size > 6 * 1024 * 1024
+    a, b, secret = s3_replicas  # uploaded through one replica, downloaded through the other
+    key = mint(kv, a, "multipart", secret)
+    artifact_id = ok(kv(a, "upload", big, "--name", "big", key=key)).strip()
+    part = 5 * 1024 * 1024
+    assert puts == [(0, part, "upload part 1/2"), (part, big.stat().st_size - part, "upload part 2/2")]
+    ok(kv(b, "download", artifact_id, "--output", tmp_path / "back.kv", key=key))
+    assert (tmp_path / "back.kv").read_bytes() == big.read_bytes()
+    ok(kv(b, "delete", artifact_id, "--yes", key=key))
+
+
+def test_to_and_from_s3_directly(moto_s3, cli, qwen3_artifact, tmp_path, monkeypatch):
+    """``--to/--from s3://`` goes through the S3 storage plugin, no hosted endpoint involved."""
+    for name, value in moto_s3.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    uri = "s3://kvcdn-test/client-direct"
+    assert ok(cli("upload", qwen3_artifact, "--name", "direct", "--to", uri)).strip() == "direct.kv"
+    assert ok(cli("list", "--from", uri, "--format", "ids")).split() == ["direct.kv"]
+    ok(cli("download", "direct.kv", "--from", uri, "--output", tmp_path / "direct.kv"))
+    assert (tmp_path / "direct.kv").read_bytes() == qwen3_artifact.read_bytes()
+    ok(cli("delete", "direct.kv", "--from", uri, "--yes"))
+    assert ok(cli("list", "--from", uri, "--format", "ids")).split() == []
+    assert "no artifact" in failed(cli("delete", "direct.kv", "--from", uri, "--yes"))
+
+
+def test_hosted_storage_backend(kv, local_server, qwen3_artifact, tmp_path, monkeypatch):
+    """The endpoint through kvcdn's storage interface: ``open_storage`` and ``--to kvcdn+http://``."""
+    from kvcdn_core.storage import open_storage
+
+    key = mint(kv, local_server, "backend")
+    monkeypatch.setenv("KVCDN_API_KEY", key)
+    monkeypatch.delenv("KVCDN_API_URL", raising=False)
+    uri = local_server.url.replace("http://", "kvcdn+http://")
+    store = open_storage(uri)
+    store.put_file("via-interface", qwen3_artifact)
+    [info] = store.list()
+    assert info.size == qwen3_artifact.stat().st_size and store.exists(info.key)
+    store.get_file(info.key, tmp_path / "got.kv")
+    assert (tmp_path / "got.kv").read_bytes() == qwen3_artifact.read_bytes()
+    store.delete(info.key)
+    assert not store.exists(info.key) and store.list() == []
+
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    from click.testing import CliRunner
+
+    from kvcdn_core.cli import make_cli
+
+    up = CliRunner().invoke(make_cli(), ["upload", str(qwen3_artifact), "--name", "via-uri", "--to", uri])
+    assert up.exit_code == 0, up.stderr
+    listed = CliRunner().invoke(make_cli(), ["list", "--from", uri, "--format", "ids"])
+    assert listed.stdout.split() == [up.stdout.strip()]
+    assert CliRunner().invoke(make_cli(), ["delete", up.stdout.strip(), "--from", uri, "--yes"]).exit_code == 0
+
+
 def test_errors_are_one_line(kv, local_server, tmp_path):
     assert "kvcdn login" in failed(kv(local_server, "list"))  # no credential at all
     bad = "kv_" + "0" * 64
     line = failed(kv(local_server, "list", key=bad))
     assert "not authenticated" in line and "api-key set" in line
-    assert "404" in failed(kv(local_server, "download", "not-a-uuid", "--output", tmp_path / "x.kv",
-                              key=bad.replace("0", "1")))
+    good = mint(kv, local_server, "errors")
+    assert "404" in failed(kv(local_server, "download", "not-a-uuid", "--output", tmp_path / "x.kv", key=good))
     assert not list(tmp_path.iterdir())
 
 
@@ -165,7 +250,7 @@ def test_interrupted_download_leaves_no_file(kv, local_server, qwen3_artifact, t
     from kvcdn_hosted import client
 
     monkeypatch.setattr(client, "BACKOFF_BASE_S", 0.01)
-    key = mint(kv, local_server, "cut-tests")
+    key = mint(kv, local_server, "cut")
     artifact_id = ok(kv(local_server, "upload", qwen3_artifact, "--name", "cut", key=key)).strip()
     proxy = CuttingProxy(local_server.url)
     try:
@@ -180,15 +265,15 @@ def test_interrupted_download_leaves_no_file(kv, local_server, qwen3_artifact, t
         ok(kv(local_server, "delete", artifact_id, "--yes", key=key))
 
 
-def test_telemetry_on_and_off(kv, local_server, telemetry_sink, monkeypatch):
-    key = mint(kv, local_server, "telemetry-tests")
+def test_telemetry_on_and_off(kv, telemetry_server, telemetry_sink, monkeypatch):
+    key = mint(kv, telemetry_server, "telemetry")
     before = telemetry_sink.count
     monkeypatch.setenv("KVCDN_TELEMETRY", "1")
     from click.testing import CliRunner
 
     from kvcdn_core.cli import make_cli
 
-    monkeypatch.setenv("KVCDN_API_URL", local_server.url)
+    monkeypatch.setenv("KVCDN_API_URL", telemetry_server.url)
     monkeypatch.setenv("KVCDN_API_KEY", key)
     assert CliRunner().invoke(make_cli(), ["list"]).exit_code == 0
     deadline = time.monotonic() + 5
@@ -196,7 +281,7 @@ def test_telemetry_on_and_off(kv, local_server, telemetry_sink, monkeypatch):
         time.sleep(0.05)
     assert telemetry_sink.count == before + 1  # forwarded by the server to its collector
     event = json.loads(telemetry_sink.bodies[-1])
-    event = event.get("event", event) if isinstance(event.get("event"), dict) else event
+    assert set(event) <= {"event", "command", "kvcdn_version", "duration_ms", "ok", "received_at"}, event
     assert event["command"] == "list" and event["ok"] is True
     assert key not in telemetry_sink.bodies[-1].decode()
     monkeypatch.setenv("KVCDN_TELEMETRY", "0")

@@ -27,7 +27,7 @@ def sha256_of(path: Path) -> str:
 
 def request_upload(base_url: str, token: str, path: Path, name: str | None = None, visibility: str = "private",
                    manifest: dict | None = None, sha256: str | None = None, size: int | None = None) -> httpx.Response:
-    body = {"name": name or Path(path).name, "size_bytes": size if size is not None else Path(path).stat().st_size,
+    body = {"name": name if name is not None else Path(path).name, "size_bytes": size if size is not None else Path(path).stat().st_size,
             "sha256": sha256 or sha256_of(path), "visibility": visibility}
     if manifest is not None:
         body["manifest"] = manifest
@@ -64,3 +64,24 @@ def upload(base_url: str, token: str, path: Path, **kwargs) -> dict:
     done = confirm(base_url, token, plan["artifact_id"], body)
     assert done.status_code == 200, done.text
     return done.json()
+
+
+def write_synthetic_kv(path: Path, tokens: int = 8, width: int = 8, model_id: str = "example/not-allowed",
+                       seed: int = 0) -> Path:
+    """A complete `.kv` (2 full-attention layers) written by core's writer, of any size."""
+    import torch
+
+    from kvcdn_core import artifact
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"token_ids": torch.arange(tokens, dtype=torch.int64)}
+    layers = []
+    for i in range(2):
+        k, v = f"layers.{i}.key", f"layers.{i}.value"
+        tensors[k] = torch.randn(1, 2, tokens, width, generator=g)
+        tensors[v] = torch.randn(1, 2, tokens, width, generator=g)
+        layers.append({"index": i, "kind": "full_attention", "tensors": {"key": k, "value": v}})
+    manifest = {"kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00Z",
+                "model": {"id": model_id, "architecture": "Qwen3ForCausalLM", "family": "qwen"},
+                "compute_dtype": "float32", "layers": layers, "quantization": None}
+    return artifact.write_artifact(path, manifest, tensors)

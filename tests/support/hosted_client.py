@@ -58,11 +58,13 @@ def _login(args: list[str], env: dict[str, str], play_browser, timeout: float) -
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
+        out = proc.stdout.read()  # stderr belongs to the reader thread
+        proc.wait()
+    finally:
+        killer.cancel()
     reader.join(5)
     if browser_error:
         raise browser_error[0]

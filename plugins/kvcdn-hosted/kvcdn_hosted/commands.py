@@ -139,14 +139,13 @@ def _check_upload_source(path: str) -> tuple[Path, dict]:
 
 @click.command("login")
 @issuer_options
-@click.option("--api-url", "api_url", default=None, metavar="URL", help="Hosted endpoint (used as the token resource).")
 @click.option("--no-browser", is_flag=True, help="Only print the URL and code; do not open a browser.")
 @click.option("--flow", type=click.Choice(["auto", "device", "browser"]), default="auto", show_default=True,
               help="auto: the device flow when the issuer offers it, else browser (auth code + PKCE).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300, show_default=True,
               help="Seconds to wait for the browser redirect (browser flow).")
 @hosted_command("login")
-def login(issuer_url, client_id, api_url, no_browser, flow, timeout_s):
+def login(issuer_url, client_id, no_browser, flow, timeout_s):
     """Log in with your identity provider (OIDC) and store the session privately."""
     import httpx
 
@@ -174,8 +173,8 @@ def login(issuer_url, client_id, api_url, no_browser, flow, timeout_s):
                                      timeout_s=timeout_s,
                                      say=say, open_browser=opener)
     session = oidc.session_from_tokens(tokens, meta, issuer, settings.client_id, resource)
-    path = credentials.update(session=session) and credentials.credentials_path()
-    click.echo(f"logged in to {issuer}; session stored in {path}")
+    credentials.update(session=session)
+    click.echo(f"logged in to {issuer}; session stored in {credentials.credentials_path()}")
     if credentials.load().get("api_key") or settings.api_key:
         click.echo("note: an API key is set and takes precedence over this login (kvcdn api-key clear)", err=True)
 
@@ -313,7 +312,8 @@ def list_cmd(fmt, long_, from_uri, api_url, api_key):
         rows = [tuple(head)]
         for a in items:
             m = a.get("manifest") or {}
-            row = [a.get("artifact_id"), a.get("name"), _human_bytes(a.get("size_bytes")), m.get("token_count"),
+            row = [a.get("artifact_id"), a.get("name"), _human_bytes(a.get("size_bytes")),
+                   m.get("token_count", m.get("tokens")),
                    m.get("model_id"), a.get("visibility"), a.get("created_at")]
             if long_:
                 row += [m.get("architecture"), m.get("dtype"), m.get("quantization") or "none", a.get("sha256")]
@@ -486,7 +486,8 @@ def _quota_rows(info: dict) -> list[tuple]:
     for key in sorted(set(limits) | set(usage)):
         used, limit = usage.get(key), limits.get(key)
         if "bytes" in key:
-            used, limit = _human_bytes(used), (_human_bytes(limit) if limit is not None else "-")
+            used = _human_bytes(used) if used is not None else None
+            limit = _human_bytes(limit) if limit is not None else None
         rows.append((key, "-" if used is None else used, "-" if limit is None else limit))
     if len(rows) == 1:
         rows += [(k, v, "") for k, v in info.items()]

@@ -182,13 +182,8 @@ class HostedStorage(StorageBackend):
         self.download(key, Path(target))
 
     def exists(self, key: str) -> bool:
-        try:
-            self.describe(key)
-        except KvcdnError as exc:
-            if " 404" in str(exc) or "not found" in str(exc).lower():
-                return False
-            raise
-        return True
+        response = self.client.request("GET", f"{API}/artifacts/{_id(key)}", what=f"artifact {key}", ok=(200, 404))
+        return response.status_code == 200
 
     def delete(self, key: str) -> None:
         self.remove(key)

@@ -41,9 +41,12 @@ def test_short_longrope_artifact_is_not_continued_past_the_switch(tiny_model, tm
 
 
 def test_sliding_window_phi3_is_exact(tmp_path):
+    """Phi-3-mini-4k style: default RoPE and a sliding window, crossed by the context."""
+    plain = {k: v for k, v in PhiAdapter.validation_configs["Phi3ForCausalLM"].items()
+             if k not in ("rope_parameters", "original_max_position_embeddings")}
+
     class SlidingPhi3(PhiAdapter):
-        validation_configs = {"Phi3ForCausalLM": dict(PhiAdapter.validation_configs["Phi3ForCausalLM"],
-                                                      sliding_window=24)}
+        validation_configs = {"Phi3ForCausalLM": dict(plain, sliding_window=24)}
 
     assert_adapter_contract(SlidingPhi3, "Phi3ForCausalLM", tmp_path)
     kinds = {layer["kind"] for layer in fmt.read_manifest(tmp_path / "Phi3ForCausalLM.kv")["layers"]}

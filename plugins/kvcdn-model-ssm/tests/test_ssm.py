@@ -149,3 +149,22 @@ def test_import_refuses_another_layer_kind(sessions, tmp_path):
     layers[1] = dict(layers[1], kind=fmt.LINEAR_ATTENTION)
     with pytest.raises(ArtifactError, match="'linear_attention' in the artifact"):
         session.adapter.import_cache(session.model, layers, tensors, "cpu")
+
+
+def test_bfloat16_restores_the_float32_state(tiny_model, tmp_path):
+    """Under bfloat16 the model keeps its SSM state in float32; loading must not narrow it."""
+    from kvcdn_core.verify import run_verify
+
+    path = tiny_model(SSMAdapter, "MambaForCausalLM")
+    session = runtime.load_session(str(path), device="cpu", dtype="bfloat16", adapter_cls=SSMAdapter)
+    ids = context_ids(session, 150)
+    cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
+    artifact = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "bf16.kv")
+    header = fmt.read_header(artifact)
+    assert header.manifest["compute_dtype"] == "bfloat16"
+    restored, _ = runtime.load_cache(session, header)
+    for layer in restored.layers:
+        assert layer.recurrent_states[0].dtype == torch.float32
+        assert layer.conv_states[0].dtype == torch.bfloat16
+    result = run_verify(session, header, "\n\nQ: Summarize the key claim in one sentence.\nA:", 32)
+    assert result.passed, result.as_dict()

@@ -112,8 +112,11 @@ class Identity:
 class BodyLimit:
     """Refuse JSON bodies over their limit (413) whether or not they declare a Content-Length."""
 
-    class TooLarge(Exception):
-        pass
+    class TooLarge(StarletteHTTPException):
+        """Raised from ``receive``; an HTTP exception so that FastAPI's body reader passes it on."""
+
+        def __init__(self, limit: int):
+            super().__init__(413, f"request body is over {limit} bytes")
 
     def __init__(self, app):
         self.app = app
@@ -134,7 +137,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise BodyLimit.TooLarge()
+                    raise BodyLimit.TooLarge(limit)
             return message
 
         async def tracking_send(message):
@@ -221,7 +224,8 @@ def create_app(config: ServerConfig, storage=None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code,
+                                                                                           "http_error")
         return JSONResponse({"error": code, "message": str(exc.detail)}, status_code=exc.status_code)
 
     @app.exception_handler(Exception)

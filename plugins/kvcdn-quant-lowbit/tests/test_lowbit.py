@@ -1,0 +1,123 @@
+"""int4 and int2: packing, the error bound on awkward tensors, the residual window, compression,
+registration through the entry point, and a quantized artifact loading through ``kvcdn continue``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcdn_core import artifact, quant
+from kvcdn_quant_lowbit import Int2Quantizer, Int4Quantizer, pack, unpack
+
+PROFILE = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SCHEMES = [Int4Quantizer, Int2Quantizer]
+
+
+@PROFILE
+@given(bits=st.sampled_from([2, 4]), codes=st.lists(st.integers(0, 255), max_size=200))
+def test_pack_unpack_round_trip(bits, codes):
+    t = torch.tensor(codes, dtype=torch.uint8) % (1 << bits)
+    packed = pack(t, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-len(codes) * bits // 8)
+    assert torch.equal(unpack(packed, bits, len(codes)), t)
+
+
+def test_unpack_refuses_short_input():
+    with pytest.raises(ValueError, match="fewer than"):
+        unpack(torch.zeros(2, dtype=torch.uint8), 4, 5)
+
+
+@st.composite
+def tensors(draw):
+    shape = [1, draw(st.integers(1, 3)), draw(st.integers(1, 90)), draw(st.integers(1, 40))]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["normal", "zeros", "constant", "outliers", "offset"]))
+    scale = draw(st.sampled_from([1e-6, 1.0, 50.0, 1e5]))
+    if kind == "zeros":
+        return torch.zeros(shape)
+    if kind == "constant":
+        return torch.full(shape, draw(st.floats(-1, 1, allow_nan=False)) * scale)
+    x = torch.randn(shape, generator=gen) * scale
+    if kind == "outliers":
+        x = torch.where(torch.rand(shape, generator=gen) < 0.03, x * 500, x)
+    if kind == "offset":
+        x = x * 1e-2 + scale
+    return x
+
+
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
+@PROFILE
+@given(x=tensors(), role=st.sampled_from([quant.KEY, quant.VALUE]), group=st.integers(1, 100),
+       residual=st.integers(0, 100))
+def test_round_trip_within_bound(cls, x, role, group, residual):
+    q = cls(group_size=group, residual=residual)
+    parts, record = q.quantize(role, x)
+    y = q.dequantize(parts, record)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    err = (x - y).abs()
+    assert ((err - q.error_bound(role, x)).max() <= 0), record
+    keep = min(residual, x.shape[-2])
+    assert record["residual_tokens"] == keep
+    if keep:
+        assert torch.equal(y[..., -keep:, :], x[..., -keep:, :])
+    if keep < x.shape[-2]:
+        assert parts[""].dtype == torch.uint8
+        assert parts[""].numel() == -(-(x.numel() // x.shape[-2] * (x.shape[-2] - keep)) * q.bits // 8)
+
+
+@pytest.mark.parametrize("cls,minimum", [(Int4Quantizer, 3.4), (Int2Quantizer, 5.0)], ids=["int4", "int2"])
+def test_compression_of_a_float16_cache(cls, minimum):
+    """Bytes stored for a 2k-token float16 K/V pair (head_dim 128) with the default group sizes."""
+    x = (torch.randn(1, 8, 2048, 128) * 2).to(torch.float16)
+    q = cls(residual=0)
+    stored = sum(p.numel() * p.element_size() for role in (quant.KEY, quant.VALUE)
+                 for p in q.quantize(role, x)[0].values())
+    assert 2 * x.numel() * 2 / stored >= minimum
+
+
+def test_defaults_and_registration(discovered_host):
+    assert Int4Quantizer().params == {"group_size": 64, "residual": 128}
+    assert Int2Quantizer().params == {"group_size": 32, "residual": 128}
+    schemes = discovered_host.quantizers()
+    assert schemes["int4"] is Int4Quantizer and schemes["int2"] is Int2Quantizer
+    info = discovered_host.infos["lowbit"]
+    assert info.distribution == "kvcdn-quant-lowbit" and "kvcdn.quantizers" in info.groups
+
+
+def test_sensitive_layer_kinds_stay_full_precision():
+    assert not Int4Quantizer().supports(artifact.MLA_LATENT)
+    assert not Int2Quantizer().supports(artifact.RECURRENT_STATE)
+    assert not Int2Quantizer().supports(artifact.LINEAR_ATTENTION)
+    assert Int4Quantizer().supports(artifact.SLIDING_WINDOW)
+
+
+def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
+    from click.testing import CliRunner
+
+    from kvcdn_core import runtime
+    from kvcdn_core.cli import make_cli
+    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_model_qwen import QwenAdapter
+
+    model_dir = tiny_model(QwenAdapter, "Qwen3ForCausalLM")
+    session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
+    src = tmp_path / "doc.kv"
+    runtime.generate(session, SAMPLE_TEXT, src, progress=False)
+    runner = CliRunner()
+    result = runner.invoke(make_cli(), ["quant", "--input", str(src), "--scheme", "int4", "--residual", "16",
+                                        "--format", "json"])
+    assert result.exit_code == 0, result.output
+    event = json.loads(result.stdout)
+    out = tmp_path / "doc.int4.kv"
+    assert event["output"] == str(out) and event["parameters"] == {"group_size": 64, "residual": 16}
+    assert event["storage_dtype"] == "U8" and event["compression_ratio"] > 3
+    manifest = artifact.read_manifest(out)
+    rec = manifest["quantization"]["layers"][0]["tensors"]["value"]
+    assert rec["parts"] == ["", "residual", "scale", "zero"] and rec["residual_tokens"] == 16
+    result = runner.invoke(make_cli(), ["continue", "--kv-path", str(out), "--n", "4", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reused_tokens"] == manifest["token_count"]

@@ -1,0 +1,163 @@
+"""The server app in-process, for what needs settings a shared server cannot take: upload expiry,
+a quota that shrinks between upload-url and confirm, the inference timeout, secret handling."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvcdn_core.errors import KvcdnError
+from tests.support.hosted import API, bearer, sha256_of
+
+
+@pytest.fixture
+def make_app(monkeypatch, tmp_path):
+    from kvcdn_server.app import create_app
+    from kvcdn_server.config import load_config
+
+    def make(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, str(value))
+        monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme")
+        config = load_config(storage=str(tmp_path / "objects"))
+        app = create_app(config)
+        from kvcdn_server.apikeys import derive_key
+
+        return app, TestClient(app), derive_key(config.api_key_seed, "acme")
+
+    return make
+
+
+def _start(client, key, path):
+    r = client.post(f"{API}/artifacts/upload-url", headers=bearer(key),
+                    json={"name": "a.kv", "size_bytes": path.stat().st_size, "sha256": sha256_of(path)})
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    # TestClient speaks to the app directly: use the path and query of the signed URL.
+    url = plan["url"].split("://", 1)[1].split("/", 1)[1]
+    return plan, "/" + url
+
+
+def _files(tmp_path):
+    root = tmp_path / "objects"
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
+                  and not p.name.startswith("acme"))
+
+
+def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv):
+    app, client, key = make_app(KVCDN_UPLOAD_URL_TTL=1, KVCDN_PENDING_GRACE=0)
+    plan, put_url = _start(client, key, small_kv)
+    assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
+    time.sleep(2.1)
+    assert client.put(put_url, content=small_kv.read_bytes()).json()["error"] == "url_expired"
+    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
+    assert r.status_code == 410 and r.json()["error"] == "upload_expired"
+    assert _files(tmp_path) == []
+    # The periodic sweep removes what nobody came back for.
+    plan2, put2 = _start(client, key, small_kv)
+    client.put(put2, content=small_kv.read_bytes())
+    assert _files(tmp_path)
+    time.sleep(2.1)
+    assert app.state.store.sweep_all() == 1
+    assert _files(tmp_path) == []
+
+
+def test_quota_is_checked_again_at_confirm(make_app, tmp_path, small_kv):
+    app, client, key = make_app()
+    plan, put_url = _start(client, key, small_kv)
+    client.put(put_url, content=small_kv.read_bytes())
+    app.state.store.config.quota_bytes = small_kv.stat().st_size - 1  # lowered by the operator meanwhile
+    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
+    assert r.status_code == 403 and r.json()["error"] == "quota_exceeded"
+    assert _files(tmp_path) == []
+
+
+def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_model):
+    app, client, key = make_app(KVCDN_MODELS=str(hosted_model), KVCDN_INFER_TIMEOUT="0.001",
+                                KVCDN_INFER_CONCURRENCY=1)
+    plan, put_url = _start(client, key, qwen3_artifact)
+    client.put(put_url, content=qwen3_artifact.read_bytes())
+    assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
+    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 64})
+    assert r.status_code == 504 and r.json()["error"] == "timeout"
+    # Its slot stays taken until the computation really ends: meanwhile a second request is 429.
+    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 1})
+    assert r.status_code in (429, 504)
+    app.state.engine.pool.shutdown(wait=True)
+
+
+def test_secrets_files_are_private_and_env_overrides(monkeypatch, tmp_path):
+    from kvcdn_server.config import load_config, server_home
+
+    config = load_config(storage=str(tmp_path / "o"))
+    for name in ("api-key-seed", "admin-secret", "url-signing-key"):
+        assert stat.S_IMODE((server_home() / name).stat().st_mode) == 0o600
+    assert len(config.created_secrets) == 3
+    again = load_config(storage=str(tmp_path / "o"))
+    assert again.created_secrets == [] and again.admin_secret == config.admin_secret
+    monkeypatch.setenv("KVCDN_ADMIN_SECRET", "from-the-environment-0123456789")
+    assert load_config(storage=str(tmp_path / "o")).admin_secret == "from-the-environment-0123456789"
+    monkeypatch.setenv("KVCDN_ADMIN_SECRET", "short")
+    with pytest.raises(KvcdnError, match="too short"):
+        load_config(storage=str(tmp_path / "o"))
+    monkeypatch.delenv("KVCDN_ADMIN_SECRET")
+    os.chmod(server_home() / "admin-secret", 0o644)
+    with pytest.raises(KvcdnError, match="chmod 600"):
+        load_config(storage=str(tmp_path / "o"))
+
+
+@pytest.mark.parametrize("url,ok", [("https://id.example.com", True), ("http://127.0.0.1:9000", True),
+                                    ("http://id.example.com", False), ("ftp://x", False)])
+def test_issuer_must_be_https_unless_loopback(url, ok):
+    from kvcdn_server.config import check_issuer_url
+
+    if ok:
+        assert check_issuer_url(url) == url
+    else:
+        with pytest.raises(KvcdnError, match="https"):
+            check_issuer_url(url)
+
+
+def test_hkdf_matches_rfc5869_test_vector():
+    from kvcdn_server.apikeys import hkdf_sha256
+
+    # RFC 5869 A.3: SHA-256, zero-length salt and info.
+    okm = hkdf_sha256(bytes.fromhex("0b" * 22), b"", 42)
+    assert okm.hex() == ("8da4e775a563c18f715f802a063c5a31b8a11f5c5ee1879ec3454e5f3c738d2d"
+                         "9d201395faa4b61a96c8")
+
+
+def test_telemetry_is_forwarded_with_the_secret(make_app):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received = []
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.headers.get("Authorization"), json.loads(body)))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _app, client, _key = make_app(KVCDN_TELEMETRY_URL=f"http://127.0.0.1:{server.server_port}/ingest",
+                                      KVCDN_TELEMETRY_SECRET="telemetry-secret")
+        event = {"event": "command", "kvcdn_version": "0.1.0", "command": "list", "ok": True}
+        assert client.post(f"{API}/telemetry", json=event).status_code == 204
+        deadline = time.time() + 5
+        while not received and time.time() < deadline:
+            time.sleep(0.02)
+        assert received == [("Bearer telemetry-secret", event)]
+    finally:
+        server.shutdown()

@@ -1,0 +1,94 @@
+"""Two ``kvcdn serve`` replicas on one S3 bucket (moto's server): presigned and multipart uploads,
+isolation, and a replica answering for what the other one stored."""
+
+from __future__ import annotations
+
+import hashlib
+
+import boto3
+import httpx
+
+from tests.hosted.conftest import S3_BUCKET
+from tests.support.hosted import (API, bearer, confirm, mint_key, put_bytes, request_upload, upload,
+                                  write_synthetic_kv)
+
+
+def bucket_keys(moto_s3) -> list[str]:
+    client = boto3.client("s3", endpoint_url=moto_s3.endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    return sorted(o["Key"] for o in client.list_objects_v2(Bucket=S3_BUCKET).get("Contents", []))
+
+
+def test_replicas_share_one_bucket(s3_replicas, moto_s3, new_org, qwen3_artifact, cli):
+    a, b, admin = s3_replicas
+    slug = new_org("s3")
+    key = mint_key(a.url, admin, slug)
+    art = upload(a.url, key, qwen3_artifact)
+    # The upload went straight to S3 through a presigned URL, under the configured prefix.
+    keys = bucket_keys(moto_s3)
+    assert any(k.endswith(f"{art['artifact_id']}.kv") and k.startswith("replicated/t/") for k in keys)
+    # Replica b knows the org (registered by a, through the bucket) and serves the artifact.
+    listing = httpx.get(f"{b.url}{API}/artifacts", headers=bearer(key)).json()
+    assert [x["artifact_id"] for x in listing["artifacts"]] == [art["artifact_id"]]
+    d = httpx.post(f"{b.url}{API}/artifacts/{art['artifact_id']}/download-url", headers=bearer(key)).json()
+    assert "X-Amz-Signature=" in d["download_url"]
+    assert hashlib.sha256(httpx.get(d["download_url"]).content).hexdigest() == art["sha256"]
+    r = httpx.post(f"{b.url}{API}/artifacts/{art['artifact_id']}/infer", headers=bearer(key),
+                   json={"question": " Who kept the ledger?", "n": 8}, timeout=120)
+    assert r.status_code == 200, r.text
+    local = cli("continue", "--kv-path", qwen3_artifact, "--question", " Who kept the ledger?", "--n", 8,
+                "--format", "json", "--device", "cpu")
+    import json
+
+    assert r.json()["tokens"] == json.loads(local.stdout)["token_ids"]
+    # A key rotated on one replica stops working on the other.
+    new = httpx.post(f"{a.url}{API}/admin/api-keys/rotate", json={"org_slug": slug},
+                     headers={"X-Kvcdn-Admin-Secret": admin}).json()["api_key"]
+    import time
+
+    time.sleep(0.5)  # KVCDN_ORGS_REFRESH=0.2 in the fixture
+    assert httpx.get(f"{b.url}{API}/whoami", headers=bearer(key)).status_code == 401
+    assert httpx.get(f"{b.url}{API}/whoami", headers=bearer(new)).status_code == 200
+    assert httpx.delete(f"{b.url}{API}/artifacts/{art['artifact_id']}", headers=bearer(new)).status_code == 204
+    assert not [k for k in bucket_keys(moto_s3) if art["artifact_id"] in k]
+
+
+def test_multipart_upload_over_the_part_size(s3_replicas, new_org, tmp_path):
+    a, b, admin = s3_replicas
+    key = mint_key(a.url, admin, new_org("mp"))
+    big = write_synthetic_kv(tmp_path / "big.kv", tokens=700, width=256)  # about 5.5 MiB, part size 5 MiB
+    assert big.stat().st_size > 5 << 20
+    r = request_upload(a.url, key, big)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["url"] is None and len(plan["multipart"]["parts"]) == 2
+    body = put_bytes(plan, big.read_bytes())
+    # Confirming without the parts' ETags is refused and keeps the upload pending.
+    assert confirm(b.url, key, plan["artifact_id"], {}).status_code == 409
+    done = confirm(b.url, key, plan["artifact_id"], body)
+    assert done.status_code == 200, done.text
+    d = httpx.post(f"{a.url}{API}/artifacts/{plan['artifact_id']}/download-url", headers=bearer(key)).json()
+    assert httpx.get(d["download_url"]).content == big.read_bytes()
+
+
+def test_s3_isolation_and_refusals_store_nothing(s3_replicas, moto_s3, new_org, small_kv, tmp_path):
+    a, b, admin = s3_replicas
+    owner, intruder = (mint_key(a.url, admin, new_org("s3iso")) for _ in range(2))
+    art = upload(a.url, owner, small_kv)
+    for server in (a, b):
+        for method, route in [("GET", f"/artifacts/{art['artifact_id']}"),
+                              ("POST", f"/artifacts/{art['artifact_id']}/download-url"),
+                              ("DELETE", f"/artifacts/{art['artifact_id']}")]:
+            assert httpx.request(method, f"{server.url}{API}{route}", headers=bearer(intruder)).status_code == 404
+    before = bucket_keys(moto_s3)
+    junk = tmp_path / "junk.kv"
+    junk.write_bytes(b"not a kv artifact at all" * 10)
+    plan = request_upload(a.url, owner, junk).json()
+    put_bytes(plan, junk.read_bytes())
+    r = confirm(b.url, owner, plan["artifact_id"])
+    assert r.status_code == 422 and r.json()["error"] == "not_a_kv_artifact"
+    plan = request_upload(a.url, owner, small_kv, sha256="cd" * 32).json()
+    put_bytes(plan, small_kv.read_bytes())
+    r = confirm(a.url, owner, plan["artifact_id"])
+    assert r.status_code == 422 and r.json()["error"] == "sha256_mismatch"
+    assert bucket_keys(moto_s3) == before
