@@ -187,6 +187,14 @@ def test_refusals_say_why(doc, cli, args, message):
     assert not doc.with_name("doc.q8.kv").exists()
 
 
+def test_verify_with_another_model_is_refused_before_writing(doc, cli, tiny_model):
+    other = tiny_model(QwenAdapter, "Qwen2ForCausalLM")
+    result = cli("quant", "--input", doc, "--verify", "--model", other)
+    assert result.exit_code == 2 and "artifact was made with model" in result.stderr
+    assert not doc.with_name("doc.q8.kv").exists()
+    assert not doc.with_name("doc.q8.kv.quant-event.json").exists()
+
+
 def test_input_is_never_overwritten(doc, cli):
     before = sha(doc)
     result = cli("quant", "--input", doc, "--output", doc)

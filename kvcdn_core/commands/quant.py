@@ -43,7 +43,8 @@ SCHEME_HELP = ("int8 (per-channel keys, per-token values; default), int8-tensor 
 @click.option("--model", default=None,
               help=f"Model for --verify / --context-file [default: the artifact's model, else {DEFAULT_MODEL}].")
 @click.option("--revision", default=None, help="Model revision on the hub.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
+              help="Where to run the model.")
 @click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Model dtype for --context-file (auto: float32 on CPU).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -82,8 +83,11 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             from kvcdn_core import artifact
 
             header = artifact.read_header(source)
-            if do_verify:
+            if do_verify:  # load and check the model before anything is written
+                from kvcdn_core import runtime
+
                 session = _session_for(header.manifest, model, revision, device, compute_dtype)
+                runtime.check_model(session, header.manifest)
         else:
             from kvcdn_core import artifact, runtime
 
@@ -146,11 +150,16 @@ def run_quant(header, out: Path, quantizer, target, source: Path, source_kind: s
         "seconds": round(seconds, 4),
         "verification": "Skipped", "mismatch_indices": [],
     }
+    event["event_path"] = str(quant.event_path(out))
     if n is not None:
-        event["verify"] = verify_quantized(session, header, artifact.read_header(out), question, n)
+        try:
+            event["verify"] = verify_quantized(session, header, artifact.read_header(out), question, n)
+        except KvcdnError as exc:  # the record still says what was written and why verification stopped
+            event["verification"], event["verification_error"] = "Error", str(exc)
+            quant.write_json_atomic(quant.event_path(out), event)
+            raise
         event["verification"] = "Match" if event["verify"]["reference_passed"] else "Mismatch"
         event["mismatch_indices"] = event["verify"]["mismatch_indices"]
-    event["event_path"] = str(quant.event_path(out))
     quant.write_json_atomic(quant.event_path(out), event)
     return event
 

@@ -8,28 +8,23 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
-
-from support import services  # noqa: E402
-from support.hosted_client import kvcdn_cmd, kvcdn_login_browser, kvcdn_login_device  # noqa: E402
+from tests.support import services
+from tests.support.hosted_client import kvcdn_cmd, kvcdn_login_browser, kvcdn_login_device
 
 
 @pytest.fixture(scope="module")
-def issuer():
-    with services.oidc_issuer() as running:
-        yield running
+def issuer(oidc_issuer):  # the session issuer of tests/hosted/conftest.py
+    return oidc_issuer
 
 
 @pytest.fixture(scope="module")
 def server(issuer, tmp_path_factory):
+    """A server with the default JWT leeway: the refresh test's access tokens live only 1 s."""
     with services.kvcdn_server(tmp_path_factory.mktemp("serve-login"),
                                env={"KVCDN_ISSUER_URL": issuer.url}) as running:
         yield running
@@ -102,11 +97,11 @@ def test_api_key_wins_over_login_and_tenants_differ(env, server):
     assert login.returncode == 0, login.stderr
     bob = json.loads(kvcdn(env, "whoami", "--format", "json").stdout)
     assert bob["method"] == "oidc" and bob["subject"] == "bob"
-    key = kvcdn({**env, "KVCDN_ADMIN_SECRET": server.admin_secret()}, "admin", "mint-api-key", "bobs-org")
+    key = kvcdn({**env, "KVCDN_ADMIN_SECRET": server.admin_secret()}, "admin", "mint-api-key", "client-bobs-org")
     assert key.returncode == 0, key.stderr
     assert kvcdn(env, "api-key", "set", key.stdout.strip()).returncode == 0
     who = json.loads(kvcdn(env, "whoami", "--format", "json").stdout)
-    assert who["method"] == "api_key" and who["org"] == "bobs-org" and who["customer_id"] != bob["customer_id"]
+    assert who["method"] == "api_key" and who["org"] == "client-bobs-org" and who["customer_id"] != bob["customer_id"]
     assert kvcdn(env, "api-key", "clear").returncode == 0
     assert json.loads(kvcdn(env, "whoami", "--format", "json").stdout)["subject"] == "bob"
 

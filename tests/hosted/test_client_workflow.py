@@ -8,18 +8,12 @@ import hashlib
 import itertools
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
-
-from support import services  # noqa: E402
-from support.hosted_client import CountingReceiver, CuttingProxy  # noqa: E402
+from tests.support import services
+from tests.support.hosted_client import CountingReceiver, CuttingProxy
 
 QUESTION = "What comes next?"
 
@@ -94,7 +88,7 @@ _orgs = itertools.count()
 
 
 def mint(kv, server, prefix, secret=None):
-    org = f"{prefix}-{next(_orgs)}"
+    org = f"client-{prefix}-{next(_orgs)}"  # never one of the server tests' orgs
     key = ok(kv(server, "admin", "mint-api-key", org, admin=secret or server.admin_secret())).strip()
     assert key.startswith("kv_") and len(key) == 67
     return key
@@ -111,7 +105,7 @@ def test_two_tenant_workflow(endpoint, kv, cli, qwen3_artifact, tmp_path, monkey
     server, secret = endpoint
     monkeypatch.chdir(tmp_path)
     acme, globex = mint(kv, server, "acme", secret), mint(kv, server, "globex", secret)
-    assert "org acme-" in ok(kv(server, "api-key", "verify", key=acme))
+    assert "org client-acme-" in ok(kv(server, "api-key", "verify", key=acme))
 
     artifact_id = ok(kv(server, "upload", qwen3_artifact, "--name", "sample", key=acme)).strip()
     listed = json.loads(ok(kv(server, "list", "--format", "json", key=acme)))
@@ -142,7 +136,7 @@ def test_two_tenant_workflow(endpoint, kv, cli, qwen3_artifact, tmp_path, monkey
     assert quota["usage"]["artifacts"] == 1 and quota["usage"]["storage_bytes"] == len(data)
     assert "artifacts" in ok(kv(server, "quota", key=acme))
     who = json.loads(ok(kv(server, "whoami", "--format", "json", key=acme)))
-    assert who["org"].startswith("acme-") and who["access_token"] == acme
+    assert who["org"].startswith("client-acme-") and who["access_token"] == acme
     assert acme not in ok(kv(server, "whoami", key=acme))  # the table form never shows it
 
     # a public artifact: the other tenant (and no credential at all) may download it
@@ -263,6 +257,41 @@ def test_interrupted_download_leaves_no_file(kv, local_server, qwen3_artifact, t
     finally:
         proxy.close()
         ok(kv(local_server, "delete", artifact_id, "--yes", key=key))
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_download_stopped_half_way_leaves_no_file(signal_name, kv, local_server, qwen3_artifact, tmp_path):
+    """Ctrl-C (or a TERM from a supervisor) in the middle of the body: no file, no temp file."""
+    import signal
+    import subprocess
+
+    from tests.support.hosted_client import kvcdn_cmd
+
+    key = mint(kv, local_server, "stop")
+    artifact_id = ok(kv(local_server, "upload", qwen3_artifact, "--name", "stop", key=key)).strip()
+    proxy = CuttingProxy(local_server.url, stall=30)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCDN_")}
+    env.update(KVCDN_API_URL=proxy.url, KVCDN_API_KEY=key, KVCDN_TELEMETRY="0")
+    proc = subprocess.Popen([*kvcdn_cmd(), "download", artifact_id, "--output", out / "stop.kv"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proxy.half_sent.wait(60), "the download never started"
+        deadline = time.monotonic() + 10
+        while not any(p.name.endswith(".part") and p.stat().st_size > 0 for p in out.iterdir()):
+            assert time.monotonic() < deadline, "no partial file appeared"
+            time.sleep(0.02)
+        proc.send_signal(getattr(signal, signal_name))
+        _stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.close()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "error: interrupted" and "Traceback" not in stderr
+    assert os.listdir(out) == []
+    ok(kv(local_server, "delete", artifact_id, "--yes", key=key))
 
 
 def test_telemetry_on_and_off(kv, telemetry_server, telemetry_sink, monkeypatch):

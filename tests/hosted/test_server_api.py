@@ -128,6 +128,24 @@ def test_oidc_token_identifies_the_subject_namespaced_by_issuer(local_server, oi
     assert who["issuer"] == oidc_issuer.url and who["email"] == "alice@example.test" and who["org"] is None
 
 
+def test_token_from_the_auth_code_pkce_flow_is_accepted(local_server, oidc_issuer):
+    import secrets
+
+    verifier = secrets.token_urlsafe(48)
+    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+    redirect = f"http://127.0.0.1:{services.free_port()}/callback"
+    authorize = httpx.URL(f"{oidc_issuer.url}/auth", params={
+        "client_id": "kvcdn-cli", "response_type": "code", "redirect_uri": redirect, "state": "s1",
+        "scope": "openid email kvcdn", "code_challenge": challenge, "code_challenge_method": "S256"})
+    back = httpx.URL(services.browser_authorize(str(authorize), "bob"))
+    assert back.params["state"] == "s1"
+    token = httpx.post(f"{oidc_issuer.url}/token", data={
+        "grant_type": "authorization_code", "code": back.params["code"], "redirect_uri": redirect,
+        "client_id": "kvcdn-cli", "code_verifier": verifier}).json()["access_token"]
+    who = httpx.get(f"{local_server.url}{API}/whoami", headers=bearer(token)).json()
+    assert who["subject"] == "bob" and who["method"] == "oidc"
+
+
 def test_forged_and_foreign_tokens_are_refused(local_server, oidc_issuer, other_issuer, alice_token):
     claims = jwt.decode(alice_token, options={"verify_signature": False})
     header = jwt.get_unverified_header(alice_token)

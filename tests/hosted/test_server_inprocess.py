@@ -23,6 +23,7 @@ def make_app(monkeypatch, tmp_path):
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
         monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme")
+        monkeypatch.setenv("KVCDN_INFER_DEVICE", "cpu")
         config = load_config(storage=str(tmp_path / "objects"))
         app = create_app(config)
         from kvcdn_server.apikeys import derive_key
@@ -161,3 +162,41 @@ def test_telemetry_is_forwarded_with_the_secret(make_app):
         assert received == [("Bearer telemetry-secret", event)]
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--issuer-url", "http://id.example.com"], "must use https"),
+    (["--storage", "nosuch://bucket"], "no storage backend for 'nosuch://'"),
+    (["--storage", "s3://"], "needs a bucket"),
+])
+def test_bad_configuration_is_one_line_exit_2(args, message):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_orphans_of_an_interrupted_confirm_are_swept(make_app, tmp_path, small_kv):
+    from kvcdn_server.artifacts import tenant_of
+
+    app, client, key = make_app()
+    tenant = tenant_of("org:acme")
+    store = app.state.store
+    orphan_id = "11111111-1111-4111-8111-111111111111"
+    for suffix in (".kv", ".upload"):
+        store.storage.write_bytes(store.key(tenant, orphan_id, suffix), small_kv.read_bytes())
+    assert store.usage(tenant, sweep=False)["artifacts"] == 0
+    assert _files(tmp_path)
+    store.usage(tenant)
+    assert _files(tmp_path) == []
+    # A retried confirm racing the first: the second finds the bytes gone and gets 409, not 500.
+    plan, put_url = _start(client, key, small_kv)
+    client.put(put_url, content=small_kv.read_bytes())
+    store.storage.rename(store.key(tenant, plan["artifact_id"], ".upload"),
+                         store.key(tenant, plan["artifact_id"], ".elsewhere"))
+    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
+    assert r.status_code == 409

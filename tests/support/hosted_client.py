@@ -157,15 +157,17 @@ class CountingReceiver:
 
 
 class CuttingProxy:
-    """A reverse proxy to ``upstream`` that sends only half of every blob GET's body, then hangs up.
+    """A reverse proxy to ``upstream`` that sends only half of every blob GET's body, then hangs up
+    (after ``stall`` seconds: time for a test to interrupt the client half-way).
 
     The ``Host`` header is passed through, so the server signs URLs for the proxy's address when it
     builds them from the request (or give the server ``KVCDN_PUBLIC_URL`` = :attr:`url`).
     """
 
-    def __init__(self, upstream: str, port: int = 0, cut_prefix: str = "/api/v1/blobs/"):
+    def __init__(self, upstream: str, port: int = 0, cut_prefix: str = "/api/v1/blobs/", stall: float = 0.0):
         self.upstream = upstream.rstrip("/")
         self.cuts = 0
+        self.half_sent = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -192,6 +194,8 @@ class CuttingProxy:
                     proxy.cuts += 1
                     self.wfile.write(data[: len(data) // 2])
                     self.wfile.flush()
+                    proxy.half_sent.set()
+                    time.sleep(stall)
                     self.close_connection = True
                     return
                 self.wfile.write(data)

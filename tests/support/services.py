@@ -178,6 +178,39 @@ def device_flow_token(issuer_url: str, username: str = "alice", password: str | 
     raise AssertionError("device flow did not finish in time")
 
 
+def browser_authorize(authorize_url: str, username: str = "alice", password: str | None = None,
+                      deliver: bool = False) -> str:
+    """Play the browser of an authorization-code (+PKCE) login that starts at ``authorize_url``.
+
+    Signs in on the issuer's page and returns the URL the issuer redirects to (the client's
+    loopback ``redirect_uri`` with ``code`` and ``state``). With ``deliver``, also GETs that URL, as
+    a browser would, so a CLI waiting on its loopback listener receives the code.
+    """
+    password = ACCOUNTS.get(username, "") if password is None else password
+    with httpx.Client(follow_redirects=False, timeout=10) as browser:
+        response = browser.get(authorize_url)
+        for _ in range(12):
+            location = response.headers.get("location")
+            if location is None:
+                if 'name="password"' not in response.text:
+                    raise AssertionError(f"issuer page {response.url} answered {response.status_code}: "
+                                         f"{response.text[:300]}")
+                action, fields = _form_action(response.text, str(response.url))
+                fields.update(login=username, password=password)
+                response = browser.post(action, data=fields)
+                if response.status_code == 401:
+                    raise AssertionError("the issuer refused the login")
+                continue
+            target = str(response.url.join(location))
+            parsed = httpx.URL(target)
+            if parsed.host in ("127.0.0.1", "localhost", "::1") and parsed.port != response.url.port:
+                if deliver:
+                    httpx.get(target, timeout=10)
+                return target
+            response = browser.get(target)
+    raise AssertionError("the authorization flow never redirected back to the client")
+
+
 @dataclasses.dataclass
 class MotoS3:
     endpoint: str
@@ -215,7 +248,6 @@ class KvcdnServer:
     log: list[str]
 
     def admin_secret(self) -> str:
-        env = self.process.args  # noqa: F841 - kept for debugging
         return (self.data_dir / "admin-secret").read_text().strip()
 
 
@@ -230,8 +262,9 @@ def kvcdn_server(data_home: Path, args: list[str] = (), env: dict[str, str] | No
     """``kvcdn serve`` on a free loopback port with XDG_DATA_HOME=``data_home``; waits for /health."""
     port = free_port()
     full_env = dict(os.environ)
+    # Inference on the CPU, like the local `kvcdn continue --device cpu` the tests compare with.
     full_env.update({"XDG_DATA_HOME": str(data_home), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                     "TOKENIZERS_PARALLELISM": "false"})
+                     "TOKENIZERS_PARALLELISM": "false", "KVCDN_INFER_DEVICE": "cpu"})
     full_env.update(env or {})
     cmd = [*kvcdn_executable(), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -6,6 +6,7 @@ set``) wins over a login session; a session is refreshed shortly before its acce
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -49,22 +50,11 @@ def resolve_credential(settings: Settings, http=None) -> Credential | None:
     if oidc.needs_refresh(session):
         import httpx
 
-        with httpx.Client() if http is None else _borrowed(http) as client:
+        with httpx.Client() if http is None else contextlib.nullcontext(http) as client:
             session = oidc.refresh(client, session)
         credentials.update(session=session)
     return Credential("oidc", session["access_token"], f"login session ({session['issuer']})",
                       session.get("expires_at"))
-
-
-class _borrowed:
-    def __init__(self, client):
-        self.client = client
-
-    def __enter__(self):
-        return self.client
-
-    def __exit__(self, *exc):
-        return False
 
 
 def backoff_delay(attempt: int, retry_after: str | None = None) -> float:

@@ -7,6 +7,7 @@ output and then sends one telemetry event (see :mod:`kvcdn_hosted.telemetry`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -223,14 +224,14 @@ def api_key_set(key):
 @hosted_command("api-key verify")
 def api_key_verify(api_url, api_key, fmt):
     """Ask the endpoint whether the API key in use is valid, and for which org."""
-    from kvcdn_hosted.client import Credential, HostedClient, resolve_credential
+    from kvcdn_hosted.client import HostedClient, resolve_credential
 
     settings = settings_from(locals())
     settings.require_api_url()
     credential = resolve_credential(settings)
     if credential is None or credential.method != "api_key":
         raise KvcdnError("no API key set: kvcdn api-key set KEY, KVCDN_API_KEY or --api-key")
-    with HostedClient(settings, credential=Credential(**vars(credential))) as client:
+    with HostedClient(settings, credential=credential) as client:
         info = client.json("POST", "/api/v1/api-keys/verify", what="api-key verify")
     if fmt == "json":
         emit_json(info)
@@ -357,11 +358,32 @@ def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
         raise KvcdnError(f"'{target}' exists; pass --force to replace it or --output to choose another path")
     if target.is_dir():
         raise KvcdnError(f"'{target}' is a directory")
-    if hosted:
-        backend.download(artifact_id, target)
-    else:
-        _download_generic(backend, artifact_id, target)
+    with _terminate_as_interrupt():
+        if hosted:
+            backend.download(artifact_id, target)
+        else:
+            _download_generic(backend, artifact_id, target)
     click.echo(str(target))
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """Treat SIGTERM like Ctrl-C while a download runs, so its temporary file is removed too."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _download_generic(backend, key: str, target: Path) -> None:

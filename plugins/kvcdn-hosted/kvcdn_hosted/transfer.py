@@ -135,7 +135,7 @@ def _stream_into(http, url, fd, headers, size, label, quiet) -> tuple[str, int]:
                                      f"{server_message(response)}")
                 total = size or int(response.headers.get("Content-Length") or 0)
                 with Progress(total, label, unit="bytes", enabled=not quiet) as bar:
-                    for block in response.iter_bytes(CHUNK):
+                    for block in response.iter_bytes():  # as it arrives, for the progress bar
                         out.write(block)
                         digest.update(block)
                         received += len(block)

@@ -57,7 +57,7 @@ def test_opt_out_and_no_endpoint_send_nothing(receiver, config_home, monkeypatch
     assert receiver.requests == []
 
 
-def test_slow_receiver_costs_at_most_150_ms(receiver):
+def test_slow_receiver_costs_at_most_150_ms(receiver, config_home):
     def slow(handler):
         time.sleep(1.0)
         return 204, {}, b""

@@ -142,3 +142,17 @@ def test_crop_refuses_sliding_window(tmp_path):
     layers = [{"index": 0, "kind": fmt.SLIDING_WINDOW}]
     with pytest.raises(KvcdnError, match="'sliding_window'"):
         QwenAdapter().crop(cache, layers, 10, token_count=20)
+
+
+def test_bfloat16_keeps_the_float32_delta_state(tiny_model, tmp_path):
+    """Under bfloat16 the DeltaNet memory stays float32 in the model, in the file and after loading."""
+    path = tiny_model(QwenAdapter, NEXT)
+    session = runtime.load_session(str(path), device="cpu", dtype="bfloat16", adapter_cls=QwenAdapter)
+    ids = ids_of(session, 40)
+    header = saved(session, ids, tmp_path)
+    linear = header.manifest["layers"][0]["tensors"]
+    assert header.manifest["tensors"][linear["recurrent_state"]]["dtype"] == "F32"
+    assert header.manifest["tensors"][linear["conv_state"]]["dtype"] == "BF16"
+    restored, _ = runtime.load_cache(session, header)
+    assert restored.layers[0].recurrent_states[0].dtype == torch.float32
+    assert restored.layers[3].keys.dtype == torch.bfloat16

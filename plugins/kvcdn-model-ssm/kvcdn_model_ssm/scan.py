@@ -22,7 +22,10 @@ FALCON_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
 def supports(mixer) -> bool:
+    """Whether :func:`continue_mixer` computes what this mixer would (weights used as plain tensors)."""
     module = sys.modules.get(type(mixer).__module__)
+    if hasattr(getattr(mixer, "config", None), "_is_quantized"):
+        return False  # quantized linears: their .weight is not the matrix the mixer multiplies by
     return all(hasattr(mixer, a) for a in MIXER_ATTRIBUTES) and hasattr(module, "causal_conv1d_fn")
 
 
@@ -51,9 +54,11 @@ def continue_mixer(mixer, hidden_states, cache):
                                                     mixer.ssm_state_size], dim=-1)
     if all(hasattr(mixer, n) for n in FALCON_NORMS):
         time_step, B, C = mixer.dt_layernorm(time_step), mixer.b_layernorm(B), mixer.c_layernorm(C)
+    # Dtypes follow the torch scan step by step (bias and softplus in the compute dtype, the state
+    # and D in float32): under bfloat16 any other rounding shows up within a few decoded tokens.
     dt = mixer.dt_proj.weight @ time_step.transpose(1, 2)
     if mixer.dt_proj.bias is not None:
-        dt = dt + mixer.dt_proj.bias.float()[..., None]
+        dt = dt + mixer.dt_proj.bias.float().to(dt.dtype)[..., None]
     dt = F.softplus(dt)
 
     x = x.transpose(1, 2)  # [B, I, T]
@@ -66,6 +71,6 @@ def continue_mixer(mixer, hidden_states, cache):
         h = decay[:, :, t] * h + inject[:, :, t]
         outputs.append(torch.matmul(h.to(dtype), C[:, t, :].unsqueeze(-1))[:, :, 0])
     y = torch.stack(outputs, dim=-1)
-    y = (y + x * mixer.D[None, :, None]) * F.silu(gate)
+    y = (y + x * mixer.D.float()[None, :, None]) * F.silu(gate)
     cache.update_recurrent_state(h, idx)
     return mixer.out_proj(y.transpose(1, 2).to(dtype))

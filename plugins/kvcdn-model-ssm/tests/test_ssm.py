@@ -60,19 +60,40 @@ def test_chunked_prefill_gives_the_one_pass_state(architecture, sessions):
     torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-4)
 
 
+def fresh_session(tiny_model, architecture, dtype="float32"):
+    """A session whose model no test has run yet (the adapter wraps mixers on first use)."""
+    path = tiny_model(SSMAdapter, architecture)
+    return runtime.load_session(str(path), device="cpu", dtype=dtype, adapter_cls=SSMAdapter)
+
+
 @pytest.mark.parametrize("architecture", ["MambaForCausalLM", "FalconMambaForCausalLM"])
-def test_base_forward_drops_the_state(architecture, sessions):
+def test_base_forward_drops_the_state(architecture, tiny_model):
     """Control: transformers' own multi-token path restarts from zeros; the plugin's does not."""
-    session = sessions(architecture)
+    session = fresh_session(tiny_model, architecture)
     ids = context_ids(session)
     base = ModelAdapter()
-    _, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
     with torch.inference_mode():
         cache = session.adapter.new_cache(session.model)
         for start in range(0, len(ids), 64):
             piece = torch.tensor([ids[start:start + 64]])
             logits, cache = base.forward(session.model, piece, cache)
+    assert not hasattr(session.model, "_kvcdn_seeded_mixers")
+    _, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
     assert float((logits[0, -1] - one_logits).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("architecture", ["MambaForCausalLM", "FalconMambaForCausalLM"])
+def test_token_by_token_fallback(architecture, tiny_model, monkeypatch):
+    """A mixer the seeded scan does not know is fed one token at a time: slower, equally exact."""
+    from kvcdn_model_ssm import scan
+
+    monkeypatch.setattr(scan, "supports", lambda mixer: False)
+    session = fresh_session(tiny_model, architecture)
+    ids = context_ids(session)
+    _, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
+    _, chunk_logits = runtime.prefill(session, ids, chunk=64, progress=False)
+    assert session.model._kvcdn_seeded_mixers is False
+    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -155,8 +176,7 @@ def test_bfloat16_restores_the_float32_state(tiny_model, tmp_path):
     """Under bfloat16 the model keeps its SSM state in float32; loading must not narrow it."""
     from kvcdn_core.verify import run_verify
 
-    path = tiny_model(SSMAdapter, "MambaForCausalLM")
-    session = runtime.load_session(str(path), device="cpu", dtype="bfloat16", adapter_cls=SSMAdapter)
+    session = fresh_session(tiny_model, "MambaForCausalLM", dtype="bfloat16")
     ids = context_ids(session, 150)
     cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
     artifact = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "bf16.kv")

@@ -184,7 +184,7 @@ def create_app(config: ServerConfig, storage=None) -> FastAPI:
                 if config.issuer_url else None)
     signer = UrlSigner(config.url_key)
     engine = InferenceEngine(ModelPolicy(config.models), config.infer_concurrency, config.infer_timeout,
-                             config.infer_max_models, config.infer_cache_bytes)
+                             config.infer_max_models, config.infer_cache_bytes, config.infer_device)
     telemetry = TelemetrySink(config.telemetry_url, config.telemetry_secret)
     storage_kind = "local" if isinstance(storage, LocalStorage) else (type(storage).schemes or ("other",))[0]
     stop = threading.Event()

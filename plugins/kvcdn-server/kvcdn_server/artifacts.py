@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
 import re
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcdn_core import artifact as kvformat
-from kvcdn_core.errors import ArtifactError
+from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.storage import LocalStorage
 
 from kvcdn_server.errors import ApiError, not_found
@@ -190,8 +189,10 @@ class ArtifactStore:
                     continue
                 usage["pending_artifacts"] += 1
                 usage["pending_bytes"] += int(record.get("size_bytes", 0))
-            elif ".upload" in objects and sweep:
-                self.storage.delete(self.key(tenant, artifact_id, ".upload"))  # bytes nobody declared
+            elif sweep:  # bytes nobody declared, or a confirm that stopped half-way
+                for suffix in (".upload", ".kv"):
+                    if suffix in objects:
+                        self.storage.delete(self.key(tenant, artifact_id, suffix))
         return usage
 
     def limits(self) -> dict[str, int]:
@@ -292,7 +293,11 @@ class ArtifactStore:
             self.check_quota(self.usage(tenant, sweep=False), 1, size)
         except ApiError as exc:
             raise refuse(exc.status, exc.code, exc.message) from None
-        self.storage.rename(upload_key, self.key(tenant, artifact_id, ".kv"))
+        try:
+            self.storage.rename(upload_key, self.key(tenant, artifact_id, ".kv"))
+        except (OSError, KvcdnError):
+            # Another confirm of the same upload (a retry racing the first) got there first.
+            raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed") from None
         final = {key: record[key] for key in PUBLIC_FIELDS if key in record}
         final.update(status="ready", confirmed_at=now_iso(), manifest=summary)
         self._write_json(self.key(tenant, artifact_id, ".meta.json"), final)
@@ -351,10 +356,3 @@ def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         for block in iter(lambda: fh.read(chunk), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def sha256_hex(value: str) -> bool:
-    return bool(re.fullmatch(r"[0-9a-fA-F]{64}", value or ""))
-
-
-__all__ = ["ArtifactStore", "tenant_of", "check_id", "check_name", "public_view", "now_iso", "os"]

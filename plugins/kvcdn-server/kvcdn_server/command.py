@@ -33,10 +33,12 @@ def _is_loopback(host: str) -> bool:
               help="Inference requests run at once; more get 429 [env KVCDN_INFER_CONCURRENCY; default 2].")
 @click.option("--infer-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds before an inference request gets 504 [env KVCDN_INFER_TIMEOUT; default 120].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default=None,
+              help="Where inference runs [env KVCDN_INFER_DEVICE; default auto].")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
 def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
-          log_level):
+          device, log_level):
     """Serve the kvcdn hosted API: artifact upload/list/download/delete, API keys, inference.
 
     On first start it creates its API-key seed, admin secret and URL-signing key (files 0600 in
@@ -48,7 +50,8 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
     from kvcdn_server.app import create_app
     from kvcdn_server.config import load_config
 
-    config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout)
+    config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
+                         device)
     app = create_app(config)
     shown = f"[{host}]" if ":" in host else host
     base = config.public_url or f"http://{shown}:{port}"

@@ -80,6 +80,7 @@ class ServerConfig:
     infer_timeout: float
     infer_max_models: int
     infer_cache_bytes: int
+    infer_device: str
     telemetry_url: str | None
     telemetry_secret: str | None
     created_secrets: list[Path] = dataclasses.field(default_factory=list)
@@ -154,9 +155,16 @@ def check_issuer_url(url: str | None) -> str | None:
     return url.rstrip("/")
 
 
+def _device(value: str) -> str:
+    if value not in ("auto", "cpu", "cuda", "mps"):
+        raise KvcdnError(f"inference device must be auto, cpu, cuda or mps, not '{value}'")
+    return value
+
+
 def load_config(storage: str | None = None, models: str | None = None, public_url: str | None = None,
                 issuer_url: str | None = None, client_id: str | None = None,
-                infer_concurrency: int | None = None, infer_timeout: float | None = None) -> ServerConfig:
+                infer_concurrency: int | None = None, infer_timeout: float | None = None,
+                device: str | None = None) -> ServerConfig:
     home = server_home()
     created: list[Path] = []
     storage_uri = storage or os.environ.get("KVCDN_STORAGE", "").strip() or str(home / "objects")
@@ -189,6 +197,7 @@ def load_config(storage: str | None = None, models: str | None = None, public_ur
         infer_timeout=infer_timeout or _float_env("KVCDN_INFER_TIMEOUT", 120.0),
         infer_max_models=_int_env("KVCDN_INFER_MAX_MODELS", 2, 1),
         infer_cache_bytes=_int_env("KVCDN_INFER_CACHE_BYTES", 4 * GIB, 1),
+        infer_device=_device(device or os.environ.get("KVCDN_INFER_DEVICE", "").strip() or "auto"),
         telemetry_url=os.environ.get("KVCDN_TELEMETRY_URL", "").strip() or None,
         telemetry_secret=os.environ.get("KVCDN_TELEMETRY_SECRET", "").strip() or None,
         created_secrets=created,
