@@ -125,6 +125,7 @@ class Quantizer:
                   "quantized_tokens": tokens - keep, "residual_tokens": keep, **record}
         if body.numel() == 0:
             parts = {"": torch.empty(0, dtype=torch.uint8)}
+            record["empty"] = True
         if keep:
             parts["residual"] = tensor.narrow(-2, tokens - keep, keep).contiguous()
         return parts, record
@@ -136,7 +137,9 @@ class Quantizer:
         shape = list(record["shape"])
         dtype = dtype or getattr(torch, fmt.DTYPES[record["dtype"]][1])
         pieces = []
-        if record["quantized_tokens"]:
+        if record["quantized_tokens"] and record.get("empty"):  # a zero-width tensor: nothing was encoded
+            pieces.append(torch.zeros(shape[:-2] + [record["quantized_tokens"], shape[-1]], dtype=dtype))
+        elif record["quantized_tokens"]:
             body = self.decode(record["role"], parts, record)
             want = shape[:-2] + [record["quantized_tokens"], shape[-1]]
             if list(body.shape) != want:

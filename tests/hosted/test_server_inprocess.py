@@ -196,7 +196,12 @@ def test_orphans_of_an_interrupted_confirm_are_swept(make_app, tmp_path, small_k
     # A retried confirm racing the first: the second finds the bytes gone and gets 409, not 500.
     plan, put_url = _start(client, key, small_kv)
     client.put(put_url, content=small_kv.read_bytes())
-    store.storage.rename(store.key(tenant, plan["artifact_id"], ".upload"),
-                         store.key(tenant, plan["artifact_id"], ".elsewhere"))
+    original = store.storage.rename
+
+    def first_confirm_wins(source, target):
+        original(source, target)  # the other confirm moves the bytes...
+        original(source, target)  # ...so this one finds its source gone
+
+    store.storage.rename = first_confirm_wins
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
-    assert r.status_code == 409
+    assert r.status_code == 409 and r.json()["error"] == "already_confirmed"
