@@ -328,6 +328,7 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
     """Measure every length and scheme; artifacts are written under ``workdir`` and removed."""
     import torch
 
+    from kvcdn_core import artifact as fmt
     from kvcdn_core import runtime
     from kvcdn_core.progress import Progress
 
@@ -338,7 +339,7 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
     if not question_ids:
         raise KvcdnError("the question has no tokens")
     device = session.device
-    per_length = 2 * (reps + 1) + len(schemes) * 2 * (reps + 1)
+    per_length = (2 + len(schemes)) * (reps + 1)  # prefill, one step, a load per scheme
     rows: list[BenchRow] = []
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -381,15 +382,13 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
                 steps.append(one_step())
                 tick()
             kv_attn_s = statistics.median(steps)
-            # The reference for the cached path: the question continued on the resident cache,
-            # which is what a full prefill of context + question computes.
+            # The reference for the loaded caches: the question continued on the resident cache
+            # the artifact is saved from; a loaded unquantized artifact must give the same token.
             expected, _ = forward(copy.deepcopy(cache), question_ids)
 
             base = runtime.save_cache(session, cache, ctx, runtime.decode(session, ctx),
                                       workdir / f"bench-{length}-none.kv")
             del cache
-            from kvcdn_core import artifact as fmt
-
             header = fmt.read_header(base)
             kv_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0]
                            for name, e in header.entries.items() if name != fmt.TOKEN_IDS)

@@ -163,14 +163,18 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
         for length, color in zip(lengths, colors):
             group = [c for c in costs if c.tokens == length]
             ax.plot(n, np.full_like(n, group[0].c_prefill), linestyle="--", color=color, alpha=0.55, lw=1.2)
+            marked = 0
             for c in group:
                 style = styles[schemes.index(c.scheme) % len(styles)]
                 ax.plot(n, c.c_prefill / n + c.c_load, linestyle=style, color=color, lw=1.8)
                 if not math.isinf(c.n_star) and c.n_star <= max_n:
+                    # N* is always above 1, often just above: do not let the axis clip the marker.
                     ax.plot([c.n_star], [c.c_prefill], marker="o", ms=7, color=color,
-                            markeredgecolor="black", zorder=5)
-                    ax.annotate(f"N*={c.n_star:.2f}", (c.n_star, c.c_prefill), xytext=(6, 5),
+                            markeredgecolor="black", zorder=5, clip_on=False)
+                    label = f"N*={c.n_star:.2f}" + (f" ({c.scheme})" if len(schemes) > 1 else "")
+                    ax.annotate(label, (c.n_star, c.c_prefill), xytext=(8, 5 + 11 * marked),
                                 textcoords="offset points", fontsize=8, color=color)
+                    marked += 1
             handles.append(Line2D([], [], color=color, lw=1.8, label=f"{length} tokens"))
         handles.append(Line2D([], [], color="gray", lw=1.2, linestyle="--", alpha=0.8,
                               label="no cache: C_prefill every call"))
@@ -184,12 +188,14 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlim(1, max_n)
+        # Headroom above the highest flat line for the stacked N* labels.
+        ax.set_ylim(min(c.c_load for c in costs) / 1.5, max(c.c_prefill for c in costs) * 3)
         ax.set_xlabel("reuse count N (calls that share one cached context)")
         ax.set_ylabel("amortized cost per call (seconds)")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=11)
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(handles=handles, loc="lower left", fontsize=8, framealpha=0.9)
-        fig.subplots_adjust(left=0.1, right=0.97, top=0.93, bottom=0.09)
+        fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.09)
         out = io.BytesIO()
         fig.savefig(out, format="png", dpi=DPI)
     return out.getvalue()

@@ -9,7 +9,7 @@ from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 
 @click.command("benchmark")
-@model_options()
+@model_options(from_artifact=False)
 @click.option("--lengths", default="255,485,945,1888,3774", show_default=True,
               help="Context lengths in tokens, comma-separated.")
 @click.option("--reps", type=click.IntRange(1), default=5, show_default=True,

@@ -31,7 +31,7 @@ def command(csv_path, model, out, max_n, fmt):
     source = Path(csv_path) if csv_path else plot.newest_csv(model)
     costs = plot.read_costs(source)
     name = model or plot.model_from_csv_name(source)
-    title = f"Amortized cost per call vs reuse count{f' ({name})' if name else ''}"
+    title = "Amortized cost per call vs reuse count N" + (f"\n{name}" if name else "")
     path = Path(out) if out else plot.default_png_path(name)
     plot.write_png(plot.render_png(costs, max_n, title), path)
     if fmt == "json":

@@ -121,3 +121,19 @@ def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
     result = runner.invoke(make_cli(), ["continue", "--kv-path", str(out), "--n", "4", "--format", "json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["reused_tokens"] == manifest["token_count"]
+
+
+def test_context_shorter_than_the_residual_window_round_trips_bitwise(tmp_path):
+    """Every token in the residual window: empty codes in the file, the tensors come back bitwise."""
+    tensors = {"layers.0.key": torch.randn(1, 2, 40, 16), "layers.0.value": torch.randn(1, 2, 40, 16),
+               artifact.TOKEN_IDS: torch.arange(40)}
+    manifest = {"kvcdn_version": "0", "created_at": "now", "model": {"id": "fake"}, "compute_dtype": "float32",
+                "quantization": None, "layers": [{"index": 0, "kind": artifact.FULL_ATTENTION,
+                                                  "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}]}
+    result = quant.quantize_cache(manifest, tensors, Int4Quantizer())
+    out = artifact.write_artifact(tmp_path / "short.int4.kv", result.manifest, result.tensors)
+    header = artifact.read_header(out)
+    assert header.entries["layers.0.key"]["shape"] == [0]
+    deq = quant.dequantize_tensors(header)
+    for name, t in tensors.items():
+        assert torch.equal(deq[name], t), name
