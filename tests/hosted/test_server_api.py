@@ -229,7 +229,12 @@ def test_public_artifact_downloads_without_credentials(local_server, org_key, sm
     art = upload(local_server.url, owner, small_kv, visibility="public")
     r = httpx.post(f"{local_server.url}{API}/artifacts/{art['artifact_id']}/download-url")
     assert r.status_code == 200 and httpx.get(r.json()["download_url"]).content == small_kv.read_bytes()
-    assert httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}").json()["visibility"] == "public"
+    anonymous = httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}").json()
+    assert anonymous["visibility"] == "public" and "customer_id" not in anonymous  # the owner stays private
+    assert "customer_id" not in httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}",
+                                          headers=bearer(other)).json()
+    mine = httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}", headers=bearer(owner)).json()
+    assert mine["customer_id"].startswith("org:pub-")
     # Readable by all, but only the owner deletes it.
     r = httpx.delete(f"{local_server.url}{API}/artifacts/{art['artifact_id']}", headers=bearer(other))
     assert r.status_code == 404
@@ -426,6 +431,22 @@ def test_quota_at_upload_url(local_server, org_key, small_kv):
     assert stored(local_server) == before
     # Another org's quota is its own.
     assert request_upload(local_server.url, org_key("quota-other"), small_kv).status_code == 200
+
+
+def test_quota_holds_under_concurrent_upload_url_requests(local_server, org_key, small_kv):
+    """16 upload-url requests at once on one server: exactly the quota's worth are granted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = org_key("quota-race")
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: request_upload(local_server.url, key, small_kv), range(16)))
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses == [200] * 3 + [403] * 13, statuses
+    q = httpx.get(f"{local_server.url}{API}/quota", headers=bearer(key)).json()
+    assert q["usage"]["pending_artifacts"] == 3
+    for r in answers:
+        if r.status_code == 200:
+            httpx.delete(f"{local_server.url}{API}/artifacts/{r.json()['artifact_id']}", headers=bearer(key))
 
 
 def test_older_clients_org_and_project(local_server, new_org, small_kv):

@@ -205,3 +205,147 @@ def test_orphans_of_an_interrupted_confirm_are_swept(make_app, tmp_path, small_k
     store.storage.rename = first_confirm_wins
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
     assert r.status_code == 409 and r.json()["error"] == "already_confirmed"
+
+
+def test_a_put_during_confirm_cannot_swap_in_unchecked_bytes(make_app, tmp_path, small_kv, monkeypatch):
+    """A second PUT with the still-valid URL, landing after confirm checked the bytes, changes nothing."""
+    from kvcdn_core import artifact as kvformat
+
+    app, client, key = make_app()
+    plan, put_url = _start(client, key, small_kv)
+    assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
+    evil = bytes(small_kv.stat().st_size)
+    real_read_header = kvformat.read_header
+    swapped = []
+
+    def read_then_put(path, *args, **kwargs):
+        header = real_read_header(path, *args, **kwargs)
+        if not swapped:  # the checks passed; now the attacker's PUT lands
+            swapped.append(client.put(put_url, content=evil).status_code)
+        return header
+
+    monkeypatch.setattr(kvformat, "read_header", read_then_put)
+    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
+    monkeypatch.setattr(kvformat, "read_header", real_read_header)
+    assert swapped == [200] and r.status_code == 200, (swapped, r.text)
+    d = client.post(f"{API}/artifacts/{plan['artifact_id']}/download-url", headers=bearer(key)).json()
+    got = client.get("/" + d["download_url"].split("://", 1)[1].split("/", 1)[1])
+    assert got.content == small_kv.read_bytes()
+    # The stray bytes are swept, and the confirmed artifact stays.
+    client.get(f"{API}/quota", headers=bearer(key))
+    assert [f for f in _files(tmp_path) if f.endswith((".upload", ".confirming"))] == []
+    assert any(f.endswith(".kv") for f in _files(tmp_path))
+
+
+def test_upload_url_quota_is_atomic_in_one_process(make_app, small_kv):
+    """Concurrent reservations through the store: never more than the quota."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcdn_server.errors import ApiError
+
+    app, _client, _key = make_app(KVCDN_QUOTA_ARTIFACTS=1)
+    store = app.state.store
+    real_usage = store.usage
+
+    def slow_usage(*args, **kwargs):  # widen the window between the check and the write
+        found = real_usage(*args, **kwargs)
+        time.sleep(0.02)
+        return found
+
+    store.usage = slow_usage
+
+    def reserve(_):
+        try:
+            store.begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
+            return 200
+        except ApiError as exc:
+            return exc.status
+
+    with ThreadPoolExecutor(16) as pool:
+        statuses = sorted(pool.map(reserve, range(16)))
+    assert statuses == [200] + [403] * 15
+
+
+@pytest.fixture
+def tiny_issuer():
+    """A minimal issuer on 127.0.0.1 whose discovery states its URL with a trailing '/'."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
+    jwk.update(kid="k1", use="sig", alg="RS256")
+    state = {"down": False, "hits": 0}
+
+    class Issuer(BaseHTTPRequestHandler):
+        def do_GET(self):
+            state["hits"] += 1
+            if state["down"]:
+                self.send_response(503)
+                self.end_headers()
+                return
+            base = f"http://127.0.0.1:{self.server.server_port}"
+            doc = ({"issuer": base + "/", "jwks_uri": base + "/jwks"} if self.path.startswith("/.well-known")
+                   else {"keys": [jwk]})
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Issuer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    issuer = f"http://127.0.0.1:{server.server_port}/"
+
+    def token(iss: str = issuer) -> str:
+        return jwt.encode({"sub": "alice", "iss": iss, "aud": "kvcdn-cli", "exp": int(time.time()) + 300},
+                          key, algorithm="RS256", headers={"kid": "k1"})
+
+    yield issuer, token, state
+    server.shutdown()
+
+
+def test_an_issuer_whose_url_ends_in_a_slash_can_log_in(tiny_issuer):
+    from kvcdn_server.config import check_issuer_url
+    from kvcdn_server.oidc import JwtVerifier
+
+    issuer, token, _state = tiny_issuer
+    assert check_issuer_url(issuer) == issuer
+    for configured in (issuer, issuer.rstrip("/")):  # either spelling finds the same issuer
+        claims = JwtVerifier(check_issuer_url(configured), "kvcdn-cli", ["RS256"]).verify(token())
+        assert claims.issuer == issuer and claims.subject == "alice"
+    from kvcdn_server.errors import ApiError
+
+    with pytest.raises(ApiError):  # iss is compared exactly with what discovery states
+        JwtVerifier(issuer, "kvcdn-cli", ["RS256"]).verify(token(issuer.rstrip("/")))
+
+
+def test_cached_keys_outlive_an_issuer_outage_with_backoff(tiny_issuer):
+    from kvcdn_server import oidc
+
+    issuer, token, state = tiny_issuer
+    verifier = oidc.JwtVerifier(issuer, "kvcdn-cli", ["RS256"])
+    assert verifier.verify(token()).subject == "alice"
+    state["down"] = True
+    verifier._fetched_at -= oidc.JWKS_TTL + 1  # the keys are due for a refresh, and the issuer is down
+    hits = state["hits"]
+    for _ in range(5):
+        assert verifier.verify(token()).subject == "alice"
+    assert state["hits"] == hits + 1  # one failed refresh, then it waits before trying again
+    # With no keys at all, a down issuer is a 503, still without hammering it.
+    fresh = oidc.JwtVerifier(issuer, "kvcdn-cli", ["RS256"])
+    from kvcdn_server.errors import ApiError
+
+    for _ in range(3):
+        with pytest.raises(ApiError) as info:
+            fresh.verify(token())
+        assert info.value.status == 503
+    assert state["hits"] == hits + 2

@@ -20,6 +20,9 @@ from kvcdn_hosted.config import Settings
 
 #: statuses worth another try: rate limited, and the usual proxy/restart answers
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+#: what may be retried of a request that is not idempotent: answers that say it was not processed
+UNPROCESSED_STATUSES = frozenset({429})
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 ATTEMPTS = 4
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 8.0
@@ -129,6 +132,17 @@ class HostedClient:
             return {"Authorization": f"Bearer {self.credential.token}"}
         return {}
 
+    def _warn_plain_http(self) -> None:
+        """Say once, on stderr, when a credential is about to cross the network unencrypted."""
+        if self.credential is None or self.api_url in _warned_plain_http:
+            return
+        if insecure_remote(self.api_url):
+            _warned_plain_http.add(self.api_url)
+            import click
+
+            click.echo(f"warning: sending your credential over plain http to {self.api_url}; "
+                       "use https for anything but a loopback address", err=True)
+
     def require_credential(self, what: str) -> Credential:
         if self.credential is None:
             raise KvcdnError(f"{what}: not logged in; {LOGIN_HINT}")
@@ -136,13 +150,21 @@ class HostedClient:
 
     def request(self, method: str, path: str, *, what: str, auth: bool = True, json: Any = None,
                 params: dict | None = None, headers: dict | None = None, ok=(200, 201, 204),
-                attempts: int = ATTEMPTS, timeout: float | None = None):
-        """Send with retries on transient failures; raise a one-line error on a final failure."""
+                attempts: int = ATTEMPTS, timeout: float | None = None, idempotent: bool | None = None):
+        """Send with retries on transient failures; raise a one-line error on a final failure.
+
+        A request that is not idempotent (a POST unless the caller says otherwise) is sent again
+        only when it surely was not processed: the connection was never made, or a 429.
+        """
         import httpx
 
         url = self.url(path)
         sent = dict(self.headers(auth))
         sent.update(headers or {})
+        if auth and self.credential is not None:
+            self._warn_plain_http()
+        if idempotent is None:
+            idempotent = method.upper() in IDEMPOTENT_METHODS
         for attempt in range(attempts):
             try:
                 kwargs = {"json": json, "params": params, "headers": sent}
@@ -150,11 +172,13 @@ class HostedClient:
                     kwargs["timeout"] = timeout
                 response = self.http.request(method, url, **kwargs)
             except httpx.TransportError as exc:
-                if attempt + 1 < attempts:
+                unsent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                if attempt + 1 < attempts and (idempotent or unsent):
                     time.sleep(backoff_delay(attempt))
                     continue
                 raise KvcdnError(f"{what}: cannot reach {self.api_url} ({type(exc).__name__}: {exc})") from None
-            if response.status_code in TRANSIENT_STATUSES and attempt + 1 < attempts:
+            retry = TRANSIENT_STATUSES if idempotent else UNPROCESSED_STATUSES
+            if response.status_code in retry and attempt + 1 < attempts:
                 time.sleep(backoff_delay(attempt, response.headers.get("Retry-After")))
                 continue
             if response.status_code in ok:
@@ -171,6 +195,26 @@ class HostedClient:
             return response.json()
         except ValueError:
             raise KvcdnError(f"{what}: the server's answer is not JSON") from None
+
+
+_warned_plain_http: set[str] = set()
+
+
+def insecure_remote(url: str) -> bool:
+    """True for an ``http://`` URL whose host is not a loopback address."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        return False
+    host = (parts.hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
 
 
 def _user_agent() -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from kvcdn_core.commands.common import emit_json
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core.errors import CheckFailed, KvcdnError
 
 
 # -- shared options and plumbing -----------------------------------------------------------------
@@ -232,7 +232,14 @@ def api_key_verify(api_url, api_key, fmt):
     if credential is None or credential.method != "api_key":
         raise KvcdnError("no API key set: kvcdn api-key set KEY, KVCDN_API_KEY or --api-key")
     with HostedClient(settings, credential=credential) as client:
-        info = client.json("POST", "/api/v1/api-keys/verify", what="api-key verify")
+        response = client.request("POST", "/api/v1/api-keys/verify", what="api-key verify", ok=(200, 401))
+    if response.status_code == 401:  # the check ran and the key failed it: exit 1
+        raise CheckFailed(f"the server at {settings.api_url} rejects the API key {mask(credential.token)} "
+                          f"from {credential.source}; ask your org admin for a valid key")
+    try:
+        info = response.json()
+    except ValueError:
+        raise KvcdnError("api-key verify: the server's answer is not JSON") from None
     if fmt == "json":
         emit_json(info)
     else:

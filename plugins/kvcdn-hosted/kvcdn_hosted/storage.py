@@ -15,6 +15,15 @@ from kvcdn_core.errors import KvcdnError
 from kvcdn_core.storage import ObjectInfo, StorageBackend
 
 API = "/api/v1"
+#: confirm makes the server read and hash the whole object: allow a floor plus time per byte
+CONFIRM_BASE_S = 60.0
+CONFIRM_BYTES_PER_S = 20 * (1 << 20)
+CONFIRM_POLL_S = 1.0
+
+
+def confirm_timeout(size: int) -> float:
+    """Seconds to wait for a confirm of ``size`` bytes (60 s, plus 1 s per 20 MiB)."""
+    return CONFIRM_BASE_S + size / CONFIRM_BYTES_PER_S
 
 
 def _id(artifact_id: str) -> str:
@@ -103,11 +112,47 @@ class HostedStorage(StorageBackend):
                 raise KvcdnError("upload: the server offered no PUT url")
             transfer.put_bytes(client.http, client.url(grant["url"]), source,
                                headers=grant.get("headers") or {}, label="upload", quiet=self.quiet)
-        record = client.json("POST", f"{API}/artifacts/{_id(artifact_id)}/confirm-upload",
-                             what="upload confirm", json=confirm_body)
-        record = record if isinstance(record, dict) else {}
+        record = self._confirm(artifact_id, confirm_body, size, digest)
         record.setdefault("artifact_id", artifact_id)
         return record
+
+    def _confirm(self, artifact_id: str, body: dict | None, size: int, digest: str) -> dict[str, Any]:
+        """Confirm an upload; a retry that finds it already confirmed counts once the record shows it."""
+        import time
+
+        client = self.client
+        timeout = confirm_timeout(size)
+        response = client.request("POST", f"{API}/artifacts/{_id(artifact_id)}/confirm-upload",
+                                  what="upload confirm", json=body, ok=(200, 409), timeout=timeout,
+                                  idempotent=True)
+        if response.status_code == 200:
+            try:
+                record = response.json()
+            except ValueError:
+                raise KvcdnError("upload confirm: the server's answer is not JSON") from None
+            return record if isinstance(record, dict) else {}
+        try:
+            code = response.json().get("error")
+        except (ValueError, AttributeError):
+            code = None
+        if code != "already_confirmed":
+            from kvcdn_hosted.client import raise_for_response
+
+            raise_for_response(response, "upload confirm")
+        # An earlier attempt (its answer lost) confirmed it or is still checking it: wait for the record.
+        deadline = time.monotonic() + timeout
+        while True:
+            record = self.describe(artifact_id)
+            if not isinstance(record, dict):
+                raise KvcdnError("upload confirm: the server's answer is not a JSON object")
+            if record.get("status") == "ready":
+                if record.get("sha256") != digest or int(record.get("size_bytes") or -1) != size:
+                    raise KvcdnError(f"upload confirm: artifact {artifact_id} was confirmed with other bytes")
+                return record
+            if time.monotonic() > deadline:
+                raise KvcdnError(f"upload confirm: artifact {artifact_id} is still being checked; "
+                                 "see `kvcdn list` in a while")
+            time.sleep(CONFIRM_POLL_S)
 
     def _upload_parts(self, source: Path, parts: list[dict], multipart: dict) -> list[dict]:
         from kvcdn_hosted import transfer
@@ -147,7 +192,7 @@ class HostedStorage(StorageBackend):
     def download_grant(self, artifact_id: str) -> dict[str, Any]:
         # public artifacts need no credential: send one only when we have it
         return self.client.json("POST", f"{API}/artifacts/{_id(artifact_id)}/download-url",
-                                what=f"download {artifact_id}")
+                                what=f"download {artifact_id}", idempotent=True)
 
     def download(self, artifact_id: str, target: Path) -> Path:
         from kvcdn_hosted import transfer
@@ -171,7 +216,8 @@ class HostedStorage(StorageBackend):
             path = f"{API}/orgs/{quote(org, safe='')}/projects/{quote(project, safe='')}/artifacts/{_id(artifact_id)}/infer"
         else:
             path = f"{API}/artifacts/{_id(artifact_id)}/infer"
-        return self.client.json("POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0)
+        return self.client.json("POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0,
+                                idempotent=True)  # no side effects: a retry only repeats the work
 
     # -- StorageBackend --------------------------------------------------------------------------
 

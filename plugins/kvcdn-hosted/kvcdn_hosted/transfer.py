@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core.errors import CheckFailed, KvcdnError
 from kvcdn_core.progress import Progress
 
 from kvcdn_hosted.client import ATTEMPTS, TRANSIENT_STATUSES, backoff_delay, server_message
@@ -97,9 +97,9 @@ def download_to(http, url: str, target: Path, *, sha256: str | None, size: int |
                     continue
                 raise KvcdnError(f"download failed after {attempts} attempts: {last_error}") from None
             if size is not None and received != size:
-                raise KvcdnError(f"download failed: received {received} bytes, expected {size}")
+                raise CheckFailed(f"download failed: received {received} bytes, expected {size}")
             if sha256 and digest != sha256.lower():
-                raise KvcdnError(f"download failed: sha256 {digest} does not match the expected {sha256}")
+                raise CheckFailed(f"download failed: sha256 {digest} does not match the expected {sha256}")
             check_artifact(tmp)
             os.replace(tmp, target)
             _fsync_dir(target.parent)
@@ -148,7 +148,10 @@ def _stream_into(http, url, fd, headers, size, label, quiet) -> tuple[str, int]:
 
 
 def check_artifact(path: Path) -> None:
-    """A downloaded file must be a readable ``.kv`` whose tensors match their manifest hashes."""
+    """A downloaded file must be a readable ``.kv`` whose tensors match their manifest hashes.
+
+    A failure is :class:`CheckFailed` (exit 1): the bytes arrived, and they are not what was promised.
+    """
     from kvcdn_core import artifact
     from kvcdn_core.errors import ArtifactError
 
@@ -156,10 +159,10 @@ def check_artifact(path: Path) -> None:
         header = artifact.read_header(path)
     except ArtifactError as exc:
         reason = str(exc).removeprefix(f"{path}: ")
-        raise KvcdnError(f"download failed: the object is not a valid .kv artifact ({reason})") from None
+        raise CheckFailed(f"download failed: the object is not a valid .kv artifact ({reason})") from None
     bad = artifact.check_hashes(header)
     if bad:
-        raise KvcdnError(f"download failed: the artifact's tensor '{bad[0]}' does not match its manifest sha256")
+        raise CheckFailed(f"download failed: the artifact's tensor '{bad[0]}' does not match its manifest sha256")
 
 
 def _fsync_dir(directory: Path) -> None:

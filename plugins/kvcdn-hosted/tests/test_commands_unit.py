@@ -112,7 +112,7 @@ def test_local_download_of_a_non_kv_leaves_nothing(config_home, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     result = run("download", "bad.kv", "--from", store, "--output", out / "bad.kv")
-    assert result.exit_code == 2 and "not a valid .kv" in result.stderr
+    assert result.exit_code == 1 and "not a valid .kv" in result.stderr  # a failed check
     assert os.listdir(out) == []
 
 
@@ -133,3 +133,100 @@ def test_cli_start_up_is_torch_free():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_api_key_verify_of_a_rejected_key_is_a_failed_check(endpoint):
+    endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (401, {}, {"error": "unauthorized",
+                                                                               "message": "invalid API key"})
+    result = run("api-key", "verify")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "rejects the API key" in result.stderr and "kvcdn login" not in result.stderr
+    endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (200, {}, {"org": "acme",
+                                                                               "customer_id": "org:acme"})
+    assert run("api-key", "verify").exit_code == 0
+
+
+def _grant(url):
+    return {"artifact_id": "11111111-1111-4111-8111-111111111111", "method": "PUT", "url": url + "/put",
+            "headers": {"Content-Type": "application/octet-stream"}, "multipart": None}
+
+
+def test_upload_url_is_not_sent_twice(endpoint, kv_file, monkeypatch):
+    """A POST that may have been processed (a 503 after it arrived) is not retried: no second reservation."""
+    from kvcdn_hosted import client
+
+    monkeypatch.setattr(client, "BACKOFF_BASE_S", 0.001)
+    endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: (503, {}, {"error": "busy",
+                                                                                    "message": "busy"})
+    result = run("upload", kv_file, "--name", "x")
+    assert result.exit_code == 2 and endpoint.count("POST", "/api/v1/artifacts/upload-url") == 1
+    # A 429 says the request was not processed: that one is sent again.
+    answers = [(429, {"Retry-After": "0"}, {"error": "rate_limited", "message": "slow down"}),
+               (403, {}, {"error": "quota_exceeded", "message": "quota"})]
+    endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: answers.pop(0)
+    assert run("upload", kv_file, "--name", "x").exit_code == 2 and answers == []
+
+
+def test_a_retried_confirm_that_finds_the_upload_confirmed_succeeds(endpoint, kv_file, monkeypatch):
+    """The first confirm's answer is lost (a 504 from a proxy); the retry's 409 already_confirmed is success."""
+    import hashlib
+    import json
+
+    from kvcdn_hosted import client, storage
+
+    monkeypatch.setattr(client, "BACKOFF_BASE_S", 0.001)
+    monkeypatch.setattr(storage, "CONFIRM_POLL_S", 0.01)
+    grant = _grant(endpoint.url)
+    aid = grant["artifact_id"]
+    data = kv_file.read_bytes()
+    record = {"artifact_id": aid, "name": "x", "status": "pending", "sha256": hashlib.sha256(data).hexdigest(),
+              "size_bytes": len(data)}
+    timeouts = []
+    real_request = client.HostedClient.request
+
+    def spy(self, method, path, **kwargs):
+        if path.endswith("/confirm-upload"):
+            timeouts.append(kwargs.get("timeout"))
+        return real_request(self, method, path, **kwargs)
+
+    monkeypatch.setattr(client.HostedClient, "request", spy)
+    confirms = [(504, {}, {"error": "gateway_timeout", "message": "upstream timed out"}),
+                (409, {}, {"error": "already_confirmed", "message": "being or has been confirmed"})]
+    reads = []
+
+    def describe(h):
+        reads.append(1)
+        if len(reads) > 1:  # the first confirm finishes while the client waits
+            record["status"] = "ready"
+        return 200, {}, dict(record)
+
+    endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: (200, {}, grant)
+    endpoint.routes[("PUT", "/put")] = lambda h: (200, {}, {})
+    endpoint.routes[("POST", f"/api/v1/artifacts/{aid}/confirm-upload")] = lambda h: confirms.pop(0)
+    endpoint.routes[("GET", f"/api/v1/artifacts/{aid}")] = describe
+    result = run("upload", kv_file, "--name", "x", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["artifact_id"] == aid and confirms == [] and len(reads) == 2
+    assert timeouts == [storage.confirm_timeout(len(data))]
+    assert storage.confirm_timeout(10 << 30) > 500  # a 10 GiB object gets minutes, not 60 s
+
+
+def test_credentials_over_plain_http_to_a_remote_host_warn_once(config_home, monkeypatch):
+    from kvcdn_hosted import client
+    from kvcdn_hosted.config import load_settings
+
+    assert client.insecure_remote("http://kv.example.com") and client.insecure_remote("http://10.0.0.5:8080")
+    assert not client.insecure_remote("https://kv.example.com") and not client.insecure_remote("http://127.0.0.1:8")
+    assert not client.insecure_remote("http://localhost:8080") and not client.insecure_remote("http://[::1]:8")
+    monkeypatch.setenv("KVCDN_API_KEY", KEY)
+    monkeypatch.setenv("KVCDN_API_URL", "http://192.0.2.1:9")
+    monkeypatch.setattr(client, "_warned_plain_http", set())
+    echoed = []
+    import click
+
+    monkeypatch.setattr(click, "echo", lambda message=None, err=False, **kw: echoed.append((message, err)))
+    with client.HostedClient(load_settings()) as c:
+        c._warn_plain_http()
+        c._warn_plain_http()
+    assert len(echoed) == 1 and echoed[0][1] and "plain http" in echoed[0][0]

@@ -6,7 +6,7 @@ import os
 import httpx
 import pytest
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core.errors import CheckFailed, KvcdnError
 from kvcdn_hosted import client, transfer
 
 
@@ -63,6 +63,8 @@ def test_failed_download_leaves_nothing(receiver, kv_file, tmp_path, case):
             "403": "403"}[case] in message
     if case == "cut":
         assert receiver.count("GET", "/blob") == 2
+    # bytes that arrived but are not what was promised are a failed check (exit 1)
+    assert isinstance(err.value, CheckFailed) == (case in ("sha", "size", "not-kv")), case
 
 
 def test_download_retries_transient_errors(receiver, kv_file, tmp_path):

@@ -344,15 +344,19 @@ def create_app(config: ServerConfig, storage=None) -> FastAPI:
         artifact_id, expires = record["artifact_id"], record["url_expires"]
         upload_key = store.key(tenant, artifact_id, ".upload")
         url, multipart = None, None
-        if not store.local and getattr(storage, "needs_multipart", None) and storage.needs_multipart(body.size_bytes):
-            plan = storage.start_multipart(upload_key, body.size_bytes, config.upload_ttl)
-            record["multipart"] = {"upload_id": plan["upload_id"]}
-            multipart = {"part_size": plan["part_size"], "parts": plan["parts"]}
-        elif not store.local:
-            url = storage.presigned_url("PUT", upload_key, config.upload_ttl, body.size_bytes)
+        try:
+            if not store.local and getattr(storage, "needs_multipart", None) and storage.needs_multipart(body.size_bytes):
+                plan = storage.start_multipart(upload_key, body.size_bytes, config.upload_ttl)
+                record["multipart"] = {"upload_id": plan["upload_id"]}
+                multipart = {"part_size": plan["part_size"], "parts": plan["parts"]}
+                store.save_pending(tenant, record)
+            elif not store.local:
+                url = storage.presigned_url("PUT", upload_key, config.upload_ttl, body.size_bytes)
+        except BaseException:
+            store._drop(tenant, artifact_id, record)  # give the reserved quota back
+            raise
         if url is None and multipart is None:
             url = signed_blob_url(request, "put", tenant, artifact_id, body.size_bytes, expires)
-        store.save_pending(tenant, record)
         return {"artifact_id": artifact_id, "method": "PUT", "url": url,
                 "headers": {"Content-Type": "application/octet-stream"}, "expires_at": now_iso(expires),
                 "multipart": multipart}
@@ -374,8 +378,8 @@ def create_app(config: ServerConfig, storage=None) -> FastAPI:
 
     @app.get(f"{API}/artifacts/{{artifact_id}}")
     def get_artifact(identity: MaybeAuth, artifact_id: str):
-        _owner, record = store.readable(identity.tenant if identity else None, artifact_id)
-        return public_view(record)
+        owner, record = store.readable(identity.tenant if identity else None, artifact_id)
+        return public_view(record, owner=identity is not None and owner == identity.tenant)
 
     @app.post(f"{API}/artifacts/{{artifact_id}}/download-url")
     def download_url(identity: MaybeAuth, artifact_id: str, request: Request):

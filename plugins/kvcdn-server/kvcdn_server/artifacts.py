@@ -4,14 +4,22 @@ Object layout (every key built from server-side values only: a hash of the verif
 a uuid4 the server drew; the client's ``name`` is never part of a key)::
 
     t/<tenant>/<id>.upload        bytes as uploaded, before confirm (never served)
+    t/<tenant>/<id>.confirming    the upload, moved here by confirm before it is checked (no URL
+                                  names this key, so nobody can change the bytes being checked)
     t/<tenant>/<id>.pending.json  the declared upload, until confirm or expiry
     t/<tenant>/<id>.kv            the confirmed artifact
     t/<tenant>/<id>.meta.json     its metadata, read from the artifact itself at confirm
     public/<id>.json              {"tenant": ...}: how anyone finds a public artifact by id
     orgs/<slug>.json              API-key generations (see apikeys.py)
 
-Uploads land on a separate key and are moved to ``.kv`` only after every check passed, so a
-still-valid upload URL can never change a confirmed artifact. Replicas share nothing but the bucket.
+Uploads land on a separate key. Confirm first moves them to a key no URL can write, checks them
+there and moves them to ``.kv`` only after every check passed, so a still-valid upload URL can never
+change the bytes being checked nor a confirmed artifact. Replicas share nothing but the bucket.
+
+Quota: in one process a per-tenant lock makes "check usage, write the pending record" atomic.
+Across replicas each upload-url writes its pending record first and then counts again, refusing
+(and removing its record) when the count is over the quota: two replicas racing for the last slot
+may both refuse, but they can never both admit.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import hashlib
 import json
 import re
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +46,10 @@ TENANT = re.compile(r"^[0-9a-f]{32}$")
 PUBLIC_FIELDS = ("artifact_id", "name", "visibility", "status", "size_bytes", "sha256", "created_at",
                  "confirmed_at", "customer_id", "manifest")
 HINTS = ("model_id", "architecture", "tokens", "layers", "dtype", "quantization")
+#: public views leave out who owns an artifact; its owner sees it through their own routes
+OWNER_FIELDS = ("customer_id",)
+#: striped locks serialise the quota check of one tenant in this process (bounded memory)
+LOCK_STRIPES = 64
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -90,8 +103,9 @@ def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def public_view(record: dict[str, Any]) -> dict[str, Any]:
-    return {key: record.get(key) for key in PUBLIC_FIELDS}
+def public_view(record: dict[str, Any], owner: bool = True) -> dict[str, Any]:
+    """The fields callers see; ``owner=False`` (someone else's public artifact) hides the owner."""
+    return {key: record.get(key) for key in PUBLIC_FIELDS if owner or key not in OWNER_FIELDS}
 
 
 class ArtifactStore:
@@ -100,6 +114,10 @@ class ArtifactStore:
         self.config = config
         self.local = isinstance(storage, LocalStorage)
         self.tmp_dir = Path(config.home) / "tmp"
+        self._locks = [threading.Lock() for _ in range(LOCK_STRIPES)]
+
+    def tenant_lock(self, tenant: str) -> threading.Lock:
+        return self._locks[int(tenant[:8], 16) % LOCK_STRIPES]
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -173,6 +191,7 @@ class ArtifactStore:
             except Exception:
                 pass
         self.storage.delete(self.key(tenant, artifact_id, ".upload"))
+        self.storage.delete(self.key(tenant, artifact_id, ".confirming"))
         self.storage.delete(self.key(tenant, artifact_id, ".pending.json"))
 
     def usage(self, tenant: str, sweep: bool = True) -> dict[str, int]:
@@ -182,6 +201,10 @@ class ArtifactStore:
             if ".meta.json" in objects:
                 usage["artifacts"] += 1
                 usage["storage_bytes"] += objects.get(".kv", 0)
+                if sweep:  # bytes PUT with a still-valid URL after confirm: nobody will read them
+                    for suffix in (".upload", ".confirming"):
+                        if suffix in objects:
+                            self.storage.delete(self.key(tenant, artifact_id, suffix))
             elif ".pending.json" in objects:
                 record = self.pending(tenant, artifact_id) or {}
                 if sweep and record.get("expires", 0) < now:
@@ -190,7 +213,7 @@ class ArtifactStore:
                 usage["pending_artifacts"] += 1
                 usage["pending_bytes"] += int(record.get("size_bytes", 0))
             elif sweep:  # bytes nobody declared, or a confirm that stopped half-way
-                for suffix in (".upload", ".kv"):
+                for suffix in (".upload", ".confirming", ".kv"):
                     if suffix in objects:
                         self.storage.delete(self.key(tenant, artifact_id, suffix))
         return usage
@@ -223,15 +246,11 @@ class ArtifactStore:
 
     def begin_upload(self, customer_id: str, name: str, size: int, sha256: str, visibility: str,
                      hints: dict[str, Any]) -> dict[str, Any]:
-        """Record a pending upload after the quota check; return the pending record."""
+        """Check the quota and write the pending record (the reservation); return the record."""
         tenant = tenant_of(customer_id)
         if size > self.config.max_artifact_bytes:
             raise ApiError(413, "payload_too_large",
                            f"size_bytes is over this server's maximum of {self.config.max_artifact_bytes}")
-        usage = self.usage(tenant)
-        # Pending uploads hold their place until they are confirmed or expire.
-        self.check_quota({"artifacts": usage["artifacts"] + usage["pending_artifacts"],
-                          "storage_bytes": usage["storage_bytes"] + usage["pending_bytes"]}, 1, size)
         now = time.time()
         url_expires = int(now) + self.config.upload_ttl
         record = {
@@ -240,7 +259,22 @@ class ArtifactStore:
             "customer_id": customer_id, "manifest": None, "declared": hints,
             "url_expires": url_expires, "expires": url_expires + self.config.pending_grace,
         }
+        with self.tenant_lock(tenant):
+            # Pending uploads hold their place until they are confirmed or expire.
+            self.check_quota(self._reserved(self.usage(tenant)), 1, size)
+            self.save_pending(tenant, record)
+            # Another replica may have reserved meanwhile: count again, this record included.
+            try:
+                self.check_quota(self._reserved(self.usage(tenant, sweep=False)), 0, 0)
+            except ApiError:
+                self._drop(tenant, record["artifact_id"], record)
+                raise
         return record
+
+    @staticmethod
+    def _reserved(usage: dict[str, int]) -> dict[str, int]:
+        return {"artifacts": usage["artifacts"] + usage["pending_artifacts"],
+                "storage_bytes": usage["storage_bytes"] + usage["pending_bytes"]}
 
     def save_pending(self, tenant: str, record: dict[str, Any]) -> None:
         self._write_json(self.key(tenant, record["artifact_id"], ".pending.json"), record)
@@ -265,9 +299,20 @@ class ArtifactStore:
                 raise ApiError(409, "upload_incomplete", f"the parts could not be assembled: {exc}") from None
             record["multipart"] = None
             self.save_pending(tenant, record)
-        size = self.storage.size_of(upload_key)
-        if size is None:
+        checked_key = self.key(tenant, artifact_id, ".confirming")
+        if self.storage.size_of(upload_key) is None:
+            if self.storage.size_of(checked_key) is not None:
+                raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed")
             raise ApiError(409, "upload_incomplete", "no bytes have been uploaded for this artifact yet")
+        # Move the bytes out of reach of the upload URL first, then check them where they now are.
+        try:
+            self.storage.rename(upload_key, checked_key)
+        except (OSError, KvcdnError):
+            # Another confirm of the same upload (a retry racing the first) got there first.
+            raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed") from None
+        size = self.storage.size_of(checked_key)
+        if size is None:
+            raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed")
 
         def refuse(status: int, code: str, message: str):
             self._drop(tenant, artifact_id, record)
@@ -275,7 +320,7 @@ class ArtifactStore:
 
         if size != record["size_bytes"]:
             raise refuse(422, "size_mismatch", f"uploaded {size} bytes, declared {record['size_bytes']}")
-        with self._local_copy(upload_key) as path:
+        with self._local_copy(checked_key) as path:
             digest = _sha256_file(path)
             if digest != record["sha256"]:
                 raise refuse(422, "sha256_mismatch", "the uploaded bytes do not match the declared sha256")
@@ -293,11 +338,7 @@ class ArtifactStore:
             self.check_quota(self.usage(tenant, sweep=False), 1, size)
         except ApiError as exc:
             raise refuse(exc.status, exc.code, exc.message) from None
-        try:
-            self.storage.rename(upload_key, self.key(tenant, artifact_id, ".kv"))
-        except (OSError, KvcdnError):
-            # Another confirm of the same upload (a retry racing the first) got there first.
-            raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed") from None
+        self.storage.rename(checked_key, self.key(tenant, artifact_id, ".kv"))
         final = {key: record[key] for key in PUBLIC_FIELDS if key in record}
         final.update(status="ready", confirmed_at=now_iso(), manifest=summary)
         self._write_json(self.key(tenant, artifact_id, ".meta.json"), final)

@@ -152,7 +152,7 @@ def check_issuer_url(url: str | None) -> str | None:
     loopback = parsed.hostname in ("127.0.0.1", "localhost", "::1")
     if parsed.scheme != "https" and not (parsed.scheme == "http" and loopback):
         raise KvcdnError(f"issuer URL '{url}' must use https (plain http only on a loopback address)")
-    return url.rstrip("/")
+    return url  # exactly as given: tokens' ``iss`` must equal what the issuer's discovery states
 
 
 def _device(value: str) -> str:

@@ -4,11 +4,17 @@ Checked: ``alg`` against an allow-list of asymmetric algorithms (so neither ``no
 token signed with the public key can pass), the ``kid`` against the JWKS (re-fetched at most once
 per 30 s when an unknown ``kid`` shows up, so rotation works and junk tokens cannot hammer the
 issuer), the signature, ``iss``, ``aud``, ``exp`` and ``sub``.
+
+``iss`` is compared with the issuer exactly as its discovery document states it (a trailing ``/``
+included); the configured URL may differ from it only by that trailing ``/``. When a refresh of the
+keys fails, the keys already fetched stay in use and the next attempt waits (30 s, doubling up to
+5 min), so an issuer that is down neither fails valid tokens nor gets hammered.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -18,8 +24,11 @@ import jwt
 
 from kvcdn_server.errors import ApiError, unauthorized
 
+log = logging.getLogger("kvcdn.server")
 JWKS_TTL = 300.0
 UNKNOWN_KID_REFETCH = 30.0
+RETRY_MIN = 30.0
+RETRY_MAX = 300.0
 
 
 @dataclass
@@ -37,21 +46,25 @@ def oidc_customer_id(issuer: str, subject: str) -> str:
 
 class JwtVerifier:
     def __init__(self, issuer: str, audience: str, algorithms: list[str], leeway: int = 30):
-        self.issuer = issuer
+        self.issuer = issuer  # as discovery states it, once fetched
+        self.base_url = issuer.rstrip("/")  # only for building URLs
         self.audience = audience
         self.algorithms = list(algorithms)
         self.leeway = leeway
         self._lock = threading.Lock()
         self._keys: dict[str, jwt.PyJWK] = {}
         self._fetched_at = float("-inf")
+        self._retry_at = float("-inf")  # no refresh before this after a failed one
+        self._retry_wait = RETRY_MIN
 
     def _fetch(self) -> None:
         try:
             with httpx.Client(timeout=5.0, follow_redirects=False) as client:
-                discovery = client.get(f"{self.issuer}/.well-known/openid-configuration")
+                discovery = client.get(f"{self.base_url}/.well-known/openid-configuration")
                 discovery.raise_for_status()
                 meta = discovery.json()
-                if meta.get("issuer", "").rstrip("/") != self.issuer:
+                stated = meta.get("issuer")
+                if not isinstance(stated, str) or stated.rstrip("/") != self.base_url:
                     raise ValueError("discovery document names another issuer")
                 jwks = client.get(meta["jwks_uri"])
                 jwks.raise_for_status()
@@ -63,16 +76,29 @@ class JwtVerifier:
                         keys[raw["kid"]] = jwt.PyJWK(raw)
                     except jwt.PyJWTError:
                         continue
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ApiError(503, "issuer_unavailable", f"cannot fetch the issuer's keys: {type(exc).__name__}") from None
+        self.issuer = stated
         self._keys = keys
         self._fetched_at = time.monotonic()
 
     def _key(self, kid: str) -> jwt.PyJWK | None:
         with self._lock:
-            age = time.monotonic() - self._fetched_at
-            if age > JWKS_TTL or (kid not in self._keys and age > UNKNOWN_KID_REFETCH):
-                self._fetch()
+            now = time.monotonic()
+            age = now - self._fetched_at
+            due = age > JWKS_TTL or (kid not in self._keys and age > UNKNOWN_KID_REFETCH)
+            if due and now >= self._retry_at:
+                try:
+                    self._fetch()
+                    self._retry_wait = RETRY_MIN
+                except ApiError:
+                    self._retry_at = now + self._retry_wait
+                    self._retry_wait = min(self._retry_wait * 2, RETRY_MAX)
+                    if not self._keys:
+                        raise
+                    log.warning("the issuer's keys could not be refreshed; using the cached ones")
+            elif due and not self._keys:
+                raise ApiError(503, "issuer_unavailable", "cannot fetch the issuer's keys (retrying later)")
             return self._keys.get(kid)
 
     def verify(self, token: str) -> TokenClaims:

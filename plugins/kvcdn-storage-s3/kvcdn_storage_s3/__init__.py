@@ -214,13 +214,24 @@ class S3Storage(StorageBackend):
             raise _error(exc, f"read of '{key}'") from None
 
     def rename(self, source_key: str, target_key: str) -> None:
-        """Server-side copy (managed: multipart copy above 5 GiB), then delete the source."""
+        """Server-side copy (managed: multipart copy above 5 GiB), then delete the source.
+
+        The copy is conditioned on the ETag the source had when the move began, so an object
+        replaced meanwhile (a PUT with a still-valid URL) fails the move instead of being mixed in
+        or moved unseen; a missing source is a :class:`KvcdnError`.
+        """
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(multipart_threshold=self.part_size, multipart_chunksize=self.part_size)
         try:
+            etag = self.client.head_object(Bucket=self.bucket, Key=self._key(source_key))["ETag"]
+        except Exception as exc:
+            if _is_missing(exc):
+                raise KvcdnError(f"no object '{source_key}' in {self!r}") from None
+            raise _error(exc, f"head of '{source_key}'") from None
+        try:
             self.client.copy({"Bucket": self.bucket, "Key": self._key(source_key)}, self.bucket,
-                             self._key(target_key), Config=config)
+                             self._key(target_key), ExtraArgs={"CopySourceIfMatch": etag}, Config=config)
         except Exception as exc:
             raise _error(exc, f"copy of '{source_key}'") from None
         self.delete(source_key)
@@ -231,9 +242,12 @@ class S3Storage(StorageBackend):
         operation = {"PUT": "put_object", "GET": "get_object"}.get(method.upper())
         if operation is None:
             raise ValueError(f"cannot presign {method}")
-        params = {"Bucket": self.bucket, "Key": self._key(key)}
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
         if operation == "put_object":
             params["ContentType"] = "application/octet-stream"
+            if size is not None:
+                # Signed into the URL: S3 refuses a PUT of any other length.
+                params["ContentLength"] = int(size)
         return self.presigner.generate_presigned_url(operation, Params=params, ExpiresIn=int(expires_in))
 
     def needs_multipart(self, size: int) -> bool:
@@ -254,11 +268,12 @@ class S3Storage(StorageBackend):
             raise _error(exc, f"multipart start of '{key}'") from None
         parts = []
         for number in range(1, count + 1):
-            url = self.presigner.generate_presigned_url(
+            part_bytes = min(self.part_size, size - (number - 1) * self.part_size)
+            url = self.presigner.generate_presigned_url(  # each part's length is signed into its URL
                 "upload_part", ExpiresIn=int(expires_in),
-                Params={"Bucket": self.bucket, "Key": self._key(key), "UploadId": upload_id, "PartNumber": number})
-            parts.append({"part_number": number, "url": url,
-                          "size": min(self.part_size, size - (number - 1) * self.part_size)})
+                Params={"Bucket": self.bucket, "Key": self._key(key), "UploadId": upload_id, "PartNumber": number,
+                        "ContentLength": part_bytes})
+            parts.append({"part_number": number, "url": url, "size": part_bytes})
         return {"upload_id": upload_id, "part_size": self.part_size, "parts": parts}
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
