@@ -21,7 +21,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core.errors import ArtifactError
+from kvcdn_core.errors import ArtifactError, KvcdnError
 
 FORMAT_NAME = "kvcdn-kv"
 FORMAT_VERSION = 1
@@ -112,7 +112,7 @@ def read_header(path: str | os.PathLike) -> Header:
     except (ValueError, UnicodeDecodeError):
         raise _fail(path, "corrupted or not a safetensors file: header is not valid JSON") from None
     meta = header.pop("__metadata__", None) or {}
-    if meta.get(META_FORMAT) != FORMAT_NAME:
+    if not isinstance(meta, dict) or meta.get(META_FORMAT) != FORMAT_NAME:
         raise _fail(path, "not a kvcdn artifact: safetensors file without a kvcdn manifest")
     try:
         version = int(meta.get(META_VERSION, ""))
@@ -134,11 +134,41 @@ def read_header(path: str | os.PathLike) -> Header:
     return result
 
 
-def _validate(h: Header) -> None:
-    path, manifest = h.path, h.manifest
+def _check_manifest_types(path, manifest: dict) -> None:
+    """The manifest's structure, so that later code can index it without surprises."""
     missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in manifest]
     if missing:
         raise _fail(path, f"corrupted: manifest lacks {', '.join(missing)}")
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise _fail(path, f"corrupted: manifest {what}")
+
+    count = manifest["token_count"]
+    expect(isinstance(count, int) and not isinstance(count, bool) and count >= 0,
+           "token_count is not a non-negative integer")
+    expect(isinstance(manifest["model"], dict), "model is not an object")
+    expect(isinstance(manifest["compute_dtype"], str), "compute_dtype is not a string")
+    expect(manifest.get("quantization") is None or isinstance(manifest["quantization"], dict),
+           "quantization is neither null nor an object")
+    expect(isinstance(manifest["tensors"], dict), "tensors is not an object")
+    for name, spec in manifest["tensors"].items():
+        expect(isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
+               and isinstance(spec.get("shape"), list)
+               and all(isinstance(d, int) and not isinstance(d, bool) for d in spec["shape"]),
+               f"entry for tensor '{name}' lacks a dtype or an integer shape")
+    expect(isinstance(manifest["layers"], list), "layers is not a list")
+    for i, layer in enumerate(manifest["layers"]):
+        expect(isinstance(layer, dict), f"layer {i} is not an object")
+        expect(layer.get("kind") in LAYER_KINDS, f"layer {i} has unknown kind {layer.get('kind')!r}")
+        tensors = layer.get("tensors", {})
+        expect(isinstance(tensors, dict) and all(isinstance(v, str) for v in tensors.values()),
+               f"layer {i} tensors is not a map of names")
+
+
+def _validate(h: Header) -> None:
+    path, manifest = h.path, h.manifest
+    _check_manifest_types(path, manifest)
     data_len = 0
     for name, entry in h.entries.items():
         try:
@@ -146,10 +176,14 @@ def _validate(h: Header) -> None:
             width = DTYPES[dtype][0]
         except (KeyError, TypeError, ValueError):
             raise _fail(path, f"corrupted: bad header entry for tensor '{name}'") from None
-        count = 1
-        for dim in shape:
-            count *= int(dim)
-        if end - start != count * width or start < 0:
+        try:
+            count = 1
+            for dim in shape:
+                count *= int(dim)
+            bad = end - start != count * width or start < 0
+        except (TypeError, ValueError):
+            raise _fail(path, f"corrupted: bad header entry for tensor '{name}'") from None
+        if bad:
             raise _fail(path, f"corrupted: tensor '{name}' has {end - start} bytes, its shape needs {count * width}")
         data_len = max(data_len, end)
     actual = h.file_size - h.data_start
@@ -306,22 +340,46 @@ def write_artifact(path: str | os.PathLike, manifest: dict[str, Any], tensors: d
         META_VERSION: str(FORMAT_VERSION),
         META_MANIFEST: json.dumps(manifest, sort_keys=True, ensure_ascii=False),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    check_writable(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
     os.close(fd)
     try:
         save_file(prepared, tmp, metadata=metadata)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; an artifact is an ordinary file
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
         raise
     return path
+
+
+def check_writable(path: Path) -> None:
+    """Fail early, naming the user's path, when an artifact could not be written there."""
+    if path.is_dir():
+        raise KvcdnError(f"cannot write '{path}': it is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
+    if not os.access(path.parent, os.W_OK):
+        raise KvcdnError(f"cannot write '{path}': directory '{path.parent}' is not writable")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:

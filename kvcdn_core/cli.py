@@ -61,7 +61,22 @@ def make_cli() -> click.Group:
 
 def main(argv=None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    make_cli().main(args=argv, prog_name="kvcdn")
+    try:
+        code = make_cli().main(args=argv, prog_name="kvcdn", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:  # a command group called bare: show its help
+        click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message(), err=True)
+        sys.exit(2)
+    except click.UsageError as exc:  # one line, like every other error, with where to look
+        where = f"kvcdn {exc.ctx.command_path.partition(' ')[2]}".strip() if exc.ctx else "kvcdn"
+        click.echo(f"error: {exc.format_message()} (see '{where} --help')", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import tempfile
 from pathlib import Path
 
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.paths import cache_home
 
 #: config.json keys that change with the writer, not with the model.
 VOLATILE_CONFIG_KEYS = {
@@ -94,11 +97,78 @@ def tokenizer_sha256(model_dir: Path) -> str | None:
     return digest.hexdigest() if found else None
 
 
-def fingerprint(model_dir: Path) -> dict:
-    """``{architecture, config_sha256, tokenizer_sha256}`` of a model directory."""
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def weights_sha256(model_dir: Path) -> str | None:
+    """sha256 over the weight files' names and contents; None when the directory has no weights.
+
+    Two models with the same config and tokenizer but other weights (a fine-tune, another seed)
+    give different caches, so an artifact records this too. Files in the Hugging Face cache are
+    links to blobs named by their sha256, which costs nothing to read; other files are hashed once
+    and remembered by path, size and modification time.
+    """
+    files = sorted({f for pattern in WEIGHT_PATTERNS for f in model_dir.glob(pattern) if f.is_file()})
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + _file_sha256(f).encode())
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    real = path.resolve()
+    if path.is_symlink() and _SHA256_NAME.fullmatch(real.name):
+        return real.name
+    st = real.stat()
+    store = cache_home() / "file-sha256.json"
+    try:
+        known = json.loads(store.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    hit = known.get(str(real)) if isinstance(known, dict) else None
+    if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+        return str(hit.get("sha256"))
+    digest = hashlib.sha256()
+    with open(real, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    value = digest.hexdigest()
+    known = known if isinstance(known, dict) else {}
+    known[str(real)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": value}
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".file-sha256.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(known, fh)
+        os.replace(tmp, store)
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+    return value
+
+
+#: What makes an artifact usable with a model: the token ids mean the same (tokenizer) and the
+#: cache has the same layout (architecture, config). ``weights_sha256`` is compared when both sides
+#: know it (a tokenizer-only search does not).
+COMPATIBILITY_KEYS = ("architecture", "config_sha256", "tokenizer_sha256")
+
+
+def fingerprint(model_dir: Path, weights: bool = True) -> dict:
+    """``{architecture, config_sha256, tokenizer_sha256, weights_sha256}`` of a model directory."""
     config = read_config(model_dir)
     return {
         "architecture": architecture_of(config),
         "config_sha256": config_sha256(config),
         "tokenizer_sha256": tokenizer_sha256(model_dir),
+        "weights_sha256": weights_sha256(model_dir) if weights else None,
     }
+
+
+def fingerprint_differences(recorded: dict, actual: dict) -> list[str]:
+    """The fingerprint parts in which an artifact's recorded model and a model differ."""
+    keys = list(COMPATIBILITY_KEYS)
+    if recorded.get("weights_sha256") and actual.get("weights_sha256"):
+        keys.append("weights_sha256")
+    return [k.replace("_sha256", "") for k in keys if recorded.get(k) != actual.get(k)]

@@ -20,6 +20,12 @@ def config_home() -> Path:
     return Path(base) / "kvcdn"
 
 
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME/kvcdn`` or ``~/.cache/kvcdn``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "kvcdn"
+
+
 def command_dir(command: str) -> Path:
     """The data directory of one command, e.g. ``~/.local/share/kvcdn/generate``."""
     return data_home() / command

@@ -172,11 +172,24 @@ class PluginHost:
 
     def _classes(self, hook_name: str, key: str) -> dict[str, type]:
         found: dict[str, type] = {}
-        for _name, classes in reversed(self.call_each(hook_name)):  # pluggy calls LIFO
-            for cls in classes or []:
-                for value in _as_tuple(getattr(cls, key)):
-                    found[value] = cls
+        for name, classes in reversed(self.call_each(hook_name)):  # pluggy calls LIFO
+            try:  # a plugin returning something else than classes naming their key is skipped
+                claims = {value: cls for cls in (classes or []) for value in _as_tuple(getattr(cls, key))}
+                if not all(isinstance(cls, type) and isinstance(v, str) for v, cls in claims.items()):
+                    raise TypeError(f"{hook_name} must return a list of classes")
+            except Exception as exc:
+                self._drop(name, exc, f"returned an invalid result from {hook_name}")
+                continue
+            found.update(claims)
         return found
+
+    def _drop(self, name: str, exc: BaseException, what: str) -> None:
+        for plugin_name, plugin in self.pm.list_name_plugin():
+            group, _, short = plugin_name.partition(":")
+            if short == name:
+                self.pm.unregister(plugin)
+                self._fail(name, group, exc, what=what)
+                return
 
     def model_adapters(self) -> dict[str, type]:
         """Architecture name (``config.json`` ``architectures``) → adapter class."""

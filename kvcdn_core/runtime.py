@@ -13,7 +13,8 @@ from typing import Any
 import kvcdn_core
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.model_files import architecture_of, fingerprint, read_config, resolve_model_dir
+from kvcdn_core.model_files import (architecture_of, fingerprint, fingerprint_differences, read_config,
+                                    resolve_model_dir)
 from kvcdn_core.plugins import get_host
 from kvcdn_core.progress import Progress
 
@@ -144,10 +145,17 @@ def greedy(session: Session, cache, prompt_ids: list[int], n: int, forced: list[
 
     if not prompt_ids:
         raise KvcdnError("the question has no tokens")
-    tokens, step_logits = [], []
     with torch.inference_mode():
         out, cache = session.adapter.forward(session.model, _ids_tensor(session, prompt_ids), cache)
-        logits = out[0, -1].float()
+    return decode_from(session, cache, out[0, -1].float(), n, forced)
+
+
+def decode_from(session: Session, cache, logits, n: int, forced: list[int] | None = None):
+    """Decode ``n`` tokens greedily from the logits of the last fed token: ``(ids, step logits)``."""
+    import torch
+
+    tokens, step_logits = [], []
+    with torch.inference_mode():
         for i in range(n):
             step_logits.append(logits.cpu())
             nxt = int(torch.argmax(logits))
@@ -202,15 +210,17 @@ def generate(session: Session, context: str, path: Path, chunk: int = DEFAULT_CH
 def check_model(session: Session, manifest: dict, force: bool = False) -> None:
     """Refuse an artifact made with another model (by fingerprint), unless ``force``."""
     want = manifest.get("model", {})
-    problems = [
-        f"{key.replace('_sha256', '')} differs"
-        for key in ("architecture", "config_sha256", "tokenizer_sha256")
-        if want.get(key) != session.fingerprint.get(key)
-    ]
+    problems = [f"{part} differs" for part in fingerprint_differences(want, session.fingerprint)]
     if problems and not force:
         raise ArtifactError(
             f"artifact was made with model '{want.get('id')}' ({want.get('architecture')}), "
             f"not the loaded '{session.model_ref}': {', '.join(problems)}; pass --force to use it anyway"
+        )
+    dtype = manifest.get("compute_dtype")
+    if dtype != session.dtype and not force:
+        raise ArtifactError(
+            f"artifact was computed in {dtype}, the model is loaded in {session.dtype}; "
+            f"pass --dtype {dtype} (or --force to convert)"
         )
 
 
@@ -225,11 +235,6 @@ def load_cache(session: Session, header: fmt.Header, force: bool = False, verify
     else:
         tensors = fmt.load_tensors(header, verify_hashes=verify_hashes)
     dtype = manifest["compute_dtype"]
-    if dtype != session.dtype and not force:
-        raise ArtifactError(
-            f"artifact was computed in {dtype}, the model is loaded in {session.dtype}; "
-            f"pass --dtype {dtype} (or --force to convert)"
-        )
     import torch
 
     target, computed = getattr(torch, session.dtype), getattr(torch, dtype)

@@ -31,13 +31,14 @@ import numpy as np
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.model_files import COMPATIBILITY_KEYS, fingerprint_differences
 
 INDEX_NAME = ".kvcdn-index"
 INDEX_MAGIC = b"KVCDNIX1"
 INDEX_VERSION = 1
 ANY_PREFIX = "any_prefix"
 WHOLE_PREFIX = "whole_prefix"
-FINGERPRINT_KEYS = ("architecture", "config_sha256", "tokenizer_sha256")
+FINGERPRINT_KEYS = COMPATIBILITY_KEYS
 
 Warn = Callable[[str], None]
 
@@ -282,7 +283,7 @@ class Ranking:
 
 
 def same_model(entry_model: dict, fingerprint: dict) -> bool:
-    return all(entry_model.get(k) == fingerprint.get(k) for k in FINGERPRINT_KEYS)
+    return not fingerprint_differences(entry_model, fingerprint)
 
 
 def rank(entries: list[Entry], fingerprint: dict, query_ids: list[int], start_tokens: int = 0) -> Ranking:
@@ -447,7 +448,7 @@ def search(directory, query: str, model_ref: str | None = None, revision: str | 
     entries = scan(directory, warn)
     model_ref = model_ref or infer_model(entries, directory)
     model_dir = resolve_model_dir(model_ref, revision, weights=False)
-    fp = model_fingerprint(model_dir)
+    fp = model_fingerprint(model_dir, weights=False)
     adapter = load_adapter(model_dir)
     mine = [e for e in entries if same_model(e.model, fp)]
     check = min(mine, key=lambda e: e.token_count) if mine else None
@@ -496,36 +497,30 @@ def prefill_reusing(session, ranking: Ranking, query_ids: list[int], chunk: int 
     chunk = chunk or runtime.DEFAULT_CHUNK
     if not query_ids:
         raise KvcdnError("the prompt has no tokens")
-    best = ranking.best_usable
-    if best is not None:
-        header = fmt.read_header(best.path)
-        cache, ids = runtime.load_cache(session, header, force=force)
+    for match in [m for m in ranking.matches if m.usable_tokens > 0]:
+        try:  # a damaged or foreign-weights artifact is skipped for the next best, not fatal
+            header = fmt.read_header(match.path)
+            cache, ids = runtime.load_cache(session, header, force=force)
+        except ArtifactError as exc:
+            print(f"warning: skipping {match.path}: {str(exc).removeprefix(str(match.path) + ': ')}",
+                  file=sys.stderr)
+            continue
         usable = usable_tokens(common_prefix(ids, query_ids), len(ids), len(query_ids), reuse_of(header.manifest))
         if usable > 0:
             if usable < len(ids):
                 cache = session.adapter.crop(cache, header.manifest["layers"], usable, token_count=len(ids))
             cache, logits = runtime.prefill(session, list(query_ids[usable:]), chunk=chunk, progress=progress,
                                             cache=cache)
-            return Prefilled(cache, logits, len(query_ids), usable, best.path)
+            return Prefilled(cache, logits, len(query_ids), usable, match.path)
     cache, logits = runtime.prefill(session, list(query_ids), chunk=chunk, progress=progress)
     return Prefilled(cache, logits, len(query_ids), 0, None)
 
 
 def greedy_from(session, cache, logits, n: int) -> list[int]:
     """Decode ``n`` tokens greedily, starting from the logits of the last prefilled token."""
-    import torch
+    from kvcdn_core import runtime
 
-    tokens = []
-    with torch.inference_mode():
-        for i in range(n):
-            nxt = int(torch.argmax(logits))
-            tokens.append(nxt)
-            if i == n - 1:
-                break
-            ids = torch.tensor([[nxt]], dtype=torch.long, device=session.device)
-            out, cache = session.adapter.forward(session.model, ids, cache)
-            logits = out[0, -1].float()
-    return tokens
+    return runtime.decode_from(session, cache, logits, n)[0]
 
 
 def share_across_batch(cache, n: int) -> None:

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core.errors import ArtifactError
+from kvcdn_core.errors import ArtifactError, KvcdnError
 
 
 def _write(path, n_tokens=5, **manifest_extra):
@@ -139,7 +139,7 @@ def test_write_is_atomic_and_leaves_nothing_on_error(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(KvcdnError, match="cannot write .*a.kv': disk full"):
         _write(path, n_tokens=7)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["a.kv"]
@@ -159,3 +159,43 @@ def test_kv_suffix_is_appended_with_a_warning(capsys):
 def test_reuse_mode():
     assert fmt.reuse_mode({"layers": [{"kind": "full_attention"}]}) == "any_prefix"
     assert fmt.reuse_mode({"layers": [{"kind": "full_attention"}, {"kind": "sliding_window"}]}) == "whole_prefix"
+
+
+def test_artifacts_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "a.kv"
+        _write(path)
+    finally:
+        os.umask(old)
+    assert (path.stat().st_mode & 0o777) == 0o644
+
+
+@pytest.mark.parametrize("change", [
+    {"layers": 5}, {"token_count": "abc"}, {"model": []},
+    {"layers": [{"index": 0, "tensors": {}}]},
+    {"tensors": {"layers.0.key": {"dtype": "F32"}}},
+    {"tensors": {"layers.0.key": {"dtype": "F32", "shape": ["1", 2]}}},
+])
+def test_malformed_manifests_are_refused_as_corrupted(tmp_path, change):
+    path = tmp_path / "a.kv"
+    _write(path)
+    manifest = fmt.read_manifest(path)
+    manifest.update(change)
+    _rewrite_metadata(path, **{fmt.META_MANIFEST: json.dumps(manifest)})
+    with pytest.raises(ArtifactError, match="corrupted"):
+        fmt.read_header(path)
+
+
+def test_metadata_that_is_not_a_map_is_refused(tmp_path):
+    path = tmp_path / "a.kv"
+    _write(path)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"] = [1]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    with pytest.raises(ArtifactError, match="not a kvcdn artifact"):
+        fmt.read_header(path)

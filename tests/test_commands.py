@@ -146,3 +146,50 @@ def test_unreachable_hub_is_explained(cli, context_file, monkeypatch):
     assert result.exit_code == 2
     assert "cannot get model 'no-such-org/no-such-model'" in result.stderr
     assert "local model directory" in result.stderr
+
+
+def test_other_weights_with_the_same_config_are_refused(cli, qwen3_artifact, tmp_path):
+    """A fine-tune keeps its base config and tokenizer; its cache still differs."""
+    from kvcdn_core.tiny import build_tiny_model
+    from kvcdn_model_qwen import QwenAdapter
+
+    other = build_tiny_model(QwenAdapter, "Qwen3ForCausalLM", tmp_path / "other-seed", seed=7)
+    assert fmt.read_manifest(qwen3_artifact)["model"]["weights_sha256"]
+    result = cli("continue", "--kv-path", qwen3_artifact, "--model", other, "--n", "2")
+    assert result.exit_code == 2
+    assert "weights differs" in result.stderr and "architecture" not in result.stderr.split(":")[-1]
+
+
+def test_output_path_problems_are_reported_before_any_model_work(cli, qwen3_dir, context_file, tmp_path):
+    (tmp_path / "adir.kv").mkdir()
+    result = cli("generate", "--model", qwen3_dir, "--context-file", context_file, "--output", tmp_path / "adir.kv")
+    assert result.exit_code == 2
+    assert f"cannot write '{tmp_path / 'adir.kv'}': it is a directory" in result.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_usage_errors_are_one_line(run_kvcdn):
+    for args, message in ((["verify", "--n", "0"], "Invalid value for '--n'"),
+                          (["nosuch"], "No such command 'nosuch'"),
+                          (["generate"], "Missing option '--context-file'")):
+        code, _, err = run_kvcdn(*args)
+        assert code == 2
+        assert err.strip().splitlines() == [err.strip()] and err.startswith("error: ") and message in err
+
+
+def test_continue_dir_skips_a_damaged_best_artifact(cli, qwen3_artifact, tmp_path):
+    import shutil
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(qwen3_artifact, cache / "a-damaged.kv")
+    shutil.copy(qwen3_artifact, cache / "b-good.kv")
+    data = bytearray((cache / "a-damaged.kv").read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (cache / "a-damaged.kv").write_bytes(bytes(data))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(fmt.read_manifest(qwen3_artifact)["context"] + " What next?")
+    result = cli("continue", "--dir", cache, "--prompt-file", prompt, "--n", "4", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert "skipping" in result.stderr and "a-damaged.kv" in result.stderr
+    assert json.loads(result.stdout)["reused_tokens"] > 0

@@ -145,3 +145,16 @@ def test_builtin_parts_register_through_the_hooks():
     host = PluginHost(discover=False)
     assert host.storage_backends()["file"].__name__ == "LocalStorage"
     assert host.infos["core"].hooks == ["kvcdn_register_commands"]
+
+
+@pytest.mark.parametrize("result", [[object()], "not a list", [type("NoArch", (), {})]])
+def test_a_plugin_returning_garbage_is_isolated(kvcdn_host, capsys, result):
+    from kvcdn_model_qwen import QwenAdapter
+
+    good = types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [QwenAdapter]))
+    bad = types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: result))
+    kvcdn_host.register(good, "good", "kvcdn.models")
+    kvcdn_host.register(bad, "bad", "kvcdn.models")
+    assert kvcdn_host.model_adapters()["Qwen3ForCausalLM"] is QwenAdapter
+    assert kvcdn_host.infos["bad"].status == "failed"
+    assert "invalid result" in capsys.readouterr().err

@@ -59,10 +59,14 @@ def read_text_file(path: str, what: str = "context file") -> str:
     return text
 
 
-def artifact_path(explicit: str | None, command: str, model: str) -> Path:
-    if explicit:
-        return ensure_kv_suffix(explicit)
-    return default_artifact_path(command, model)
+def artifact_path(explicit: str | None, command: str, model: str, for_writing: bool = True) -> Path:
+    """The artifact path a command uses; checked for writing before any model work starts."""
+    from kvcdn_core.artifact import check_writable
+
+    path = ensure_kv_suffix(explicit) if explicit else default_artifact_path(command, model)
+    if for_writing:
+        check_writable(path)
+    return path
 
 
 def emit_json(data) -> None:

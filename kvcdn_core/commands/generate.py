@@ -19,7 +19,7 @@ from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL
               help="Tokens per prefill step.")
 @format_option
 def command(model, revision, device, dtype, quiet, context_file, output, chunk_size, fmt):
-    """Prefill CONTEXT once and save its KV cache as a .kv artifact."""
+    """Prefill the document in --context-file once and save its KV cache as a .kv artifact."""
     from kvcdn_core import runtime
 
     model = model or DEFAULT_MODEL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from kvcdn_core.commands.common import (artifact_path, emit_json, force_option, format_option,
@@ -14,13 +16,18 @@ def prepare(command_name, model, revision, device, dtype, quiet, kv_path, contex
     """The artifact to check: the existing one at ``kv_path``, or one generated from the context."""
     from kvcdn_core import artifact, runtime
 
-    path = artifact_path(kv_path, command_name, model or DEFAULT_MODEL)
+    if kv_path and Path(kv_path).is_dir():
+        raise KvcdnError(f"--kv-path '{kv_path}' is a directory; pass a .kv file")
+    path = artifact_path(kv_path, command_name, model or DEFAULT_MODEL, for_writing=False)
     if kv_path and path.exists():
+        if context_file:
+            click.echo(f"warning: --context-file ignored: '{path}' exists and carries its own context", err=True)
         return open_artifact(path, model, revision, device, dtype)
     if not context_file:
         if kv_path:
             raise KvcdnError(f"artifact '{path}' does not exist; pass --context-file to generate it")
         raise KvcdnError("pass --kv-path of an existing artifact, or --context-file to generate one")
+    artifact.check_writable(path)
     context = read_text_file(context_file)
     session = runtime.load_session(model or DEFAULT_MODEL, revision, device, dtype)
     runtime.generate(session, context, path, progress=not quiet)

@@ -349,3 +349,70 @@ def test_cached_keys_outlive_an_issuer_outage_with_backoff(tiny_issuer):
             fresh.verify(token())
         assert info.value.status == 503
     assert state["hits"] == hits + 2
+
+
+def test_serve_on_a_busy_port_is_one_line_exit_2(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
+        proc = subprocess.run([sys.executable, "-m", "kvcdn_core", "serve", "--port", str(port),
+                               "--storage", str(tmp_path / "o")], capture_output=True, text=True, timeout=60,
+                              env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: port {port} on 127.0.0.1 is in use (pick another with --port)"]
+
+
+def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
+    """An empty $KVCDN_ADMIN_SECRET is not the secret: the hint must point at the file that is."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "KVCDN_ADMIN_SECRET": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--storage",
+                             str(tmp_path / "o")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=env)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "X-Kvcdn-Admin-Secret" in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert "admin-secret)" in lines[-1] and "$KVCDN_ADMIN_SECRET" not in lines[-1], lines
+
+
+def test_telemetry_is_rate_limited_per_process(make_app, monkeypatch):
+    from kvcdn_server import telemetry
+
+    monkeypatch.setattr(telemetry, "RATE_BURST", 5)
+    monkeypatch.setattr(telemetry, "RATE_PER_S", 0.001)
+    _app, client, _key = make_app()
+    event = {"event": "command", "kvcdn_version": "0.1.0", "command": "list", "ok": True}
+    statuses = [client.post(f"{API}/telemetry", json=event).status_code for _ in range(8)]
+    assert statuses == [204] * 5 + [429] * 3
+    clock = [0.0]
+    bucket = telemetry.RateLimit(rate=2.0, burst=2, clock=lambda: clock[0])
+    assert [bucket.allow() for _ in range(3)] == [True, True, False]
+    clock[0] += 0.5  # one token back after half a second at 2/s
+    assert [bucket.allow() for _ in range(2)] == [True, False]
+
+
+def test_inference_load_locks_stay_bounded():
+    from kvcdn_server.inference import InferenceEngine, ModelPolicy
+
+    engine = InferenceEngine(ModelPolicy([]), 1, 5.0, 1, 1 << 20, "cpu")
+    try:
+        locks = {id(engine._lock_for(("artifact", "t", str(i), "sha"))) for i in range(5000)}
+        assert len(locks) <= 64
+        assert engine._lock_for(("artifact", "t", "1", "sha")) is engine._lock_for(("artifact", "t", "1", "sha"))
+    finally:
+        engine.shutdown()

@@ -223,7 +223,8 @@ def api_key_set(key):
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @hosted_command("api-key verify")
 def api_key_verify(api_url, api_key, fmt):
-    """Ask the endpoint whether the API key in use is valid, and for which org."""
+    """Ask the endpoint whether the API key in use is valid, and for which org (exit 1 if not)."""
+    from kvcdn_hosted.apikey import mask
     from kvcdn_hosted.client import HostedClient, resolve_credential
 
     settings = settings_from(locals())

@@ -419,7 +419,8 @@ def create_app(config: ServerConfig, storage=None) -> FastAPI:
 
     @app.post(f"{API}/telemetry", status_code=204)
     def telemetry_route(body: TelemetryEvent):
-        telemetry.submit(body.model_dump(exclude_none=True))
+        if not telemetry.submit(body.model_dump(exclude_none=True)):
+            raise ApiError(429, "rate_limited", "too many telemetry events; slow down", {"Retry-After": "1"})
         return Response(status_code=204)
 
     # -- signed blob URLs ---------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import os
+import socket
 
 import click
 
@@ -53,6 +56,7 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
     config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
                          device)
     app = create_app(config)
+    sock = bind_socket(host, port)  # before any output: a busy port is the only line
     shown = f"[{host}]" if ":" in host else host
     base = config.public_url or f"http://{shown}:{port}"
     click.echo(f"kvcdn serve: storage {config.storage_uri}; auth: org API keys"
@@ -61,9 +65,34 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
         click.echo("created " + ", ".join(str(p) for p in config.created_secrets) + " (mode 0600)", err=True)
     if not _is_loopback(host):
         click.echo(f"warning: listening on {host}, not loopback: serve it behind TLS", err=True)
-    secret_hint = ("$KVCDN_ADMIN_SECRET" if "KVCDN_ADMIN_SECRET" in __import__("os").environ
+    # The same rule as config: an empty variable means "not set", and the secret is the file's.
+    secret_hint = ("$KVCDN_ADMIN_SECRET" if os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
                    else f"$(cat {config.home / 'admin-secret'})")
     click.echo("mint an org API key with:\n"
                f"  curl -X POST {base}/api/v1/admin/api-keys -H \"X-Kvcdn-Admin-Secret: {secret_hint}\" "
                "-H 'Content-Type: application/json' -d '{\"org_slug\": \"my-org\"}'", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, proxy_headers=True, server_header=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, proxy_headers=True,
+                                           server_header=False))
+    server.run(sockets=[sock])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket here, so that a busy port is one line and exit 2, not uvicorn's exit 3."""
+    from kvcdn_core.errors import KvcdnError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise KvcdnError(f"cannot listen on '{host}': {exc.strerror}") from None
+    family, kind, proto, _name, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts need no wait
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise KvcdnError(f"port {port} on {host} is in use (pick another with --port)") from None
+        raise KvcdnError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock

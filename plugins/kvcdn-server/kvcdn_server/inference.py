@@ -27,6 +27,8 @@ from kvcdn_core.errors import KvcdnError
 
 from kvcdn_server.errors import ApiError
 
+#: per-key load locks are striped over this many locks, so their number stays bounded
+LOAD_LOCK_STRIPES = 64
 HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -107,12 +109,11 @@ class InferenceEngine:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvcdn-infer")
         self.models = _Lru(max_models)
         self.artifacts = _Lru(cache_bytes)
-        self._load_locks: dict[Any, threading.Lock] = collections.defaultdict(threading.Lock)
-        self._locks_lock = threading.Lock()
+        # Striped: a fixed number of locks however many artifacts pass through (two keys may share one).
+        self._load_locks = [threading.Lock() for _ in range(LOAD_LOCK_STRIPES)]
 
     def _lock_for(self, key) -> threading.Lock:
-        with self._locks_lock:
-            return self._load_locks[key]
+        return self._load_locks[hash(key) % LOAD_LOCK_STRIPES]
 
     def run(self, artifact_key: tuple, fetch_path, question: str, n: int) -> InferResult:
         """Answer one request; ``fetch_path()`` gives a local path of the artifact when not resident."""
