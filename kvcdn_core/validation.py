@@ -127,16 +127,14 @@ def phase_reference(run: ValidationRun) -> PhaseResult:
 
 def phase_cache(run: ValidationRun) -> PhaseResult:
     """Path B: load the artifact from disk, feed the question, decode; compare ids with path A."""
-    from kvcdn_core.verify import cached
+    from kvcdn_core.verify import VerifyResult, cached
 
     if run.header is None or run.reference_ids is None:
         return run.result("cache", False, "skipped: an earlier phase failed")
     ids, _, _ = cached(run.session, run.header, run.question_ids, run.n)
-    pairs = list(zip(run.reference_ids, ids))
-    matches = sum(a == b for a, b in pairs)
-    first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-    ok = first is None and len(ids) == len(run.reference_ids)
-    return run.result("cache", ok, f"token match {matches}/{run.n}, {len(run.context_ids)} context tokens", first)
+    res = VerifyResult(run.n, len(run.context_ids), len(run.question_ids), run.reference_ids, ids, "", "")
+    return run.result("cache", res.passed, f"token match {res.matches}/{run.n}, {res.context_tokens} context tokens",
+                      res.first_divergence)
 
 
 #: (name, function) run in order; a later phase may rely on what an earlier one left on the run.
@@ -168,15 +166,20 @@ def run_phases(run: ValidationRun, phases=None) -> list[PhaseResult]:
     return results
 
 
-def validate_session(session, architecture: str, workdir: Path, n: int = 16,
-                     context: str | None = None, min_distinct: int = 0,
-                     question: str = DEFAULT_QUESTION, require_context_effect: bool = False,
-                     ) -> list[PhaseResult]:
+def run_validation(session, architecture: str, workdir: Path, n: int = 16,
+                   context: str | None = None, min_distinct: int = 0,
+                   question: str = DEFAULT_QUESTION, require_context_effect: bool = False,
+                   ) -> tuple[ValidationRun, list[PhaseResult]]:
     """Every phase of :data:`PHASES` for a loaded model, on a context longer than its windows."""
     context = context or long_context(context_length_for(session), session.tokenizer)
     run = ValidationRun(session, architecture, Path(workdir), n, context, question, min_distinct,
                         require_context_effect)
-    return run_phases(run)
+    return run, run_phases(run)
+
+
+def validate_session(session, architecture: str, workdir: Path, n: int = 16, **options) -> list[PhaseResult]:
+    """The phase results of :func:`run_validation`."""
+    return run_validation(session, architecture, workdir, n, **options)[1]
 
 
 #: Tiny random models must decode at least this many distinct tokens out of n for the check to mean

@@ -77,11 +77,10 @@ def _failed(run_arch: str, phase: str, exc: BaseException):
 def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None,
                  **options) -> None:
     """Run every validation phase on a loaded session and fill ``report``."""
-    from kvcdn_core.validation import ValidationRun, context_length_for, long_context, run_phases
+    from kvcdn_core.validation import run_validation
 
-    text = context or long_context(context_length_for(session), session.tokenizer)
-    run = ValidationRun(session, report.architecture, workdir, n, text, **options)
-    report.phases.extend(run_phases(run))
+    run, results = run_validation(session, report.architecture, workdir, n, context, **options)
+    report.phases.extend(results)
     if run.header is not None:
         report.layers = run.header.manifest.get("layers", [])
 
