@@ -416,3 +416,38 @@ def test_inference_load_locks_stay_bounded():
         assert engine._lock_for(("artifact", "t", "1", "sha")) is engine._lock_for(("artifact", "t", "1", "sha"))
     finally:
         engine.shutdown()
+
+
+def test_two_replicas_racing_for_the_last_slot_never_both_get_it(make_app):
+    """Two stores on one storage (two replicas: no shared lock) reserve at the same instant."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcdn_server.artifacts import ArtifactStore
+    from kvcdn_server.errors import ApiError
+
+    app, _client, _key = make_app(KVCDN_QUOTA_ARTIFACTS=1)
+    first = app.state.store
+    replicas = [first, ArtifactStore(first.storage, first.config)]
+    both_written = threading.Barrier(2, timeout=10)
+
+    def reserve(store):
+        real_save = store.save_pending
+
+        def save_then_wait(tenant, record):
+            real_save(tenant, record)
+            both_written.wait()  # each checked the quota before the other's record existed
+
+        store.save_pending = save_then_wait
+        try:
+            store.begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
+            return 200
+        except ApiError as exc:
+            return exc.status
+
+    with ThreadPoolExecutor(2) as pool:
+        statuses = list(pool.map(reserve, replicas))
+    assert statuses.count(200) <= 1, statuses
+    from kvcdn_server.artifacts import tenant_of
+
+    assert first.usage(tenant_of("org:acme"))["pending_artifacts"] == statuses.count(200)
