@@ -16,11 +16,11 @@ import json
 import os
 import struct
 import sys
-import tempfile
 from array import array
 from pathlib import Path
 from typing import Any
 
+from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
 FORMAT_NAME = "kvcdn-kv"
@@ -342,25 +342,10 @@ def write_artifact(path: str | os.PathLike, manifest: dict[str, Any], tensors: d
     }
     check_writable(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with atomic_path(path) as tmp:
+            save_file(prepared, str(tmp), metadata=metadata)
     except OSError as exc:
         raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
-    os.close(fd)
-    try:
-        save_file(prepared, tmp, metadata=metadata)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; an artifact is an ordinary file
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(exc, OSError):
-            raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
-        raise
     return path
 
 
@@ -374,25 +359,6 @@ def check_writable(path: Path) -> None:
         raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
     if not os.access(path.parent, os.W_OK):
         raise KvcdnError(f"cannot write '{path}': directory '{path.parent}' is not writable")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def reuse_mode(manifest: dict[str, Any]) -> str:

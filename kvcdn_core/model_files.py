@@ -11,9 +11,9 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
+from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.paths import cache_home
 
@@ -139,11 +139,8 @@ def _file_sha256(path: Path) -> str:
     known = known if isinstance(known, dict) else {}
     known[str(real)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": value}
     try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".file-sha256.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with atomic_open(store, text=True) as fh:
             json.dump(known, fh)
-        os.replace(tmp, store)
     except OSError:
         pass  # a cache that cannot be written only costs time
     return value

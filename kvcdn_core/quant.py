@@ -418,27 +418,14 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
 
 
 def write_json_atomic(path, data: dict) -> None:
-    """Write JSON through a temporary file in the same directory, fsync, rename."""
+    """Write JSON atomically (see :mod:`kvcdn_core.atomic`)."""
     import json
-    import os
-    import tempfile
-    from pathlib import Path
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, ensure_ascii=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    from kvcdn_core.atomic import atomic_open
+
+    with atomic_open(path, text=True) as fh:
+        json.dump(data, fh, indent=2, ensure_ascii=False)
+        fh.write("\n")
 
 
 def event_path(output) -> "Path":

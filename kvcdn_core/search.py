@@ -23,13 +23,13 @@ import os
 import stat
 import struct
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.model_files import COMPATIBILITY_KEYS, fingerprint_differences
 
@@ -155,23 +155,12 @@ def _write_index(path: Path, entries: list[Entry]) -> None:
     head = INDEX_MAGIC + struct.pack("<Q", len(blob)) + blob
     head += b"\0" * ((-len(head)) % 4)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "wb") as fh:
+        with atomic_open(path, mode=0o600) as fh:
             fh.write(head)
             for e in entries:
                 fh.write(np.ascontiguousarray(e.ids, dtype="<i4").tobytes())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass
 
 
 def _index_directory(directory: Path, names: list[str], warn: Warn) -> list[Entry]:

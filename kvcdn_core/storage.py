@@ -15,6 +15,7 @@ from typing import ClassVar
 from urllib.parse import urlparse
 
 from kvcdn_core import hookimpl
+from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import KvcdnError
 
 
@@ -177,19 +178,9 @@ class LocalStorage(StorageBackend):
 
 def atomic_write_stream(target: Path, stream, chunk: int = 1 << 20) -> int:
     """Copy a binary stream to ``target`` through a temp file in the same directory; return bytes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    written = 0
-    try:
-        with os.fdopen(fd, "wb") as out:
-            shutil.copyfileobj(stream, out, chunk)
-            written = out.tell()
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(target) as out:
+        shutil.copyfileobj(stream, out, chunk)
+        written = out.tell()
     return written
 
 

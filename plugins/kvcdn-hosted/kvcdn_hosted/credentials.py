@@ -10,10 +10,10 @@ import json
 import os
 import stat
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.paths import config_home
 
@@ -48,17 +48,8 @@ def save(data: dict[str, Any]) -> Path:
     """Replace the credentials file atomically (temp file 0600 in the same dir, fsync, rename)."""
     path = credentials_path()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=f".{FILE_NAME}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, text=True, mode=0o600) as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
     return path
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from kvcdn_core.atomic import fsync_dir
 from kvcdn_core.errors import CheckFailed, KvcdnError
 from kvcdn_core.progress import Progress
 
@@ -102,7 +103,7 @@ def download_to(http, url: str, target: Path, *, sha256: str | None, size: int |
                 raise CheckFailed(f"download failed: sha256 {digest} does not match the expected {sha256}")
             check_artifact(tmp)
             os.replace(tmp, target)
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
             return target
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -165,14 +166,3 @@ def check_artifact(path: Path) -> None:
         raise CheckFailed(f"download failed: the artifact's tensor '{bad[0]}' does not match its manifest sha256")
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from kvcdn_core import hookimpl
+from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.storage import ObjectInfo, StorageBackend, safe_key
 
@@ -139,23 +139,13 @@ class S3Storage(StorageBackend):
             raise _error(exc, f"upload of '{key}'") from None
 
     def get_file(self, key: str, target: Path) -> None:
-        target = Path(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         try:
-            with os.fdopen(fd, "wb") as out:
+            with atomic_open(target) as out:
                 self.client.download_fileobj(self.bucket, self._key(key), out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
         except Exception as exc:
-            Path(tmp).unlink(missing_ok=True)
             if _is_missing(exc):
                 raise KvcdnError(f"no object '{key}' in {self!r}") from None
             raise _error(exc, f"download of '{key}'") from None
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     def exists(self, key: str) -> bool:
         return self.size_of(key) is not None
