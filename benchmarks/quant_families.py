@@ -24,32 +24,6 @@ sys.path.insert(0, str(ROOT))
 QUESTION = "Engineers who run retrieval services"
 
 
-def teach(model_dir: Path, out_dir: Path, text: str, steps: int = 120, lr: float = 3e-3) -> float:
-    """Train a saved tiny model on ``text`` (whole, or in windows of its position limit); save it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([tok(text)["input_ids"]])
-    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
-    windows = [ids[:, :limit], ids[:, -limit:]] if ids.shape[1] > limit else [ids]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    loss = None
-    for step in range(steps):
-        w = windows[step % len(windows)]
-        loss = model(input_ids=w, labels=w).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return float(loss.detach())
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("architectures", nargs="*", help="default: every installed architecture")
@@ -60,7 +34,7 @@ def main(argv=None) -> int:
     from kvcdn_core import artifact, quant, runtime
     from kvcdn_core.adapter import quiet_transformers
     from kvcdn_core.plugins import get_host
-    from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model
+    from kvcdn_core.tiny import teach_tiny_model, SAMPLE_TEXT, build_tiny_model
     from kvcdn_core.verify import run_verify
 
     quiet_transformers()
@@ -75,7 +49,7 @@ def main(argv=None) -> int:
         work = Path(tempfile.mkdtemp(prefix="kvcdn-qf-"))
         start = time.perf_counter()
         try:
-            loss = teach(build_tiny_model(adapters[arch], arch, work / "random"), work / "taught", SAMPLE_TEXT)
+            loss = teach_tiny_model(build_tiny_model(adapters[arch], arch, work / "random"), work / "taught", SAMPLE_TEXT)
             session = runtime.load_session(str(work / "taught"), device="cpu", dtype="float32",
                                            adapter_cls=adapters[arch])
             src = work / "ctx.kv"

@@ -93,6 +93,36 @@ def build_tiny_model(adapter_cls, architecture: str, out_dir: str | Path, seed: 
     tokenizer.save_pretrained(out)
     return out
 
+def teach_tiny_model(model_dir: Path, out_dir: Path, text: str = SAMPLE_TEXT, steps: int = 120,
+                     lr: float = 3e-3) -> float:
+    """Train a saved tiny model on ``text`` (whole, or in windows of its position limit); save it.
+
+    Random weights decode through near-ties that any lossy cache may flip; a few seconds of training
+    gives decisive logits, as trained models have. Returns the last loss.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([tok(text)["input_ids"]])
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
+    windows = [ids[:, :limit], ids[:, -limit:]] if ids.shape[1] > limit else [ids]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = None
+    for step in range(steps):
+        w = windows[step % len(windows)]
+        loss = model(input_ids=w, labels=w).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return float(loss.detach())
+
 
 def main(argv=None) -> int:
     import argparse

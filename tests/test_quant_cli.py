@@ -8,6 +8,8 @@ import hashlib
 import json
 
 import pytest
+
+from kvcdn_core.tiny import teach_tiny_model
 import torch
 
 from kvcdn_core import artifact, quant, runtime
@@ -21,25 +23,9 @@ MEMO_CONTEXT = "\n\n".join(PARAGRAPHS[:3]) + "\n\n"
 MEMO_QUESTION = "Engineers who run retrieval services"
 
 
-def memorize(model_dir, out_dir, steps=60, lr=3e-3):
-    """Train a tiny model on the sample text until it recites it: decisive logits, as trained models
-    have (random weights decode through near-ties that any lossy cache may flip)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([tok(SAMPLE_TEXT)["input_ids"]])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
+def memorize(model_dir, out_dir, steps=60):
+    """A tiny model trained to recite the sample text, so its logits are decisive."""
+    teach_tiny_model(model_dir, out_dir, steps=steps)
     return out_dir
 
 

@@ -43,3 +43,20 @@ def tiny_model(tmp_path_factory):
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_session(tiny_model):
+    """Factory ``tiny_session(adapter_cls, architecture)``: its tiny model loaded (float32, CPU), once."""
+    from kvcdn_core import runtime
+
+    loaded = {}
+
+    def get(adapter_cls, architecture):
+        key = (adapter_cls, architecture)
+        if key not in loaded:
+            path = tiny_model(adapter_cls, architecture)
+            loaded[key] = runtime.load_session(str(path), device="cpu", dtype="float32", adapter_cls=adapter_cls)
+        return loaded[key]
+
+    return get

@@ -18,17 +18,8 @@ NEXT = "Qwen3NextForCausalLM"
 
 
 @pytest.fixture(scope="module")
-def session_of(tiny_model):
-    loaded = {}
-
-    def get(architecture):
-        if architecture not in loaded:
-            path = tiny_model(QwenAdapter, architecture)
-            loaded[architecture] = runtime.load_session(str(path), device="cpu", dtype="float32",
-                                                        adapter_cls=QwenAdapter)
-        return loaded[architecture]
-
-    return get
+def session_of(tiny_session):
+    return lambda architecture: tiny_session(QwenAdapter, architecture)
 
 
 def ids_of(session, n_tokens):

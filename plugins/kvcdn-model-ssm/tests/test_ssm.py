@@ -18,18 +18,9 @@ ARCHITECTURES = sorted(SSMAdapter.validation_configs)
 
 
 @pytest.fixture(scope="module")
-def sessions(tiny_model):
-    """architecture → a loaded float32 session of its tiny model (built once per module)."""
-    loaded = {}
-
-    def get(architecture):
-        if architecture not in loaded:
-            path = tiny_model(SSMAdapter, architecture)
-            loaded[architecture] = runtime.load_session(str(path), device="cpu", dtype="float32",
-                                                        adapter_cls=SSMAdapter)
-        return loaded[architecture]
-
-    return get
+def sessions(tiny_session):
+    """architecture → a loaded float32 session of its tiny model."""
+    return lambda architecture: tiny_session(SSMAdapter, architecture)
 
 
 def context_ids(session, n_tokens=150):
