@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PYTHON=.venv/bin/python scripts/dev-install.sh
 work=${KVCDN_QUICKSTART_DIR:-$(mktemp -d)}
+mkdir -p "$work"
 context="$work/context.txt"
 .venv/bin/python -c "from kvcdn_core.tiny import SAMPLE_TEXT; print(SAMPLE_TEXT * 4)" > "$context"
 model=Qwen/Qwen3-0.6B
