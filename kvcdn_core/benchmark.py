@@ -98,7 +98,7 @@ class PageCache:
     Every drop is checked with ``mincore``, so the output can say how cold the reads really were.
     """
 
-    def __init__(self, mode: str = "auto"):
+    def __init__(self, mode: str = "file"):
         if mode not in ("auto", "system", "file", "keep"):
             raise KvcdnError(f"unknown page-cache mode '{mode}' (auto, system, file, keep)")
         self.mode = mode

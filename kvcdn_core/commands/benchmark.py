@@ -20,10 +20,11 @@ from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
               help="Comma-separated artifact schemes: none and any installed quantizer (e.g. none,int8).")
 @click.option("--question", default=DEFAULT_QUESTION, show_default=True,
               help="Text fed after the cached context for the time to first token.")
-@click.option("--page-cache", type=click.Choice(["auto", "system", "file", "keep"]), default="auto",
+@click.option("--page-cache", type=click.Choice(["file", "auto", "system", "keep"]), default="file",
               show_default=True,
-              help="How loads are made cold: auto = drop_caches where permitted, else fadvise on the file; "
-                   "system = drop_caches only; file = fadvise only; keep = do not drop (warm loads).")
+              help="How loads are made cold: file = fadvise(DONTNEED) on the artifact only (checked with "
+                   "mincore); system = drop the whole host's page cache (root; affects other processes); "
+                   "auto = system where permitted, else file; keep = do not drop (warm loads).")
 @click.option("--output", "-o", default=None,
               help="CSV path [default: $XDG_DATA_HOME/kvcdn/benchmark/<ms>-<model>-bench.csv].")
 @format_option
