@@ -69,6 +69,9 @@ class Settings:
         return self.issuer_url
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
 def read_config_file(path: Path | None = None) -> dict[str, str]:
     """The settings of ``config.toml``; a missing file is empty, a malformed one a one-line error."""
     path = path or config_path()
@@ -94,8 +97,10 @@ def read_config_file(path: Path | None = None) -> dict[str, str]:
     settings = {}
     for key, value in data.items():
         if key not in ENV:
-            print(f"warning: config file {path}: unknown setting '{key}' ignored "
-                  f"(known: {', '.join(ENV)})", file=sys.stderr)
+            if (str(path), key) not in _WARNED:  # settings are read more than once per command
+                _WARNED.add((str(path), key))
+                print(f"warning: config file {path}: unknown setting '{key}' ignored "
+                      f"(known: {', '.join(ENV)})", file=sys.stderr)
             continue
         if not isinstance(value, str):
             raise KvcdnError(f"config file {path}: '{key}' must be a string, got {type(value).__name__}")
