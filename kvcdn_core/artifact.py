@@ -361,6 +361,20 @@ def check_writable(path: Path) -> None:
         raise KvcdnError(f"cannot write '{path}': directory '{path.parent}' is not writable")
 
 
+def summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The few manifest facts that listings show and uploads declare (the server re-reads them)."""
+    model = manifest.get("model") or {}
+    quant = manifest.get("quantization")
+    return {
+        "model_id": model.get("id"),
+        "architecture": model.get("architecture"),
+        "tokens": int(manifest.get("token_count", 0)),
+        "layers": len(manifest.get("layers") or []),
+        "dtype": manifest.get("compute_dtype"),
+        "quantization": quant.get("scheme") if isinstance(quant, dict) else None,
+    }
+
+
 def reuse_mode(manifest: dict[str, Any]) -> str:
     """``any_prefix`` when every layer can be cropped, else ``whole_prefix``."""
     kinds = {layer["kind"] for layer in manifest["layers"]}

@@ -19,6 +19,30 @@ if str(_REPO) not in sys.path:
 from tests.support import hosted, services  # noqa: E402
 from tests.support.hosted import write_synthetic_kv  # noqa: E402
 
+#: httpx's 5 s default is too short for a loaded 2-core CI machine (a first inference loads torch
+#: and a model); the tests' own direct calls get this instead unless they pass a timeout.
+HTTP_TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _patient_httpx():
+    import functools
+
+    import httpx
+
+    with pytest.MonkeyPatch.context() as mp:
+        for verb in ("get", "post", "put", "patch", "delete", "head", "request", "stream"):
+            original = getattr(httpx, verb)
+
+            @functools.wraps(original)
+            def call(*args, _original=original, **kwargs):
+                kwargs.setdefault("timeout", HTTP_TIMEOUT)
+                return _original(*args, **kwargs)
+
+            mp.setattr(httpx, verb, call)
+        yield
+
+
 S3_BUCKET = "kvcdn-test"
 #: Small per-tenant quotas; every test mints its own org, so each starts from zero.
 QUOTA_ENV = {"KVCDN_QUOTA_ARTIFACTS": "3", "KVCDN_QUOTA_STORAGE_BYTES": str(8 << 20)}

@@ -34,20 +34,6 @@ def _id(artifact_id: str) -> str:
     return quote(artifact_id, safe="")
 
 
-def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The declared hints the server checks against the artifact's own manifest at confirm."""
-    model = manifest.get("model") or {}
-    quantization = manifest.get("quantization")
-    return {
-        "model_id": model.get("id"),
-        "architecture": model.get("architecture"),
-        "token_count": manifest.get("token_count"),
-        "layers": len(manifest.get("layers") or []),
-        "dtype": manifest.get("compute_dtype"),
-        "quantization": quantization.get("scheme") if isinstance(quantization, dict) else quantization,
-    }
-
-
 class HostedStorage(StorageBackend):
     """Artifacts on a kvcdn hosted endpoint (``kvcdn serve``)."""
 
@@ -99,7 +85,7 @@ class HostedStorage(StorageBackend):
         client.require_credential("upload")
         grant = client.json("POST", f"{API}/artifacts/upload-url", what="upload", json={
             "name": name, "size_bytes": size, "sha256": digest, "visibility": visibility,
-            "manifest": manifest_summary(manifest)})
+            "manifest": artifact.summary(manifest)})
         artifact_id = grant.get("artifact_id")
         if not artifact_id:
             raise KvcdnError("upload: the server's answer has no artifact_id")

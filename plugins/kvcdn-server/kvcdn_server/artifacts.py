@@ -89,15 +89,8 @@ def check_name(name: str) -> str:
 
 def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     """What listings show, read from the artifact's own manifest."""
-    model = manifest.get("model") or {}
-    quant = manifest.get("quantization")
     return {
-        "model_id": model.get("id"),
-        "architecture": model.get("architecture"),
-        "tokens": int(manifest.get("token_count", 0)),
-        "layers": len(manifest.get("layers") or []),
-        "dtype": manifest.get("compute_dtype"),
-        "quantization": quant.get("scheme") if isinstance(quant, dict) else (quant or None),
+        **kvformat.summary(manifest),
         "format_version": kvformat.FORMAT_VERSION,
         "kvcdn_version": manifest.get("kvcdn_version"),
     }
