@@ -337,6 +337,6 @@ def test_slow_telemetry_receiver_does_not_delay(cli, monkeypatch):
         while slow.count == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert slow.count == 1  # it was sent, and the command did not wait for the answer
-        assert elapsed - baseline < 0.150 + 0.05, (elapsed, baseline)
+        assert elapsed - baseline < 0.150 + 0.1, (elapsed, baseline)  # 150 ms budget + scheduling slack
     finally:
         slow.close()
