@@ -74,4 +74,4 @@ def test_slow_receiver_costs_at_most_150_ms(receiver, config_home):
 def test_dead_receiver_is_silent(config_home):
     started = time.monotonic()
     telemetry.send("http://127.0.0.1:9", "list", 0.1, True)
-    assert time.monotonic() - started < 0.18
+    assert time.monotonic() - started < 0.150 + 0.1  # 150 ms budget + scheduling slack
