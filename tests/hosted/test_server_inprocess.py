@@ -411,9 +411,25 @@ def test_inference_load_locks_stay_bounded():
 
     engine = InferenceEngine(ModelPolicy([]), 1, 5.0, 1, 1 << 20, "cpu")
     try:
-        locks = {id(engine._lock_for(("artifact", "t", str(i), "sha"))) for i in range(5000)}
+        locks = {id(engine._stripe(engine._artifact_locks, ("t", str(i), "sha"))) for i in range(5000)}
         assert len(locks) <= 64
-        assert engine._lock_for(("artifact", "t", "1", "sha")) is engine._lock_for(("artifact", "t", "1", "sha"))
+        key = ("t", "1", "sha")
+        assert engine._stripe(engine._artifact_locks, key) is engine._stripe(engine._artifact_locks, key)
+    finally:
+        engine.shutdown()
+
+
+def test_loading_an_artifact_and_its_model_cannot_deadlock(monkeypatch):
+    """A thread holds its artifact's lock while it loads the model: the two must never be one lock."""
+    import kvcdn_server.inference as inference
+
+    monkeypatch.setattr(inference, "LOAD_LOCK_STRIPES", 1)  # every key on the same stripe
+    engine = inference.InferenceEngine(inference.ModelPolicy([]), 1, 5.0, 1, 1 << 20, "cpu")
+    try:
+        with engine._stripe(engine._artifact_locks, ("t", "1", "sha")):
+            model_lock = engine._stripe(engine._model_locks, ("m", "float32"))
+            assert model_lock.acquire(timeout=2)
+            model_lock.release()
     finally:
         engine.shutdown()
 

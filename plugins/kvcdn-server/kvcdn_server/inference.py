@@ -109,11 +109,16 @@ class InferenceEngine:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvcdn-infer")
         self.models = _Lru(max_models)
         self.artifacts = _Lru(cache_bytes)
-        # Striped: a fixed number of locks however many artifacts pass through (two keys may share one).
-        self._load_locks = [threading.Lock() for _ in range(LOAD_LOCK_STRIPES)]
+        # Striped: a fixed number of locks however many keys pass through (two keys may share one).
+        # Artifacts and models have separate stripes, always taken artifact first, then model: one
+        # shared pool would let a thread holding an artifact stripe wait on itself (or on a thread
+        # waiting for it) when the model key lands on the same stripe.
+        self._artifact_locks = [threading.Lock() for _ in range(LOAD_LOCK_STRIPES)]
+        self._model_locks = [threading.Lock() for _ in range(LOAD_LOCK_STRIPES)]
 
-    def _lock_for(self, key) -> threading.Lock:
-        return self._load_locks[hash(key) % LOAD_LOCK_STRIPES]
+    @staticmethod
+    def _stripe(locks: list, key) -> threading.Lock:
+        return locks[hash(key) % len(locks)]
 
     def run(self, artifact_key: tuple, fetch_path, question: str, n: int) -> InferResult:
         """Answer one request; ``fetch_path()`` gives a local path of the artifact when not resident."""
@@ -134,7 +139,7 @@ class InferenceEngine:
         from kvcdn_core import runtime
 
         key = (model_ref, dtype)
-        with self._lock_for(("model",) + key):
+        with self._stripe(self._model_locks, key):
             session = self.models.get(key)
             if session is None:
                 session = runtime.load_session(model_ref, None, self.device, dtype)
@@ -145,7 +150,7 @@ class InferenceEngine:
         """``(session, cache, context ids)`` of an artifact, loading model and cache when needed."""
         from kvcdn_core import artifact, runtime
 
-        with self._lock_for(("artifact",) + artifact_key):
+        with self._stripe(self._artifact_locks, artifact_key):
             entry = self.artifacts.get(artifact_key)
             if entry is None:
                 with fetch_path() as path:
