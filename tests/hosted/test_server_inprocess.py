@@ -445,16 +445,17 @@ def test_two_replicas_racing_for_the_last_slot_never_both_get_it(make_app):
     app, _client, _key = make_app(KVCDN_QUOTA_ARTIFACTS=1)
     first = app.state.store
     replicas = [first, ArtifactStore(first.storage, first.config)]
-    both_written = threading.Barrier(2, timeout=10)
+    both_checked = threading.Barrier(2, timeout=30)
 
     def reserve(store):
         real_save = store.save_pending
 
-        def save_then_wait(tenant, record):
+        def wait_then_save(tenant, record):
+            # Both replicas passed the first quota check before either record exists: the race.
+            both_checked.wait()
             real_save(tenant, record)
-            both_written.wait()  # each checked the quota before the other's record existed
 
-        store.save_pending = save_then_wait
+        store.save_pending = wait_then_save
         try:
             store.begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
             return 200
