@@ -115,6 +115,16 @@ class ModelAdapter:
             self.import_layer(entry, named, layer)
         return cache
 
+    def streams_layers(self, layers: list[dict]) -> bool:
+        """Whether a cache of these manifest layers may be loaded layer by layer while the model
+        runs (:mod:`kvcdn_core.layer_stream`): each layer imported alone by :meth:`import_layer`
+        into ``cache.layers[i]``, touching nothing shared. True for attention layers when the
+        adapter keeps the base cache layout; a family that overrides the import says so itself."""
+        cls = type(self)
+        return (cls.import_cache is ModelAdapter.import_cache and cls.cache_layers is ModelAdapter.cache_layers
+                and cls.new_cache is ModelAdapter.new_cache
+                and all(entry["kind"] in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers))
+
     def cache_layers(self, cache) -> list:
         return list(cache.layers)
 
