@@ -128,10 +128,10 @@ class GatedLayers(list):
         return list.__getitem__(self, slice(None))
 
 
-#: Cache properties that only look at the layers' types (set before any load), never their contents.
+#: Cache properties that only look at the layers' types (fixed when the cache is made), never their contents.
 #: The model asks them before its first layer (to build the attention masks); answering them
 #: without the gate is what lets layer 0 start before the last layer is read.
-_TYPE_ONLY_PROPERTIES = ("is_sliding", "is_linear", "is_dummy")
+_TYPE_ONLY_PROPERTIES = ("is_sliding", "is_linear", "is_dummy", "is_compileable", "is_croppable")
 _STREAMING_CLASSES: dict[type, type] = {}
 
 
