@@ -178,3 +178,13 @@ def test_adapters_that_reshape_the_cache_load_whole(case):
             return ModelAdapter.import_cache(self, model, layers, tensors, device)
 
     assert not Reshaping().streams_layers(layers)
+
+
+def test_continue_streams_and_refuses_a_corrupted_layer_in_one_line(cli, qwen3_dir, qwen3_artifact, tmp_path):
+    good = cli("continue", "--kv-path", qwen3_artifact, "--model", qwen3_dir, "--n", "4", "--format", "json")
+    assert good.exit_code == 0, good.stderr
+    bad, last = _corrupt_last_layer(qwen3_artifact, tmp_path)
+    result = cli("continue", "--kv-path", bad, "--model", qwen3_dir, "--n", "4")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and f"sha256 mismatch in layer {last} " in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
