@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
@@ -28,8 +29,10 @@ from kvcdn_core.errors import ArtifactError
 
 #: Alignment of direct reads (offsets, lengths and the buffer).
 BLOCK = 4096
-#: Bytes per read call: hashing starts on a tensor as soon as its bytes are in.
-READ_CHUNK = 16 << 20
+#: Bytes per read call; READERS calls run at once, so that a direct read keeps several requests in
+#: flight (one at a time leaves the disk idle between them).
+READ_PIECE = 4 << 20
+READERS = 4
 #: A file with at least this fraction of its pages resident is read through the page cache.
 WARM_FRACTION = 0.5
 
@@ -55,6 +58,8 @@ class TensorReader:
         self.view = memoryview(self.buffer)
         self._have = bytearray(len(self.buffer) // BLOCK)
         self.direct = _want_direct(self.path) if direct is None else direct
+        self._lock = threading.Lock()
+        self._readers: ThreadPoolExecutor | None = None
         self._fd = self._open()
 
     def _open(self) -> int:
@@ -68,6 +73,9 @@ class TensorReader:
             raise ArtifactError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -98,46 +106,68 @@ class TensorReader:
             first += 1
         while last > first and self._have[last - 1]:
             last -= 1
-        if first == last:
-            return
-        offset, stop = first * BLOCK, last * BLOCK
-        while offset < stop:
-            n = self._pread(offset, stop)
-            if n <= 0:
-                if offset >= end:
-                    break  # the last block is partial: the file ends inside it
-                raise ArtifactError(f"{self.path}: truncated while reading tensor data")
-            offset += n
-        self._have[first:last] = b"\x01" * (last - first)
-
-    def _pread(self, offset: int, stop: int) -> int:
-        target = self.view[offset:stop]
-        try:
-            return os.preadv(self._fd, [target], offset)
-        except OSError as exc:
-            if not self.direct:
-                raise ArtifactError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
-            # A file system that opens with O_DIRECT but refuses the read: read through the cache.
-            self.close()
-            self.direct = False
-            self._fd = self._open()
-            return os.preadv(self._fd, [target], offset)
+        if first < last:
+            for _ in self._pieces(first * BLOCK, last * BLOCK):
+                pass
 
     def fetch_all(self, names: Iterable[str], on_tensor=None) -> None:
-        """Read the data region front to back in large chunks; call ``on_tensor(name)`` for each of
-        ``names`` as soon as its bytes are complete."""
+        """Read the data region front to back; call ``on_tensor(name)`` for each of ``names`` as
+        soon as its bytes (and all before them) are in."""
         order = sorted((self.span(name), name) for name in names)
-        done, end, queued = self.header.data_start, self.header.file_size, 0
-        while True:
+        queued = 0
+
+        def emit(done: int) -> None:
+            nonlocal queued
             while queued < len(order) and order[queued][0][1] <= done:
                 if on_tensor is not None:
                     on_tensor(order[queued][1])
                 queued += 1
-            if done >= end:
-                return
-            stop = min(done + READ_CHUNK, end)
-            self.fetch(done, stop)
-            done = stop
+
+        emit(self.header.data_start)
+        start = self.header.data_start // BLOCK * BLOCK
+        for done in self._pieces(start, _round_up(self.header.file_size, BLOCK)):
+            emit(done)
+
+    def _pieces(self, offset: int, stop: int):
+        """Read ``[offset, stop)`` (block-aligned) as pieces in parallel (a queue depth above one is
+        what a direct read needs to keep a disk busy); yield each piece's end, in file order."""
+        bounds = [(a, min(a + READ_PIECE, stop)) for a in range(offset, stop, READ_PIECE)]
+        if len(bounds) == 1:
+            results = iter([self._read_piece(*bounds[0])])
+        else:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvcdn-read")
+            results = self._readers.map(lambda bound: self._read_piece(*bound), bounds)
+        for end in results:
+            yield min(end, self.header.file_size)
+
+    def _read_piece(self, offset: int, stop: int) -> int:
+        begin = offset
+        while offset < stop:
+            n = self._pread(offset, stop)
+            if n <= 0:
+                if offset >= self.header.file_size:
+                    break  # the last block is partial: the file ends inside it
+                raise ArtifactError(f"{self.path}: truncated while reading tensor data")
+            offset += n
+        self._have[begin // BLOCK:stop // BLOCK] = b"\x01" * (stop // BLOCK - begin // BLOCK)
+        return stop
+
+    def _pread(self, offset: int, stop: int) -> int:
+        target = self.view[offset:stop]
+        fd = self._fd
+        try:
+            return os.preadv(fd, [target], offset)
+        except OSError as exc:
+            if not self.direct:
+                raise ArtifactError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+        # A file system that opens with O_DIRECT but refuses the read: read through the cache.
+        with self._lock:
+            if self.direct:
+                self.direct = False
+                self._fd = self._open()
+                os.close(fd)
+        return os.preadv(self._fd, [target], offset)
 
     # -- checking --------------------------------------------------------------------------------
 
