@@ -18,7 +18,6 @@ import dataclasses
 import io
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -264,9 +263,6 @@ def _sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
-
-
-Stat = tuple  # (min, median, max) of the timed runs
 
 
 def _stat(times: list[float]) -> tuple[float, float, float]:
