@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 from kvcdn_core import artifact as fmt
 
@@ -144,8 +146,21 @@ def test_unreachable_hub_is_explained(cli, context_file, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = cli("generate", "--model", "no-such-org/no-such-model", "--context-file", context_file)
     assert result.exit_code == 2
-    assert "cannot get model 'no-such-org/no-such-model'" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "model 'no-such-org/no-such-model' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" \
+        in result.stderr
     assert "local model directory" in result.stderr
+
+
+def test_unreachable_hub_says_offline_not_a_library_error(context_file, tmp_path):
+    """Online mode with no route to the hub (a laptop on a plane); a subprocess: the hub's URL is read at import."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))  # nothing listens on port 9
+    result = subprocess.run([sys.executable, "-m", "kvcdn_core", "generate", "--model", "no-such-org/no-such-model",
+                             "--context-file", str(context_file)], capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "the Hugging Face hub is unreachable (offline?)" in result.stderr
+    assert "ConnectError" not in result.stderr and "Errno" not in result.stderr
 
 
 def test_other_weights_with_the_same_config_are_refused(cli, qwen3_artifact, tmp_path):
