@@ -157,7 +157,21 @@ def n_star_text(cost: Cost, max_n: int) -> str:
 
 
 def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
-    """The 840x600 log-log chart as PNG bytes.
+    """The 840x600 log-log chart as PNG bytes."""
+    from matplotlib import rc_context
+
+    with rc_context(STYLE):
+        fig = render_figure(costs, max_n, title)
+        out = io.BytesIO()
+        fig.savefig(out, format="png", dpi=DPI)
+    return out.getvalue()
+
+
+STYLE = {"font.family": "DejaVu Sans", "font.size": 10}
+
+
+def render_figure(costs: list[Cost], max_n: int, title: str):
+    """The chart as a matplotlib Figure (Agg canvas).
 
     Nothing is written inside the axes but curves and N* markers: the N* values (also "never")
     are in the legend, which sits below the axes, so no label can cover a curve or another label.
@@ -172,7 +186,7 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
     lengths = sorted({c.tokens for c in costs})
     schemes = sorted({c.scheme for c in costs}, key=lambda s: (s != "none", s))
     styles = ["-", "-.", ":", (0, (5, 1, 1, 1)), (0, (1, 1))]
-    with rc_context({"font.family": "DejaVu Sans", "font.size": 10}):
+    with rc_context(STYLE):
         fig = Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
@@ -203,7 +217,8 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlim(1, max_n)
-        ax.set_ylim(min(c.c_load for c in costs) / 1.5, max(c.c_prefill for c in costs) * 1.5)
+        # Room for every flat line, and for a cached curve that never breaks even (load >= prefill).
+        ax.set_ylim(min(c.c_load for c in costs) / 1.5, max(max(c.c_prefill, c.c_load) for c in costs) * 1.5)
         ax.set_xlabel("reuse count N (calls that share one cached context)")
         ax.set_ylabel("amortized cost per call (seconds)")
         ax.set_title(title, fontsize=11)
@@ -213,9 +228,7 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
         fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, framealpha=0.9,
                    bbox_to_anchor=(0.5, 0.005))
         fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.1 + legend_height)
-        out = io.BytesIO()
-        fig.savefig(out, format="png", dpi=DPI)
-    return out.getvalue()
+    return fig
 
 
 def write_png(data: bytes, path: Path) -> Path:

@@ -69,7 +69,8 @@ def script_for(path: Path, blocks: list[Block]) -> str:
         if block.skip_reason is None:
             parts.append(f"echo \"### docs-test: {path.name}:{block.line} at $(date +%s.%N)\" >&2")
             parts.append(block.text)
-    # Whatever a block started, it must also stop.
+    # Whatever a block started, it must also stop (a few seconds' grace for a graceful shutdown).
+    parts.append('for _ in $(seq 50); do [ -z "$(jobs -pr)" ] && break; sleep 0.2; done')
     parts.append('left=$(jobs -pr); if [ -n "$left" ]; then '
                  'echo "### docs-test: still running at the end: pids $left" >&2; kill $left; exit 97; fi')
     return "\n".join(parts) + "\n"

@@ -37,7 +37,7 @@ def command(csv_path, model, out, max_n, force, fmt):
     check_new_output(path, force, "--out")
     plot.write_png(plot.render_png(costs, max_n, title), path)
     if fmt == "json":
-        emit_json({"csv": str(source), "png": str(path), "max_n": max_n,
+        emit_json({"csv": str(source), "png": str(path), "title": title, "max_n": max_n,
                    "rows": [c.as_dict(max_n) for c in costs]})
     else:
         click.echo(plot.table(costs, max_n))

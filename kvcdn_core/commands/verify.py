@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -39,9 +40,14 @@ def prepare(command_name, model, revision, device, dtype, quiet, kv_path, contex
 
 
 def announce(quiet: bool, text: str) -> None:
-    """What a slow step is doing, on stderr (a model load and two decodes take a while)."""
-    if not quiet:
+    """What a slow step is doing (a model load and two decodes take a while), on a terminal only,
+    like the progress bars: a script's stderr keeps errors as its only lines."""
+    if not quiet and on_terminal():
         click.echo(text, err=True)
+
+
+def on_terminal() -> bool:
+    return sys.stderr.isatty()
 
 
 def check_options(f):

@@ -55,6 +55,7 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
 
     config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
                          device)
+    check_local_models(config.models)
     app = create_app(config)
     sock = bind_socket(host, port)  # before any output: a busy port is the only line
     shown = f"[{host}]" if ":" in host else host
@@ -74,6 +75,18 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, proxy_headers=True,
                                            server_header=False))
     server.run(sockets=[sock])
+
+
+def check_local_models(models: list[str]) -> None:
+    """A local model path that is not there is a typo: say so now, not at the first inference."""
+    from pathlib import Path
+
+    from kvcdn_core.errors import KvcdnError
+
+    for model in models:
+        if model.startswith((".", "/", "~")) and not (Path(model).expanduser() / "config.json").is_file():
+            what = "has no config.json" if Path(model).expanduser().is_dir() else "does not exist"
+            raise KvcdnError(f"--models: model directory '{model}' {what}")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
