@@ -26,6 +26,6 @@ if ! .venv/bin/python -c "from huggingface_hub import snapshot_download as s; s(
   .venv/bin/python -m kvcdn_core.tiny Qwen3ForCausalLM "$model" >/dev/null
 fi
 say "step 3/4: generate a .kv artifact of $context (downloads the model the first time)"
-.venv/bin/kvcdn generate --model "$model" --context-file "$context" --output "$work/context.kv"
+.venv/bin/kvcdn generate --model "$model" --context-file "$context" --output "$work/context.kv" --force
 say "step 4/4: verify: the artifact's continuation against a full prefill"
 .venv/bin/kvcdn verify --kv-path "$work/context.kv" --n 32
