@@ -70,3 +70,15 @@ def test_download_from_a_store(cli, qwen3_artifact, tmp_path, occupied, monkeypa
     refused(cli("download", "local1", "--from", store), target, before)
     assert cli("download", "local1", "--from", store, "--force").exit_code == 0
     assert target.read_bytes() == qwen3_artifact.read_bytes()
+
+
+def test_upload_to_a_store(cli, qwen3_artifact, tmp_path):
+    store = tmp_path / "store"
+    assert cli("upload", qwen3_artifact, "--to", store, "--name", "doc").exit_code == 0
+    (store / "doc.kv").write_bytes(b"precious")
+    again = cli("upload", qwen3_artifact, "--to", store, "--name", "doc")
+    assert again.exit_code == 2 and again.stderr.count("\n") == 1
+    assert f"'doc.kv' exists in {store}; pass --force to replace it" in again.stderr
+    assert (store / "doc.kv").read_bytes() == b"precious"
+    assert cli("upload", qwen3_artifact, "--to", store, "--name", "doc", "--force").exit_code == 0
+    assert (store / "doc.kv").read_bytes() == qwen3_artifact.read_bytes()

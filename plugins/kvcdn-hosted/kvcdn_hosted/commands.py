@@ -263,11 +263,12 @@ def api_key_clear():
 @click.option("--visibility", type=click.Choice(["private", "public"]), default="private", show_default=True)
 @click.option("--to", "to_uri", default=None, metavar="URI",
               help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].")
+@click.option("--force", is_flag=True, help="Replace an object of the same name in a --to store.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @endpoint_options
 @quiet_option
 @hosted_command("upload")
-def upload(artifact_path, name, visibility, to_uri, fmt, api_url, api_key, quiet):
+def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key, quiet):
     """Upload a .kv artifact and print its id."""
     source, _manifest = _check_upload_source(artifact_path)
     settings = settings_from(locals())
@@ -279,6 +280,8 @@ def upload(artifact_path, name, visibility, to_uri, fmt, api_url, api_key, quiet
         from kvcdn_hosted.transfer import sha256_file
 
         key = _store_key(name)
+        if not force and backend.exists(key):
+            raise KvcdnError(f"'{key}' exists in {to_uri}; pass --force to replace it or --name to choose another")
         backend.put_file(key, source)
         record = {"artifact_id": key, "name": name, "size_bytes": source.stat().st_size,
                   "sha256": sha256_file(source), "storage": to_uri}
