@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install kvcdn core and every plugin under plugins/ in editable mode, with the test tools.
-# Usage: scripts/dev-install.sh            (into the active Python environment, or $PYTHON's)
+# Usage: scripts/dev-install.sh              (into the active Python environment, or $PYTHON's)
+#        scripts/dev-install.sh --venv DIR    (into the virtual environment DIR, created if missing)
 # Skips the install when the environment already holds one made from the same pyproject files, torch
 # pin and Python (a stamp file in the environment records them); KVCDN_REINSTALL=1 forces it.
 set -euo pipefail
@@ -8,6 +9,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 torch_pin="torch==${KVCDN_TORCH_VERSION:-2.13.0}"
 say() { echo "dev-install: $*" >&2; }
+if [ "${1:-}" = "--venv" ]; then
+  if [ -x "$2/bin/python" ]; then
+    say "using the virtual environment $2"
+  else
+    say "creating the virtual environment $2"
+    python3 -m venv "$2"
+  fi
+  PY=$2/bin/python
+fi
 
 prefix=$("$PY" -c 'import sys; print(sys.prefix)')
 stamp="$prefix/.kvcdn-dev-install"

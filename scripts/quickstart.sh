@@ -7,13 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "quickstart: $*" >&2; }
-if [ -x .venv/bin/python ]; then
-  say "step 1/4: install into the existing .venv"
-else
-  say "step 1/4: create .venv and install into it"
-  python3 -m venv .venv
-fi
-PYTHON=.venv/bin/python scripts/dev-install.sh
+say "step 1/4: install kvcdn into .venv"
+scripts/dev-install.sh --venv .venv
 work=${KVCDN_QUICKSTART_DIR:-$(mktemp -d)}
 mkdir -p "$work"
 context="$work/context.txt"

@@ -8,13 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "test.sh: $*" >&2; }
-if [ -x .venv/bin/python ]; then
-  say "using the virtual environment .venv"
-else
-  say "creating the virtual environment .venv"
-  python3 -m venv .venv
-fi
-PYTHON=.venv/bin/python scripts/dev-install.sh
+scripts/dev-install.sh --venv .venv
 # The hosted tests run a real OIDC issuer (the npm package oidc-provider).
 issuer=tests/support/oidc_issuer
 if [ -f "$issuer/package-lock.json" ]; then

@@ -133,7 +133,7 @@ def test_block_extraction_and_skip_marker(tmp_path):
                    "```\n```text\nnot run\n```\n```bash\necho three\n```\n", encoding="utf-8")
     blocks = bash_blocks(doc)
     assert [(b.line, b.text, b.skip_reason) for b in blocks] == [
-        (2, "echo one\n", None), (6, "echo two\n", "needs a GPU"), (13, "echo three\n", None)]
+        (2, "echo one\n", None), (6, "echo two\n", "needs a GPU"), (12, "echo three\n", None)]
     script = script_for(doc, blocks)
     assert "echo one" in script and "echo three" in script and "echo two" not in script
 
