@@ -17,6 +17,8 @@ from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.tiny import SAMPLE_TEXT
 from kvcdn_model_qwen import QwenAdapter
 
+pytestmark = pytest.mark.slow  # trains a tiny model per test (teach_tiny_model)
+
 
 PARAGRAPHS = SAMPLE_TEXT.split("\n\n")
 MEMO_CONTEXT = "\n\n".join(PARAGRAPHS[:3]) + "\n\n"
