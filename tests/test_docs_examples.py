@@ -94,6 +94,8 @@ def documented_files() -> list[Path]:
 @pytest.mark.parametrize("doc", documented_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_examples_run_as_pasted(doc, tmp_path, capsys):
     blocks = bash_blocks(doc)
+    recursive = [b.line for b in blocks if b.skip_reason is None and "scripts/test.sh" in b.text]
+    assert not recursive, f"{doc.name}: blocks at lines {recursive} run the test suite itself: mark them skipped"
     with capsys.disabled():
         for block in blocks:
             if block.skip_reason is not None:
