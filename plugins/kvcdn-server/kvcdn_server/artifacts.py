@@ -52,6 +52,8 @@ HINTS = ("model_id", "architecture", "tokens", "layers", "dtype", "quantization"
 LIVE = ("pending", "uploading", "uploaded", "confirming", "ready")
 #: states an upload can be PUT or confirmed from
 OPEN = ("pending", "uploaded")
+#: how long rows of failed/expired uploads stay, so that a client's retry learns what happened
+KEEP_DEAD_ROWS = 86400
 #: temp files of PUTs in progress: ``.put-<id>-<random>``
 TEMP_PREFIX = ".put-"
 
@@ -475,7 +477,7 @@ class ArtifactStore:
         - PUTs and confirms whose lease ran out (their server died) → ``failed``, the same;
         - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, and PUT temp
           files, older than the orphan grace period;
-        - rows of failed/expired uploads older than the grace period.
+        - rows of failed/expired uploads after a day (until then a retry learns what happened).
         """
         now = time.time()
         counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "rows": 0}
@@ -501,7 +503,7 @@ class ArtifactStore:
         counts["temp_files"] = self._sweep_temp(now - grace)
         with self.db.begin() as c:
             counts["rows"] = c.execute(artifacts.delete().where(artifacts.c.status.in_(("failed", "expired")),
-                                                                artifacts.c.updated_at < now - grace)).rowcount
+                                                                artifacts.c.updated_at < now - KEEP_DEAD_ROWS)).rowcount
         return counts
 
     def _end_dead(self, artifact_id: str, status: str, now: float) -> int:
