@@ -24,10 +24,10 @@ def test_replicas_share_one_bucket(s3_replicas, moto_s3, new_org, qwen3_artifact
     slug = new_org("s3")
     key = mint_key(a.url, admin, slug)
     art = upload(a.url, key, qwen3_artifact)
-    # The upload went straight to S3 through a presigned URL, under the configured prefix.
-    keys = bucket_keys(moto_s3)
-    assert any(k.endswith(f"{art['artifact_id']}.kv") and k.startswith("replicated/t/") for k in keys)
-    # Replica b knows the org (registered by a, through the bucket) and serves the artifact.
+    # The upload went straight to S3 through a presigned URL, under the configured prefix, and the
+    # key names only the artifact's random id.
+    assert f"replicated/artifacts/{art['artifact_id']}" in bucket_keys(moto_s3)
+    # Replica b knows the org (registered by a, in the shared database) and serves the artifact.
     listing = httpx.get(f"{b.url}{API}/artifacts", headers=bearer(key)).json()
     assert [x["artifact_id"] for x in listing["artifacts"]] == [art["artifact_id"]]
     d = httpx.post(f"{b.url}{API}/artifacts/{art['artifact_id']}/download-url", headers=bearer(key)).json()

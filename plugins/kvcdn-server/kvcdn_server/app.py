@@ -90,8 +90,8 @@ class UploadUrlRequest(Strict):
     def resolved(self) -> tuple[str, str, dict[str, Any]]:
         """(name, sha256, declared manifest hints); several spellings of one fact must agree."""
         meta = self.metadata or SeedMetadata()
-        name = self.name or self.model_name or meta.name
-        if not name:
+        name = next((n for n in (self.name, self.model_name, meta.name) if n is not None), None)
+        if name is None:
             raise validation("name: a name (or model_name) is required")
         digests = {d.lower() for d in (self.sha256, self.checksum, meta.sha256) if d}
         if not digests:
