@@ -63,6 +63,10 @@ def serve(host, port, storage, database, models, public_url, issuer_url, client_
                          device, database)
     sock = bind_socket(host, port)  # before any output: a busy port is the only line
     shown = f"[{host}]" if ":" in host else host
+    if not config.public_url and host in ("0.0.0.0", "::"):
+        shown = "127.0.0.1"  # "all interfaces" is no address a client can use
+        click.echo("warning: signed URLs will name 127.0.0.1; set --public-url to the address clients use",
+                   err=True)
     config.public_url = config.public_url or f"http://{shown}:{sock.getsockname()[1]}"
     app = create_app(config)
     base = config.public_url
