@@ -113,12 +113,13 @@ def test_many_threads_many_uploads_lose_nothing(database_url, tmp_path):
         (100, sum(p.stat().st_size for k, p in done.values() if k == key)) for key in keys)
 
 
-def _slow_body(total: int, started: threading.Event):
-    yield b"\0" * 65536
-    started.set()
-    for _ in range((total - 65536) // 65536):
+def _slow_body(total: int, started: threading.Event, data: bytes | None = None, chunk: int = 65536):
+    """``total`` bytes (of ``data``, else zeros) in chunks 50 ms apart; ``started`` after the first."""
+    data = data if data is not None else bytes(total)
+    for offset in range(0, total, chunk):
+        yield data[offset:offset + chunk]
+        started.set()
         time.sleep(0.05)
-        yield b"\0" * 65536
 
 
 def test_killed_mid_put_and_mid_confirm_loses_nothing_and_reclaims_the_rest(database_url, tmp_path):
@@ -209,3 +210,49 @@ def test_two_replicas_on_one_postgresql_and_one_bucket_race_for_the_last_unit(s3
     assert sorted(answers) == [200] + [403] * 11
     usage = httpx.get(f"{a.url}{API}/quota", headers=bearer(key)).json()["usage"]
     assert (usage["artifacts"], usage["pending_artifacts"]) == (2, 1)
+
+
+def test_parallel_puts_on_one_signed_url_one_writes_the_disk_stays_within_the_quota(tmp_path):
+    """12 PUTs at once on one upload URL: one streams, the others get 409 at once; at no moment does
+    the disk hold more than the one reserved size."""
+    home = tmp_path / "home"
+    artifact = write_synthetic_kv(tmp_path / "one.kv", tokens=256, width=64)
+    size = artifact.stat().st_size
+    with serve(home, f"sqlite:///{tmp_path / 'state.db'}", {"KVCDN_QUOTA_STORAGE_BYTES": str(size)}) as server:
+        key = mint_key(server.url, server.admin_secret(), "acme")
+        plan = request_upload(server.url, key, artifact).json()
+        uploads = home / "kvcdn" / "server" / "objects" / "uploads"
+        barrier = threading.Barrier(12)
+        answers: list[int] = []
+        most = [0]
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                held = sum(p.stat().st_size for p in uploads.glob("*") if p.exists()) if uploads.is_dir() else 0
+                most[0] = max(most[0], held)
+                time.sleep(0.005)
+
+        def put():
+            started = threading.Event()
+            barrier.wait()
+            try:
+                answers.append(httpx.put(plan["url"], content=_slow_body(size, started, artifact.read_bytes()),
+                                         headers={"Content-Length": str(size)}).status_code)
+            except httpx.HTTPError:
+                answers.append(0)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=put) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        watcher.join()
+        assert sorted(answers) == [200] + [409] * 11, answers
+        assert 0 < most[0] <= size
+        done = confirm(server.url, key, plan["artifact_id"])
+        assert done.status_code == 200, done.text
+        assert download(server.url, key, plan["artifact_id"]) == artifact.read_bytes()

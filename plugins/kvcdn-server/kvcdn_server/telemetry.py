@@ -1,4 +1,5 @@
-"""Telemetry intake: schema-checked events, forwarded in the background or logged as JSON lines."""
+"""Telemetry intake: events (schema in ``kvcdn_hosted.wire_schema``) forwarded in the background or
+logged as JSON lines, rate-limited per client address."""
 
 from __future__ import annotations
 
@@ -8,35 +9,15 @@ import queue
 import sys
 import threading
 import time
-from typing import Annotated, Union
 
 import sqlalchemy as sa
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from kvcdn_server.db import telemetry_limits
 
-MAX_BODY = 8 * 1024
 #: events accepted per second from one client address, with bursts up to RATE_BURST; the rest get 429
 RATE_PER_S = 20.0
 RATE_BURST = 100
 log = logging.getLogger("kvcdn.telemetry")
-
-PropKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-PropValue = Union[bool, int, float, Annotated[str, StringConstraints(max_length=256)]]
-
-
-class TelemetryEvent(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    event: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]
-    kvcdn_version: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    command: Annotated[str, StringConstraints(max_length=64)] | None = None
-    ok: bool | None = None
-    duration_ms: Annotated[float, Field(ge=0)] | None = None
-    os: Annotated[str, StringConstraints(max_length=32)] | None = None
-    python: Annotated[str, StringConstraints(max_length=16)] | None = None
-    install_id: Annotated[str, StringConstraints(max_length=64)] | None = None
-    props: Annotated[dict[PropKey, PropValue], Field(max_length=20)] | None = None
 
 
 class RateLimit:
