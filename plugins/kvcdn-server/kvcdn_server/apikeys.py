@@ -17,7 +17,7 @@ import time
 
 import sqlalchemy as sa
 
-from kvcdn_server.db import orgs
+from kvcdn_server.db import orgs, readers
 
 SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KEY = re.compile(r"^kv_[0-9a-f]{64}$")
@@ -61,7 +61,7 @@ class OrgRegistry:
         self._keys: dict[str, tuple[int, bytes]] = {}
 
     def _stored(self) -> dict[str, int]:
-        with self.db.connect() as c:
+        with readers(self.db).connect() as c:
             return {slug: int(gen) for slug, gen in c.execute(sa.select(orgs.c.slug, orgs.c.generation))}
 
     def generations(self, force: bool = False) -> dict[str, int]:

@@ -42,7 +42,7 @@ from kvcdn_core import artifact as kvformat
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.storage import LocalStorage
 
-from kvcdn_server.db import artifacts, usage
+from kvcdn_server.db import artifacts, readers, usage
 from kvcdn_server.errors import ApiError, not_found
 
 log = logging.getLogger("kvcdn.server.store")
@@ -133,6 +133,7 @@ def view(row, owner: bool = True) -> dict[str, Any]:
 class ArtifactStore:
     def __init__(self, engine: sa.Engine, storage, config):
         self.db = engine
+        self.reads = readers(engine)
         self.storage = storage
         self.config = config
         self.local = isinstance(storage, LocalStorage)
@@ -141,7 +142,7 @@ class ArtifactStore:
     # -- lookups ---------------------------------------------------------------------------
 
     def row(self, artifact_id: str):
-        with self.db.connect() as c:
+        with self.reads.connect() as c:
             return c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first()
 
     def readable(self, tenant: str | None, artifact_id: str):
@@ -165,7 +166,7 @@ class ArtifactStore:
                  .order_by(artifacts.c.id).limit(limit + 1))
         if cursor is not None:
             query = query.where(artifacts.c.id > cursor)
-        with self.db.connect() as c:
+        with self.reads.connect() as c:
             rows = c.execute(query).all()
         page = [view(r) for r in rows[:limit]]
         return page, (rows[limit - 1].id if len(rows) > limit else None)
@@ -181,7 +182,7 @@ class ArtifactStore:
         query = (sa.select(artifacts.c.status, sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size_bytes), 0))
                  .where(artifacts.c.tenant == tenant, artifacts.c.status.in_(LIVE)).group_by(artifacts.c.status))
         out = {"artifacts": 0, "storage_bytes": 0, "pending_artifacts": 0, "pending_bytes": 0}
-        with self.db.connect() as c:
+        with self.reads.connect() as c:
             for status, count, size in c.execute(query):
                 prefix = "" if status == "ready" else "pending_"
                 out[f"{prefix}artifacts"] += int(count)
@@ -190,7 +191,7 @@ class ArtifactStore:
 
     def reserved(self, tenant: str) -> tuple[int, int]:
         """The tenant's reservation counter (artifacts, bytes): what upload-url checks the quota against."""
-        with self.db.connect() as c:
+        with self.reads.connect() as c:
             row = c.execute(sa.select(usage.c.artifacts, usage.c.bytes).where(usage.c.tenant == tenant)).first()
         return (int(row[0]), int(row[1])) if row else (0, 0)
 
@@ -481,7 +482,7 @@ class ArtifactStore:
         """
         now = time.time()
         counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "rows": 0}
-        with self.db.connect() as c:
+        with self.reads.connect() as c:
             due = c.execute(sa.select(artifacts.c.id, artifacts.c.status).where(sa.or_(
                 sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now),
                 sa.and_(artifacts.c.status.in_(("uploading", "confirming")), artifacts.c.lease_until < now)))).all()
@@ -523,7 +524,7 @@ class ArtifactStore:
 
     def _alive(self, ids: list[str], states: tuple[str, ...]) -> set[str]:
         alive: set[str] = set()
-        with self.db.connect() as c:
+        with self.reads.connect() as c:
             for start in range(0, len(ids), 500):
                 chunk = ids[start:start + 500]
                 alive.update(c.execute(sa.select(artifacts.c.id).where(artifacts.c.id.in_(chunk),

@@ -95,7 +95,8 @@ def open_database(url: str) -> sa.Engine:
 
 
 def _serialise_sqlite_writers(engine: sa.Engine) -> None:
-    """SQLite: WAL, and every transaction begins IMMEDIATE (writers queue instead of failing with BUSY)."""
+    """SQLite: WAL, and every transaction that may write begins IMMEDIATE (writers queue instead of
+    failing with BUSY)."""
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_connection, _record):
@@ -108,7 +109,15 @@ def _serialise_sqlite_writers(engine: sa.Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(connection):
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # A transaction that may write takes the write lock up front: a deferred one that reads and
+        # then writes could not upgrade its lock under contention. Reads (see readers()) do not wait.
+        reads = connection.get_execution_options().get("kvcdn_read_only")
+        connection.exec_driver_sql("BEGIN" if reads else "BEGIN IMMEDIATE")
+
+
+def readers(engine: sa.Engine) -> sa.Engine:
+    """The same engine for read-only transactions (on SQLite they do not queue behind writers)."""
+    return engine.execution_options(kvcdn_read_only=True)
 
 
 def migrate(engine: sa.Engine) -> None:
