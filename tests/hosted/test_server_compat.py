@@ -57,7 +57,7 @@ def test_the_original_client_round_trip(local_server, new_org, small_kv):
     assert entry["artifact_id"] == artifact_id and entry["name"] == "ctx"
     assert (entry["size_bytes"], entry["sha256"], entry["num_tokens"], entry["num_layers"], entry["quantized"],
             entry["dtype"], entry["visibility"]) == (len(data), sha256_of(small_kv), 8, 2, False, "float32", "private")
-    assert "id" not in entry and "created_at" in entry
+    assert "id" not in entry and "model_name" not in entry and "created_at" in entry
     # download: empty POST, then GET the URL
     r = httpx.post(f"{base}{API}/artifacts/{artifact_id}/download-url", headers=bearer(key))
     assert r.json()["artifact_id"] == artifact_id

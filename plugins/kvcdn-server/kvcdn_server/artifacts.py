@@ -114,7 +114,9 @@ def view(row, owner: bool = True) -> dict[str, Any]:
     """The fields callers see; ``owner=False`` (someone else's public artifact) hides the owner.
 
     Besides its own fields each entry carries the fields the original kvcdn client lists
-    (``model_name``, ``dtype``, ``num_tokens``, ...), read from the artifact's manifest.
+    (``dtype``, ``num_tokens``, ...), read from the artifact's manifest; never ``id`` or
+    ``model_name``, which that client takes as aliases of ``artifact_id`` and ``name`` and refuses
+    when both are present.
     """
     manifest = json.loads(row.manifest) if row.manifest else None
     out = {"artifact_id": row.id, "name": row.name, "visibility": row.visibility,
@@ -124,7 +126,7 @@ def view(row, owner: bool = True) -> dict[str, Any]:
     if owner:
         out["customer_id"] = row.tenant
     m = manifest or {}
-    out.update(model_name=m.get("model_id"), dtype=m.get("dtype"), storage_dtype=m.get("dtype"),
+    out.update(dtype=m.get("dtype"), storage_dtype=m.get("dtype"),
                num_tokens=m.get("tokens"), num_layers=m.get("layers"),
                quantized=bool(m.get("quantization")))
     return out
