@@ -182,6 +182,8 @@ def test_telemetry_is_forwarded_with_the_secret(make_app):
     (["--issuer-url", "http://id.example.com"], "must use https"),
     (["--storage", "nosuch://bucket"], "no storage backend for 'nosuch://'"),
     (["--storage", "s3://"], "needs a bucket"),
+    (["--database", "mysql://db/kvcdn"], "database URL must be postgresql://"),
+    (["--database", "postgresql://nobody@127.0.0.1:1/kvcdn"], "cannot open the database"),
 ])
 def test_bad_configuration_is_one_line_exit_2(args, message):
     import subprocess
