@@ -478,12 +478,12 @@ class ArtifactStore:
 
         - open uploads whose session expired → ``expired`` (reservation released, bytes removed);
         - PUTs and confirms whose lease ran out (their server died) → ``failed``, the same;
-        - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, and PUT temp
-          files, older than the orphan grace period;
+        - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, PUT temp files,
+          and S3 multipart uploads no open upload owns, older than the orphan grace period;
         - rows of failed/expired uploads after a day (until then a retry learns what happened).
         """
         now = time.time()
-        counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "rows": 0}
+        counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "multipart": 0, "rows": 0}
         with self.reads.connect() as c:
             due = c.execute(sa.select(artifacts.c.id, artifacts.c.status).where(sa.or_(
                 sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now),
@@ -504,6 +504,7 @@ class ArtifactStore:
                     self.storage.delete(key)
                     counts["objects"] += 1
         counts["temp_files"] = self._sweep_temp(now - grace)
+        counts["multipart"] = self._abort_orphan_multiparts(now - grace)
         with self.db.begin() as c:
             counts["rows"] = c.execute(artifacts.delete().where(artifacts.c.status.in_(("failed", "expired")),
                                                                 artifacts.c.updated_at < now - KEEP_DEAD_ROWS)).rowcount
@@ -536,6 +537,22 @@ class ArtifactStore:
     def _dead_long_enough(self, artifact_id: str, before: float) -> bool:
         row = self.row(artifact_id)
         return row is None or row.updated_at < before
+
+    def _abort_orphan_multiparts(self, before: float) -> int:
+        """Multipart uploads (S3) that no open upload row names: a crash between starting one and
+        recording it, or an upload that ended while its abort failed."""
+        lister = getattr(self.storage, "list_multipart", None)
+        if lister is None:
+            return 0
+        aborted = 0
+        for key, multipart_id in lister("uploads/"):
+            row = self.row(key[len("uploads/"):])
+            owned = row is not None and row.status in OPEN + ("uploading", "confirming") \
+                and row.multipart_id == multipart_id
+            if not owned and (row is None or row.updated_at < before):
+                self.storage.abort_multipart(key, multipart_id)
+                aborted += 1
+        return aborted
 
     def _sweep_temp(self, before: float) -> int:
         removed = 0
