@@ -118,6 +118,18 @@ def test_names_with_invisible_or_control_characters_are_refused(local_server, or
     assert httpx.get(f"{local_server.url}{API}/artifacts", headers=bearer(key)).status_code == 200
 
 
+@pytest.mark.parametrize("name", ["x\ud800y", "a\u202eb", "a\u200db", "a\u0085b", "a\u2028b", "a\ue000b"])
+def test_the_name_check_itself(name):
+    """The check behind upload-url, whatever the JSON parser in front of it lets through."""
+    from kvcdn_server.artifacts import check_name
+    from kvcdn_server.errors import ApiError
+
+    with pytest.raises(ApiError) as refused:
+        check_name(name)
+    assert refused.value.status == 422 and refused.value.code == "invalid_name"
+    assert check_name("cafe\u0301") == "caf\u00e9"
+
+
 def test_names_are_stored_in_nfc(local_server, org_key, small_kv):
     key = org_key("nfc")
     art = upload(local_server.url, key, small_kv, name="cafe\u0301.kv")

@@ -21,7 +21,8 @@ import sqlalchemy as sa
 from tests.support import services
 from tests.support.hosted import API, bearer, confirm, mint_key, request_upload, upload, write_synthetic_kv
 
-#: a collector that runs all the time and reclaims after 1 s: the races of a busy server, quickly
+#: a collector that runs all the time and reclaims after 1 s (leases of 1 s): the races of a busy
+#: server, and the recovery after a crash, quickly
 FAST_GC = {"KVCDN_GC_INTERVAL": "0.2", "KVCDN_ORPHAN_GRACE": "1", "KVCDN_LEASE_SECONDS": "1"}
 BIG_QUOTA = {"KVCDN_QUOTA_ARTIFACTS": "10000", "KVCDN_QUOTA_STORAGE_BYTES": str(1 << 40)}
 
@@ -79,7 +80,8 @@ def test_many_threads_many_uploads_lose_nothing(database_url, tmp_path):
     every 0.2 s: every confirmed artifact downloads byte-exact and the quota counts exactly it."""
     files = [write_synthetic_kv(tmp_path / f"a{i}.kv", tokens=4, width=4, seed=i) for i in range(200)]
     home = tmp_path / "home"
-    with serve(home, database_url) as server:
+    # Leases of 5 s here: a heartbeat starved by this load must not pass for a dead server.
+    with serve(home, database_url, {"KVCDN_LEASE_SECONDS": "5"}) as server:
         keys = [mint_key(server.url, server.admin_secret(), slug) for slug in ("one", "two")]
         done: dict[str, tuple[str, Path]] = {}
         errors: list[str] = []
