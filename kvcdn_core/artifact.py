@@ -208,8 +208,8 @@ def _parse_json(path, text: str, what: str) -> Any:
             depth -= 1
     try:
         value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
-        raise _fail(path, f"corrupted: the {what} is not valid JSON") from None
+    except (ValueError, RecursionError) as exc:
+        raise _fail(path, f"corrupted: the {what} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
         raise _fail(path, f"corrupted: the {what} holds a lone UTF-16 surrogate (not text)")
     return value
@@ -232,7 +232,7 @@ def _has_lone_surrogate(value: Any) -> bool:
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
-        raise ValueError("duplicate key")
+        raise ValueError("a key appears twice")
     return out
 
 
