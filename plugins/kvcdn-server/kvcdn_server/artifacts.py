@@ -318,7 +318,7 @@ class ArtifactStore:
             if digest != record["sha256"]:
                 raise refuse(422, "sha256_mismatch", "the uploaded bytes do not match the declared sha256")
             try:
-                header = kvformat.read_header(path)
+                header = kvformat.check_file(path)  # structure and every tensor's sha256
             except ArtifactError as exc:
                 reason = str(exc).partition(": ")[2] or "unreadable"
                 raise refuse(422, "not_a_kv_artifact", f"the upload is not a readable .kv artifact: {reason}") from None
