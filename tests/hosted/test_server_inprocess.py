@@ -407,9 +407,9 @@ def test_telemetry_is_rate_limited_per_process(make_app, monkeypatch):
 
 
 def test_inference_load_locks_stay_bounded():
-    from kvcdn_server.inference import InferenceEngine, ModelPolicy
+    from kvcdn_server.inference import InferenceEngine, InferLimits, ModelPolicy
 
-    engine = InferenceEngine(ModelPolicy([]), 1, 5.0, 1, 1 << 20, "cpu")
+    engine = InferenceEngine(ModelPolicy([]), InferLimits(slots=1, timeout=5.0, cache_bytes=1 << 20, device="cpu"))
     try:
         locks = {id(engine._stripe(engine._artifact_locks, ("t", str(i), "sha"))) for i in range(5000)}
         assert len(locks) <= 64
@@ -424,10 +424,11 @@ def test_loading_an_artifact_and_its_model_cannot_deadlock(monkeypatch):
     import kvcdn_server.inference as inference
 
     monkeypatch.setattr(inference, "LOAD_LOCK_STRIPES", 1)  # every key on the same stripe
-    engine = inference.InferenceEngine(inference.ModelPolicy([]), 1, 5.0, 1, 1 << 20, "cpu")
+    engine = inference.InferenceEngine(inference.ModelPolicy([]),
+                                       inference.InferLimits(slots=1, timeout=5.0, cache_bytes=1 << 20, device="cpu"))
     try:
         with engine._stripe(engine._artifact_locks, ("t", "1", "sha")):
-            model_lock = engine._stripe(engine._model_locks, ("m", "float32"))
+            model_lock = engine._stripe(engine._model_locks, "m")
             assert model_lock.acquire(timeout=2)
             model_lock.release()
     finally:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from anyio import from_thread
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -32,7 +33,7 @@ from kvcdn_server.artifacts import (TENANT, UUID, ArtifactStore, check_id, check
                                     tenant_of)
 from kvcdn_server.config import ServerConfig
 from kvcdn_server.errors import ApiError, not_found, unauthorized, validation
-from kvcdn_server.inference import InferenceEngine, ModelPolicy
+from kvcdn_server.inference import InferenceEngine
 from kvcdn_server.oidc import JwtVerifier
 from kvcdn_server.signing import UrlSigner
 from kvcdn_server.telemetry import MAX_BODY as TELEMETRY_MAX_BODY
@@ -183,8 +184,7 @@ def create_app(config: ServerConfig, storage=None) -> FastAPI:
     verifier = (JwtVerifier(config.issuer_url, config.client_id, config.jwt_algorithms, config.jwt_leeway)
                 if config.issuer_url else None)
     signer = UrlSigner(config.url_key)
-    engine = InferenceEngine(ModelPolicy(config.models), config.infer_concurrency, config.infer_timeout,
-                             config.infer_max_models, config.infer_cache_bytes, config.infer_device)
+    engine = InferenceEngine.from_config(config)
     telemetry = TelemetrySink(config.telemetry_url, config.telemetry_secret)
     storage_kind = "local" if isinstance(storage, LocalStorage) else (type(storage).schemes or ("other",))[0]
     stop = threading.Event()
@@ -398,24 +398,24 @@ def create_app(config: ServerConfig, storage=None) -> FastAPI:
         store.delete(identity.tenant, artifact_id)
         return Response(status_code=204)
 
-    def infer(identity: Identity, artifact_id: str, body: InferRequest):
+    def infer(identity: Identity, artifact_id: str, body: InferRequest, request: Request):
         owner, record = store.readable(identity.tenant, artifact_id)
         if record.get("status") != "ready":
             raise not_found()
         key = (owner, artifact_id, record["sha256"])
-        result = engine.run(key, lambda: store._local_copy(store.key(owner, artifact_id, ".kv")), body.question,
-                            body.n)
+        result = engine.run(identity.tenant, key, lambda: store._local_copy(store.key(owner, artifact_id, ".kv")),
+                            body.question, body.n, disconnected=lambda: from_thread.run(request.is_disconnected))
         return {"artifact_id": artifact_id, "tokens": result.tokens, "token_count": len(result.tokens),
                 "text": result.text, "model": result.model, "reused_tokens": result.reused_tokens,
                 "question_tokens": result.question_tokens}
 
     @app.post(f"{API}/artifacts/{{artifact_id}}/infer")
-    def infer_route(identity: Auth, artifact_id: str, body: InferRequest):
-        return infer(identity, artifact_id, body)
+    def infer_route(identity: Auth, artifact_id: str, body: InferRequest, request: Request):
+        return infer(identity, artifact_id, body, request)
 
     @app.post(f"{API}/orgs/{{org}}/projects/{{project}}/artifacts/{{artifact_id}}/infer")
-    def infer_legacy(identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest):
-        return infer(identity, artifact_id, body)
+    def infer_legacy(identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, request: Request):
+        return infer(identity, artifact_id, body, request)
 
     @app.post(f"{API}/telemetry", status_code=204)
     def telemetry_route(body: TelemetryEvent):
