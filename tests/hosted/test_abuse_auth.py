@@ -3,9 +3,7 @@ discovery document cannot send the server's key fetch to another host or scheme.
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import contextlib
 
 import httpx
 import jwt
@@ -15,6 +13,7 @@ from kvcdn_server.errors import ApiError
 from kvcdn_server.oidc import JwtVerifier
 from tests.support import services
 from tests.support.hosted import API, bearer
+from tests.support.json_http import json_server
 
 
 def test_an_id_token_from_the_real_issuer_is_not_an_access_token(local_server, oidc_issuer):
@@ -28,49 +27,20 @@ def test_an_id_token_from_the_real_issuer_is_not_an_access_token(local_server, o
     assert r.status_code == 401 and "not an access token" in r.json()["message"], r.text
 
 
-class _Discovery(BaseHTTPRequestHandler):
-    """An issuer whose discovery document names ``jwks_uri`` as the test says; records requests."""
-
-    jwks_uri = ""
-    requests: list[str] = []
-
-    def do_GET(self):  # noqa: N802
-        type(self).requests.append(self.path)
-        if self.path == "/.well-known/openid-configuration":
-            host, port = self.server.server_address[:2]
-            body = json.dumps({"issuer": f"http://{host}:{port}",
-                               "jwks_uri": self.jwks_uri.format(port=port)}).encode()
-        elif self.path == "/jwks":
-            body = json.dumps({"keys": []}).encode()
-        else:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def discovery():
-    """``discovery(jwks_uri) -> (issuer url, requests seen)``: a loopback issuer naming that jwks_uri."""
-    servers = []
+    """``discovery(jwks_uri) -> (issuer url, paths requested)``: a loopback issuer naming that jwks_uri."""
+    with contextlib.ExitStack() as stack:
 
-    def start(jwks_uri: str) -> str:
-        handler = type("Handler", (_Discovery,), {"jwks_uri": jwks_uri, "requests": []})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append((server, handler))
-        return f"http://127.0.0.1:{server.server_address[1]}", handler.requests
+        def start(jwks_uri: str):
+            def answer(_method, path, base):
+                if path == "/.well-known/openid-configuration":
+                    return 200, {"issuer": base, "jwks_uri": jwks_uri.format(port=base.rsplit(":", 1)[1])}
+                return (200, {"keys": []}) if path == "/jwks" else (404, {})
 
-    yield start
-    for server, _ in servers:
-        server.shutdown()
-        server.server_close()
+            return stack.enter_context(json_server(answer))
+
+        yield start
 
 
 def _token() -> str:

@@ -9,66 +9,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from tests.support import kvfiles, services
+from tests.support.json_http import json_server
 
 KEY = "kv_" + "ab" * 32
 
 
-class _Weird(BaseHTTPRequestHandler):
-    """Answers every route with the JSON the test put in ``answers`` (by method and path prefix)."""
-
-    answers: dict[tuple[str, str], object] = {}
-
-    def _answer(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-        path = self.path.split("?")[0]
-        for (method, prefix), value in self.answers.items():
-            if method == self.command and path.startswith(prefix):
-                body = value if isinstance(value, bytes) else json.dumps(value).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return
-        self.send_error(404)
-
-    do_GET = do_POST = do_PUT = do_DELETE = _answer  # noqa: N815
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def weird_server():
-    """``weird_server(answers) -> url``: a loopback server answering as told."""
-    servers = []
+    """``weird_server(answers) -> url``: a loopback server answering ``{(method, path prefix): body}``."""
+    with contextlib.ExitStack() as stack:
 
-    def start(answers: dict) -> str:
-        handler = type("Handler", (_Weird,), {"answers": answers})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
+        def start(answers: dict) -> str:
+            def answer(method, path, _base):
+                found = [body for (m, prefix), body in answers.items() if m == method and path.startswith(prefix)]
+                return (200, found[0]) if found else (404, {})
 
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+            return stack.enter_context(json_server(answer))[0]
+
+        yield start
 
 
 A = "/api/v1/artifacts"
