@@ -271,8 +271,9 @@ def _check_manifest_types(path, manifest: dict) -> None:
     expect(optional(manifest, "context", str), "context is not a string")
     expect(manifest.get("reuse") in (None, "any_prefix", "whole_prefix"), "reuse is not any_prefix or whole_prefix")
     quant = manifest.get("quantization")
-    expect(quant is None or (isinstance(quant, dict) and isinstance(quant.get("scheme"), str)),
-           "quantization is neither null nor an object with a scheme")
+    expect(quant is None or isinstance(quant, dict), "quantization is neither null nor an object")
+    if quant is not None:
+        _check_quantization(expect, quant)
     expect(isinstance(manifest["tensors"], dict), "tensors is not an object")
     for name, spec in manifest["tensors"].items():
         expect(isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
@@ -294,6 +295,26 @@ def _check_manifest_types(path, manifest: dict) -> None:
             expect(_is_count(layer.get("window")) and layer["window"] > 0
                    and _is_count(layer.get("cumulative_length")),
                    f"layer {i} lacks an integer window and cumulative_length")
+
+
+def _check_quantization(expect, q: dict) -> None:
+    """The quantization block's common structure (docs/quantization.md); its scheme checks the rest."""
+    expect(isinstance(q.get("scheme"), str) and isinstance(q.get("target_dtype"), str),
+           "quantization lacks a scheme or a target_dtype")
+    expect(q.get("version") is None or _is_count(q["version"]), "quantization version is not an integer")
+    expect(q.get("parameters") is None or isinstance(q["parameters"], dict), "quantization parameters is not an object")
+    expect(isinstance(q.get("layers"), list), "quantization layers is not a list")
+    for i, record in enumerate(q["layers"]):
+        expect(isinstance(record, dict) and _is_count(record.get("index")),
+               f"quantization layer {i} is not an object with an integer index")
+        tensors = record.get("tensors", {})
+        expect(isinstance(tensors, dict) and all(isinstance(t, dict) for t in tensors.values()),
+               f"quantization layer {i} tensors is not a map of objects")
+        for role, t in tensors.items():
+            if t.get("action") == "quantized":
+                expect(isinstance(t.get("parts"), list) and all(isinstance(p, str) for p in t["parts"])
+                       and isinstance(t.get("shape"), list) and all(_is_count(d) for d in t["shape"]),
+                       f"quantization layer {i} tensor '{role}' lacks parts or an integer shape")
 
 
 def _validate(h: Header) -> None:

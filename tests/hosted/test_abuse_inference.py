@@ -226,3 +226,29 @@ def test_resident_caches_stay_within_their_byte_budget(serve, qwen3_artifact, tm
     artifact_id = _upload(url, keys["beta"], qwen3_artifact)
     r = _infer(url, keys["beta"], artifact_id, 1)
     assert r.status_code == 413 and r.json()["error"] == "artifact_too_large", r.text
+
+
+def test_a_quantization_block_that_trips_the_loader_is_422_not_500(serve, qwen3_artifact, tmp_path, cli):
+    """The header is valid, but a scheme's own field is not: whatever the loader raises is a 422."""
+    import json
+    import struct
+
+    from kvcdn_core import artifact
+    from tests.support.kvfiles import frame
+
+    quantized = tmp_path / "q.kv"
+    assert cli("quant", "--input", qwen3_artifact, "--scheme", "int8", "-o", quantized).exit_code == 0
+    raw = quantized.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    manifest = json.loads(header["__metadata__"][artifact.META_MANIFEST])
+    record = manifest["quantization"]["layers"][0]["tensors"]["key"]
+    record.update(empty=True, quantized_tokens="many")  # a TypeError deep in the dequantizer
+    header["__metadata__"][artifact.META_MANIFEST] = json.dumps(manifest)
+    broken = tmp_path / "broken.kv"
+    broken.write_bytes(frame(json.dumps(header).encode(), raw[8 + n:]))
+    artifact.check_file(broken)  # structurally valid, every hash right
+    url, app, keys = serve()
+    artifact_id = _upload(url, keys["acme"], broken)
+    r = _infer(url, keys["acme"], artifact_id, 2)
+    assert r.status_code == 422 and r.json()["error"] == "artifact_incompatible", r.text

@@ -195,6 +195,13 @@ HOSTILE: dict[str, callable] = {
     "layer_names_unknown_tensor": lambda: _changed(
         lambda p: _set(p.manifest["layers"][0]["tensors"], "key", "nowhere")),
     "layer_index_float": lambda: _changed(lambda p: _set(p.manifest["layers"][0], "index", 0.0)),
+    "quantization_without_layers": lambda: _changed(
+        lambda p: _set(p.manifest, "quantization", {"scheme": "int8", "target_dtype": "F32"})),
+    "quantization_parameters_a_list": lambda: _changed(lambda p: _set(p.manifest, "quantization", {
+        "scheme": "int8", "target_dtype": "F32", "parameters": [1], "layers": []})),
+    "quantized_tensor_without_parts": lambda: _changed(lambda p: _set(p.manifest, "quantization", {
+        "scheme": "int8", "target_dtype": "F32", "layers": [
+            {"index": 0, "tensors": {"key": {"action": "quantized", "parts": None, "shape": [1]}}}]})),
     "sha256_missing": lambda: _changed(lambda p: p.manifest["tensors"]["layers.0.key"].pop("sha256")),
     "nan_offset": lambda: valid_parts().to_bytes(header_text=_header_text(valid_parts()).replace(
         '"data_offsets": [0, 32]', '"data_offsets": [0, NaN]')),

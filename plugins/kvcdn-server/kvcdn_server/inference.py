@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import copy
 import dataclasses
+import logging
 import math
 import re
 import threading
@@ -39,6 +40,7 @@ from kvcdn_core.errors import KvcdnError
 
 from kvcdn_server.errors import ApiError
 
+log = logging.getLogger("kvcdn.server")
 #: per-key load locks are striped over this many locks, so their number stays bounded
 LOAD_LOCK_STRIPES = 64
 #: how often a waiting request checks whether its client is still there (seconds)
@@ -334,6 +336,12 @@ class InferenceEngine:
             raise
         except KvcdnError as exc:
             raise ApiError(422, "artifact_incompatible", _strip_paths(str(exc))) from None
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError, RuntimeError) as exc:
+            # The header passed validation, yet a scheme's own fields (a quantizer's record, say)
+            # tripped the loader: the artifact's fault, not the server's. Logged for the operator.
+            log.warning("artifact %s could not be loaded", artifact_key[1], exc_info=exc)
+            raise ApiError(422, "artifact_incompatible",
+                           f"the artifact could not be loaded ({type(exc).__name__})") from None
         return InferResult(ids, runtime.decode(session, ids), model_id, len(context_ids), len(question_ids))
 
     def shutdown(self) -> None:
