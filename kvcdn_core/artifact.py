@@ -166,16 +166,18 @@ def read_header(path: str | os.PathLike) -> Header:
 
 
 def check_file(path: str | os.PathLike) -> Header:
-    """:func:`read_header` plus :func:`check_hashes`: the whole file is what its manifest promises.
+    """:func:`read_header` plus :func:`check_hashes` and the token ids: the whole file is what its
+    manifest promises.
 
     For readers that accept a file from outside and keep it (the hosted server's confirm-upload):
-    any problem, structural or a tensor whose bytes do not hash to its manifest sha256, is an
-    :class:`ArtifactError` (HTTP 422 there).
+    any problem, structural, a tensor whose bytes do not hash to its manifest sha256, or a negative
+    token id, is an :class:`ArtifactError` (HTTP 422 there).
     """
     header = read_header(path)
     bad = check_hashes(header)
     if bad:
         raise _fail(header.path, f"corrupted: sha256 mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
+    read_token_ids(header.path, header)
     return header
 
 

@@ -62,19 +62,20 @@ def test_a_tensor_that_does_not_hash_to_its_manifest_fails_check_file(tmp_path):
 
 
 def test_negative_token_ids_are_refused(tmp_path):
+    import hashlib
     import struct
 
     parts = kvfiles.valid_parts()
     start, end = parts.entries[artifact.TOKEN_IDS]["data_offsets"]
     raw = struct.pack("<4q", 1, 2, -3, 4)
     parts.data = parts.data[:start] + raw
-    import hashlib
-
     parts.manifest["tensors"][artifact.TOKEN_IDS]["sha256"] = hashlib.sha256(raw).hexdigest()
     path = tmp_path / "neg.kv"
     path.write_bytes(parts.to_bytes())
-    with pytest.raises(ArtifactError, match="negative token id"):
-        artifact.read_token_ids(path)
+    artifact.read_header(path)
+    for read in (artifact.read_token_ids, artifact.check_file):
+        with pytest.raises(ArtifactError, match="negative token id"):
+            read(path)
 
 
 @pytest.mark.parametrize("case", ["format_version_list", "manifest_50k_deep", "float_offsets", "string_shape",
