@@ -242,6 +242,16 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+# Control characters (C0, DEL, C1), bidi overrides and isolates, zero-width characters: nothing a
+# name or version needs, and what would let a file rewrite the terminal that prints it.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def _is_label(value: Any) -> bool:
+    """A string fit to print as a name: no control, bidi or zero-width characters."""
+    return isinstance(value, str) and _UNPRINTABLE.search(value) is None
+
+
 def _is_count(value: Any) -> bool:
     """A non-negative JSON integer (``true`` and ``1.0`` are not)."""
     return type(value) is int and value >= 0
@@ -260,14 +270,14 @@ def _check_manifest_types(path, manifest: dict) -> None:
     def optional(container: dict, key: str, kind) -> bool:
         return container.get(key) is None or isinstance(container[key], kind)
 
-    expect(isinstance(manifest["kvcdn_version"], str), "kvcdn_version is not a string")
-    expect(isinstance(manifest["created_at"], str), "created_at is not a string")
+    expect(_is_label(manifest["kvcdn_version"]), "kvcdn_version is not a printable string")
+    expect(_is_label(manifest["created_at"]), "created_at is not a printable string")
     expect(_is_count(manifest["token_count"]), "token_count is not a non-negative integer")
     model = manifest["model"]
     expect(isinstance(model, dict), "model is not an object")
-    expect(isinstance(model.get("id"), str) and model["id"] != "", "model.id is not a non-empty string")
+    expect(_is_label(model.get("id")) and model["id"] != "", "model.id is not a non-empty printable string")
     for key in ("revision", "family", "architecture", "config_sha256", "tokenizer_sha256", "weights_sha256"):
-        expect(optional(model, key, str), f"model.{key} is not a string")
+        expect(model.get(key) is None or _is_label(model[key]), f"model.{key} is not a printable string")
     expect(manifest["compute_dtype"] in COMPUTE_DTYPES,
            f"compute_dtype {manifest['compute_dtype']!r} is not one of {', '.join(COMPUTE_DTYPES)}")
     expect(optional(manifest, "context", str), "context is not a string")
@@ -278,6 +288,7 @@ def _check_manifest_types(path, manifest: dict) -> None:
         _check_quantization(expect, quant)
     expect(isinstance(manifest["tensors"], dict), "tensors is not an object")
     for name, spec in manifest["tensors"].items():
+        expect(_is_label(name), f"tensor name {name!r} is not printable")
         expect(isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
                and isinstance(spec.get("shape"), list) and all(_is_count(d) for d in spec["shape"]),
                f"entry for tensor '{name}' lacks a dtype or a shape of non-negative integers")

@@ -206,6 +206,9 @@ HOSTILE: dict[str, callable] = {
     "nan_offset": lambda: valid_parts().to_bytes(header_text=_header_text(valid_parts()).replace(
         '"data_offsets": [0, 32]', '"data_offsets": [0, NaN]')),
     "duplicate_key": lambda: _header_with('"token_ids": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}'),
+    "model_id_with_terminal_escape": lambda: _changed(lambda p: _set(p.manifest["model"], "id", "x\x1b[2Jy")),
+    "architecture_with_bidi_override": lambda: _changed(
+        lambda p: _set(p.manifest["model"], "architecture", "Qwen\u202eLMsuaC")),
     "lone_surrogate": lambda: _changed(lambda p: _set(p.manifest["model"], "id", "x\ud800y")),
     "header_not_json": lambda: frame(b"{not json at all}", b""),
     "header_not_utf8": lambda: frame(b'{"\xff": 1}', b""),
