@@ -112,10 +112,13 @@ def test_a_timed_out_request_stops_and_frees_its_slot(serve, forward_calls, qwen
     artifact_id = _upload(url, keys["acme"], qwen3_artifact)
     assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200  # model and cache resident
     r = _infer(url, keys["acme"], artifact_id, 256)  # 256 steps: 13 s if nothing stopped it
+    answered = time.monotonic()
     assert r.status_code == 504 and r.json()["error"] == "timeout"
-    freed = _wait(lambda: app.state.engine.slots.in_use() == 0, 1.0)
-    assert freed < 3 * STEP + 0.2, f"the slot was freed {freed:.2f} s after the 504"
+    # The cancellation is set before the 504 is sent: at most the step already past its check runs.
+    _wait(lambda: app.state.engine.slots.in_use() == 0, 5.0)
     _assert_stopped(forward_calls)
+    late = [t for t in forward_calls if t > answered]
+    assert len(late) <= 1, f"{len(late)} decode steps started after the 504"
     assert _infer(url, keys["acme"], artifact_id, 2).status_code == 200
 
 
@@ -123,12 +126,13 @@ def test_a_disconnected_client_stops_its_computation(serve, forward_calls, qwen3
     url, app, keys = serve(KVCDN_INFER_TIMEOUT="60", KVCDN_INFER_CONCURRENCY="2")
     artifact_id = _upload(url, keys["acme"], qwen3_artifact)
     assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200
+    before = len(forward_calls)
     with pytest.raises(httpx.ReadTimeout):
         _infer(url, keys["acme"], artifact_id, 256, timeout=1.0)  # the client gives up and closes
-    gone = time.monotonic()
-    _wait(lambda: app.state.engine.slots.in_use() == 0, 2.0)
-    assert time.monotonic() - gone < 0.2 + 3 * STEP + 0.3  # poll interval + a decode step + slack
+    _wait(lambda: app.state.engine.slots.in_use() == 0, 5.0)  # noticed within a poll (0.2 s) and a step
     _assert_stopped(forward_calls)
+    ran = len(forward_calls) - before
+    assert ran < 128, f"{ran} of the 256 decode steps ran although the client left after 1 s"
 
 
 def test_one_tenant_cannot_hold_every_slot(serve, forward_calls, qwen3_artifact, tmp_path):
