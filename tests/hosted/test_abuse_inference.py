@@ -256,3 +256,18 @@ def test_a_quantization_block_that_trips_the_loader_is_422_not_500(serve, qwen3_
     artifact_id = _upload(url, keys["acme"], broken)
     r = _infer(url, keys["acme"], artifact_id, 2)
     assert r.status_code == 422 and r.json()["error"] == "artifact_incompatible", r.text
+
+
+def test_the_lru_keeps_within_its_budget_and_keeps_the_newest():
+    from kvcdn_server.inference import _Lru
+
+    lru = _Lru(budget=100, max_items=3)
+    for key, cost in (("a", 40), ("b", 40), ("c", 10)):
+        lru.put(key, key, cost)
+    assert lru.get("a") == "a"  # a is now the most recently used
+    lru.put("d", "d", 30)  # 120 > 100: b, the least recently used, goes
+    assert list(lru.items) == ["c", "a", "d"] and lru.resident_bytes() == 80
+    lru.put("e", "e", 5)  # 4 items > 3: c goes
+    assert list(lru.items) == ["a", "d", "e"]
+    lru.put("huge", "huge", 500)  # alone over the budget: it stays, everything else goes
+    assert list(lru.items) == ["huge"]

@@ -151,14 +151,16 @@ class _Lru:
         return None
 
     def put(self, key, value, cost: int) -> None:
-        """Keep ``value``, evicting the least recently used; one over the whole budget is not kept."""
-        if cost > self.budget:
-            return
+        """Keep ``value``, evicting the least recently used until the rest fits beside it.
+
+        The newest item stays even when it alone is over the budget (a model the operator allowed
+        must be usable); callers refuse what must not be held at all (see ``artifact_too_large``).
+        """
         with self.lock:
             self.items[key] = (value, cost)
             self.items.move_to_end(key)
-            while (sum(c for _, c in self.items.values()) > self.budget
-                   or (self.max_items is not None and len(self.items) > self.max_items)):
+            while len(self.items) > 1 and (sum(c for _, c in self.items.values()) > self.budget
+                                           or (self.max_items is not None and len(self.items) > self.max_items)):
                 self.items.popitem(last=False)
 
     def resident_bytes(self) -> int:
