@@ -20,6 +20,8 @@ import click
 from kvcdn_core.commands.common import emit_json
 from kvcdn_core.errors import CheckFailed, KvcdnError
 
+from kvcdn_hosted import wire
+
 
 # -- shared options and plumbing -----------------------------------------------------------------
 
@@ -66,6 +68,15 @@ def hosted_command(name: str):
             except (click.exceptions.Exit, click.Abort, click.ClickException, KeyboardInterrupt):
                 _telemetry(kwargs, name, started, False)
                 raise
+            except (TypeError, KeyError, AttributeError, ValueError) as exc:
+                # A server (or a proxy in front of it) answered with a shape the command did not
+                # expect: one line and exit 2, not a traceback (KVCDN_DEBUG=1 shows where).
+                if os.environ.get("KVCDN_DEBUG"):
+                    raise
+                click.echo(f"error: {name}: unexpected data in the server's answer "
+                           f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", err=True)
+                _telemetry(kwargs, name, started, False)
+                raise click.exceptions.Exit(2) from None
             _telemetry(kwargs, name, started, True)
             return result
 
@@ -230,7 +241,7 @@ def api_key_verify(api_url, api_key, fmt):
     if credential is None or credential.method != "api_key":
         raise KvcdnError("no API key set: kvcdn api-key set KEY, KVCDN_API_KEY or --api-key")
     with HostedClient(settings, credential=credential) as client:
-        response = client.request("POST", "/api/v1/api-keys/verify", what="api-key verify", ok=(200, 401))
+        response = client.request("POST", wire.VERIFY_API_KEY, what="api-key verify", ok=(200, 401))
     if response.status_code == 401:  # the check ran and the key failed it: exit 1
         raise CheckFailed(f"the server at {settings.api_url} rejects the API key {mask(credential.token)} "
                           f"from {credential.source}; ask your org admin for a valid key")
@@ -482,7 +493,7 @@ def whoami(fmt, api_url, api_key):
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         credential = client.require_credential("whoami")
-        info = client.json("GET", "/api/v1/whoami", what="whoami")
+        info = client.json("GET", wire.WHOAMI, what="whoami")
     info = dict(info or {})
     if fmt == "json":
         info.update(access_token=credential.token, credential=credential.method,
@@ -509,7 +520,7 @@ def quota(fmt, api_url, api_key):
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         client.require_credential("quota")
-        info = client.json("GET", "/api/v1/quota", what="quota")
+        info = client.json("GET", wire.QUOTA, what="quota")
     if fmt == "json":
         emit_json(info)
         return
@@ -542,14 +553,17 @@ def admin_group():
 @hosted_command("admin mint-api-key")
 def mint_api_key(org, fmt, api_url):
     """Mint (derive) the API key of ORG; prints the key."""
-    from kvcdn_hosted.client import HostedClient
+    from kvcdn_hosted.client import HostedClient, insecure_remote
 
     secret = os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
     if not secret:
         raise KvcdnError("set KVCDN_ADMIN_SECRET to the server's admin secret (kvcdn serve prints where it is)")
     settings = settings_from(locals())
     with HostedClient(settings, auth=False) as client:
-        info = client.json("POST", "/api/v1/admin/api-keys", what="admin mint-api-key", json={"org_slug": org},
+        if insecure_remote(client.api_url):
+            click.echo(f"warning: sending the admin secret over plain http to {client.api_url}; "
+                       "use https for anything but a loopback address", err=True)
+        info = client.json("POST", wire.ADMIN_API_KEYS, what="admin mint-api-key", json={"org_slug": org},
                            headers={"X-Kvcdn-Admin-Secret": secret})
     if fmt == "json":
         emit_json(info)
