@@ -204,9 +204,11 @@ def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16) ->
 
     results = []
     for variant in config_variants(adapter_cls, architecture):
-        model_dir = build_tiny_model(adapter_cls, architecture, workdir / architecture / variant, variant=variant)
+        # The default variant keeps the plain layout (tests read <workdir>/<architecture>.kv).
+        where = Path(workdir) if variant == DEFAULT_VARIANT else Path(workdir) / variant
+        model_dir = build_tiny_model(adapter_cls, architecture, where / architecture, variant=variant)
         session = runtime.load_session(str(model_dir), device="cpu", dtype="float32", adapter_cls=adapter_cls)
-        for res in validate_session(session, architecture, workdir / variant, n, **tiny_options(n)):
+        for res in validate_session(session, architecture, where, n, **tiny_options(n)):
             if variant != DEFAULT_VARIANT:
                 res.phase = f"{res.phase}[{variant}]"
             results.append(res)
