@@ -169,12 +169,14 @@ def run_phases(run: ValidationRun, phases=None) -> list[PhaseResult]:
 def run_validation(session, architecture: str, workdir: Path, n: int = 16,
                    context: str | None = None, min_distinct: int = 0,
                    question: str = DEFAULT_QUESTION, require_context_effect: bool = False,
-                   ) -> tuple[ValidationRun, list[PhaseResult]]:
-    """Every phase of :data:`PHASES` for a loaded model, on a context longer than its windows."""
+                   phases: tuple[str, ...] | None = None) -> tuple[ValidationRun, list[PhaseResult]]:
+    """The phases of :data:`PHASES` (all, or those named in ``phases``) for a loaded model, on a
+    context longer than its windows."""
     context = context or long_context(context_length_for(session), session.tokenizer)
     run = ValidationRun(session, architecture, Path(workdir), n, context, question, min_distinct,
                         require_context_effect)
-    return run, run_phases(run)
+    chosen = [(name, fn) for name, fn in PHASES if phases is None or name in phases]
+    return run, run_phases(run, chosen)
 
 
 def validate_session(session, architecture: str, workdir: Path, n: int = 16, **options) -> list[PhaseResult]:
@@ -195,7 +197,8 @@ def tiny_options(n: int) -> dict:
     return dict(min_distinct=min(TINY_MIN_DISTINCT, n), question=TINY_QUESTION, require_context_effect=True)
 
 
-def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16) -> list[PhaseResult]:
+def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16,
+                  phases: tuple[str, ...] | None = None) -> list[PhaseResult]:
     """Build every tiny variant of ``architecture`` and validate each offline.
 
     Phases of a variant other than ``default`` are named ``phase[variant]``.
@@ -208,7 +211,7 @@ def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16) ->
         where = Path(workdir) if variant == DEFAULT_VARIANT else Path(workdir) / variant
         model_dir = build_tiny_model(adapter_cls, architecture, where / architecture, variant=variant)
         session = runtime.load_session(str(model_dir), device="cpu", dtype="float32", adapter_cls=adapter_cls)
-        for res in validate_session(session, architecture, where, n, **tiny_options(n)):
+        for res in validate_session(session, architecture, where, n, phases=phases, **tiny_options(n)):
             if variant != DEFAULT_VARIANT:
                 res.phase = f"{res.phase}[{variant}]"
             results.append(res)
