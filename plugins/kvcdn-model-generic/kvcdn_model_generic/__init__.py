@@ -6,8 +6,8 @@ When ``kvcdn`` loads a model whose architecture no installed family claims, core
 1. refuses outright the architectures kvcdn knows it cannot continue exactly (:data:`REFUSED`);
 2. otherwise shrinks the model's own ``config.json`` to a tiny model of the same class
    (:mod:`kvcdn_model_generic.shrink`), and runs kvcdn's round-trip, reference and cache validation
-   phases on it with the base adapter, which knows full-attention and sliding-window cache layers
-   (any other layer kind fails the round trip, nothing is written);
+   phases on it with the base adapter, which knows full-attention, sliding-window and pure
+   linear-attention cache layers (any other layer kind fails the round trip, nothing is written);
 3. records the result per kvcdn version, transformers version and architecture in
    ``$XDG_CACHE_HOME/kvcdn/generic/`` so the check runs once, and serves the architecture only if
    every phase passed. A failed guard is a refusal naming the failed phase.
@@ -27,6 +27,7 @@ from typing import Any
 
 from kvcdn_core import hookimpl
 from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core.linear_attention import LinearAttentionLayers
 
 __version__ = "0.1.0"
 
@@ -41,13 +42,16 @@ REFUSED = {
                             "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
     "LongcatFlashForCausalLM": "transformers 5.24's own forward crashes on its MLA attention "
                                "(head-count mismatch), so there is no reference to be exact against",
+    "BambaForCausalLM": "continuing from a restored Mamba2 state diverges from a full prefill in "
+                        "transformers 5.24 (token match 1/16 on a tiny config), so it cannot be exact",
     "RwkvForCausalLM": "RWKV keeps its recurrent state outside transformers' Cache API, so there is no "
                        "cache object to save and restore",
 }
 
 
-class GenericAdapter(ModelAdapter):
-    """The base adapter under the name ``generic``: full-attention and sliding-window layers only."""
+class GenericAdapter(LinearAttentionLayers, ModelAdapter):
+    """The base adapter under the name ``generic``: full-attention, sliding-window and linear-attention
+    layers, the kinds kvcdn restores without model-specific code."""
 
     family = "generic"
     extra = "generic"

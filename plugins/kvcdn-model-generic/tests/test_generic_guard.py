@@ -13,7 +13,7 @@ from kvcdn_model_generic import REFUSED, adapter_class, record_path, verdict
 from kvcdn_model_generic.shrink import shrink
 
 PASSES = "PersimmonForCausalLM"  # plain full attention: no family claims it in this repository
-FAILS = "JambaForCausalLM"  # Mamba layers: a cache kind the base adapter does not export
+FAILS = "FalconH1ForCausalLM"  # one cache layer holding a Mamba state and keys/values: no kvcdn kind
 
 
 def real_config(architecture: str) -> dict:
