@@ -243,6 +243,8 @@ def exercised(config, layers: list[dict]) -> dict[str, Any]:
     heads = getattr(cfg, "num_attention_heads", None)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    if getattr(cfg, "qk_nope_head_dim", None):  # MLA: a query/key head is its plain part + rotary part
+        head_dim = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
     shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim} if heads else {}
     return {"layer_kinds": kinds, "features": features, "shape": shape}
 

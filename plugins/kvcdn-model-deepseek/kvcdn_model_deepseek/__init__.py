@@ -53,8 +53,6 @@ def ungroup_mla_heads(model) -> None:
     Without this, attention repeats the already per-head keys ``heads / num_key_value_heads`` times
     and the shapes no longer match (see the module docstring).
     """
-    config = model.config
-    config.num_key_value_heads = config.num_attention_heads
     for module in model.modules():
         if hasattr(module, "kv_lora_rank") and hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = 1
