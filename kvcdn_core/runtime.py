@@ -86,6 +86,11 @@ def adapter_for(architecture: str, config: dict | None = None):
 
 
 _EXTRA_HINTS = {
+    # more specific prefixes first: the first match wins
+    "gptoss": "gptoss", "granitemoehybrid": "hybrid", "jamba": "hybrid", "lfm2": "hybrid",
+    "smollm": "llama", "arcee": "llama", "cohere": "cohere", "minimax": "minimax", "exaone": "exaone",
+    "ernie": "ernie", "hunyuan": "hunyuan", "seedoss": "seed-oss", "dots": "dots", "helium": "helium",
+    "nemotron": "nemotron",
     "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
     "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
     "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",

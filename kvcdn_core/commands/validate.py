@@ -174,7 +174,7 @@ def render_table(reports: list[ArchReport]) -> str:
         where = "" if p.first_divergence is None else f" (first divergence at token {p.first_divergence})"
         lines.append(f"{r.label} {p.phase}: {p.detail}{where}")
     passed = sum(r.passed for r in reports)
-    lines.append(f"{passed}/{len(reports)} architecture shapes pass" + ("" if reports else " (none installed)"))
+    lines.append(f"{passed}/{len(reports)} architectures pass" + ("" if reports else " (none installed)"))
     return "\n".join(lines)
 
 
