@@ -67,6 +67,11 @@ def model_class(architecture: str):
 
 DEFAULT_VARIANT = "default"
 
+#: The tiny decoder shape most family configs start from: 2 layers, hidden 64, 4 query heads on 2
+#: key-value heads of width 16, untied output embedding (tied, a random model repeats one token).
+TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)
+
 
 def config_variants(adapter_cls, architecture: str) -> dict[str, dict]:
     """Variant name → tiny config kwargs of ``architecture``: ``default`` first, then the extras.
