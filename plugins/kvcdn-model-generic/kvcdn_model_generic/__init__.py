@@ -135,4 +135,8 @@ def _stderr(line: str) -> None:
 def kvcdn_adapt_unclaimed_architecture(architecture, config):
     if not architecture or not str(architecture).endswith(("ForCausalLM", "LMHeadModel")):
         return None  # not a causal LM: let core say that no plugin serves it
+    import transformers
+
+    if getattr(transformers, architecture, None) is None:
+        return None  # not a transformers class (remote code, a typo): core's "no plugin serves it"
     return verdict(architecture, config)
