@@ -41,6 +41,9 @@ class ModelAdapter:
     #: architecture → keyword arguments of its transformers config class, a tiny float32 model
     #: (2-4 layers, hidden 64-128) for offline validation. ``vocab_size`` is set by the builder.
     validation_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: architecture → more tiny shapes, each ``{"_variant": name, **changes to the default}``;
+    #: ``kvcdn validate`` runs every one (see :func:`kvcdn_core.tiny.config_variants`).
+    validation_variants: ClassVar[dict[str, list[dict[str, Any]]]] = {}
     #: The extra to install for this family: ``pip install 'kvcdn[<extra>]'``. Defaults to family.
     extra: ClassVar[str | None] = None
 

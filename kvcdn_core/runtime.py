@@ -57,11 +57,23 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def adapter_for(architecture: str):
-    """The adapter class that claims an architecture, or a clear error naming what to install."""
+def adapter_for(architecture: str, config: dict | None = None):
+    """The adapter class that claims an architecture, or a clear error naming what to install.
+
+    With ``config``, an architecture no family claims is offered to the
+    ``kvcdn_adapt_unclaimed_architecture`` hook (the guarded generic adapter), which serves it, refuses
+    it with a reason, or passes.
+    """
     host = get_host()
     adapters = host.model_adapters()
     cls = adapters.get(architecture)
+    if cls is None and config is not None:
+        for _name, offer in host.call_each("kvcdn_adapt_unclaimed_architecture",
+                                           architecture=architecture, config=config):
+            if isinstance(offer, str):
+                raise KvcdnError(offer)
+            if isinstance(offer, type):
+                return offer
     if cls is None:
         families = sorted(host.families())
         installed = ", ".join(families) if families else "none"
@@ -74,6 +86,11 @@ def adapter_for(architecture: str):
 
 
 _EXTRA_HINTS = {
+    # more specific prefixes first: the first match wins
+    "gptoss": "gptoss", "granitemoehybrid": "hybrid", "jamba": "hybrid", "lfm2": "hybrid",
+    "smollm": "llama", "arcee": "llama", "cohere": "cohere", "minimax": "minimax", "exaone": "exaone",
+    "ernie": "ernie", "hunyuan": "hunyuan", "seedoss": "seed-oss", "dots": "dots", "helium": "helium",
+    "nemotron": "nemotron",
     "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
     "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
     "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",
@@ -96,7 +113,7 @@ def load_session(model_ref: str, revision: str | None = None, device: str = "aut
     """Load a model through the adapter that claims it (or ``adapter_cls``, for contract tests)."""
     model_dir = resolve_model_dir(model_ref, revision)
     config = read_config(model_dir)
-    adapter = (adapter_cls or adapter_for(architecture_of(config)))()
+    adapter = (adapter_cls or adapter_for(architecture_of(config), config))()
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     try:
