@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger("kvcdn_vllm")
+logger = init_logger("vllm.kvcdn_vllm")  # under vLLM's logger, so its handler and format apply
 
 
 def _warn(message: str) -> None:
