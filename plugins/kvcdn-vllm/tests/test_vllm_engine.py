@@ -255,7 +255,7 @@ def test_int8_artifact_loaded(engines):
     assert third["kv_transfer_params"]["kvcdn_artifact"] == str(engines["source"] / "other-int8.kv")
     assert third["cached"] == block_aligned(len(engines["prompts"][2]) - len(encode(engines["smol"], QUESTION_3, False)))
     # int8 is lossy: the continuation starts the same, it need not stay the same.
-    assert third["ids"][:2] == reference["ids"][:2]
+    assert third["ids"][:4] == reference["ids"][:4]
 
 
 def test_kvcdn_artifact_loaded_token_exact_tiny_qwen2(engines):
