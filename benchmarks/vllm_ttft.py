@@ -91,13 +91,14 @@ def main() -> None:
 
         llm = engine(str(model), None)
         times, out = ttft(llm, prompt, args.reps)
-        results["cold"] = {"first_s": times[0], "median_s": statistics.median(times), "cached_tokens": 0}
+        results["cold"] = {"first_s": times[0], "median_s": statistics.median(times), "times_s": times,
+                           "cached_tokens": 0}
         close(llm)
 
         llm = engine(str(model), {"kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn_vllm",
                                   "kv_connector_extra_config": {"source": str(artifacts)}})
         times, out = ttft(llm, prompt, args.reps)
-        results["kvcdn"] = {"first_s": times[0], "median_s": statistics.median(times),
+        results["kvcdn"] = {"first_s": times[0], "median_s": statistics.median(times), "times_s": times,
                             "cached_tokens": out.num_cached_tokens,
                             "bytes_read": (artifacts / "context.kv").stat().st_size}
         close(llm)
@@ -109,7 +110,7 @@ def main() -> None:
         store_times, _ = ttft(llm, prompt, 1)  # the first request computes and stores
         written = dir_bytes(example_dir)
         times, out = ttft(llm, prompt, args.reps)
-        results["example_connector"] = {"first_s": times[0], "median_s": statistics.median(times),
+        results["example_connector"] = {"first_s": times[0], "median_s": statistics.median(times), "times_s": times,
                                         "cached_tokens": out.num_cached_tokens, "bytes_written": written,
                                         "bytes_read": written, "storing_request_s": store_times[0]}
         close(llm)

@@ -239,12 +239,25 @@ class KvcdnConnector(KVConnectorBase_V1):
         ids = tensors[fmt.TOKEN_IDS]
         if ids.numel() < job.end or ids[:job.end].tolist() != job.prompt_ids[:job.end]:
             raise KvcdnError(f"{job.path}: its tokens no longer match the prompt's first {job.end}")
-        blocks = self._kernel_blocks(job.block_ids)
+        slots = self._slots(job.block_ids, job.end, job.start)
         for name, kv in self._caches.items():
             index = _layer_index(name)
             keys = tensors[f"layers.{index}.key"][0, self._heads, job.start:job.end]
             values = tensors[f"layers.{index}.value"][0, self._heads, job.start:job.end]
-            paged.scatter(kv, self._layouts[name], blocks, keys, values, start=job.start)
+            paged.scatter(kv, slots(name, kv), keys, values)
+
+    def _slots(self, block_ids: list[int], end: int, start: int = 0):
+        """``slots(layer_name, kv) -> TokenSlots``, computed once per distinct layout of the request."""
+        blocks = self._kernel_blocks(block_ids)
+        known: dict[int, paged.TokenSlots] = {}
+
+        def slots(name: str, kv: torch.Tensor) -> paged.TokenSlots:
+            layout = self._layouts[name]
+            if id(layout) not in known:
+                known[id(layout)] = paged.token_slots(layout, blocks, end, start, kv.device)
+            return known[id(layout)]
+
+        return slots
 
     def _read_artifact(self, path: str) -> dict[str, torch.Tensor]:
         """The artifact's tensors, dequantized; the last one read is kept for the next request."""
@@ -278,8 +291,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             return
         for job in meta.saves:
             try:
-                keys, values = paged.gather(kv_layer, self._layouts[layer_name], self._kernel_blocks(job.block_ids),
-                                            len(job.prompt_ids))
+                keys, values = paged.gather(kv_layer, self._slots(job.block_ids, len(job.prompt_ids))(layer_name, kv_layer))
             except paged.LayoutError as exc:
                 _warn(f"not saving request {job.req_id}: {exc}")
                 continue

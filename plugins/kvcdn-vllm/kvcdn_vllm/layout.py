@@ -158,12 +158,22 @@ def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.as_strided((span,), (1,))
 
 
-def _token_index(layout: BlockLayout, block_ids: list[int], start: int, end: int, device) -> tuple:
-    """Flat element indices of tokens ``[start, end)`` of a request whose blocks are ``block_ids``.
+@dataclasses.dataclass(frozen=True)
+class TokenSlots:
+    """Flat element indices of a request's tokens ``[start, end)``, keys and values, in ``[heads,
+    tokens, channels]`` order. Every layer with the same layout shares them, so compute them once."""
 
-    Shapes ``[num_kv_heads, end - start, head_size]``. Token ``t`` lives in ``block_ids[t //
-    block_size]`` at row ``t % block_size``, so a last block that is only partly used (a partial
-    block) contributes only its first rows, and a start inside a block is fine too.
+    key: torch.Tensor
+    value: torch.Tensor
+    shape: tuple[int, int, int]
+
+
+def token_slots(layout: BlockLayout, block_ids: list[int], end: int, start: int = 0, device="cpu") -> TokenSlots:
+    """Where tokens ``[start, end)`` of a request whose blocks are ``block_ids`` live.
+
+    Token ``t`` lives in ``block_ids[t // block_size]`` at row ``t % block_size``, so a last block
+    that is only partly used (a partial block) contributes only its first rows, and a start inside a
+    block is fine too.
     """
     if not 0 <= start <= end:
         raise LayoutError(f"bad token range [{start}, {end})")
@@ -173,37 +183,28 @@ def _token_index(layout: BlockLayout, block_ids: list[int], start: int, end: int
         raise LayoutError(f"{end} tokens need {needed} blocks, the request has {len(block_ids)}")
     blocks = torch.as_tensor(block_ids[first:needed], dtype=torch.long, device=device)
     base = (blocks * layout.block_stride).view(1, -1, 1, 1)
-    key = layout.key_offsets.to(device).unsqueeze(1) + base  # [heads, blocks, block_size, channels]
-    value = layout.value_offsets.to(device).unsqueeze(1) + base
     h, d, lo = layout.num_kv_heads, layout.head_size, start - first * bs
     rows = (needed - first) * bs
-    return (key.reshape(h, rows, d)[:, lo:lo + end - start], value.reshape(h, rows, d)[:, lo:lo + end - start])
+
+    def flat(offsets: torch.Tensor) -> torch.Tensor:
+        per_token = (offsets.to(device).unsqueeze(1) + base).reshape(h, rows, d)  # [heads, tokens, channels]
+        return per_token[:, lo:lo + end - start].reshape(-1)
+
+    return TokenSlots(flat(layout.key_offsets), flat(layout.value_offsets), (h, end - start, d))
 
 
-def scatter(kv_cache: torch.Tensor, layout: BlockLayout, block_ids: list[int], keys: torch.Tensor,
-            values: torch.Tensor, start: int = 0) -> None:
-    """Write ``keys``/``values`` ``[num_kv_heads, tokens, head_size]`` as the request's tokens from
-    ``start`` on, into its blocks ``block_ids`` (all of the request's blocks, from its first)."""
-    _check_shape(layout, keys, values)
-    end = start + int(keys.shape[1])
-    key_idx, value_idx = _token_index(layout, block_ids, start, end, kv_cache.device)
-    flat = _flat(kv_cache)
-    flat[key_idx.reshape(-1)] = keys.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1)
-    flat[value_idx.reshape(-1)] = values.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1)
-
-
-def gather(kv_cache: torch.Tensor, layout: BlockLayout, block_ids: list[int], end: int,
-           start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read the request's tokens ``[start, end)`` from its blocks: ``(keys, values)``, each
-    ``[num_kv_heads, end - start, head_size]``."""
-    key_idx, value_idx = _token_index(layout, block_ids, start, end, kv_cache.device)
-    flat = _flat(kv_cache)
-    return flat[key_idx], flat[value_idx]
-
-
-def _check_shape(layout: BlockLayout, keys: torch.Tensor, values: torch.Tensor) -> None:
-    want = (layout.num_kv_heads, layout.head_size)
+def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``keys``/``values`` ``[num_kv_heads, tokens, head_size]`` into the slots."""
     for name, t in (("keys", keys), ("values", values)):
-        if t.dim() != 3 or (t.shape[0], t.shape[2]) != want:
-            raise LayoutError(f"{name} of shape {list(t.shape)} do not fit a cache of {want[0]} kv heads "
-                              f"× {want[1]} channels")
+        if tuple(t.shape) != slots.shape:
+            raise LayoutError(f"{name} of shape {list(t.shape)} do not fit {list(slots.shape)} slots")
+    flat = _flat(kv_cache)
+    # scatter_, not index assignment: that is many times slower on CPU for long index lists.
+    flat.scatter_(0, slots.key, keys.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1))
+    flat.scatter_(0, slots.value, values.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1))
+
+
+def gather(kv_cache: torch.Tensor, slots: TokenSlots) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the slots back: ``(keys, values)``, each ``[num_kv_heads, tokens, head_size]``."""
+    flat = _flat(kv_cache)
+    return flat.index_select(0, slots.key).view(slots.shape), flat.index_select(0, slots.value).view(slots.shape)

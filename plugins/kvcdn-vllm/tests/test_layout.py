@@ -32,7 +32,7 @@ def test_gpu_layout_round_trip_lands_where_the_backend_reads(order, tokens):
     layout = paged.strided_layout(kv, DIM)
     blocks = [7, 2, 9]
     keys, values = request(tokens)
-    paged.scatter(kv, layout, blocks, keys, values)
+    paged.scatter(kv, paged.token_slots(layout, blocks, tokens), keys, values)
     # Exactly where FlashAttention reads, and nowhere else: kv[block, head, row, :D] keys, [D:] values.
     expected = gpu_cache(order)
     for t in range(tokens):
@@ -40,7 +40,7 @@ def test_gpu_layout_round_trip_lands_where_the_backend_reads(order, tokens):
         expected[b, :, row, :DIM] = keys[:, t]
         expected[b, :, row, DIM:] = values[:, t]
     assert torch.equal(kv, expected)
-    back_k, back_v = paged.gather(kv, layout, blocks, tokens)
+    back_k, back_v = paged.gather(kv, paged.token_slots(layout, blocks, tokens))
     assert torch.equal(back_k, keys) and torch.equal(back_v, values)
 
 
@@ -48,11 +48,11 @@ def test_scatter_from_a_start_inside_a_block_keeps_earlier_tokens():
     kv = gpu_cache("NHD")
     layout = paged.strided_layout(kv, DIM)
     keys, values = request(40)
-    paged.scatter(kv, layout, [3, 4, 5], keys[:, :20], values[:, :20])
-    paged.scatter(kv, layout, [3, 4, 5], keys[:, 20:], values[:, 20:], start=20)
-    back_k, back_v = paged.gather(kv, layout, [3, 4, 5], 40)
+    paged.scatter(kv, paged.token_slots(layout, [3, 4, 5], 20), keys[:, :20], values[:, :20])
+    paged.scatter(kv, paged.token_slots(layout, [3, 4, 5], 40, start=20), keys[:, 20:], values[:, 20:])
+    back_k, back_v = paged.gather(kv, paged.token_slots(layout, [3, 4, 5], 40))
     assert torch.equal(back_k, keys) and torch.equal(back_v, values)
-    part_k, _ = paged.gather(kv, layout, [3, 4, 5], 33, start=17)
+    part_k, _ = paged.gather(kv, paged.token_slots(layout, [3, 4, 5], 33, start=17))
     assert torch.equal(part_k, keys[:, 17:33])
 
 
@@ -61,9 +61,9 @@ def test_too_few_blocks_and_wrong_shapes_are_refused():
     layout = paged.strided_layout(kv, DIM)
     keys, values = request(BLOCK + 1)
     with pytest.raises(paged.LayoutError, match="need 2 blocks"):
-        paged.scatter(kv, layout, [1], keys, values)
+        paged.token_slots(layout, [1], BLOCK + 1)
     with pytest.raises(paged.LayoutError, match="do not fit"):
-        paged.scatter(kv, layout, [1, 2], keys[:2], values[:2])
+        paged.scatter(kv, paged.token_slots(layout, [1, 2], BLOCK + 1), keys[:2], values[:2])
     with pytest.raises(paged.LayoutError, match="expected a"):
         paged.strided_layout(torch.zeros(4, HEADS, BLOCK, DIM), DIM)
 
@@ -90,9 +90,10 @@ def test_probe_reads_an_opaque_layout_back(dtype):
     slots = torch.tensor([b * BLOCK + r for b in (5, 1) for r in range(BLOCK)][:BLOCK + 3])
     cpu_like_write(keys.permute(1, 0, 2), values.permute(1, 0, 2), expected, slots)
     # ... is what scatter stores, and gather reads it back.
-    paged.scatter(kv, layout, [5, 1], keys, values)
+    slots = paged.token_slots(layout, [5, 1], BLOCK + 3)
+    paged.scatter(kv, slots, keys, values)
     assert torch.equal(kv, expected)
-    back_k, back_v = paged.gather(kv, layout, [5, 1], BLOCK + 3)
+    back_k, back_v = paged.gather(kv, slots)
     assert torch.equal(back_k, keys) and torch.equal(back_v, values)
 
 
