@@ -54,6 +54,25 @@ class StorageBackend:
 
     # -- optional operations with portable defaults (the hosted server uses these) -----------
 
+    def open_read(self, key: str):
+        """A binary file object streaming object ``key`` (``read(n)``, ``close()``); the caller closes it.
+
+        Raises :class:`KvcdnError` when the object does not exist. The default stages the object in
+        a temp file that disappears when closed; backends that can stream override it.
+        """
+        staged = tempfile.TemporaryFile()
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / "object"
+            try:
+                self.get_file(key, target)
+            except BaseException:
+                staged.close()
+                raise
+            with open(target, "rb") as fh:
+                shutil.copyfileobj(fh, staged, 1 << 20)
+        staged.seek(0)
+        return staged
+
     def size_of(self, key: str) -> int | None:
         """Size of object ``key`` in bytes, or None when it does not exist."""
         for info in self.list(key):
@@ -152,6 +171,12 @@ class LocalStorage(StorageBackend):
         import io
 
         atomic_write_stream(self.path_of(key), io.BytesIO(data))
+
+    def open_read(self, key: str):
+        try:
+            return open(self.path_of(key), "rb")
+        except (FileNotFoundError, IsADirectoryError):
+            raise KvcdnError(f"no object '{key}' in {self.root}") from None
 
     def rename(self, source_key: str, target_key: str) -> None:
         target = self.path_of(target_key)

@@ -20,6 +20,8 @@ import click
 from kvcdn_core.commands.common import emit_json
 from kvcdn_core.errors import CheckFailed, KvcdnError
 
+from kvcdn_hosted import wire
+
 
 # -- shared options and plumbing -----------------------------------------------------------------
 
@@ -66,6 +68,15 @@ def hosted_command(name: str):
             except (click.exceptions.Exit, click.Abort, click.ClickException, KeyboardInterrupt):
                 _telemetry(kwargs, name, started, False)
                 raise
+            except (TypeError, KeyError, AttributeError, ValueError) as exc:
+                # A server (or a proxy in front of it) answered with a shape the command did not
+                # expect: one line and exit 2, not a traceback (KVCDN_DEBUG=1 shows where).
+                if os.environ.get("KVCDN_DEBUG"):
+                    raise
+                click.echo(f"error: {name}: unexpected data in the server's answer "
+                           f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", err=True)
+                _telemetry(kwargs, name, started, False)
+                raise click.exceptions.Exit(2) from None
             _telemetry(kwargs, name, started, True)
             return result
 
@@ -107,12 +118,9 @@ def _backend(uri: str | None, settings, quiet: bool):
 
 
 def _human_bytes(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    from kvcdn_core.progress import human_bytes
+
+    return human_bytes(float(n or 0))
 
 
 def _table(rows: list[tuple]) -> None:
@@ -233,7 +241,7 @@ def api_key_verify(api_url, api_key, fmt):
     if credential is None or credential.method != "api_key":
         raise KvcdnError("no API key set: kvcdn api-key set KEY, KVCDN_API_KEY or --api-key")
     with HostedClient(settings, credential=credential) as client:
-        response = client.request("POST", "/api/v1/api-keys/verify", what="api-key verify", ok=(200, 401))
+        response = client.request("POST", wire.VERIFY_API_KEY, what="api-key verify", ok=(200, 401))
     if response.status_code == 401:  # the check ran and the key failed it: exit 1
         raise CheckFailed(f"the server at {settings.api_url} rejects the API key {mask(credential.token)} "
                           f"from {credential.source}; ask your org admin for a valid key")
@@ -266,11 +274,12 @@ def api_key_clear():
 @click.option("--visibility", type=click.Choice(["private", "public"]), default="private", show_default=True)
 @click.option("--to", "to_uri", default=None, metavar="URI",
               help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].")
+@click.option("--force", is_flag=True, help="Replace an object of the same name in a --to store.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @endpoint_options
 @quiet_option
 @hosted_command("upload")
-def upload(artifact_path, name, visibility, to_uri, fmt, api_url, api_key, quiet):
+def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key, quiet):
     """Upload a .kv artifact and print its id."""
     source, _manifest = _check_upload_source(artifact_path)
     settings = settings_from(locals())
@@ -281,7 +290,9 @@ def upload(artifact_path, name, visibility, to_uri, fmt, api_url, api_key, quiet
     else:
         from kvcdn_hosted.transfer import sha256_file
 
-        key = name if name.endswith(".kv") else name + ".kv"
+        key = _store_key(name)
+        if not force and backend.exists(key):
+            raise KvcdnError(f"'{key}' exists in {to_uri}; pass --force to replace it or --name to choose another")
         backend.put_file(key, source)
         record = {"artifact_id": key, "name": name, "size_bytes": source.stat().st_size,
                   "sha256": sha256_file(source), "storage": to_uri}
@@ -330,6 +341,11 @@ def list_cmd(fmt, long_, from_uri, api_url, api_key):
         _table(rows)
 
 
+def _store_key(artifact_id: str) -> str:
+    """An artifact's key in a plain store: the id that upload printed, with or without its ``.kv``."""
+    return artifact_id if artifact_id.endswith(".kv") else artifact_id + ".kv"
+
+
 def _default_download_name(artifact_id: str, record: dict | None) -> str:
     name = (record or {}).get("name") or ""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
@@ -370,7 +386,7 @@ def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
         if hosted:
             backend.download(artifact_id, target)
         else:
-            _download_generic(backend, artifact_id, target)
+            _download_generic(backend, _store_key(artifact_id), target)
     click.echo(str(target))
 
 
@@ -427,6 +443,7 @@ def delete(artifact_id, yes, from_uri, api_url, api_key):
         record = backend.describe(artifact_id)
         label = f"{artifact_id} ({record.get('name')})" if record.get("name") else artifact_id
     else:
+        artifact_id = _store_key(artifact_id)
         if not backend.exists(artifact_id):
             raise KvcdnError(f"no artifact '{artifact_id}' in {from_uri}")
         label = artifact_id
@@ -476,7 +493,7 @@ def whoami(fmt, api_url, api_key):
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         credential = client.require_credential("whoami")
-        info = client.json("GET", "/api/v1/whoami", what="whoami")
+        info = client.json("GET", wire.WHOAMI, what="whoami")
     info = dict(info or {})
     if fmt == "json":
         info.update(access_token=credential.token, credential=credential.method,
@@ -503,7 +520,7 @@ def quota(fmt, api_url, api_key):
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         client.require_credential("quota")
-        info = client.json("GET", "/api/v1/quota", what="quota")
+        info = client.json("GET", wire.QUOTA, what="quota")
     if fmt == "json":
         emit_json(info)
         return
@@ -536,14 +553,17 @@ def admin_group():
 @hosted_command("admin mint-api-key")
 def mint_api_key(org, fmt, api_url):
     """Mint (derive) the API key of ORG; prints the key."""
-    from kvcdn_hosted.client import HostedClient
+    from kvcdn_hosted.client import HostedClient, insecure_remote
 
     secret = os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
     if not secret:
         raise KvcdnError("set KVCDN_ADMIN_SECRET to the server's admin secret (kvcdn serve prints where it is)")
     settings = settings_from(locals())
     with HostedClient(settings, auth=False) as client:
-        info = client.json("POST", "/api/v1/admin/api-keys", what="admin mint-api-key", json={"org_slug": org},
+        if insecure_remote(client.api_url):
+            click.echo(f"warning: sending the admin secret over plain http to {client.api_url}; "
+                       "use https for anything but a loopback address", err=True)
+        info = client.json("POST", wire.ADMIN_API_KEYS, what="admin mint-api-key", json={"org_slug": org},
                            headers={"X-Kvcdn-Admin-Secret": secret})
     if fmt == "json":
         emit_json(info)

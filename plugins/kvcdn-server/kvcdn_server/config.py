@@ -59,6 +59,7 @@ class ServerConfig:
 
     home: Path
     storage_uri: str
+    database_url: str
     models: list[str]
     public_url: str | None
     issuer_url: str | None
@@ -75,17 +76,28 @@ class ServerConfig:
     upload_ttl: int
     download_ttl: int
     pending_grace: int
+    lease_seconds: float
+    orphan_grace: float
+    gc_interval: float
     orgs_refresh: float
     infer_concurrency: int
     infer_timeout: float
     infer_max_models: int
     infer_cache_bytes: int
     infer_device: str
+    infer_dtype: str
+    infer_per_tenant: int
+    infer_max_new_tokens: int
+    infer_max_question_tokens: int
+    infer_max_context_tokens: int
+    infer_model_bytes: int
     telemetry_url: str | None
     telemetry_secret: str | None
     created_secrets: list[Path] = dataclasses.field(default_factory=list)
 
 
+#: secrets given through the environment are at least this long
+MIN_SECRET = 32
 ALLOWED_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 
 
@@ -122,8 +134,9 @@ def _secret_file(path: Path, created: list[Path]) -> bytes:
 def _secret(env: str, path: Path, created: list[Path]) -> bytes:
     value = os.environ.get(env, "").strip()
     if value:
-        if len(value) < 16:
-            raise KvcdnError(f"{env} is too short: use at least 16 characters (32 random bytes in hex is best)")
+        if len(value) < MIN_SECRET:
+            raise KvcdnError(f"{env} is too short: use at least {MIN_SECRET} characters "
+                             "(32 random bytes in hex is best)")
         return value.encode()
     return _secret_file(path, created)
 
@@ -161,10 +174,21 @@ def _device(value: str) -> str:
     return value
 
 
+def _dtype(value: str) -> str:
+    if value not in INFER_DTYPES:
+        raise KvcdnError(f"inference dtype must be one of {', '.join(INFER_DTYPES)}, not '{value}'")
+    return value
+
+
+#: compute dtypes the server may be told to use (auto: float32 on CPU, bfloat16 on CUDA)
+INFER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def load_config(storage: str | None = None, models: str | None = None, public_url: str | None = None,
                 issuer_url: str | None = None, client_id: str | None = None,
                 infer_concurrency: int | None = None, infer_timeout: float | None = None,
-                device: str | None = None) -> ServerConfig:
+                device: str | None = None, database: str | None = None,
+                dtype: str | None = None) -> ServerConfig:
     home = server_home()
     created: list[Path] = []
     storage_uri = storage or os.environ.get("KVCDN_STORAGE", "").strip() or str(home / "objects")
@@ -176,6 +200,8 @@ def load_config(storage: str | None = None, models: str | None = None, public_ur
     return ServerConfig(
         home=home,
         storage_uri=storage_uri,
+        database_url=(database or os.environ.get("KVCDN_DATABASE_URL", "").strip()
+                      or f"sqlite:///{home / 'kvcdn.db'}"),
         models=model_list,
         public_url=(public_url or os.environ.get("KVCDN_PUBLIC_URL", "").strip() or None),
         issuer_url=check_issuer_url(issuer_url or os.environ.get("KVCDN_ISSUER_URL", "").strip() or None),
@@ -192,12 +218,21 @@ def load_config(storage: str | None = None, models: str | None = None, public_ur
         upload_ttl=_int_env("KVCDN_UPLOAD_URL_TTL", 3600, 1),
         download_ttl=_int_env("KVCDN_DOWNLOAD_URL_TTL", 3600, 1),
         pending_grace=_int_env("KVCDN_PENDING_GRACE", 900),
+        lease_seconds=_float_env("KVCDN_LEASE_SECONDS", 30.0),
+        orphan_grace=_float_env("KVCDN_ORPHAN_GRACE", 3600.0),
+        gc_interval=_float_env("KVCDN_GC_INTERVAL", 60.0),
         orgs_refresh=_float_env("KVCDN_ORGS_REFRESH", 5.0),
         infer_concurrency=infer_concurrency or _int_env("KVCDN_INFER_CONCURRENCY", 2, 1),
         infer_timeout=infer_timeout or _float_env("KVCDN_INFER_TIMEOUT", 120.0),
         infer_max_models=_int_env("KVCDN_INFER_MAX_MODELS", 2, 1),
         infer_cache_bytes=_int_env("KVCDN_INFER_CACHE_BYTES", 4 * GIB, 1),
         infer_device=_device(device or os.environ.get("KVCDN_INFER_DEVICE", "").strip() or "auto"),
+        infer_dtype=_dtype(dtype or os.environ.get("KVCDN_INFER_DTYPE", "").strip() or "auto"),
+        infer_per_tenant=_int_env("KVCDN_INFER_PER_TENANT", 0),
+        infer_max_new_tokens=_int_env("KVCDN_INFER_MAX_NEW_TOKENS", 256, 1),
+        infer_max_question_tokens=_int_env("KVCDN_INFER_MAX_QUESTION_TOKENS", 1024, 1),
+        infer_max_context_tokens=_int_env("KVCDN_INFER_MAX_CONTEXT_TOKENS", 32768, 1),
+        infer_model_bytes=_int_env("KVCDN_INFER_MODEL_BYTES", 16 * GIB, 1),
         telemetry_url=os.environ.get("KVCDN_TELEMETRY_URL", "").strip() or None,
         telemetry_secret=os.environ.get("KVCDN_TELEMETRY_SECRET", "").strip() or None,
         created_secrets=created,
