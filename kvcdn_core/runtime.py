@@ -190,16 +190,23 @@ def decode(session: Session, ids: list[int]) -> str:
 
 
 def build_manifest(session: Session, layers: list[dict], context: str) -> dict:
+    return model_manifest(session.model_ref, session.revision, session.adapter.family, session.fingerprint,
+                          session.dtype, layers, context)
+
+
+def model_manifest(model_ref: str, revision: str | None, family: str | None, fingerprint: dict, dtype: str,
+                   layers: list[dict], context: str | None) -> dict:
+    """The manifest of an unquantized cache, for writers without a :class:`Session` (serving engines)."""
     return {
         "kvcdn_version": kvcdn_core.__version__,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {
-            "id": session.model_ref,
-            "revision": session.revision,
-            "family": session.adapter.family,
-            **session.fingerprint,
+            "id": model_ref,
+            "revision": revision,
+            "family": family,
+            **fingerprint,
         },
-        "compute_dtype": session.dtype,
+        "compute_dtype": dtype,
         "context": context,
         "layers": layers,
         "quantization": None,
