@@ -243,9 +243,9 @@ def parse_schemes(text: str, installed: list[str]) -> list[str]:
 
 
 def installed_schemes() -> list[str]:
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import quantizer_classes
 
-    return sorted(get_host().quantizers())
+    return sorted(quantizer_classes())
 
 
 def check_lengths(session, lengths: list[int]) -> None:
@@ -454,9 +454,10 @@ def quantize(source: Path, scheme: str, target: Path) -> Path:
     """Quantize an artifact with an installed quantizer (the same code path as ``kvcdn quant``)."""
     from kvcdn_core import artifact as fmt
     from kvcdn_core import quant
+    from kvcdn_core.registry import quantizer_for
 
     header = fmt.read_header(source)
-    quantizer = quant.get_quantizer_class(scheme)()
+    quantizer = quantizer_for(scheme)()
     result = quant.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer)
     return fmt.write_artifact(target, result.manifest, result.tensors)
 
@@ -479,7 +480,7 @@ def csv_text(rows: list[BenchRow]) -> str:
 
 def write_csv(rows: list[BenchRow], path: Path) -> Path:
     """Write the CSV atomically (temp file in the same directory, fsync, rename)."""
-    from kvcdn_core.storage import atomic_write_stream
+    from kvcdn_core.atomic import atomic_write_stream
 
     atomic_write_stream(Path(path), io.BytesIO(csv_text(rows).encode("utf-8")))
     return Path(path)

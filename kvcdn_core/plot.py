@@ -203,7 +203,7 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
 
 def write_png(data: bytes, path: Path) -> Path:
     """Write atomically (temp file in the same directory, fsync, rename)."""
-    from kvcdn_core.storage import atomic_write_stream
+    from kvcdn_core.atomic import atomic_write_stream
 
     atomic_write_stream(Path(path), io.BytesIO(data))
     return Path(path)

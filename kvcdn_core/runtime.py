@@ -15,8 +15,8 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.model_files import (architecture_of, fingerprint, fingerprint_differences, read_config,
                                     resolve_model_dir)
-from kvcdn_core.plugins import get_host
 from kvcdn_core.progress import Progress
+from kvcdn_core.registry import adapter_for
 
 from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
 
@@ -57,40 +57,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def adapter_for(architecture: str):
-    """The adapter class that claims an architecture, or a clear error naming what to install."""
-    host = get_host()
-    adapters = host.model_adapters()
-    cls = adapters.get(architecture)
-    if cls is None:
-        families = sorted(host.families())
-        installed = ", ".join(families) if families else "none"
-        guess = _guess_extra(architecture)
-        raise KvcdnError(
-            f"no installed kvcdn model plugin serves architecture '{architecture}' "
-            f"(installed families: {installed}); install one, e.g. pip install 'kvcdn[{guess}]'"
-        )
-    return cls
-
-
-_EXTRA_HINTS = {
-    "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
-    "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
-    "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",
-    "stablelm": "olmo-granite", "starcoder": "olmo-granite", "mamba": "ssm",
-}
-
-
-def _guess_extra(architecture: str) -> str:
-    lower = architecture.lower()
-    if "mamba" in lower:
-        return "ssm"
-    for key, extra in _EXTRA_HINTS.items():
-        if lower.startswith(key):
-            return extra
-    return "all"
-
-
 def load_session(model_ref: str, revision: str | None = None, device: str = "auto",
                  dtype: str = "auto", adapter_cls=None) -> Session:
     """Load a model through the adapter that claims it (or ``adapter_cls``, for contract tests)."""
@@ -109,6 +75,21 @@ def load_session(model_ref: str, revision: str | None = None, device: str = "aut
     ref = str(local.resolve()) if local.is_dir() else model_ref
     return Session(adapter, model, tokenizer, ref, revision, model_dir, fingerprint(model_dir),
                    device, dtype)
+
+
+def session_for_artifact(manifest: dict | None, model: str | None = None, revision: str | None = None,
+                         device: str = "auto", dtype: str = "auto") -> Session:
+    """The session to continue an artifact: the model its manifest names, at its compute dtype.
+
+    ``model`` overrides the named model (then only ``revision`` picks its revision); ``dtype`` other
+    than ``auto`` overrides the compute dtype. Without a manifest, ``model`` or the default model.
+    """
+    named = (manifest or {}).get("model") or {}
+    if dtype == "auto" and manifest and manifest.get("compute_dtype") in ("float32", "bfloat16", "float16"):
+        dtype = manifest["compute_dtype"]
+    if model is None and revision is None:
+        revision = named.get("revision")
+    return load_session(model or named.get("id") or DEFAULT_MODEL, revision, device, dtype)
 
 
 def _ids_tensor(session: Session, ids: list[int]):

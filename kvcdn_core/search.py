@@ -338,9 +338,9 @@ class QueryTokenizer:
 
 def load_adapter(model_dir: Path):
     """The installed adapter for the model's architecture, or the base one (tokenizing is generic)."""
-    from kvcdn_core.adapter import ModelAdapter
+    from kvcdn_core.contracts.adapter import ModelAdapter
     from kvcdn_core.model_files import architecture_of, read_config
-    from kvcdn_core.runtime import adapter_for
+    from kvcdn_core.registry import adapter_for
 
     try:
         return adapter_for(architecture_of(read_config(model_dir)))()
@@ -351,7 +351,7 @@ def load_adapter(model_dir: Path):
 def transformers_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
     tok = AutoTokenizer.from_pretrained(model_dir)

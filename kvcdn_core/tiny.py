@@ -70,7 +70,7 @@ def build_tiny_model(adapter_cls, architecture: str, out_dir: str | Path, seed: 
     """Build the adapter's tiny config for ``architecture`` with random weights and save it."""
     import torch
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
     out = Path(out_dir)
@@ -127,13 +127,13 @@ def teach_tiny_model(model_dir: Path, out_dir: Path, text: str = SAMPLE_TEXT, st
 def main(argv=None) -> int:
     import argparse
 
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import adapter_classes
 
     parser = argparse.ArgumentParser(prog="python -m kvcdn_core.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("architecture", help="e.g. Qwen3ForCausalLM")
     parser.add_argument("out_dir")
     args = parser.parse_args(argv)
-    adapters = get_host().model_adapters()
+    adapters = adapter_classes()
     if args.architecture not in adapters:
         print(f"error: no installed adapter serves {args.architecture}", file=sys.stderr)
         return 2

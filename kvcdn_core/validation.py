@@ -145,7 +145,7 @@ PHASES: list[tuple[str, Callable[[ValidationRun], PhaseResult]]] = [
 ]
 
 # The quantized path (issue 4): int8, checked on every family's real cache; see kvcdn_core.quant.
-from kvcdn_core.quant import validation_phase as _quant_phase  # noqa: E402
+from kvcdn_core.quant_validation import validation_phase as _quant_phase  # noqa: E402
 
 PHASES.append(("quant:int8", _quant_phase("int8")))
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import emit_json, format_option, model_options, read_text_file
+from kvcdn_core.commands.common import format_option, model_options, read_text_file
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -69,20 +68,9 @@ def artifact_path(explicit: str | None, command: str, model: str, for_writing: b
     return path
 
 
-def emit_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, ensure_ascii=False))
-
-
 def open_artifact(path: Path, model: str | None, revision: str | None, device: str, dtype: str):
     """Read an artifact's header and load the model it names (or ``model``): ``(session, header)``."""
     from kvcdn_core import artifact, runtime
 
     header = artifact.read_header(path)
-    named = header.manifest.get("model", {})
-    session = runtime.load_session(
-        model or named.get("id") or runtime.DEFAULT_MODEL,
-        revision if revision is not None else (named.get("revision") if not model else None),
-        device,
-        dtype if dtype != "auto" else header.manifest.get("compute_dtype", "auto"),
-    )
-    return session, header
+    return runtime.session_for_artifact(header.manifest, model, revision, device, dtype), header

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import (emit_json, force_option, format_option, model_options, open_artifact,
-                                        read_text_file)
+from kvcdn_core.commands.common import force_option, format_option, model_options, open_artifact, read_text_file
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.paths import ensure_kv_suffix
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import emit_json
+from kvcdn_core.render import emit_json
 from kvcdn_core.commands.verify import check_options, prepare
 from kvcdn_core.errors import CheckFailed
 

@@ -6,7 +6,8 @@ import time
 
 import click
 
-from kvcdn_core.commands.common import artifact_path, emit_json, format_option, model_options, read_text_file
+from kvcdn_core.commands.common import artifact_path, format_option, model_options, read_text_file
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL
 
 

@@ -6,7 +6,8 @@ import collections
 
 import click
 
-from kvcdn_core.commands.common import emit_json, format_option
+from kvcdn_core.commands.common import format_option
+from kvcdn_core.render import emit_json
 from kvcdn_core.errors import CheckFailed
 from kvcdn_core.paths import ensure_kv_suffix
 

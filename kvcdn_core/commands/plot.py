@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import emit_json, format_option
+from kvcdn_core.commands.common import format_option
+from kvcdn_core.render import emit_json
 
 
 @click.command("plot")

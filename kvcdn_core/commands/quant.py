@@ -7,17 +7,16 @@ compares by token id with a full prefill (the reference) and with the unquantize
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import emit_json, format_option, read_text_file
+from kvcdn_core.commands.common import format_option, read_text_file
 from kvcdn_core.errors import CheckFailed, KvcdnError
 from kvcdn_core.paths import ensure_kv_suffix
+from kvcdn_core.render import render
 from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 SCHEME_HELP = ("int8 (per-channel keys, per-token values; default), int8-tensor (one scale per tensor), "
@@ -53,7 +52,7 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             question, model, revision, device, compute_dtype, quiet, fmt):
     """Quantize a KV artifact: print the compression ratio and dequantization error, and with
     --verify check that continuing from it is token-exact against a full prefill."""
-    from kvcdn_core import quant
+    from kvcdn_core import quant, quant_service
 
     if bool(input_path) == bool(context_file):
         raise KvcdnError("pass exactly one of --input (an artifact) or --context-file (a document)")
@@ -62,7 +61,9 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
         raise KvcdnError(f"--target-dtype {target_dtype} is the storage dtype of scheme {implied}, "
                          f"which contradicts --scheme {scheme}; drop one of them")
     scheme = scheme or implied or "int8"
-    quantizer = quant.get_quantizer_class(scheme)(
+    from kvcdn_core.registry import quantizer_for
+
+    quantizer = quantizer_for(scheme)(
         **{k: v for k, v in (("group_size", group_size), ("residual", residual)) if v is not None})
 
     if input_path:
@@ -71,7 +72,7 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             raise KvcdnError(f"input artifact '{source}' does not exist")
     else:
         source = Path(context_file)
-    out = ensure_kv_suffix(output) if output else quant.default_output(source, scheme)
+    out = ensure_kv_suffix(output) if output else quant_service.default_output(source, scheme)
     if out.exists() and source.exists() and out.resolve() == source.resolve():
         raise KvcdnError(f"output '{out}' is the input; kvcdn quant never overwrites its input, pass another --output")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,7 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             if do_verify:  # load and check the model before anything is written
                 from kvcdn_core import runtime
 
-                session = _session_for(header.manifest, model, revision, device, compute_dtype)
+                session = runtime.session_for_artifact(header.manifest, model, revision, device, compute_dtype)
                 runtime.check_model(session, header.manifest)
         else:
             from kvcdn_core import artifact, runtime
@@ -99,102 +100,19 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             temp_input = Path(name)
             runtime.generate(session, context, temp_input, progress=not quiet)
             header = artifact.read_header(temp_input)
-        event = run_quant(header, out, quantizer, target, source if input_path else Path(context_file),
-                          source_kind, session, question, n if do_verify else None)
+        event = quant_service.quantize_artifact(header, out, quantizer, target, source if input_path else Path(context_file),
+                                        source_kind, session, question, n if do_verify else None)
     finally:
         if temp_input is not None:
             temp_input.unlink(missing_ok=True)
-    _report(event, fmt)
-    if event["verification"] == "Mismatch":
-        v = event["verify"]
+    render(event.as_dict(), fmt, _table)
+    if event.verification == "Mismatch" and event.verify:
+        v = event.verify
         raise CheckFailed(f"quantized continuation diverges from the full prefill at token "
                           f"{v['first_divergence_reference']} ({v['reference_matches']}/{v['n']} match)")
 
 
-def _session_for(manifest, model, revision, device, compute_dtype):
-    from kvcdn_core import runtime
-
-    named = manifest.get("model", {})
-    dtype = compute_dtype if compute_dtype != "auto" else manifest.get("compute_dtype", "auto")
-    return runtime.load_session(model or named.get("id") or DEFAULT_MODEL,
-                                revision if revision is not None else (named.get("revision") if not model else None),
-                                device, dtype)
-
-
-def run_quant(header, out: Path, quantizer, target, source: Path, source_kind: str, session=None,
-              question: str = DEFAULT_QUESTION, n: int | None = None) -> dict:
-    """Quantize ``header``'s artifact into ``out``, optionally verify, write the event; return it."""
-    from kvcdn_core import artifact, quant
-
-    start = time.perf_counter()
-    tensors = artifact.load_tensors(header)
-    result = quant.quantize_cache(header.manifest, tensors, quantizer, target)
-    artifact.write_artifact(out, result.manifest, result.tensors)
-    seconds = time.perf_counter() - start
-    q = result.manifest["quantization"]
-    original, quantized = header.file_size, out.stat().st_size
-    errors = {role: stats.as_dict() for role, stats in sorted(result.errors.items())}
-    model = header.manifest.get("model", {})
-    event = {
-        "event": "kvcdn.quant",
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "input": str(source), "input_kind": source_kind, "output": str(out),
-        "model": model.get("id"), "architecture": model.get("architecture"),
-        "scheme": quantizer.scheme, "parameters": dict(quantizer.params),
-        "target_dtype": q["target_dtype"], "storage_dtype": q["storage_dtype"], "source_dtype": q["source_dtype"],
-        "tokens": header.token_count, "layers": len(header.manifest["layers"]),
-        "quantized_layers": result.quantized_layers, "full_precision_layers": result.kept_layers,
-        "original_bytes": original, "quantized_bytes": quantized,
-        "compression_ratio": round(original / quantized, 4) if quantized else None,
-        "errors": errors, "max_error": max((e["max_abs"] for e in errors.values()), default=0.0),
-        "seconds": round(seconds, 4),
-        "verification": "Skipped", "mismatch_indices": [],
-    }
-    event["event_path"] = str(quant.event_path(out))
-    if n is not None:
-        try:
-            event["verify"] = verify_quantized(session, header, artifact.read_header(out), question, n)
-        except KvcdnError as exc:  # the record still says what was written and why verification stopped
-            event["verification"], event["verification_error"] = "Error", str(exc)
-            quant.write_json_atomic(quant.event_path(out), event)
-            raise
-        event["verification"] = "Match" if event["verify"]["reference_passed"] else "Mismatch"
-        event["mismatch_indices"] = event["verify"]["mismatch_indices"]
-    quant.write_json_atomic(quant.event_path(out), event)
-    return event
-
-
-def verify_quantized(session, source_header, quant_header, question: str, n: int) -> dict:
-    """Token ids of the quantized artifact's continuation against a full prefill and the unquantized one."""
-    from kvcdn_core import runtime, verify
-
-    question_ids = session.adapter.encode_continuation(session.tokenizer, question)
-    quant_ids, _, context_ids = verify.cached(session, quant_header, question_ids, n)
-    plain_ids, _, _ = verify.cached(session, source_header, question_ids, n)
-    reference_ids, _ = verify.reference(session, context_ids, question_ids, n)
-
-    def first_diff(a, b):
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-    mismatches = [i for i, (a, b) in enumerate(zip(reference_ids, quant_ids)) if a != b]
-    return {
-        "n": n, "question": question, "context_tokens": len(context_ids), "question_tokens": len(question_ids),
-        "reference_matches": n - len(mismatches),
-        "unquantized_matches": sum(a == b for a, b in zip(plain_ids, quant_ids)),
-        "first_divergence_reference": first_diff(reference_ids, quant_ids),
-        "first_divergence_unquantized": first_diff(plain_ids, quant_ids),
-        "reference_passed": not mismatches and len(quant_ids) == len(reference_ids),
-        "mismatch_indices": mismatches,
-        "reference_ids": reference_ids, "quantized_ids": quant_ids, "unquantized_ids": plain_ids,
-        "reference_text": runtime.decode(session, reference_ids),
-        "quantized_text": runtime.decode(session, quant_ids),
-    }
-
-
-def _report(event: dict, fmt: str) -> None:
-    if fmt == "json":
-        emit_json(event)
-        return
+def _table(event: dict) -> None:
     click.echo(f"wrote {event['output']}")
     params = ", ".join(f"{k} {v}" for k, v in event["parameters"].items())
     click.echo(f"  scheme {event['scheme']}{f' ({params})' if params else ''}, storage {event['storage_dtype']}, "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import emit_json, force_option, format_option, model_options, read_text_file
+from kvcdn_core.commands.common import force_option, format_option, model_options, read_text_file
+from kvcdn_core.render import emit_json
 from kvcdn_core.errors import KvcdnError
 
 

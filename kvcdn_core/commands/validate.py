@@ -15,7 +15,8 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import emit_json, read_text_file
+from kvcdn_core.commands.common import read_text_file
+from kvcdn_core.render import emit_json
 from kvcdn_core.errors import CheckFailed, KvcdnError
 
 
@@ -24,7 +25,7 @@ class ArchReport:
     """One architecture's validation: who serves it, its cache layers, and each phase's result."""
 
     family: str
-    extra: str
+    requirement: str  # what to pip install for this family
     architecture: str
     source: str  # "tiny" or the model id
     phases: list = dataclasses.field(default_factory=list)  # PhaseResult
@@ -40,7 +41,7 @@ class ArchReport:
 
     def as_dict(self) -> dict:
         return {
-            "family": self.family, "extra": self.extra, "architecture": self.architecture,
+            "family": self.family, "requirement": self.requirement, "architecture": self.architecture,
             "source": self.source, "passed": self.passed, "layers": self.layer_summary(),
             "seconds": round(self.seconds, 3), "phases": [p.as_dict() for p in self.phases],
         }
@@ -59,10 +60,10 @@ def summarize_layers(layers: list[dict]) -> str:
 
 def installed_adapters() -> dict[str, dict[str, type]]:
     """family → architecture → adapter class, for every installed model plugin."""
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import adapter_classes
 
     by_family: dict[str, dict[str, type]] = {}
-    for arch, cls in get_host().model_adapters().items():
+    for arch, cls in adapter_classes().items():
         by_family.setdefault(cls.family, {})[arch] = cls
     return by_family
 
@@ -90,7 +91,7 @@ def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> Ar
     from kvcdn_core.tiny import build_tiny_model
     from kvcdn_core.validation import tiny_options
 
-    report = ArchReport(family, cls.extra_name(), arch, "tiny")
+    report = ArchReport(family, cls.install_requirement(), arch, "tiny")
     start = time.perf_counter()
     if arch not in (cls.validation_configs or {}):
         from kvcdn_core.validation import PhaseResult
@@ -115,7 +116,7 @@ def validate_model(model: str, revision, device: str, dtype: str, workdir: Path,
     start = time.perf_counter()
     session = runtime.load_session(model, revision, device, dtype)  # refusals exit 2 here
     arch = session.fingerprint.get("architecture") or type(session.model).__name__
-    report = ArchReport(session.adapter.family, session.adapter.extra_name(), arch, model)
+    report = ArchReport(session.adapter.family, session.adapter.install_requirement(), arch, model)
     validate_one(session, report, workdir, n, context)
     report.seconds = time.perf_counter() - start
     return report
@@ -165,7 +166,7 @@ def render_markdown(reports: list[ArchReport]) -> str:
              "| --- | --- | --- | --- | --- |"]
     for r in sorted(reports, key=lambda r: (r.family, r.architecture)):
         status = "PASS" if r.passed else "FAIL"
-        lines.append(f"| `{r.architecture}` | {r.family} | `pip install 'kvcdn[{r.extra}]'` | "
+        lines.append(f"| `{r.architecture}` | {r.family} | `pip install '{r.requirement}'` | "
                      f"{r.layer_summary()} | {status} |")
     return "\n".join(lines)
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import (artifact_path, emit_json, force_option, format_option,
-                                        model_options, open_artifact, read_text_file)
+from kvcdn_core.commands.common import (artifact_path, force_option, format_option, model_options, open_artifact,
+                                        read_text_file)
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 

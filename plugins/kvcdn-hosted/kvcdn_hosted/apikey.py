@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import string
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError
 
 PREFIX = "kv_"
 #: hex of a 32-byte HKDF-SHA256 output

@@ -12,7 +12,7 @@ import random
 import time
 from typing import Any
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError
 
 from kvcdn_hosted import credentials, oidc
 from kvcdn_hosted.apikey import validate_api_key

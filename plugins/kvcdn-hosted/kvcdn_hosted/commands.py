@@ -17,8 +17,8 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import emit_json
-from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core import emit_json
+from kvcdn_core import CheckFailed, KvcdnError
 
 
 # -- shared options and plumbing -----------------------------------------------------------------
@@ -97,7 +97,7 @@ def _backend(uri: str | None, settings, quiet: bool):
 
     if uri is None:
         return True, _hosted(settings, quiet)
-    from kvcdn_core.storage import open_storage
+    from kvcdn_core import open_storage
 
     backend = open_storage(uri)
     if isinstance(backend, HostedStorage):
@@ -347,7 +347,7 @@ def _default_download_name(artifact_id: str, record: dict | None) -> str:
 @hosted_command("download")
 def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
     """Download an artifact, check its sha256 and .kv header, and write it atomically."""
-    from kvcdn_core.paths import ensure_kv_suffix
+    from kvcdn_core import ensure_kv_suffix
 
     settings = settings_from(locals())
     hosted, backend = _backend(from_uri, settings, quiet)

@@ -12,8 +12,8 @@ import re
 import sys
 from pathlib import Path
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import config_home
+from kvcdn_core import KvcdnError
+from kvcdn_core import config_home
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core.atomic import atomic_open
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import config_home
+from kvcdn_core import atomic_open
+from kvcdn_core import KvcdnError
+from kvcdn_core import config_home
 
 FILE_NAME = "credentials.json"
 

@@ -19,7 +19,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Callable
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError
 
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 DEFAULT_SCOPE = "openid offline_access"

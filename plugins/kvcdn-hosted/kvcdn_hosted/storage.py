@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, urlparse
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.storage import ObjectInfo, StorageBackend
+from kvcdn_core import KvcdnError
+from kvcdn_core import ObjectInfo, StorageBackend
 
 API = "/api/v1"
 #: confirm makes the server read and hash the whole object: allow a floor plus time per byte

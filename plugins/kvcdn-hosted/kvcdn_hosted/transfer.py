@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from kvcdn_core.atomic import fsync_dir
-from kvcdn_core.errors import CheckFailed, KvcdnError
-from kvcdn_core.progress import Progress
+from kvcdn_core import fsync_dir
+from kvcdn_core import CheckFailed, KvcdnError
+from kvcdn_core import Progress
 
 from kvcdn_hosted.client import ATTEMPTS, TRANSIENT_STATUSES, backoff_delay, server_message
 
@@ -154,7 +154,7 @@ def check_artifact(path: Path) -> None:
     A failure is :class:`CheckFailed` (exit 1): the bytes arrived, and they are not what was promised.
     """
     from kvcdn_core import artifact
-    from kvcdn_core.errors import ArtifactError
+    from kvcdn_core import ArtifactError
 
     try:
         header = artifact.read_header(path)

@@ -20,8 +20,8 @@ from typing import Any
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core import ModelAdapter
+from kvcdn_core import ArtifactError, KvcdnError
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ repeats one token, which would let a broken cache pass.
 """
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ plugin names the architectures and their tiny validation configs. The older Chat
 """
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 
 __version__ = "0.1.0"
 

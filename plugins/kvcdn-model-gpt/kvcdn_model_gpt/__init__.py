@@ -23,8 +23,8 @@ multi-query, grouped), so the base adapter exports and imports them. What this p
 from __future__ import annotations
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core import ModelAdapter
+from kvcdn_core import ArtifactError, KvcdnError
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ checkpoints are not.
 """
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ nothing in the cache: it is a plain full-attention (or sliding) cache.
 """
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 
 __version__ = "0.1.0"
 

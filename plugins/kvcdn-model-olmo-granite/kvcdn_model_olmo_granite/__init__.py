@@ -8,7 +8,7 @@ and imports them unchanged.
 """
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 
 __version__ = "0.1.0"
 

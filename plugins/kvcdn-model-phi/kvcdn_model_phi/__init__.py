@@ -9,7 +9,7 @@ a short-factor artifact past it. Phi-2 rotates only part of each head (``partial
 """
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ Qwen3-Next adds linear-attention layers (see :mod:`kvcdn_model_qwen.qwen3_next`)
 """
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 from kvcdn_model_qwen.qwen3_next import QWEN3_NEXT_CONFIG, LinearAttentionLayers
 
 __version__ = "0.1.0"

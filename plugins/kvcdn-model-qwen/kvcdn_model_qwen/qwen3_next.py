@@ -10,7 +10,7 @@ state on multi-token input, so chunked prefill and multi-token continuation need
 from __future__ import annotations
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core.errors import ArtifactError
+from kvcdn_core import ArtifactError
 
 QWEN3_NEXT_CONFIG = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

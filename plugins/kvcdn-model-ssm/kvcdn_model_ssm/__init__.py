@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core import ModelAdapter
+from kvcdn_core import ArtifactError, KvcdnError
 from kvcdn_model_ssm import scan
 
 __version__ = "0.1.0"

@@ -12,9 +12,7 @@ schemes do not declare those layer kinds, so kvcdn keeps such layers in full pre
 
 from __future__ import annotations
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import hookimpl
-from kvcdn_core.quant import KEY, Quantizer, round_down_param, round_up_param
+from kvcdn_core import FULL_ATTENTION, KEY, SLIDING_WINDOW, Quantizer, hookimpl, round_down_param, round_up_param
 
 __version__ = "0.1.0"
 
@@ -56,7 +54,7 @@ class GroupedQuantizer(Quantizer):
     """Asymmetric quantization in groups along the token axis (keys) or the channel axis (values)."""
 
     bits = 4
-    supported_kinds = (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW)
+    supported_kinds = (FULL_ATTENTION, SLIDING_WINDOW)
     storage_dtype = "U8"
 
     @property

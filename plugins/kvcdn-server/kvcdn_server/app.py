@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvcdn_core
-from kvcdn_core.storage import LocalStorage, open_storage
+from kvcdn_core import LocalStorage, open_storage
 
 from kvcdn_server.apikeys import OrgRegistry, check_slug
 from kvcdn_server.artifacts import (TENANT, UUID, ArtifactStore, check_id, check_name, now_iso, public_view,

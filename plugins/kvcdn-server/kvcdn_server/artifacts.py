@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcdn_core import artifact as kvformat
-from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.storage import LocalStorage
+from kvcdn_core import ArtifactError, KvcdnError
+from kvcdn_core import LocalStorage
 
 from kvcdn_server.errors import ApiError, not_found
 

@@ -78,7 +78,7 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket here, so that a busy port is one line and exit 2, not uvicorn's exit 3."""
-    from kvcdn_core.errors import KvcdnError
+    from kvcdn_core import KvcdnError
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

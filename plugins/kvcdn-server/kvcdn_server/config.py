@@ -12,8 +12,8 @@ import os
 import secrets
 from pathlib import Path
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import data_home
+from kvcdn_core import KvcdnError
+from kvcdn_core import data_home
 
 GIB = 1 << 30
 

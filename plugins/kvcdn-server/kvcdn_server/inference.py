@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError
 
 from kvcdn_server.errors import ApiError
 

@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from kvcdn_core import hookimpl
-from kvcdn_core.atomic import atomic_open
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.storage import ObjectInfo, StorageBackend, safe_key
+from kvcdn_core import atomic_open
+from kvcdn_core import KvcdnError
+from kvcdn_core import ObjectInfo, StorageBackend, safe_key
 
 __version__ = "0.1.0"
 

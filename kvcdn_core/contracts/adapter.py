@@ -41,8 +41,11 @@ class ModelAdapter:
     #: architecture → keyword arguments of its transformers config class, a tiny float32 model
     #: (2-4 layers, hidden 64-128) for offline validation. ``vocab_size`` is set by the builder.
     validation_configs: ClassVar[dict[str, dict[str, Any]]] = {}
-    #: The extra to install for this family: ``pip install 'kvcdn[<extra>]'``. Defaults to family.
+    #: The kvcdn extra that installs this family, ``kvcdn[<extra>]``; defaults to the family name.
     extra: ClassVar[str | None] = None
+    #: The pip requirement that installs this adapter (``kvcdn-model-olmo3>=0.2``); a third-party
+    #: family sets it, since no ``kvcdn[...]`` extra names it. Defaults to ``kvcdn[<extra>]``.
+    requirement: ClassVar[str | None] = None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -244,3 +247,8 @@ class ModelAdapter:
     @classmethod
     def extra_name(cls) -> str:
         return cls.extra or cls.family
+
+    @classmethod
+    def install_requirement(cls) -> str:
+        """What to ``pip install`` for this adapter: :attr:`requirement`, else ``kvcdn[<extra>]``."""
+        return cls.requirement or f"kvcdn[{cls.extra_name()}]"
