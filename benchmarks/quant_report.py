@@ -43,7 +43,7 @@ def log(msg):
 
 
 def installed(schemes):
-    from kvcdn_core.quant import quantizer_classes
+    from kvcdn_core.registry import quantizer_classes
 
     have = quantizer_classes()
     missing = sorted({s for s, _ in schemes} - set(have))
@@ -60,10 +60,11 @@ def label(scheme, params):
 
 def quantize_file(src: Path, scheme: str, params: dict, out: Path) -> Path:
     from kvcdn_core import artifact, quant
+    from kvcdn_core.registry import quantizer_for
 
     header = artifact.read_header(src)
     result = quant.quantize_cache(header.manifest, artifact.load_tensors(header),
-                                  quant.get_quantizer_class(scheme)(**params))
+                                  quantizer_for(scheme)(**params))
     return artifact.write_artifact(out, result.manifest, result.tensors)
 
 
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvcdn-quant-bench-"))

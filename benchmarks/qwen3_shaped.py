@@ -40,7 +40,7 @@ def build_model(out: Path, vocab: int) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
     from kvcdn_core.tiny import train_tokenizer
 
     if (out / "config.json").exists():

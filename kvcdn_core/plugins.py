@@ -109,25 +109,34 @@ class PluginHost:
     # -- discovery ---------------------------------------------------------------------------
 
     def _discover(self, group: str) -> None:
+        """Load a group's entry points with stevedore, except blocked ones, which are never imported.
+
+        The standard library's entry points of the group carry their distribution (name, version),
+        which stevedore's cached entry points do not.
+        """
+        from importlib.metadata import entry_points
+
         from stevedore import NamedExtensionManager
 
+        declared = {ep.name: ep for ep in entry_points(group=group)}
+
         def failed(_manager: Any, entry_point: Any, exc: BaseException) -> None:
-            dist, version = _distribution_of(entry_point)
+            dist, version = _distribution_of(declared.get(entry_point.name))
             self._fail(entry_point.name, group, exc, dist, version, what="failed to load")
 
         wanted = []
-        for ep in NamedExtensionManager(group, names=[]).list_entry_points():
+        for name, ep in declared.items():
             if self._is_blocked(ep):
                 dist, version = _distribution_of(ep)
-                info = self._info(ep.name, dist, version)
+                info = self._info(name, dist, version)
                 info.status = "blocked"
                 _add(info.groups, group)
             else:
-                wanted.append(ep.name)
+                wanted.append(name)
         manager = NamedExtensionManager(group, names=wanted, on_load_failure_callback=failed,
                                         warn_on_missing_entrypoint=False)
         for ext in manager.extensions:
-            dist, version = _distribution_of(ext.entry_point)
+            dist, version = _distribution_of(declared.get(ext.name))
             self.register(ext.plugin, ext.name, group, distribution=dist, version=version)
 
     def _is_blocked(self, ep: Any) -> bool:

@@ -97,8 +97,8 @@ def test_plugins_table(run_kvcdn):
 
 
 def test_in_process_registration_and_last_adapter_wins(kvcdn_host):
-    from kvcdn_core.adapter import ModelAdapter
-    from kvcdn_core.runtime import adapter_for
+    from kvcdn_core import ModelAdapter
+    from kvcdn_core.registry import adapter_for
 
     class ToyAdapter(ModelAdapter):
         family = "toy"
@@ -124,7 +124,7 @@ def test_a_plugin_raising_in_a_hook_is_isolated(kvcdn_host, capsys):
 
 def test_unclaimed_architecture_names_the_extra(kvcdn_host):
     from kvcdn_core.errors import KvcdnError
-    from kvcdn_core.runtime import adapter_for
+    from kvcdn_core.registry import adapter_for
 
     with pytest.raises(KvcdnError, match=r"pip install 'kvcdn\[gemma\]'"):
         adapter_for("Gemma2ForCausalLM")

@@ -13,6 +13,7 @@ from kvcdn_core.tiny import teach_tiny_model
 import torch
 
 from kvcdn_core import artifact, quant, runtime
+from kvcdn_core.registry import quantizer_for
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.tiny import SAMPLE_TEXT
 from kvcdn_model_qwen import QwenAdapter
@@ -230,7 +231,7 @@ def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):
     path = _fake_artifact(tmp_path / "mix.kv", [artifact.FULL_ATTENTION, artifact.MLA_LATENT, artifact.RECURRENT_STATE])
     header = artifact.read_header(path)
     plain = artifact.load_tensors(header)
-    result = quant.quantize_cache(header.manifest, plain, quant.get_quantizer_class("fp8")())
+    result = quant.quantize_cache(header.manifest, plain, quantizer_for("fp8")())
     actions = [(r["kind"], r["action"]) for r in result.manifest["quantization"]["layers"]]
     assert actions == [("full_attention", "quantized"), ("mla_latent", "full_precision"),
                        ("recurrent_state", "full_precision")]
@@ -241,7 +242,7 @@ def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):
     for name in ("layers.1.latent", "layers.1.rotary_key", "layers.2.state"):
         assert torch.equal(deq[name], plain[name]), name
     # int8 handles the MLA latent (per channel); recurrent state stays full precision
-    result = quant.quantize_cache(header.manifest, plain, quant.get_quantizer_class("int8")())
+    result = quant.quantize_cache(header.manifest, plain, quantizer_for("int8")())
     assert [r["action"] for r in result.manifest["quantization"]["layers"]] == ["quantized", "quantized", "full_precision"]
 
 

@@ -187,10 +187,10 @@ def test_crop_refuses_sliding_layers(sliding, tmp_path):
 
 def test_tree_and_reuse_on_a_recurrent_model(tiny_model, tmp_path):
     """Mamba: whole-prefix reuse, and branches copied per row (recurrent states update in place)."""
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import adapter_classes
 
     pytest.importorskip("kvcdn_model_ssm", reason="the ssm family plugin (plugins/kvcdn-model-ssm) is not installed")
-    adapter_cls = get_host().model_adapters()["MambaForCausalLM"]
+    adapter_cls = adapter_classes()["MambaForCausalLM"]
     session = runtime.load_session(str(tiny_model(adapter_cls, "MambaForCausalLM")), device="cpu", dtype="float32")
     runtime.generate(session, PARAS[0], tmp_path / "prefix.kv", progress=False)
     runtime.generate(session, PARAS[0] + "\n\n" + PARAS[1], tmp_path / "longer.kv", progress=False)

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvcdn_core import runtime
+from kvcdn_core import registry
 from kvcdn_core.errors import KvcdnError
 
 FAMILY_EXTRAS = {
@@ -23,7 +23,7 @@ FAMILY_EXTRAS = {
 @pytest.mark.parametrize("architecture,extra", sorted(FAMILY_EXTRAS.items()))
 def test_unclaimed_architecture_names_its_extra(kvcdn_host, architecture, extra):
     with pytest.raises(KvcdnError) as info:
-        runtime.adapter_for(architecture)
+        registry.adapter_for(architecture)
     message = str(info.value)
     assert f"no installed kvcdn model plugin serves architecture '{architecture}'" in message
     assert "installed families: none" in message
@@ -32,14 +32,14 @@ def test_unclaimed_architecture_names_its_extra(kvcdn_host, architecture, extra)
 
 def test_unknown_architecture_points_at_all(kvcdn_host):
     with pytest.raises(KvcdnError, match=r"kvcdn\[all\]"):
-        runtime.adapter_for("FrobnicatorForCausalLM")
+        registry.adapter_for("FrobnicatorForCausalLM")
 
 
 def test_guess_agrees_with_every_installed_adapter(discovered_host):
     """The hint in the error must be the extra that really installs the architecture's plugin."""
     adapters = discovered_host.model_adapters()
-    wrong = {arch: (runtime._guess_extra(arch), cls.extra_name()) for arch, cls in adapters.items()
-             if runtime._guess_extra(arch) != cls.extra_name()}
+    wrong = {arch: (registry._guess_extra(arch), cls.extra_name()) for arch, cls in adapters.items()
+             if registry._guess_extra(arch) != cls.extra_name()}
     assert not wrong, f"_guess_extra disagrees with the installed adapters (guess, real): {wrong}"
 
 

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 
 SLIDING_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,

@@ -203,7 +203,7 @@ def test_to_and_from_s3_directly(moto_s3, cli, qwen3_artifact, tmp_path, monkeyp
 
 def test_hosted_storage_backend(kv, local_server, qwen3_artifact, tmp_path, monkeypatch):
     """The endpoint through kvcdn's storage interface: ``open_storage`` and ``--to kvcdn+http://``."""
-    from kvcdn_core.storage import open_storage
+    from kvcdn_core.registry import open_storage
 
     key = mint(kv, local_server, "backend")
     monkeypatch.setenv("KVCDN_API_KEY", key)

@@ -8,7 +8,7 @@ import torch
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.validation import long_context

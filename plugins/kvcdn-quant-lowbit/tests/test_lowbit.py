@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcdn_core import artifact, quant
+from kvcdn_core import KEY, VALUE, artifact, quant
 from kvcdn_quant_lowbit import Int2Quantizer, Int4Quantizer, pack, unpack
 
 PROFILE = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,7 +51,7 @@ def tensors(draw):
 
 @pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
 @PROFILE
-@given(x=tensors(), role=st.sampled_from([quant.KEY, quant.VALUE]), group=st.integers(1, 100),
+@given(x=tensors(), role=st.sampled_from([KEY, VALUE]), group=st.integers(1, 100),
        residual=st.integers(0, 100))
 def test_round_trip_within_bound(cls, x, role, group, residual):
     q = cls(group_size=group, residual=residual)
@@ -74,7 +74,7 @@ def test_compression_of_a_float16_cache(cls, minimum):
     """Bytes stored for a 2k-token float16 K/V pair (head_dim 128) with the default group sizes."""
     x = (torch.randn(1, 8, 2048, 128) * 2).to(torch.float16)
     q = cls(residual=0)
-    stored = sum(p.numel() * p.element_size() for role in (quant.KEY, quant.VALUE)
+    stored = sum(p.numel() * p.element_size() for role in (KEY, VALUE)
                  for p in q.quantize(role, x)[0].values())
     assert 2 * x.numel() * 2 / stored >= minimum
 
@@ -137,3 +137,10 @@ def test_context_shorter_than_the_residual_window_round_trips_bitwise(tmp_path):
     deq = quant.dequantize_tensors(header)
     for name, t in tensors.items():
         assert torch.equal(deq[name], t), name
+
+
+@pytest.mark.parametrize("cls", [Int4Quantizer, Int2Quantizer], ids=lambda c: c.scheme)
+def test_lowbit_schemes_pass_the_quantizer_contract(cls):
+    from kvcdn_core.testing import assert_quantizer_contract
+
+    assert_quantizer_contract(cls)

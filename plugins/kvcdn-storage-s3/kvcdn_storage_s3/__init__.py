@@ -24,10 +24,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from kvcdn_core import hookimpl
-from kvcdn_core import atomic_open
-from kvcdn_core import KvcdnError
-from kvcdn_core import ObjectInfo, StorageBackend, safe_key
+from kvcdn_core import (KvcdnError, ObjectInfo, ObjectNotFound, StorageBackend, atomic_open, check_prefix, hookimpl,
+                        safe_key)
 
 __version__ = "0.1.0"
 
@@ -144,7 +142,7 @@ class S3Storage(StorageBackend):
                 self.client.download_fileobj(self.bucket, self._key(key), out)
         except Exception as exc:
             if _is_missing(exc):
-                raise KvcdnError(f"no object '{key}' in {self!r}") from None
+                raise ObjectNotFound(f"no object '{key}' in {self!r}") from None
             raise _error(exc, f"download of '{key}'") from None
 
     def exists(self, key: str) -> bool:
@@ -167,8 +165,7 @@ class S3Storage(StorageBackend):
                 raise _error(exc, f"delete of '{key}'") from None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        if ".." in prefix.split("/") or prefix.startswith("/"):
-            raise KvcdnError(f"invalid storage prefix '{prefix}'")
+        check_prefix(prefix)
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
         found = []
@@ -200,7 +197,7 @@ class S3Storage(StorageBackend):
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         except Exception as exc:
             if _is_missing(exc):
-                raise KvcdnError(f"no object '{key}' in {self!r}") from None
+                raise ObjectNotFound(f"no object '{key}' in {self!r}") from None
             raise _error(exc, f"read of '{key}'") from None
 
     def rename(self, source_key: str, target_key: str) -> None:
@@ -217,7 +214,7 @@ class S3Storage(StorageBackend):
             etag = self.client.head_object(Bucket=self.bucket, Key=self._key(source_key))["ETag"]
         except Exception as exc:
             if _is_missing(exc):
-                raise KvcdnError(f"no object '{source_key}' in {self!r}") from None
+                raise ObjectNotFound(f"no object '{source_key}' in {self!r}") from None
             raise _error(exc, f"head of '{source_key}'") from None
         try:
             self.client.copy({"Bucket": self.bucket, "Key": self._key(source_key)}, self.bucket,

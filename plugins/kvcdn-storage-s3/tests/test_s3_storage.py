@@ -139,7 +139,7 @@ def test_part_size_setting_is_checked(monkeypatch):
 
 
 def test_registered_through_the_storage_hook(discovered_host, s3_env):
-    from kvcdn_core.storage import open_storage
+    from kvcdn_core.registry import open_storage
 
     store = open_storage(f"s3://{BUCKET}/hooked")
     assert isinstance(store, S3Storage) and store.prefix == "hooked"
@@ -199,3 +199,10 @@ def test_rename_moves_and_refuses_a_missing_source(s3_env):
     assert store.read_bytes("b") == b"payload" and store.read_bytes("a") is None
     with pytest.raises(KvcdnError):
         store.rename("a", "c")
+
+
+def test_s3_passes_the_storage_contract(s3_env):
+    from kvcdn_core.testing import assert_storage_contract
+
+    prefixes = iter(range(1000))
+    assert_storage_contract(lambda: S3Storage.from_uri(f"s3://{BUCKET}/contract-{os.getpid()}-{next(prefixes)}"))
