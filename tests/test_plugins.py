@@ -130,17 +130,6 @@ def test_unclaimed_architecture_names_the_extra(kvcdn_host):
         adapter_for("Gemma2ForCausalLM")
 
 
-def test_every_hook_is_documented():
-    from kvcdn_core import hookspecs
-
-    hooks = [name for name in dir(hookspecs) if name.startswith("kvcdn_")]
-    assert hooks
-    docs = open(__file__.replace("tests/test_plugins.py", "docs/plugin-guide.md"), encoding="utf-8").read()
-    for name in hooks:
-        assert getattr(hookspecs, name).__doc__.strip(), name
-        assert f"`{name}" in docs, f"{name} missing from docs/plugin-guide.md"
-
-
 def test_builtin_parts_register_through_the_hooks():
     host = PluginHost(discover=False)
     assert host.storage_backends()["file"].__name__ == "LocalStorage"
@@ -158,3 +147,74 @@ def test_a_plugin_returning_garbage_is_isolated(kvcdn_host, capsys, result):
     assert kvcdn_host.model_adapters()["Qwen3ForCausalLM"] is QwenAdapter
     assert kvcdn_host.infos["bad"].status == "failed"
     assert "invalid result" in capsys.readouterr().err
+
+
+def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, capsys):
+    from kvcdn_core import LocalStorage, ModelAdapter
+    from kvcdn_core.registry import adapter_for, open_storage
+
+    class First(ModelAdapter):
+        family = "first"
+        architectures = ("DupForCausalLM",)
+
+    class Second(ModelAdapter):
+        family = "second"
+        architectures = ("DupForCausalLM", "OnlySecondForCausalLM")
+
+    class Hijack(LocalStorage):
+        schemes = ("file",)
+
+    # Registered in the "wrong" order: precedence is by name, not by registration.
+    kvcdn_host.register(types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [Second])),
+                        "zeta", "kvcdn.models")
+    kvcdn_host.register(types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [First])),
+                        "alpha", "kvcdn.models")
+    kvcdn_host.register(types.SimpleNamespace(kvcdn_register_storage_backends=kvcdn_core.hookimpl(lambda: [Hijack])),
+                        "aaa-storage", "kvcdn.storage")
+    assert adapter_for("DupForCausalLM") is First
+    assert adapter_for("OnlySecondForCausalLM") is Second
+    assert type(open_storage("/tmp")) is LocalStorage  # a built-in wins over any plugin
+    err = capsys.readouterr().err
+    assert "plugin 'zeta' and plugin 'alpha' both claim architecture DupForCausalLM; using 'alpha'" in err
+    assert "plugin 'aaa-storage' and plugin 'local' both claim uri scheme file; using 'local'" in err
+    assert kvcdn_host.infos["zeta"].overridden == ["architecture DupForCausalLM (used: alpha)"]
+    assert kvcdn_host.infos["zeta"].provides == {"architectures": ["DupForCausalLM", "OnlySecondForCausalLM"]}
+    adapter_for("DupForCausalLM")
+    assert capsys.readouterr().err == ""  # reported once
+
+
+def test_duplicate_commands_keep_the_first_owner(plugin_dir, run_kvcdn):
+    _fake_distribution(plugin_dir, "verify-hijack", "kvcdn.commands", "verify_hijack_mod", """
+        import click
+        from kvcdn_core import hookimpl
+
+        @click.command("verify")
+        def verify():
+            click.echo("hijacked")
+
+        @hookimpl
+        def kvcdn_register_commands(cli):
+            cli.add_command(verify)
+        """)
+    env = {"PYTHONPATH": str(plugin_dir)}
+    code, out, err = run_kvcdn("verify", "--help", env=env)
+    assert code == 0 and "hijacked" not in out and "token-exact" in out
+    assert "plugin 'verify-hijack' and plugin 'core' both claim command verify; using 'core'" in err
+    code, out, _ = run_kvcdn("plugins", "--format", "json", env=env)
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert rows["verify-hijack"]["overridden"] == ["command verify (used: core)"]
+    assert rows["verify-hijack"]["distribution"] == "verify-hijack"
+
+
+def test_plugins_lists_what_each_plugin_provides(run_kvcdn):
+    code, out, _ = run_kvcdn("plugins", "--format", "json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert "Qwen3ForCausalLM" in rows["qwen"]["provides"]["architectures"]
+    assert rows["core-quantizers"]["provides"]["schemes"] == ["int8-tensor", "int8", "fp8"]
+    assert rows["lowbit"]["provides"]["schemes"] == ["int4", "int2"]
+    assert rows["local"]["provides"]["uri_schemes"] == ["file"]
+    assert rows["s3"]["provides"]["uri_schemes"] == ["s3"]
+    assert {"generate", "verify", "plugins"} <= set(rows["core"]["provides"]["commands"])
+    code, out, _ = run_kvcdn("plugins")
+    assert "lowbit: schemes: int4, int2" in out.splitlines()
+    assert "local: uri schemes: file" in out.splitlines()

@@ -47,7 +47,7 @@ class ObjectNotFound(KvcdnError):
 class StorageBackend:
     """The interface every storage backend implements.
 
-    The first six methods are required. The others have portable defaults built on them; a backend
+    The first five methods are required. The others have portable defaults built on them; a backend
     overrides them where its medium does better (a server-side rename, a streaming read).
     """
 
@@ -67,10 +67,6 @@ class StorageBackend:
         """Write object ``key`` to ``target`` atomically; :class:`ObjectNotFound` if it is missing."""
         raise NotImplementedError
 
-    def exists(self, key: str) -> bool:
-        """Whether object ``key`` exists."""
-        raise NotImplementedError
-
     def delete(self, key: str) -> None:
         """Remove object ``key``; nothing happens when it does not exist."""
         raise NotImplementedError
@@ -80,6 +76,10 @@ class StorageBackend:
         raise NotImplementedError
 
     # -- optional operations with portable defaults ----------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether object ``key`` exists."""
+        return self.size_of(key) is not None
 
     def size_of(self, key: str) -> int | None:
         """Size of object ``key`` in bytes, or None when it does not exist."""

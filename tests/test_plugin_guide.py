@@ -1,0 +1,164 @@
+"""docs/plugin-guide.md: every hook and contract method is documented with its signature, and the
+storage and quantizer examples, installed as their own packages, pass their contract suites."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvcdn_core import hookspecs
+from kvcdn_core.contracts.adapter import ModelAdapter
+from kvcdn_core.contracts.quantizer import Quantizer
+from kvcdn_core.contracts.storage import StorageBackend
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugin-guide.md"
+TEXT = GUIDE.read_text(encoding="utf-8")
+
+
+def signature(function, name: str) -> str:
+    """``name(a, b, c=None)``: how the guide writes a signature (no self, defaults as Python)."""
+    params = list(inspect.signature(function).parameters.values())
+    if params and params[0].name in ("self", "cls"):
+        params = params[1:]
+    shown = []
+    for p in params:
+        text = p.name
+        if p.default is not p.empty:
+            text += "=" + ('""' if p.default == "" else repr(p.default))
+        shown.append(text)
+    return f"{name}({', '.join(shown)})"
+
+
+def contract_members(cls: type) -> list[tuple[str, str]]:
+    """(name, documented form) of every public method and property a contract class defines."""
+    found = []
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, property):
+            found.append((name, name))
+        elif isinstance(value, (classmethod, staticmethod)) or inspect.isfunction(value):
+            found.append((name, signature(getattr(value, "__func__", value), name)))
+    return found
+
+
+HOOKS = [name for name in dir(hookspecs) if name.startswith("kvcdn_")]
+MEMBERS = [(cls.__name__, name, form) for cls in (ModelAdapter, Quantizer, StorageBackend)
+           for name, form in contract_members(cls)]
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_is_documented_with_its_signature(hook):
+    assert getattr(hookspecs, hook).__doc__.strip()
+    assert f"`{signature(getattr(hookspecs, hook), hook)}`" in TEXT, f"{hook} missing from {GUIDE.name}"
+
+
+@pytest.mark.parametrize("owner,name,form", MEMBERS, ids=[f"{o}.{n}" for o, n, _ in MEMBERS])
+def test_every_contract_method_is_documented_with_its_signature(owner, name, form):
+    assert f"`{form}`" in TEXT, f"{owner}.{form} missing from {GUIDE.name}"
+
+
+def test_the_member_list_is_not_empty():
+    assert len(MEMBERS) > 30 and ("StorageBackend", "open_read", "open_read(key)") in MEMBERS
+
+
+def section(title: str) -> str:
+    start = TEXT.index(f"## {title}\n")
+    end = TEXT.find("\n## ", start + 1)
+    return TEXT[start:end if end > 0 else None]
+
+
+def example_files(title: str) -> dict[str, str]:
+    """file name → content of the fenced blocks of a section that start with ``# <file name>``."""
+    files = {}
+    for block in re.findall(r"```(?:toml|python)\n(.*?)```", section(title), re.S):
+        first, _, rest = block.partition("\n")
+        if re.fullmatch(r"# [\w.-]+\.(py|toml)", first):
+            files[first[2:]] = block
+    return files
+
+
+def install(title: str, target: Path, tmp_path: Path) -> dict[str, str]:
+    """pip-install a section's example package into ``target`` (its own directory on PYTHONPATH)."""
+    files = example_files(title)
+    source = tmp_path / "src"
+    source.mkdir()
+    for name, content in files.items():
+        (source / name).write_text(content, encoding="utf-8")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(source)], check=True)
+    return files
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site")
+    files = {}
+    for title in ("A storage plugin", "A quantizer plugin"):
+        files[title] = install(title, target, tmp_path_factory.mktemp("build"))
+    return target, files
+
+
+def run_python(code: str, site: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("title,module", [("A storage plugin", "kvcdn_storage_sqlite.py"),
+                                          ("A quantizer plugin", "kvcdn_quant_bf16.py")])
+def test_examples_are_complete_and_short(installed, title, module):
+    _, files = installed
+    assert set(files[title]) == {"pyproject.toml", module}
+    assert len(files[title][module].splitlines()) < 60
+
+
+def test_the_storage_example_passes_the_storage_contract(installed, tmp_path):
+    site, _ = installed
+    result = run_python(f"""
+        import itertools, kvcdn_storage_sqlite
+        from kvcdn_core.registry import open_storage
+        from kvcdn_core.testing import assert_storage_contract
+
+        assert kvcdn_storage_sqlite.__file__.startswith({str(site)!r}), kvcdn_storage_sqlite.__file__
+        store = open_storage("sqlite://{tmp_path}/first.db")
+        assert type(store).__name__ == "SqliteStorage"
+        numbers = itertools.count()
+        assert_storage_contract(lambda: open_storage(f"sqlite://{tmp_path}/{{next(numbers)}}.db"))
+        print("contract passed")
+        """, site, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "contract passed" in result.stdout and "warning" not in result.stderr
+
+
+def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path):
+    site, _ = installed
+    result = run_python("""
+        from kvcdn_core.registry import quantizer_for
+        from kvcdn_core.testing import assert_quantizer_contract
+
+        cls = quantizer_for("bf16-round")
+        assert cls.__module__ == "kvcdn_quant_bf16"
+        assert_quantizer_contract(cls)
+        print("contract passed")
+        """, site, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "contract passed" in result.stdout
+
+
+def test_installed_examples_show_in_kvcdn_plugins(installed, tmp_path):
+    site, _ = installed
+    result = run_python("from kvcdn_core.cli import main; main(['plugins', '--format', 'json'])", site, tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert rows["sqlite"]["distribution"] == "kvcdn-storage-sqlite" and rows["sqlite"]["version"] == "0.1.0"
+    assert rows["sqlite"]["provides"] == {"uri_schemes": ["sqlite"]}
+    assert rows["bf16"]["provides"] == {"schemes": ["bf16-round"]}
