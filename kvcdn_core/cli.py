@@ -81,4 +81,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

@@ -420,7 +420,7 @@ class Search:
 
 def infer_model(entries: list[Entry], directory) -> str:
     """The one model the artifacts under a directory were made with, when there is exactly one."""
-    ids = sorted({e.model.get("id") for e in entries if e.model.get("id")})
+    ids = sorted({str(e.model["id"]) for e in entries if e.model.get("id")})
     if len(ids) == 1:
         return ids[0]
     if not ids:

@@ -11,10 +11,18 @@ imports torch lazily.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+#: Stored tensors of one quantized tensor: ``""`` the codes, other names ``<tensor>.<name>``.
+Parts = dict[str, "torch.Tensor"]
+#: The JSON record of one quantized tensor (kept in the manifest's quantization block).
+Record = dict[str, Any]
 
 #: Version of the ``quantization`` manifest block; readers refuse a newer one.
 QUANT_BLOCK_VERSION = 1
@@ -79,7 +87,7 @@ class Quantizer:
     #: The default output suffix, ``<stem>.<suffix>.kv``; the scheme name when empty.
     output_suffix: ClassVar[str] = ""
 
-    def __init__(self, **params):
+    def __init__(self, **params: int | None) -> None:
         unknown = sorted(set(params) - set(self.default_params))
         if unknown:
             accepted = ", ".join(sorted(self.default_params)) or "none"
@@ -99,7 +107,7 @@ class Quantizer:
 
     # -- one tensor ------------------------------------------------------------------------
 
-    def quantize(self, role: str, tensor) -> tuple[dict[str, Any], dict]:
+    def quantize(self, role: str, tensor: torch.Tensor) -> tuple[Parts, Record]:
         """Quantize one tensor: ``(parts, record)``; the most recent ``residual`` tokens stay as they are."""
         import torch
 
@@ -108,6 +116,8 @@ class Quantizer:
         tokens = tensor.shape[-2]
         keep = min(self.residual, tokens)
         body = tensor.narrow(-2, 0, tokens - keep).to(torch.float32)
+        parts: Parts
+        record: Record
         parts, record = ({}, {}) if body.numel() == 0 else self.encode(role, body.contiguous())
         record = {"shape": list(tensor.shape), "dtype": _st_name(tensor.dtype), "role": role,
                   "quantized_tokens": tokens - keep, "residual_tokens": keep, **record}
@@ -118,7 +128,7 @@ class Quantizer:
             parts["residual"] = tensor.narrow(-2, tokens - keep, keep).contiguous()
         return parts, record
 
-    def dequantize(self, parts: dict[str, Any], record: dict, dtype=None):
+    def dequantize(self, parts: Parts, record: Record, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor :meth:`quantize` was given, approximately, in ``dtype`` (default: its own)."""
         import torch
 
@@ -141,17 +151,17 @@ class Quantizer:
 
     # -- implemented by schemes -------------------------------------------------------------
 
-    def encode(self, role: str, x) -> tuple[dict[str, Any], dict]:  # pragma: no cover - abstract
+    def encode(self, role: str, x: torch.Tensor) -> tuple[Parts, Record]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def decode(self, role: str, parts: dict[str, Any], record: dict):  # pragma: no cover - abstract
+    def decode(self, role: str, parts: Parts, record: Record) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def body_error_bound(self, role: str, x):  # pragma: no cover - abstract
+    def body_error_bound(self, role: str, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         """Elementwise bound on the error of :meth:`encode` + :meth:`decode` on ``x`` (float32)."""
         raise NotImplementedError
 
-    def error_bound(self, role: str, tensor):
+    def error_bound(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
         """Elementwise bound on ``|x - dequantize(quantize(x))|`` this scheme guarantees: the
         scheme's bound on the quantized tokens, zero on the residual window (kept bitwise)."""
         import torch
