@@ -47,8 +47,9 @@ def imported_modules(tree: ast.AST, current: str) -> set[str]:
             while target:
                 found.add(target)
                 target = target.rpartition(".")[0]
-    found.discard(current)
-    return found
+    # A package is initialised before its modules run, so a module importing its own package (or a
+    # package importing its own modules) is the normal order of things, not a cycle.
+    return {m for m in found if m != current and not current.startswith(m + ".") and not m.startswith(current + ".")}
 
 
 def core_graph() -> dict[str, set[str]]:

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvcdn_core import artifact, runtime, search
+from kvcdn_core.search import index as search_index
 from kvcdn_core.cli import make_cli
 from kvcdn_core.model_files import fingerprint
 from kvcdn_core.tiny import SAMPLE_TEXT
@@ -225,8 +226,8 @@ def test_index_reused_and_rebuilt_on_change(tmp_path, model_dir, hf_tok, monkeyp
     for i in range(4):
         write_fake(tmp_path / f"a{i}.kv", model_dir, q[:20 + 10 * i])
     reads = []
-    real = search._entry_from_file
-    monkeypatch.setattr(search, "_entry_from_file", lambda p, st: reads.append(p.name) or real(p, st))
+    real = search_index._entry_from_file
+    monkeypatch.setattr(search_index, "_entry_from_file", lambda p, st: reads.append(p.name) or real(p, st))
     first = search.scan(tmp_path)
     assert sorted(reads) == ["a0.kv", "a1.kv", "a2.kv", "a3.kv"]
     index = tmp_path / search.INDEX_NAME
@@ -257,7 +258,7 @@ def test_read_only_directory_indexes_into_the_user_cache(tmp_path, model_dir, hf
     d = tmp_path / "shared"
     write_fake(d / "a.kv", model_dir, hf_tok(PARAS[0])["input_ids"])
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(search.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(search_index.os, "access", lambda path, mode: False)
     assert search.index_path(d).parent == tmp_path / "cache" / "kvcdn" / "search-index"
     assert len(search.scan(d)) == 1
     assert not (d / search.INDEX_NAME).exists() and search.index_path(d).is_file()

@@ -132,7 +132,7 @@ def test_tree_gives_n_distinct_exact_candidates(full, tmp_path):
 def test_tree_branches_share_the_prefix_cache(full):
     cache, _ = runtime.prefill(full, encode(full, PARAS[0]), progress=False)
     before = [layer.keys.data_ptr() for layer in cache.layers]
-    search.share_across_batch(cache, 3)
+    full.adapter.share_across_batch(cache, 3)
     assert [layer.keys.data_ptr() for layer in cache.layers] == before  # views, not copies
     assert all(layer.keys.shape[0] == 3 and layer.keys.stride(0) == 0 for layer in cache.layers)
 

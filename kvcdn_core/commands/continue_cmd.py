@@ -62,20 +62,20 @@ def _continue_artifact(model, revision, device, dtype, kv_path, question, n, for
 
 def _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_file, n, force, fmt):
     from kvcdn_core import runtime, search
-    from kvcdn_core.commands.search import load_for, reuse_line, warn
-
     from kvcdn_core.paths import data_home
+    from kvcdn_core.render import warn
 
     prompt = read_text_file(prompt_file, "prompt file")
     directory = directory or str(data_home())
     found = search.search(directory, prompt, model, revision, warn=warn)
-    session, found = load_for(found, revision, device, dtype)
-    pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)
+    session, found = search.session_for_search(found, revision, device, dtype)
+    pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force,
+                                 warn=warn)
     ids = search.greedy_from(session, pre.cache, pre.logits, n)
     text = runtime.decode(session, ids)
     if fmt == "json":
         emit_json({**pre.as_dict(), "model": session.model_ref, "prompt_tokens": pre.query_tokens,
                    "token_ids": ids, "text": text})
     else:
-        click.echo(reuse_line(pre, "prompt"), err=True)
+        click.echo(pre.summary("prompt"), err=True)
         click.echo(text)

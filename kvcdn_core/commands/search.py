@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from kvcdn_core.commands.common import force_option, format_option, model_options, read_text_file
-from kvcdn_core.render import emit_json
+from kvcdn_core.render import emit_json, warn
 from kvcdn_core.errors import KvcdnError
 
 
@@ -21,29 +21,6 @@ def query_text(query: str | None, query_file: str | None, what: str = "query") -
     if not query:
         raise KvcdnError(f"the {what} is empty")
     return query
-
-
-def warn(message: str) -> None:
-    click.echo(f"warning: {message}", err=True)
-
-
-def reuse_line(pre, what: str = "query") -> str:
-    if pre.path is None:
-        return (f"no saved artifact has a usable prefix of the {what}; "
-                f"prefilled all {pre.query_tokens} tokens from scratch")
-    return (f"reused {pre.reused_tokens} of {pre.query_tokens} {what} tokens from {pre.path}; "
-            f"prefilled {pre.prefilled_tokens}")
-
-
-def load_for(found, revision, device, dtype):
-    """The model of a search, in the best artifact's compute dtype unless --dtype says otherwise."""
-    from kvcdn_core import runtime
-
-    best = found.ranking.best_usable
-    if dtype == "auto" and best is not None and best.entry.compute_dtype in ("float32", "bfloat16", "float16"):
-        dtype = best.entry.compute_dtype
-    session = runtime.load_session(found.model_ref, revision, device, dtype)
-    return session, found.retokenized(session.tokenizer, session.fingerprint)
 
 
 @click.command("search")
@@ -82,8 +59,9 @@ def command(model, revision, device, dtype, quiet, directory, query, query_file,
     }
     pre = candidates = None
     if tree_n:
-        session, found = load_for(found, revision, device, dtype)
-        pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)
+        session, found = search.session_for_search(found, revision, device, dtype)
+        pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force,
+                                     warn=warn)
         candidates = search.tree(session, pre, tree_n, tree_tokens)
         out["tree"] = {**pre.as_dict(), "candidates": [c.as_dict() for c in candidates]}
     if fmt == "json":
@@ -91,7 +69,7 @@ def command(model, revision, device, dtype, quiet, directory, query, query_file,
         return
     _print_table(found, out, limit)
     if candidates is not None:
-        click.echo(reuse_line(pre))
+        click.echo(pre.summary())
         for i, c in enumerate(candidates, 1):
             click.echo(f"[{i}] logprob {c.first_token_logprob:8.4f}  {c.text!r}")
 

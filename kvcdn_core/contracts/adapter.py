@@ -242,6 +242,35 @@ class ModelAdapter:
                 return int(layer.keys.shape[-2])
         raise KvcdnError("cannot tell this cache's token count (no attention layer); pass token_count")
 
+    def share_across_batch(self, cache, n: int) -> None:
+        """Turn a one-sequence cache into ``n`` rows that all start from it.
+
+        Plain and sliding-window transformers layers get a broadcast view (``expand``: no copy). They
+        grow by concatenation, which materialises each row at the first branch step (as it copies the
+        whole cache at every step even for one sequence). Other layers (linear-attention and recurrent
+        states, which are updated in place and so cannot share a view) are copied per row through
+        ``reorder_cache``, the call beam search uses, so every transformers layer type supports it.
+        """
+        import torch
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        rows = torch.zeros(n, dtype=torch.long)
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            if not hasattr(cache, "reorder_cache"):
+                raise KvcdnError(f"a {type(cache).__name__} cannot be split into branches; --tree needs that")
+            cache.reorder_cache(rows)
+            return
+        for layer in layers:
+            if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+                if layer.is_initialized and layer.keys is not None and layer.keys.numel():
+                    layer.keys = layer.keys.expand(n, *layer.keys.shape[1:])
+                    layer.values = layer.values.expand(n, *layer.values.shape[1:])
+            elif hasattr(layer, "reorder_cache"):
+                layer.reorder_cache(rows)
+            else:
+                raise KvcdnError(f"a {type(layer).__name__} cache layer cannot be split into branches; --tree needs that")
+
     # -- info -----------------------------------------------------------------------------------
 
     @classmethod
