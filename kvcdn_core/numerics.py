@@ -5,8 +5,6 @@ This module imports torch lazily.
 
 from __future__ import annotations
 
-from typing import Any
-
 F16_MAX = 60000.0
 F16_TINY = 6.2e-5  # smallest normal float16 is 6.1e-5
 

@@ -23,6 +23,7 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.contracts.quantizer import (DTYPE_ALIASES, QUANT_BLOCK_VERSION, REFUSED_TARGETS,
                                             STORAGE_DTYPE_SCHEMES, TARGET_DTYPES, Quantizer, role_of)
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.manifest import Manifest
 from kvcdn_core.registry import quantizer_for
 
 
@@ -90,28 +91,27 @@ def quantize_cache(manifest: dict, tensors: dict[str, Any], quantizer: Quantizer
     :func:`kvcdn_core.artifact.load_tensors` give (or a freshly exported cache). The manifest's
     ``tensors`` table is rebuilt by the writer.
     """
-    if manifest.get("quantization"):
-        q = manifest["quantization"]
-        raise KvcdnError(f"the input is already quantized (scheme {q.get('scheme')}); quantize the "
+    typed = Manifest.from_dict(manifest)
+    if typed.quantization:
+        raise KvcdnError(f"the input is already quantized (scheme {typed.scheme}); quantize the "
                          "unquantized artifact instead of stacking quantization errors")
-    target = target_dtype or fmt.TORCH_TO_ST.get(manifest["compute_dtype"], "F32")
+    target = target_dtype or fmt.TORCH_TO_ST.get(typed.compute_dtype, "F32")
     if target not in TARGET_DTYPES:
         raise KvcdnError(f"target dtype {target} is not one of {', '.join(TARGET_DTYPES)}")
     stored = {fmt.TOKEN_IDS: tensors[fmt.TOKEN_IDS]}
     errors: dict[str, ErrorStats] = {}
     layer_records = []
     done = kept = 0
-    for layer in manifest["layers"]:
-        names = layer.get("tensors", {})
-        if not quantizer.supports(layer["kind"]):
+    for layer in typed.layers:
+        if not quantizer.supports(layer.kind):
             kept += 1
-            for full in names.values():
+            for full in layer.tensors.values():
                 stored[full] = tensors[full]
-            layer_records.append({"index": layer["index"], "kind": layer["kind"], "action": "full_precision",
-                                  "reason": f"scheme {quantizer.scheme} does not support {layer['kind']} layers"})
+            layer_records.append({"index": layer.index, "kind": layer.kind, "action": "full_precision",
+                                  "reason": f"scheme {quantizer.scheme} does not support {layer.kind} layers"})
             continue
         records = {}
-        for local, full in names.items():
+        for local, full in layer.tensors.items():
             t = tensors[full]
             if not t.is_floating_point() or t.dim() < 2:
                 stored[full] = t
@@ -125,7 +125,7 @@ def quantize_cache(manifest: dict, tensors: dict[str, Any], quantizer: Quantizer
             records[local] = record
             errors.setdefault(role, ErrorStats()).add(t, quantizer.dequantize(parts, record))
         done += 1
-        layer_records.append({"index": layer["index"], "kind": layer["kind"], "action": "quantized",
+        layer_records.append({"index": layer.index, "kind": layer.kind, "action": "quantized",
                               "tensors": records})
     new = copy.deepcopy(manifest)
     new.pop("tensors", None)
@@ -136,7 +136,7 @@ def quantize_cache(manifest: dict, tensors: dict[str, Any], quantizer: Quantizer
         "parameters": dict(quantizer.params),
         "target_dtype": target,
         "storage_dtype": quantizer.storage_dtype,
-        "source_dtype": fmt.TORCH_TO_ST.get(manifest["compute_dtype"], manifest["compute_dtype"]),
+        "source_dtype": fmt.TORCH_TO_ST.get(typed.compute_dtype, typed.compute_dtype),
         "source_created_at": manifest.get("created_at"),
         "layers": layer_records,
     }
@@ -154,7 +154,8 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
     """
     import torch
 
-    q = header.manifest.get("quantization") or {}
+    manifest = Manifest.from_dict(header.manifest)
+    q = manifest.quantization or {}
     try:
         version = int(q.get("version", 1))
         scheme = q["scheme"]
@@ -173,11 +174,11 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
     raw = fmt.load_tensors(header, device=device, verify_hashes=verify_hashes)
     out = {fmt.TOKEN_IDS: raw[fmt.TOKEN_IDS]}
     by_index = {rec.get("index"): rec for rec in layer_records}
-    for layer in header.manifest["layers"]:
-        rec = by_index.get(layer["index"])
+    for layer in manifest.layers:
+        rec = by_index.get(layer.index)
         if rec is None:
-            raise ArtifactError(f"{header.path}: corrupted: the quantization block has no record for layer {layer['index']}")
-        for local, full in layer.get("tensors", {}).items():
+            raise ArtifactError(f"{header.path}: corrupted: the quantization block has no record for layer {layer.index}")
+        for local, full in layer.tensors.items():
             trec = rec.get("tensors", {}).get(local) if rec.get("action") == "quantized" else None
             if trec is None or trec.get("action") != "quantized":
                 out[full] = raw[full]

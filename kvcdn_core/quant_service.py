@@ -18,6 +18,7 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.atomic import write_json_atomic
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.manifest import Manifest
 from kvcdn_core.quant import quantize_cache
 from kvcdn_core.registry import quantizer_classes
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
@@ -93,11 +94,11 @@ def quantize_artifact(header: fmt.Header, out: Path, quantizer: Quantizer, targe
     q = result.manifest["quantization"]
     original, quantized = header.file_size, out.stat().st_size
     errors = {role: stats.as_dict() for role, stats in sorted(result.errors.items())}
-    model = header.manifest.get("model", {})
+    model = Manifest.from_dict(header.manifest).model
     event = QuantEvent(
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         input=str(source), input_kind=source_kind, output=str(out),
-        model=model.get("id"), architecture=model.get("architecture"),
+        model=model.id, architecture=model.architecture,
         scheme=quantizer.scheme, parameters=dict(quantizer.params),
         target_dtype=q["target_dtype"], storage_dtype=q["storage_dtype"], source_dtype=q["source_dtype"],
         tokens=header.token_count, layers=len(header.manifest["layers"]),

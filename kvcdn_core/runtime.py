@@ -13,6 +13,7 @@ from typing import Any
 import kvcdn_core
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.manifest import COMPUTE_DTYPES, Manifest, ModelInfo
 from kvcdn_core.model_files import (architecture_of, fingerprint, fingerprint_differences, read_config,
                                     resolve_model_dir)
 from kvcdn_core.progress import Progress
@@ -77,19 +78,19 @@ def load_session(model_ref: str, revision: str | None = None, device: str = "aut
                    device, dtype)
 
 
-def session_for_artifact(manifest: dict | None, model: str | None = None, revision: str | None = None,
+def session_for_artifact(manifest: Manifest | None, model: str | None = None, revision: str | None = None,
                          device: str = "auto", dtype: str = "auto") -> Session:
     """The session to continue an artifact: the model its manifest names, at its compute dtype.
 
     ``model`` overrides the named model (then only ``revision`` picks its revision); ``dtype`` other
     than ``auto`` overrides the compute dtype. Without a manifest, ``model`` or the default model.
     """
-    named = (manifest or {}).get("model") or {}
-    if dtype == "auto" and manifest and manifest.get("compute_dtype") in ("float32", "bfloat16", "float16"):
-        dtype = manifest["compute_dtype"]
+    named = manifest.model if manifest else ModelInfo()
+    if dtype == "auto" and manifest and manifest.compute_dtype in COMPUTE_DTYPES:
+        dtype = manifest.compute_dtype
     if model is None and revision is None:
-        revision = named.get("revision")
-    return load_session(model or named.get("id") or DEFAULT_MODEL, revision, device, dtype)
+        revision = named.revision
+    return load_session(model or named.id or DEFAULT_MODEL, revision, device, dtype)
 
 
 def _ids_tensor(session: Session, ids: list[int]):
@@ -190,14 +191,15 @@ def generate(session: Session, context: str, path: Path, chunk: int = DEFAULT_CH
 
 def check_model(session: Session, manifest: dict, force: bool = False) -> None:
     """Refuse an artifact made with another model (by fingerprint), unless ``force``."""
-    want = manifest.get("model", {})
-    problems = [f"{part} differs" for part in fingerprint_differences(want, session.fingerprint)]
+    typed = Manifest.from_dict(manifest)
+    want = typed.model
+    problems = [f"{part} differs" for part in fingerprint_differences(dataclasses.asdict(want), session.fingerprint)]
     if problems and not force:
         raise ArtifactError(
-            f"artifact was made with model '{want.get('id')}' ({want.get('architecture')}), "
+            f"artifact was made with model '{want.id}' ({want.architecture}), "
             f"not the loaded '{session.model_ref}': {', '.join(problems)}; pass --force to use it anyway"
         )
-    dtype = manifest.get("compute_dtype")
+    dtype = typed.compute_dtype
     if dtype != session.dtype and not force:
         raise ArtifactError(
             f"artifact was computed in {dtype}, the model is loaded in {session.dtype}; "
@@ -208,23 +210,22 @@ def check_model(session: Session, manifest: dict, force: bool = False) -> None:
 def load_cache(session: Session, header: fmt.Header, force: bool = False, verify_hashes: bool = True):
     """Load an artifact's cache into tensors for the session's model; return ``(cache, token ids)``."""
     check_model(session, header.manifest, force)
-    manifest = header.manifest
-    if manifest.get("quantization"):
+    manifest = Manifest.from_dict(header.manifest)
+    if manifest.quantization:
         from kvcdn_core.quant import dequantize_tensors
 
         tensors = dequantize_tensors(header, session.device, verify_hashes)
     else:
         tensors = fmt.load_tensors(header, verify_hashes=verify_hashes)
-    dtype = manifest["compute_dtype"]
+    dtype = manifest.compute_dtype
     import torch
 
     target, computed = getattr(torch, session.dtype), getattr(torch, dtype)
     # Linear-attention and recurrent layers keep their state wider than the compute dtype (float32
     # under bfloat16) on purpose; narrowing it on load would make the restored state inexact.
-    kept = {name for layer in manifest["layers"] if layer["kind"] in (fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
-            for name in layer.get("tensors", {}).values()}
+    kept = {name for layer in manifest.layers if layer.keeps_state for name in layer.tensors.values()}
     tensors = {k: (v.to(target) if v.is_floating_point() and (k not in kept or v.dtype == computed) else v)
                for k, v in tensors.items()}
     ids = tensors.pop(fmt.TOKEN_IDS).tolist()
-    cache = session.adapter.import_cache(session.model, manifest["layers"], tensors, session.device)
+    cache = session.adapter.import_cache(session.model, manifest.layer_dicts, tensors, session.device)
     return cache, ids

@@ -87,7 +87,10 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             if do_verify:  # load and check the model before anything is written
                 from kvcdn_core import runtime
 
-                session = runtime.session_for_artifact(header.manifest, model, revision, device, compute_dtype)
+                from kvcdn_core.manifest import Manifest
+
+                session = runtime.session_for_artifact(Manifest.from_dict(header.manifest), model, revision, device,
+                                                       compute_dtype)
                 runtime.check_model(session, header.manifest)
         else:
             from kvcdn_core import artifact, runtime

@@ -22,13 +22,12 @@ import numpy as np
 from kvcdn_core import artifact as fmt
 from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.manifest import Manifest
 from kvcdn_core.model_files import COMPATIBILITY_KEYS
 
 INDEX_NAME = ".kvcdn-index"
 INDEX_MAGIC = b"KVCDNIX1"
 INDEX_VERSION = 1
-ANY_PREFIX = "any_prefix"
-WHOLE_PREFIX = "whole_prefix"
 FINGERPRINT_KEYS = COMPATIBILITY_KEYS
 
 Warn = Callable[[str], None]
@@ -62,27 +61,17 @@ class Entry:
                 "compute_dtype": self.compute_dtype, "quantization": self.quantization}
 
 
-def reuse_of(manifest: dict[str, Any]) -> str:
-    """The stricter of the manifest's ``reuse`` field and what its layer kinds allow."""
-    computed = fmt.reuse_mode(manifest)
-    return WHOLE_PREFIX if WHOLE_PREFIX in (computed, manifest.get("reuse")) else ANY_PREFIX
-
-
 def _entry_from_file(path: Path, st: os.stat_result) -> Entry:
     header = fmt.read_header(path)
     ids = fmt.read_token_ids(path, header)
     array = np.asarray(ids, dtype=np.int64)
     if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
         raise ArtifactError(f"{path}: corrupted: token ids out of range")
-    m = header.manifest
-    model = m.get("model") or {}
-    quant = m.get("quantization")
+    m = Manifest.from_dict(header.manifest)
     return Entry(
         path, st.st_size, st.st_mtime_ns, st.st_ino,
-        {k: model.get(k) for k in ("id", *FINGERPRINT_KEYS)},
-        header.token_count, reuse_of(m), str(m.get("compute_dtype")),
-        quant.get("scheme") if isinstance(quant, dict) else None,
-        array.astype(np.int32),
+        {k: getattr(m.model, k) for k in ("id", *FINGERPRINT_KEYS)},
+        m.token_count, m.reuse, m.compute_dtype, m.scheme, array.astype(np.int32),
     )
 
 

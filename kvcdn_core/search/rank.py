@@ -18,7 +18,8 @@ import numpy as np
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.model_files import fingerprint_differences
-from kvcdn_core.search.index import ANY_PREFIX, Entry, Warn, _stderr_warning, scan
+from kvcdn_core.manifest import ANY_PREFIX
+from kvcdn_core.search.index import Entry, Warn, _stderr_warning, scan
 
 
 # -- matching and ranking -------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import Any
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.search.index import Warn, _stderr_warning, reuse_of
+from kvcdn_core.manifest import Manifest
+from kvcdn_core.search.index import Warn, _stderr_warning
 from kvcdn_core.search.rank import Ranking, Search, common_prefix, usable_tokens
 
 
@@ -23,7 +24,7 @@ def session_for_search(found: Search, revision: str | None = None, device: str =
     from kvcdn_core import runtime
 
     best = found.ranking.best_usable
-    manifest = {"compute_dtype": best.entry.compute_dtype} if best is not None else None
+    manifest = Manifest.from_dict(fmt.read_header(best.path).manifest) if best is not None else None
     session = runtime.session_for_artifact(manifest, found.model_ref, revision, device, dtype)
     return session, found.retokenized(session.tokenizer, session.fingerprint)
 
@@ -75,7 +76,8 @@ def prefill_reusing(session, ranking: Ranking, query_ids: list[int], chunk: int 
         except ArtifactError as exc:
             warn(f"skipping {match.path}: {str(exc).removeprefix(str(match.path) + ': ')}")
             continue
-        usable = usable_tokens(common_prefix(ids, query_ids), len(ids), len(query_ids), reuse_of(header.manifest))
+        usable = usable_tokens(common_prefix(ids, query_ids), len(ids), len(query_ids),
+                               Manifest.from_dict(header.manifest).reuse)
         if usable > 0:
             if usable < len(ids):
                 cache = session.adapter.crop(cache, header.manifest["layers"], usable, token_count=len(ids))
