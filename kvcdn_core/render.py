@@ -6,7 +6,7 @@ Library code returns data and never prints; a command passes what it got to :fun
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import click
 
@@ -24,13 +24,21 @@ def render(data: Any, fmt: str, table: Callable[[Any], None]) -> None:
         table(data)
 
 
-def print_table(rows: Sequence[Sequence[str]]) -> None:
-    """Rows (the first is the header) in columns padded to their widest cell."""
+def table_lines(rows: Sequence[Sequence[Any]], right: Collection[int] = ()) -> list[str]:
+    """Rows (the first is the header) as lines of columns padded to their widest cell; columns whose
+    index is in ``right`` are right-aligned (numbers); None prints as an empty cell."""
     if not rows:
-        return
-    widths = [max(len(str(row[c])) for row in rows) for c in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+        return []
+    cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
+    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in cells]
+
+
+def print_table(rows: Sequence[Sequence[Any]], right: Collection[int] = ()) -> None:
+    """Print :func:`table_lines`."""
+    for line in table_lines(rows, right):
+        click.echo(line)
 
 
 def warn(message: str) -> None:

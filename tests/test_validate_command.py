@@ -60,7 +60,8 @@ def test_passing_family_as_json(window_host):
     data = json.loads(result.stdout)
     assert data["passed"] is True
     (arch,) = data["architectures"]
-    assert (arch["family"], arch["architecture"], arch["extra"]) == ("testwindow", "Qwen2ForCausalLM", "testwindow")
+    assert (arch["family"], arch["architecture"], arch["requirement"]) == ("testwindow", "Qwen2ForCausalLM",
+                                                                   "kvcdn[testwindow]")
     # the core phases first; quantizers may append their own
     assert [p["phase"] for p in arch["phases"]][:3] == ["roundtrip", "reference", "cache"]
     assert all(p["passed"] and p["seconds"] > 0 for p in arch["phases"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from kvcdn_core.commands.common import force_option, format_option, model_options, read_text_file
-from kvcdn_core.render import emit_json, warn
+from kvcdn_core.render import emit_json, print_table, warn
 from kvcdn_core.errors import KvcdnError
 
 
@@ -86,9 +86,6 @@ def _print_table(found, out, limit) -> None:
     for m in out["matches"]:
         rows.append((m["path"], str(m["prefix_tokens"]), str(m["artifact_tokens"]), str(m["usable_tokens"]),
                      m["reuse"], str(m["model"])))
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(cell.rjust(w) if 0 < i < 4 else cell.ljust(w)
-                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+    print_table(rows, right=(1, 2, 3))
     more = len(r.matches) - len(out["matches"])
     click.echo(summary + (f"; {more} more match(es), see --limit" if more > 0 else ""))

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from kvcdn_core.commands.common import read_text_file
-from kvcdn_core.render import emit_json
+from kvcdn_core.render import emit_json, table_lines
 from kvcdn_core.errors import CheckFailed, KvcdnError
 
 
@@ -149,8 +149,7 @@ def render_table(reports: list[ArchReport]) -> str:
         by_name = {p.phase: p for p in r.phases}
         rows.append([r.family, r.architecture, *[_cell(by_name.get(n)) for n in names],
                      r.layer_summary(), f"{r.seconds:.1f}s"])
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = table_lines(rows)
     failures = [(r, p) for r in reports for p in r.phases if not p.passed]
     for r, p in failures:
         where = "" if p.first_divergence is None else f" (first divergence at token {p.first_divergence})"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core import emit_json
+from kvcdn_core import emit_json, print_table
 from kvcdn_core import CheckFailed, KvcdnError
 
 
@@ -116,10 +116,7 @@ def _human_bytes(n) -> str:
 
 
 def _table(rows: list[tuple]) -> None:
-    rows = [tuple("" if c is None else str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print_table(rows)
 
 
 def _check_upload_source(path: str) -> tuple[Path, dict]:
