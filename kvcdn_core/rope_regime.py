@@ -16,6 +16,8 @@ sequence length, so cached keys are exactly what a full prefill computes. Two do
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from kvcdn_core.errors import KvcdnError
 
 _IDS_ATTR = "_kvcdn_short_regime_ids"
@@ -40,7 +42,8 @@ def length_dependent_rope(config) -> tuple[str, int] | None:
     return None
 
 
-def guarded_forward(adapter, model, input_ids, cache, run):
+def guarded_forward(adapter: Any, model: Any, input_ids: Any, cache: Any,
+                    run: Callable[[Any, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
     """``run(model, input_ids, cache)`` made exact (or refused) for length-dependent RoPE."""
     regime = length_dependent_rope(model.config)
     if regime is None:

@@ -13,10 +13,24 @@ start-up for free.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+#: transformers objects (a model, its tokenizer, a cache and its layers) are typed loosely: families
+#: differ in their classes, and the contract is the methods below, not a transformers type.
+Model = Any
+Tokenizer = Any
+Cache = Any
+CacheLayer = Any
+#: A layer's manifest entry (JSON): ``index``, ``kind``, ``tensors`` (role → tensor name) and the
+#: family's own fields (``window``...).
+LayerJSON = dict[str, Any]
+Tensors = dict[str, "torch.Tensor"]
 
 
 def quiet_transformers() -> None:
@@ -49,7 +63,7 @@ class ModelAdapter:
 
     # -- loading ------------------------------------------------------------------------------
 
-    def load(self, model_dir: Path, device: str, dtype: str):
+    def load(self, model_dir: Path, device: str, dtype: str) -> tuple[Model, Tokenizer]:
         """Return ``(model, tokenizer)`` loaded from a local directory, in eval mode."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,23 +74,23 @@ class ModelAdapter:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return model, tokenizer
 
-    def encode_context(self, tokenizer, text: str) -> list[int]:
+    def encode_context(self, tokenizer: Tokenizer, text: str) -> list[int]:
         """Token ids of a document that starts a sequence (with the tokenizer's start tokens)."""
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def encode_continuation(self, tokenizer, text: str) -> list[int]:
+    def encode_continuation(self, tokenizer: Tokenizer, text: str) -> list[int]:
         """Token ids of text that continues a sequence (no start tokens)."""
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -- running ------------------------------------------------------------------------------
 
-    def new_cache(self, model):
+    def new_cache(self, model: Model) -> Cache:
         """An empty cache laid out for this model."""
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
 
-    def forward(self, model, input_ids, cache):
+    def forward(self, model: Model, input_ids: torch.Tensor, cache: Cache) -> tuple[torch.Tensor, Cache]:
         """Run ``input_ids`` (shape [1, T]) on ``cache``; return ``(logits [1, T, V], cache)``.
 
         The only place that knows how transformers takes and returns a cache. RoPE scalings that
@@ -86,7 +100,7 @@ class ModelAdapter:
 
         return guarded_forward(self, model, input_ids, cache, self._run)
 
-    def _run(self, model, input_ids, cache):
+    def _run(self, model: Model, input_ids: torch.Tensor, cache: Cache) -> tuple[torch.Tensor, Cache]:
         out = model(input_ids=input_ids, cache=cache, use_cache=True)
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
@@ -95,7 +109,7 @@ class ModelAdapter:
 
     # -- export / import ------------------------------------------------------------------------
 
-    def export_cache(self, model, cache) -> tuple[list[dict], dict[str, Any]]:
+    def export_cache(self, model: Model, cache: Cache) -> tuple[list[LayerJSON], Tensors]:
         """Named tensors and per-layer manifest entries for a cache."""
         layers, tensors = [], {}
         for index, layer in enumerate(self.cache_layers(cache)):
@@ -105,7 +119,7 @@ class ModelAdapter:
             tensors.update({f"layers.{index}.{k}": v for k, v in named.items()})
         return layers, tensors
 
-    def import_cache(self, model, layers: list[dict], tensors: dict[str, Any], device: str):
+    def import_cache(self, model: Model, layers: list[LayerJSON], tensors: Tensors, device: str) -> Cache:
         """Rebuild a cache for ``model`` from named tensors and manifest layer entries."""
         cache = self.new_cache(model)
         targets = self.cache_layers(cache)
@@ -118,10 +132,10 @@ class ModelAdapter:
             self.import_layer(entry, named, layer)
         return cache
 
-    def cache_layers(self, cache) -> list:
+    def cache_layers(self, cache: Cache) -> list[CacheLayer]:
         return list(cache.layers)
 
-    def layer_kind(self, layer) -> str:
+    def layer_kind(self, layer: CacheLayer) -> str:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         if isinstance(layer, DynamicSlidingWindowLayer):
@@ -133,7 +147,7 @@ class ModelAdapter:
             "adapter; no artifact was written"
         )
 
-    def export_layer(self, index: int, layer) -> tuple[dict, dict[str, Any]]:
+    def export_layer(self, index: int, layer: CacheLayer) -> tuple[LayerJSON, Tensors]:
         """One layer's manifest entry (without ``index``/``tensors``) and its named tensors."""
         kind = self.layer_kind(layer)
         entry: dict[str, Any] = {"kind": kind}
@@ -142,7 +156,7 @@ class ModelAdapter:
             entry["cumulative_length"] = int(layer.cumulative_length)
         return entry, {"key": layer.keys, "value": layer.values}
 
-    def import_layer(self, entry: dict, named: dict[str, Any], layer) -> None:
+    def import_layer(self, entry: LayerJSON, named: Tensors, layer: CacheLayer) -> None:
         """Fill an empty cache layer from an artifact layer entry."""
         kind = self.layer_kind(layer)
         if kind != entry["kind"]:
@@ -162,7 +176,7 @@ class ModelAdapter:
 
     # -- linear-attention and recurrent states (state-space and hybrid families) -----------------
 
-    def export_linear_state(self, layer) -> dict[str, Any]:
+    def export_linear_state(self, layer: CacheLayer) -> Tensors:
         """Named tensors of a transformers linear-attention cache layer (Mamba, gated DeltaNet...).
 
         ``conv_state`` and ``recurrent_state`` hold state 0; a layer with several states adds
@@ -179,7 +193,7 @@ class ModelAdapter:
             raise KvcdnError("a linear-attention cache layer holds no state yet; prefill some tokens first")
         return named
 
-    def import_linear_state(self, entry: dict, named: dict[str, Any], layer) -> None:
+    def import_linear_state(self, entry: LayerJSON, named: Tensors, layer: CacheLayer) -> None:
         """Fill an empty linear-attention cache layer so the next forward continues from the saved state."""
         for i in range(layer.number_of_states):
             suffix = "" if i == 0 else f".{i}"
@@ -197,7 +211,7 @@ class ModelAdapter:
 
     # -- cropping -------------------------------------------------------------------------------
 
-    def crop(self, cache, layers: list[dict], n_tokens: int, token_count: int | None = None):
+    def crop(self, cache: Cache, layers: list[LayerJSON], n_tokens: int, token_count: int | None = None) -> Cache:
         """Cut a restored cache back to its first ``n_tokens`` tokens, in place; return the cache.
 
         Contract (prefix search relies on it):
@@ -231,18 +245,18 @@ class ModelAdapter:
             self.crop_layer(entry, layer, n_tokens)
         return cache
 
-    def crop_layer(self, entry: dict, layer, n_tokens: int) -> None:
+    def crop_layer(self, entry: LayerJSON, layer: CacheLayer, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` positions of one croppable layer (keys/values on dim -2)."""
         layer.keys = layer.keys[..., :n_tokens, :]
         layer.values = layer.values[..., :n_tokens, :]
 
-    def _croppable_length(self, targets, layers) -> int:
+    def _croppable_length(self, targets: list[CacheLayer], layers: list[LayerJSON]) -> int:
         for entry, layer in zip(layers, targets):
             if entry["kind"] in fmt.CROPPABLE_KINDS and getattr(layer, "keys", None) is not None:
                 return int(layer.keys.shape[-2])
         raise KvcdnError("cannot tell this cache's token count (no attention layer); pass token_count")
 
-    def share_across_batch(self, cache, n: int) -> None:
+    def share_across_batch(self, cache: Cache, n: int) -> None:
         """Turn a one-sequence cache into ``n`` rows that all start from it.
 
         Plain and sliding-window transformers layers get a broadcast view (``expand``: no copy). They
