@@ -81,9 +81,17 @@ def default_output(source: str | os.PathLike[str], scheme: str) -> Path:
     return source.with_name(f"{stem}.{suffix}.kv")
 
 
-def quantize_artifact(header: fmt.Header, out: Path, quantizer: Quantizer, target: str | None, source: Path,
-                      source_kind: str = "artifact", session: Any = None, question: str = DEFAULT_QUESTION,
-                      n: int | None = None) -> QuantEvent:
+def quantize_artifact(
+    header: fmt.Header,
+    out: Path,
+    quantizer: Quantizer,
+    target: str | None,
+    source: Path,
+    source_kind: str = "artifact",
+    session: Any = None,
+    question: str = DEFAULT_QUESTION,
+    n: int | None = None,
+) -> QuantEvent:
     """Quantize ``header``'s artifact into ``out``; with ``n``, verify ``n`` tokens against a full
     prefill on ``session``. The event is written next to ``out`` also when verification fails."""
     start = time.perf_counter()
@@ -97,16 +105,27 @@ def quantize_artifact(header: fmt.Header, out: Path, quantizer: Quantizer, targe
     model = Manifest.from_dict(header.manifest).model
     event = QuantEvent(
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        input=str(source), input_kind=source_kind, output=str(out),
-        model=model.id, architecture=model.architecture,
-        scheme=quantizer.scheme, parameters=dict(quantizer.params),
-        target_dtype=q["target_dtype"], storage_dtype=q["storage_dtype"], source_dtype=q["source_dtype"],
-        tokens=header.token_count, layers=len(header.manifest["layers"]),
-        quantized_layers=result.quantized_layers, full_precision_layers=result.kept_layers,
-        original_bytes=original, quantized_bytes=quantized,
+        input=str(source),
+        input_kind=source_kind,
+        output=str(out),
+        model=model.id,
+        architecture=model.architecture,
+        scheme=quantizer.scheme,
+        parameters=dict(quantizer.params),
+        target_dtype=q["target_dtype"],
+        storage_dtype=q["storage_dtype"],
+        source_dtype=q["source_dtype"],
+        tokens=header.token_count,
+        layers=len(header.manifest["layers"]),
+        quantized_layers=result.quantized_layers,
+        full_precision_layers=result.kept_layers,
+        original_bytes=original,
+        quantized_bytes=quantized,
         compression_ratio=round(original / quantized, 4) if quantized else None,
-        errors=errors, max_error=max((e["max_abs"] for e in errors.values()), default=0.0),
-        seconds=round(seconds, 4), event_path=str(event_path(out)),
+        errors=errors,
+        max_error=max((e["max_abs"] for e in errors.values()), default=0.0),
+        seconds=round(seconds, 4),
+        event_path=str(event_path(out)),
     )
     if n is not None:
         try:
@@ -121,8 +140,9 @@ def quantize_artifact(header: fmt.Header, out: Path, quantizer: Quantizer, targe
     return event
 
 
-def verify_quantized(session: Any, source_header: fmt.Header, quant_header: fmt.Header, question: str,
-                     n: int) -> dict[str, Any]:
+def verify_quantized(
+    session: Any, source_header: fmt.Header, quant_header: fmt.Header, question: str, n: int
+) -> dict[str, Any]:
     """Token ids of the quantized artifact's continuation against a full prefill and the unquantized one."""
     from kvcdn_core import runtime, verify
 
@@ -136,14 +156,19 @@ def verify_quantized(session: Any, source_header: fmt.Header, quant_header: fmt.
 
     mismatches = [i for i, (a, b) in enumerate(zip(reference_ids, quant_ids)) if a != b]
     return {
-        "n": n, "question": question, "context_tokens": len(context_ids), "question_tokens": len(question_ids),
+        "n": n,
+        "question": question,
+        "context_tokens": len(context_ids),
+        "question_tokens": len(question_ids),
         "reference_matches": n - len(mismatches),
         "unquantized_matches": sum(a == b for a, b in zip(plain_ids, quant_ids)),
         "first_divergence_reference": first_diff(reference_ids, quant_ids),
         "first_divergence_unquantized": first_diff(plain_ids, quant_ids),
         "reference_passed": not mismatches and len(quant_ids) == len(reference_ids),
         "mismatch_indices": mismatches,
-        "reference_ids": reference_ids, "quantized_ids": quant_ids, "unquantized_ids": plain_ids,
+        "reference_ids": reference_ids,
+        "quantized_ids": quant_ids,
+        "unquantized_ids": plain_ids,
         "reference_text": runtime.decode(session, reference_ids),
         "quantized_text": runtime.decode(session, quant_ids),
     }

@@ -40,7 +40,7 @@ def bound_violations(header_manifest: dict, original: dict, quantizer: Quantizer
     """Names of quantized tensors whose dequantized values leave the scheme's stated error bound."""
     bad = []
     for rec in header_manifest["quantization"]["layers"]:
-        for local, trec in (rec.get("tensors") or {}).items():
+        for trec in (rec.get("tensors") or {}).values():
             if trec.get("action") != "quantized":
                 continue
             x = original[trec["name"]]
@@ -85,9 +85,11 @@ def validation_phase(scheme: str = "int8"):
         kept = f", {result.kept_layers} kept in full precision" if result.kept_layers else ""
         agree = cmp["steps"] - len(cmp["disagree"])
         ties = len(cmp["disagree"]) - len(cmp["decisive"])
-        detail = (f"token match {matches}/{run.n}; teacher-forced argmax {agree}/{cmp['steps']}"
-                  + (f" ({ties} flips at near-ties)" if ties else "")
-                  + f", max |dlogit| {cmp['max_abs_logit_diff']:.3g}; {result.quantized_layers} layers quantized{kept}")
+        detail = (
+            f"token match {matches}/{run.n}; teacher-forced argmax {agree}/{cmp['steps']}"
+            + (f" ({ties} flips at near-ties)" if ties else "")
+            + f", max |dlogit| {cmp['max_abs_logit_diff']:.3g}; {result.quantized_layers} layers quantized{kept}"
+        )
         if cmp["decisive"]:
             detail += f"; clear steps flipped: {cmp['decisive']}"
         if outside:

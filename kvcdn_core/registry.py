@@ -49,10 +49,23 @@ def adapter_for(architecture: str) -> type[ModelAdapter]:
 
 
 _EXTRA_HINTS = {
-    "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
-    "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
-    "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",
-    "stablelm": "olmo-granite", "starcoder": "olmo-granite", "mamba": "ssm",
+    "qwen": "qwen",
+    "llama": "llama",
+    "yi": "llama",
+    "mistral": "mistral",
+    "mixtral": "mistral",
+    "phi": "phi",
+    "gemma": "gemma",
+    "deepseek": "deepseek",
+    "gpt": "gpt",
+    "bloom": "gpt",
+    "falcon": "gpt",
+    "glm": "glm",
+    "olmo": "olmo-granite",
+    "granite": "olmo-granite",
+    "stablelm": "olmo-granite",
+    "starcoder": "olmo-granite",
+    "mamba": "ssm",
 }
 
 
@@ -80,8 +93,10 @@ def quantizer_for(scheme: str) -> type[Quantizer]:
     cls = classes.get(scheme)
     if cls is None:
         hint = " (install it: pip install 'kvcdn[quant-lowbit]')" if scheme in ("int4", "int2") else ""
-        raise KvcdnError(f"no installed quantizer provides scheme '{scheme}'{hint}; "
-                         f"installed schemes: {', '.join(sorted(classes)) or 'none'}")
+        raise KvcdnError(
+            f"no installed quantizer provides scheme '{scheme}'{hint}; "
+            f"installed schemes: {', '.join(sorted(classes)) or 'none'}"
+        )
     return cls
 
 

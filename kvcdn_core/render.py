@@ -6,7 +6,8 @@ Library code returns data and never prints; a command passes what it got to :fun
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import click
 
@@ -31,8 +32,12 @@ def table_lines(rows: Sequence[Sequence[Any]], right: Collection[int] = ()) -> l
         return []
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
     widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
-    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w)
-                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in cells]
+    return [
+        "  ".join(
+            cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in cells
+    ]
 
 
 def print_table(rows: Sequence[Sequence[Any]], right: Collection[int] = ()) -> None:

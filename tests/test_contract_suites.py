@@ -41,11 +41,14 @@ class _WrongMissingError(LocalStorage):
         super().rename(source_key, target_key)
 
 
-@pytest.mark.parametrize("broken,message", [
-    (_ListsUnsorted, "sorted"),
-    (_LosesRenames, "rename"),
-    (_WrongMissingError, "rename of a missing key raised FileNotFoundError"),
-])
+@pytest.mark.parametrize(
+    "broken,message",
+    [
+        (_ListsUnsorted, "sorted"),
+        (_LosesRenames, "rename"),
+        (_WrongMissingError, "rename of a missing key raised FileNotFoundError"),
+    ],
+)
 def test_the_storage_suite_catches_a_broken_backend(tmp_path, broken, message):
     roots = iter(range(100))
     with pytest.raises(AssertionError, match=message):

@@ -53,8 +53,7 @@ def imported_modules(tree: ast.AST, current: str) -> set[str]:
 
 
 def core_graph() -> dict[str, set[str]]:
-    return {name: imported_modules(ast.parse(path.read_text(encoding="utf-8")), name)
-            for name, path in MODULES.items()}
+    return {name: imported_modules(ast.parse(path.read_text(encoding="utf-8")), name) for name, path in MODULES.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -100,15 +99,19 @@ def test_core_has_no_import_cycle():
 def test_the_cycle_finder_finds_a_deferred_cycle():
     a = ast.parse("def f():\n    from kvcdn_core import runtime\n")
     b = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvcdn_core.quant import x\n")
-    graph = {"kvcdn_core.quant": imported_modules(a, "kvcdn_core.quant"),
-             "kvcdn_core.runtime": imported_modules(b, "kvcdn_core.runtime")}
+    graph = {
+        "kvcdn_core.quant": imported_modules(a, "kvcdn_core.quant"),
+        "kvcdn_core.runtime": imported_modules(b, "kvcdn_core.runtime"),
+    }
     assert cycles(graph) == [["kvcdn_core.quant", "kvcdn_core.runtime"]]
 
 
 def test_contracts_depend_on_no_lookup_or_builtin():
     graph = core_graph()
     for name in (m for m in graph if m.startswith("kvcdn_core.contracts")):
-        assert not {m for m in graph[name] if (m.split(".") + [""])[1] in ("plugins", "registry", "builtin", "runtime")}, name
+        assert not {
+            m for m in graph[name] if (m.split(".") + [""])[1] in ("plugins", "registry", "builtin", "runtime")
+        }, name
 
 
 def _host_users(paths) -> list[str]:
@@ -116,9 +119,13 @@ def _host_users(paths) -> list[str]:
     for path in paths:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "kvcdn_core.plugins":
-                if {a.name for a in node.names} & {"get_host", "PluginHost", "set_host"}:
-                    users.append(str(path.relative_to(ROOT)))
+            host_names = {"get_host", "PluginHost", "set_host"}
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "kvcdn_core.plugins"
+                and {a.name for a in node.names} & host_names
+            ):
+                users.append(str(path.relative_to(ROOT)))
     return users
 
 
@@ -130,8 +137,11 @@ def test_registry_is_the_only_caller_of_the_plugin_host():
 
 def plugin_sources() -> list[Path]:
     """Each plugin's package code (its tests may also use kvcdn_core.testing and test helpers)."""
-    return sorted(p for p in ROOT.glob("plugins/*/*/**/*.py")
-                  if p.relative_to(ROOT).parts[2] != "tests" and "tests" not in p.parts[-2:-1])
+    return sorted(
+        p
+        for p in ROOT.glob("plugins/*/*/**/*.py")
+        if p.relative_to(ROOT).parts[2] != "tests" and "tests" not in p.parts[-2:-1]
+    )
 
 
 def private_core_uses(path: Path) -> list[str]:
@@ -178,10 +188,12 @@ def test_every_public_name_resolves(name):
 
 def test_the_public_api_imports_no_torch():
     names = [n for n in kvcdn_core.__all__ if n != "runtime"]
-    code = ("import sys, kvcdn_core\n"
-            f"for name in {names!r}: getattr(kvcdn_core, name)\n"
-            "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import sys, kvcdn_core\n"
+        f"for name in {names!r}: getattr(kvcdn_core, name)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

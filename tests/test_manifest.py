@@ -8,12 +8,24 @@ from kvcdn_core.manifest import ANY_PREFIX, WHOLE_PREFIX, LayerEntry, Manifest
 
 def _manifest(**changes):
     base = {
-        "kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00+00:00",
-        "model": {"id": "m", "revision": None, "family": "qwen", "architecture": "Qwen3ForCausalLM",
-                  "config_sha256": "c", "tokenizer_sha256": "t", "weights_sha256": "w"},
-        "compute_dtype": "float32", "token_count": 7, "quantization": None,
-        "layers": [{"index": 0, "kind": artifact.FULL_ATTENTION, "tensors": {"key": "l0.key", "value": "l0.value"}},
-                   {"index": 1, "kind": artifact.SLIDING_WINDOW, "window": 16, "tensors": {"key": "l1.key"}}],
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-01-01T00:00:00+00:00",
+        "model": {
+            "id": "m",
+            "revision": None,
+            "family": "qwen",
+            "architecture": "Qwen3ForCausalLM",
+            "config_sha256": "c",
+            "tokenizer_sha256": "t",
+            "weights_sha256": "w",
+        },
+        "compute_dtype": "float32",
+        "token_count": 7,
+        "quantization": None,
+        "layers": [
+            {"index": 0, "kind": artifact.FULL_ATTENTION, "tensors": {"key": "l0.key", "value": "l0.value"}},
+            {"index": 1, "kind": artifact.SLIDING_WINDOW, "window": 16, "tensors": {"key": "l1.key"}},
+        ],
     }
     return {**base, **changes}
 

@@ -51,8 +51,11 @@ def contract_members(cls: type) -> list[tuple[str, str]]:
 
 
 HOOKS = [name for name in dir(hookspecs) if name.startswith("kvcdn_")]
-MEMBERS = [(cls.__name__, name, form) for cls in (ModelAdapter, Quantizer, StorageBackend)
-           for name, form in contract_members(cls)]
+MEMBERS = [
+    (cls.__name__, name, form)
+    for cls in (ModelAdapter, Quantizer, StorageBackend)
+    for name, form in contract_members(cls)
+]
 
 
 @pytest.mark.parametrize("hook", HOOKS)
@@ -73,7 +76,7 @@ def test_the_member_list_is_not_empty():
 def section(title: str) -> str:
     start = TEXT.index(f"## {title}\n")
     end = TEXT.find("\n## ", start + 1)
-    return TEXT[start:end if end > 0 else None]
+    return TEXT[start : end if end > 0 else None]
 
 
 def example_files(title: str) -> dict[str, str]:
@@ -93,8 +96,22 @@ def install(title: str, target: Path, tmp_path: Path) -> dict[str, str]:
     source.mkdir()
     for name, content in files.items():
         (source / name).write_text(content, encoding="utf-8")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(source)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+    )
     return files
 
 
@@ -109,12 +126,14 @@ def installed(tmp_path_factory):
 
 def run_python(code: str, site: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(site)}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize("title,module", [("A storage plugin", "kvcdn_storage_sqlite.py"),
-                                          ("A quantizer plugin", "kvcdn_quant_bf16.py")])
+@pytest.mark.parametrize(
+    "title,module", [("A storage plugin", "kvcdn_storage_sqlite.py"), ("A quantizer plugin", "kvcdn_quant_bf16.py")]
+)
 def test_examples_are_complete_and_short(installed, title, module):
     _, files = installed
     assert set(files[title]) == {"pyproject.toml", module}
@@ -123,7 +142,8 @@ def test_examples_are_complete_and_short(installed, title, module):
 
 def test_the_storage_example_passes_the_storage_contract(installed, tmp_path):
     site, _ = installed
-    result = run_python(f"""
+    result = run_python(
+        f"""
         import itertools, kvcdn_storage_sqlite
         from kvcdn_core.registry import open_storage
         from kvcdn_core.testing import assert_storage_contract
@@ -134,14 +154,18 @@ def test_the_storage_example_passes_the_storage_contract(installed, tmp_path):
         numbers = itertools.count()
         assert_storage_contract(lambda: open_storage(f"sqlite://{tmp_path}/{{next(numbers)}}.db"))
         print("contract passed")
-        """, site, tmp_path)
+        """,
+        site,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "contract passed" in result.stdout and "warning" not in result.stderr
 
 
 def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path):
     site, _ = installed
-    result = run_python("""
+    result = run_python(
+        """
         from kvcdn_core.registry import quantizer_for
         from kvcdn_core.testing import assert_quantizer_contract
 
@@ -149,7 +173,10 @@ def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path
         assert cls.__module__ == "kvcdn_quant_bf16"
         assert_quantizer_contract(cls)
         print("contract passed")
-        """, site, tmp_path)
+        """,
+        site,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "contract passed" in result.stdout
 

@@ -12,9 +12,31 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @hookimpl
 def kvcdn_register_commands(cli: click.Group) -> None:
-    from kvcdn_core.commands import (benchmark, continue_cmd, diag, generate, inspect, plot, plugins_cmd, quant,
-                                     search, validate, verify)
+    from kvcdn_core.commands import (
+        benchmark,
+        continue_cmd,
+        diag,
+        generate,
+        inspect,
+        plot,
+        plugins_cmd,
+        quant,
+        search,
+        validate,
+        verify,
+    )
 
-    for module in (generate, verify, diag, inspect, continue_cmd, plugins_cmd, benchmark, plot, search, quant,
-                   validate):
+    for module in (
+        generate,
+        verify,
+        diag,
+        inspect,
+        continue_cmd,
+        plugins_cmd,
+        benchmark,
+        plot,
+        search,
+        quant,
+        validate,
+    ):
         cli.add_command(module.command)

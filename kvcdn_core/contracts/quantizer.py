@@ -33,21 +33,30 @@ TARGET_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 STORAGE_DTYPE_SCHEMES = {"I8": "int8", "FP8": "fp8"}
 #: Other spellings of dtype names → the canonical one.
 DTYPE_ALIASES = {
-    "FLOAT32": "F32", "FP32": "F32", "FLOAT16": "F16", "FP16": "F16", "HALF": "F16",
-    "BFLOAT16": "BF16", "INT8": "I8", "F8": "FP8", "F8_E4M3": "FP8", "FLOAT8": "FP8", "E4M3": "FP8",
+    "FLOAT32": "F32",
+    "FP32": "F32",
+    "FLOAT16": "F16",
+    "FP16": "F16",
+    "HALF": "F16",
+    "BFLOAT16": "BF16",
+    "INT8": "I8",
+    "F8": "FP8",
+    "F8_E4M3": "FP8",
+    "FLOAT8": "FP8",
+    "E4M3": "FP8",
 }
 #: Requests we refuse as a target dtype, with why and what to use instead.
 REFUSED_TARGETS = {
     "U8": "unsigned 8-bit cannot hold keys and values, which are signed, without a zero point; "
-          "use --dtype I8 (symmetric int8) or --scheme int4/int2 (asymmetric, with zero points)",
+    "use --dtype I8 (symmetric int8) or --scheme int4/int2 (asymmetric, with zero points)",
     "I4": "4-bit integers are a storage format, not a dtype a model computes in; "
-          "use --scheme int4 (it dequantizes to F32/F16/BF16 on load)",
+    "use --scheme int4 (it dequantizes to F32/F16/BF16 on load)",
     "U4": "4-bit integers are a storage format, not a dtype a model computes in; "
-          "use --scheme int4 (asymmetric, scale and zero point per group)",
+    "use --scheme int4 (asymmetric, scale and zero point per group)",
     "FP4": "no kvcdn scheme stores 4-bit floats: with one mantissa bit they lose too much of a KV "
-           "cache; use --scheme int4, whose per-group scale and zero point keep more precision",
+    "cache; use --scheme int4, whose per-group scale and zero point keep more precision",
     "FP1": "there is no 1-bit float format: one bit cannot encode sign, exponent and mantissa; "
-           "the smallest kvcdn scheme is --scheme int2",
+    "the smallest kvcdn scheme is --scheme int2",
     "I2": "2-bit integers are a storage format, not a dtype a model computes in; use --scheme int2",
     "F64": "float64 is wider than any compute dtype kvcdn uses; use F32",
 }
@@ -95,8 +104,10 @@ class Quantizer:
         self.params = {**self.default_params, **{k: v for k, v in params.items() if v is not None}}
         for name, value in self.params.items():
             if not isinstance(value, int) or value < 0 or (name == "group_size" and value < 1):
-                raise KvcdnError(f"scheme {self.scheme}: {name} must be a "
-                                 f"{'positive' if name == 'group_size' else 'non-negative'} integer, got {value!r}")
+                raise KvcdnError(
+                    f"scheme {self.scheme}: {name} must be a "
+                    f"{'positive' if name == 'group_size' else 'non-negative'} integer, got {value!r}"
+                )
 
     @property
     def residual(self) -> int:
@@ -119,8 +130,14 @@ class Quantizer:
         parts: Parts
         record: Record
         parts, record = ({}, {}) if body.numel() == 0 else self.encode(role, body.contiguous())
-        record = {"shape": list(tensor.shape), "dtype": _st_name(tensor.dtype), "role": role,
-                  "quantized_tokens": tokens - keep, "residual_tokens": keep, **record}
+        record = {
+            "shape": list(tensor.shape),
+            "dtype": _st_name(tensor.dtype),
+            "role": role,
+            "quantized_tokens": tokens - keep,
+            "residual_tokens": keep,
+            **record,
+        }
         if body.numel() == 0:
             parts = {"": torch.empty(0, dtype=torch.uint8)}
             record["empty"] = True

@@ -52,8 +52,11 @@ def assert_quantizer_contract(cls: type[Quantizer]) -> None:
     assert cls.scheme and isinstance(cls.scheme, str), f"{cls.__name__}.scheme must name the scheme"
     assert cls.description, f"{cls.__name__}.description is empty (kvcdn quant --help shows it)"
     assert cls.supported_kinds and set(cls.supported_kinds) <= set(LAYER_KINDS), (
-        f"{cls.__name__}.supported_kinds must be layer kinds of {LAYER_KINDS}")
-    assert cls.storage_dtype in fmt.DTYPES, f"{cls.__name__}.storage_dtype {cls.storage_dtype!r} is no safetensors dtype"
+        f"{cls.__name__}.supported_kinds must be layer kinds of {LAYER_KINDS}"
+    )
+    assert cls.storage_dtype in fmt.DTYPES, (
+        f"{cls.__name__}.storage_dtype {cls.storage_dtype!r} is no safetensors dtype"
+    )
     assert all(isinstance(v, int) for v in cls.default_params.values()), "default_params must be integers"
     assert cls.default_output_suffix(), "default_output_suffix() is empty"
     try:
@@ -95,10 +98,11 @@ def _check_one(quantizer: Quantizer, role: str, x: Any, what: str) -> None:
     bound = quantizer.error_bound(role, x)
     if x.dtype != torch.float32:  # the comparison is made after rounding back to the input dtype
         error = (exact - back.to(torch.float32)).abs()
-        bound = bound + exact.abs() * (2.0 ** -7 if x.dtype == torch.bfloat16 else 2.0 ** -10)
+        bound = bound + exact.abs() * (2.0**-7 if x.dtype == torch.bfloat16 else 2.0**-10)
     over = error > bound
-    assert not bool(over.any()), (f"{what}: {int(over.sum())} elements outside the error bound "
-                                  f"(worst {float((error - bound).max()):.3g})")
+    assert not bool(over.any()), (
+        f"{what}: {int(over.sum())} elements outside the error bound (worst {float((error - bound).max()):.3g})"
+    )
     keep = min(quantizer.residual, x.shape[-2])
     if keep:
         tail = back.narrow(-2, x.shape[-2] - keep, keep)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kvcdn_core.contracts.storage import ObjectInfo, ObjectNotFound, StorageBackend
 from kvcdn_core.errors import KvcdnError
@@ -31,8 +31,16 @@ def assert_storage_contract(backend_factory: Callable[[], StorageBackend], threa
     """
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for check in (_round_trip, _listing, _missing_keys, _overwrite, _rename, _streaming, _invalid_keys,
-                      _concurrent):
+        for check in (
+            _round_trip,
+            _listing,
+            _missing_keys,
+            _overwrite,
+            _rename,
+            _streaming,
+            _invalid_keys,
+            _concurrent,
+        ):
             store = backend_factory()
             assert isinstance(store, StorageBackend), f"{type(store).__name__} is not a StorageBackend"
             check(store, work / check.__name__, threads)
@@ -65,7 +73,9 @@ def _listing(store: StorageBackend, work: Path, threads: int) -> None:
     assert all(isinstance(info, ObjectInfo) for info in everything), "list must return ObjectInfo items"
     assert [i.key for i in everything] == sorted(keys), f"list('') is not every key sorted: {everything}"
     assert {i.key: i.size for i in everything} == {k: 10 + n for n, k in enumerate(keys)}, "list sizes are wrong"
-    assert [i.key for i in store.list("a/b")] == ["a/b.kv", "a/b.kv.json", "a/bc/d.kv"], "prefix 'a/b' is a string prefix"
+    assert [i.key for i in store.list("a/b")] == ["a/b.kv", "a/b.kv.json", "a/bc/d.kv"], (
+        "prefix 'a/b' is a string prefix"
+    )
     assert [i.key for i in store.list("a/")] == ["a/b.kv", "a/b.kv.json", "a/bc/d.kv"]
     assert [i.key for i in store.list("a")] == ["a-c.kv", "a/b.kv", "a/b.kv.json", "a/bc/d.kv", "ab.kv"]
     assert [i.key for i in store.list("b/2.kv")] == ["b/2.kv"], "a full key lists itself"
@@ -78,9 +88,11 @@ def _missing_keys(store: StorageBackend, work: Path, threads: int) -> None:
     assert store.size_of("missing.kv") is None
     assert store.read_bytes("missing.kv") is None
     store.delete("missing.kv")  # nothing happens
-    for what, call in (("get_file", lambda: store.get_file("missing.kv", work / "x")),
-                       ("open_read", lambda: store.open_read("missing.kv")),
-                       ("rename", lambda: store.rename("missing.kv", "other.kv"))):
+    for what, call in (
+        ("get_file", lambda: store.get_file("missing.kv", work / "x")),
+        ("open_read", lambda: store.open_read("missing.kv")),
+        ("rename", lambda: store.rename("missing.kv", "other.kv")),
+    ):
         try:
             call()
         except ObjectNotFound:
