@@ -18,8 +18,9 @@ from kvcdn_core import hookspecs
 from kvcdn_core.contracts.adapter import ModelAdapter
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.contracts.storage import StorageBackend
+from tests.support import plugin_examples
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugin-guide.md"
+GUIDE = plugin_examples.GUIDE
 TEXT = GUIDE.read_text(encoding="utf-8")
 
 
@@ -73,54 +74,12 @@ def test_the_member_list_is_not_empty():
     assert len(MEMBERS) > 30 and ("StorageBackend", "open_read", "open_read(key)") in MEMBERS
 
 
-def section(title: str) -> str:
-    start = TEXT.index(f"## {title}\n")
-    end = TEXT.find("\n## ", start + 1)
-    return TEXT[start : end if end > 0 else None]
-
-
-def example_files(title: str) -> dict[str, str]:
-    """file name → content of the fenced blocks of a section that start with ``# <file name>``."""
-    files = {}
-    for block in re.findall(r"```(?:toml|python)\n(.*?)```", section(title), re.S):
-        first, _, rest = block.partition("\n")
-        if re.fullmatch(r"# [\w.-]+\.(py|toml)", first):
-            files[first[2:]] = block
-    return files
-
-
-def install(title: str, target: Path, tmp_path: Path) -> dict[str, str]:
-    """pip-install a section's example package into ``target`` (its own directory on PYTHONPATH)."""
-    files = example_files(title)
-    source = tmp_path / "src"
-    source.mkdir()
-    for name, content in files.items():
-        (source / name).write_text(content, encoding="utf-8")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        check=True,
-    )
-    return files
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
     files = {}
-    for title in ("A storage plugin", "A quantizer plugin"):
-        files[title] = install(title, target, tmp_path_factory.mktemp("build"))
+    for title in (plugin_examples.STORAGE, plugin_examples.QUANTIZER):
+        files[title] = plugin_examples.install(title, target, tmp_path_factory.mktemp("build"))
     return target, files
 
 
