@@ -70,6 +70,21 @@ def moto_s3():
 
 
 @pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the session; tests take a fresh database each."""
+    with services.postgres() as pg:
+        yield pg
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    """An empty database of each kind the server supports."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state.db'}"
+    return request.getfixturevalue("postgres_server").new_database()
+
+
+@pytest.fixture(scope="session")
 def hosted_model(qwen3_dir):
     """The tiny Qwen3 model the servers are allowed to load."""
     return qwen3_dir
@@ -85,9 +100,11 @@ def local_server(tmp_path_factory, oidc_issuer, hosted_model):
 
 
 @pytest.fixture(scope="session")
-def s3_replicas(tmp_path_factory, moto_s3, oidc_issuer, hosted_model):
-    """Two ``kvcdn serve`` replicas on one bucket, sharing their secrets through the environment."""
+def s3_replicas(tmp_path_factory, moto_s3, postgres_server, oidc_issuer, hosted_model):
+    """Two ``kvcdn serve`` replicas on one PostgreSQL database and one bucket, sharing their secrets
+    through the environment."""
     env = {**moto_s3.env, "KVCDN_ISSUER_URL": oidc_issuer.url, "KVCDN_S3_PART_SIZE": str(5 << 20),
+           "KVCDN_DATABASE_URL": postgres_server.new_database("replicas"),
            "KVCDN_API_KEY_SEED": "s3-replica-seed-" + "0" * 32, "KVCDN_ADMIN_SECRET": "s3-admin-" + "1" * 32,
            "KVCDN_URL_SIGNING_KEY": "s3-url-key-" + "2" * 32, "KVCDN_ORGS_REFRESH": "0.2", **QUOTA_ENV}
     args = ["--storage", f"s3://{S3_BUCKET}/replicated", "--models", str(hosted_model)]

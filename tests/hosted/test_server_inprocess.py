@@ -44,13 +44,15 @@ def _start(client, key, path):
 
 
 def _files(tmp_path):
+    """The objects in storage (PUT temp files are hidden names)."""
     root = tmp_path / "objects"
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
-                  and not p.name.startswith("acme"))
+                  and not p.name.startswith("."))
 
 
 def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv):
     app, client, key = make_app(KVCDN_UPLOAD_URL_TTL=1, KVCDN_PENDING_GRACE=0)
+    store = app.state.store
     plan, put_url = _start(client, key, small_kv)
     assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
     time.sleep(2.1)
@@ -58,23 +60,33 @@ def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
     assert r.status_code == 410 and r.json()["error"] == "upload_expired"
     assert _files(tmp_path) == []
-    # The periodic sweep removes what nobody came back for.
+    assert store.reserved("org:acme") == (0, 0)
+    # The collector expires what nobody came back for, and gives its quota back.
     plan2, put2 = _start(client, key, small_kv)
     client.put(put2, content=small_kv.read_bytes())
-    assert _files(tmp_path)
+    assert _files(tmp_path) and store.reserved("org:acme") == (1, small_kv.stat().st_size)
     time.sleep(2.1)
-    assert app.state.store.sweep_all() == 1
-    assert _files(tmp_path) == []
+    assert store.collect()["expired"] == 1
+    assert _files(tmp_path) == [] and store.reserved("org:acme") == (0, 0)
+    assert store.row(plan2["artifact_id"]).status == "expired"
 
 
-def test_quota_is_checked_again_at_confirm(make_app, tmp_path, small_kv):
-    app, client, key = make_app()
-    plan, put_url = _start(client, key, small_kv)
-    client.put(put_url, content=small_kv.read_bytes())
-    app.state.store.config.quota_bytes = small_kv.stat().st_size - 1  # lowered by the operator meanwhile
+def test_a_failed_confirm_fails_the_upload_and_gives_its_quota_back(make_app, tmp_path, small_kv):
+    app, client, key = make_app(KVCDN_QUOTA_ARTIFACTS=1)
+    junk = tmp_path / "junk.kv"
+    junk.write_bytes(b"\x08" + bytes(40))  # a header length and nothing else
+    plan, put_url = _start(client, key, junk)
+    assert client.put(put_url, content=junk.read_bytes()).status_code == 200
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
-    assert r.status_code == 403 and r.json()["error"] == "quota_exceeded"
-    assert _files(tmp_path) == []
+    assert r.status_code == 422 and r.json()["error"] == "not_a_kv_artifact" and "\n" not in r.json()["message"]
+    assert app.state.store.row(plan["artifact_id"]).status == "failed"
+    again = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
+    assert again.status_code == 409 and again.json()["error"] == "upload_failed"
+    assert _files(tmp_path) == [] and app.state.store.reserved("org:acme") == (0, 0)
+    # The quota of one artifact is free again.
+    plan, put_url = _start(client, key, small_kv)
+    assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
+    assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
 
 
 def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_model):
@@ -100,11 +112,13 @@ def test_secrets_files_are_private_and_env_overrides(monkeypatch, tmp_path):
     assert len(config.created_secrets) == 3
     again = load_config(storage=str(tmp_path / "o"))
     assert again.created_secrets == [] and again.admin_secret == config.admin_secret
-    monkeypatch.setenv("KVCDN_ADMIN_SECRET", "from-the-environment-0123456789")
-    assert load_config(storage=str(tmp_path / "o")).admin_secret == "from-the-environment-0123456789"
-    monkeypatch.setenv("KVCDN_ADMIN_SECRET", "short")
-    with pytest.raises(KvcdnError, match="too short"):
-        load_config(storage=str(tmp_path / "o"))
+    monkeypatch.setenv("KVCDN_ADMIN_SECRET", "from-the-environment-0123456789ab")
+    assert load_config(storage=str(tmp_path / "o")).admin_secret == "from-the-environment-0123456789ab"
+    for name in ("KVCDN_ADMIN_SECRET", "KVCDN_API_KEY_SEED", "KVCDN_URL_SIGNING_KEY"):
+        monkeypatch.setenv(name, "x" * 31)
+        with pytest.raises(KvcdnError, match="too short: use at least 32"):
+            load_config(storage=str(tmp_path / "o"))
+        monkeypatch.setenv(name, "y" * 32)
     monkeypatch.delenv("KVCDN_ADMIN_SECRET")
     os.chmod(server_home() / "admin-secret", 0o644)
     with pytest.raises(KvcdnError, match="chmod 600"):
@@ -168,6 +182,8 @@ def test_telemetry_is_forwarded_with_the_secret(make_app):
     (["--issuer-url", "http://id.example.com"], "must use https"),
     (["--storage", "nosuch://bucket"], "no storage backend for 'nosuch://'"),
     (["--storage", "s3://"], "needs a bucket"),
+    (["--database", "mysql://db/kvcdn"], "database URL must be postgresql://"),
+    (["--database", "postgresql://nobody@127.0.0.1:1/kvcdn"], "cannot open the database"),
 ])
 def test_bad_configuration_is_one_line_exit_2(args, message):
     import subprocess
@@ -180,35 +196,42 @@ def test_bad_configuration_is_one_line_exit_2(args, message):
     assert "Traceback" not in proc.stderr
 
 
-def test_orphans_of_an_interrupted_confirm_are_swept(make_app, tmp_path, small_kv):
-    from kvcdn_server.artifacts import tenant_of
+def test_the_collector_reclaims_orphans_and_never_a_live_object(make_app, tmp_path, small_kv):
+    app, client, key = make_app(KVCDN_ORPHAN_GRACE=1)
+    store = app.state.store
+    live, put_url = _start(client, key, small_kv)
+    client.put(put_url, content=small_kv.read_bytes())
+    assert client.post(f"{API}/artifacts/{live['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
+    waiting, put_url = _start(client, key, small_kv)
+    client.put(put_url, content=small_kv.read_bytes())  # uploaded, not yet confirmed: alive
+    orphan = "11111111-1111-4111-8111-111111111111"  # bytes no row knows (a crash after a delete)
+    for key_ in (f"uploads/{orphan}", f"artifacts/{orphan}"):
+        store.storage.write_bytes(key_, b"stray")
+    temp = store.temp_dir() / f".put-{orphan}-abc"  # a PUT of a server that died
+    temp.write_bytes(b"half")
+    os.utime(temp, (time.time() - 5, time.time() - 5))
+    assert store.collect() == {"expired": 0, "failed": 0, "objects": 2, "temp_files": 1, "multipart": 0, "rows": 0}
+    assert _files(tmp_path) == [f"artifacts/{live['artifact_id']}", f"uploads/{waiting['artifact_id']}"]
+    assert not temp.exists()
+
+
+def test_two_confirms_of_one_upload_one_wins(make_app, small_kv):
+    """A retried confirm racing the first: exactly one 200, the other a 409 (never a 500)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     app, client, key = make_app()
-    tenant = tenant_of("org:acme")
-    store = app.state.store
-    orphan_id = "11111111-1111-4111-8111-111111111111"
-    for suffix in (".kv", ".upload"):
-        store.storage.write_bytes(store.key(tenant, orphan_id, suffix), small_kv.read_bytes())
-    assert store.usage(tenant, sweep=False)["artifacts"] == 0
-    assert _files(tmp_path)
-    store.usage(tenant)
-    assert _files(tmp_path) == []
-    # A retried confirm racing the first: the second finds the bytes gone and gets 409, not 500.
     plan, put_url = _start(client, key, small_kv)
     client.put(put_url, content=small_kv.read_bytes())
-    original = store.storage.rename
-
-    def first_confirm_wins(source, target):
-        original(source, target)  # the other confirm moves the bytes...
-        original(source, target)  # ...so this one finds its source gone
-
-    store.storage.rename = first_confirm_wins
-    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
-    assert r.status_code == 409 and r.json()["error"] == "already_confirmed"
+    route = f"{API}/artifacts/{plan['artifact_id']}/confirm-upload"
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: client.post(route, headers=bearer(key)), range(4)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200, 409, 409, 409], [r.text for r in answers]
+    assert {r.json()["error"] for r in answers if r.status_code == 409} <= {"confirm_in_progress", "already_confirmed"}
 
 
 def test_a_put_during_confirm_cannot_swap_in_unchecked_bytes(make_app, tmp_path, small_kv, monkeypatch):
-    """A second PUT with the still-valid URL, landing after confirm checked the bytes, changes nothing."""
+    """A second PUT with the still-valid URL while confirm checks the bytes is refused (409)."""
     from kvcdn_core import artifact as kvformat
 
     app, client, key = make_app()
@@ -227,14 +250,11 @@ def test_a_put_during_confirm_cannot_swap_in_unchecked_bytes(make_app, tmp_path,
     monkeypatch.setattr(kvformat, "read_header", read_then_put)
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
     monkeypatch.setattr(kvformat, "read_header", real_read_header)
-    assert swapped == [200] and r.status_code == 200, (swapped, r.text)
+    assert swapped == [409] and r.status_code == 200, (swapped, r.text)
     d = client.post(f"{API}/artifacts/{plan['artifact_id']}/download-url", headers=bearer(key)).json()
     got = client.get("/" + d["download_url"].split("://", 1)[1].split("/", 1)[1])
     assert got.content == small_kv.read_bytes()
-    # The stray bytes are swept, and the confirmed artifact stays.
-    client.get(f"{API}/quota", headers=bearer(key))
-    assert [f for f in _files(tmp_path) if f.endswith((".upload", ".confirming"))] == []
-    assert any(f.endswith(".kv") for f in _files(tmp_path))
+    assert _files(tmp_path) == [f"artifacts/{plan['artifact_id']}"]
 
 
 def test_upload_url_quota_is_atomic_in_one_process(make_app, small_kv):
@@ -245,14 +265,6 @@ def test_upload_url_quota_is_atomic_in_one_process(make_app, small_kv):
 
     app, _client, _key = make_app(KVCDN_QUOTA_ARTIFACTS=1)
     store = app.state.store
-    real_usage = store.usage
-
-    def slow_usage(*args, **kwargs):  # widen the window between the check and the write
-        found = real_usage(*args, **kwargs)
-        time.sleep(0.02)
-        return found
-
-    store.usage = slow_usage
 
     def reserve(_):
         try:
@@ -390,20 +402,23 @@ def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
     assert "admin-secret)" in lines[-1] and "$KVCDN_ADMIN_SECRET" not in lines[-1], lines
 
 
-def test_telemetry_is_rate_limited_per_process(make_app, monkeypatch):
+def test_telemetry_is_rate_limited_per_client(make_app, monkeypatch):
     from kvcdn_server import telemetry
 
     monkeypatch.setattr(telemetry, "RATE_BURST", 5)
     monkeypatch.setattr(telemetry, "RATE_PER_S", 0.001)
-    _app, client, _key = make_app()
+    app, client, _key = make_app()
     event = {"event": "command", "kvcdn_version": "0.1.0", "command": "list", "ok": True}
     statuses = [client.post(f"{API}/telemetry", json=event).status_code for _ in range(8)]
     assert statuses == [204] * 5 + [429] * 3
+    # Another client address has a bucket of its own: one noisy client does not silence the rest.
+    other = TestClient(app, client=("192.0.2.7", 40000))
+    assert [other.post(f"{API}/telemetry", json=event).status_code for _ in range(6)] == [204] * 5 + [429]
     clock = [0.0]
-    bucket = telemetry.RateLimit(rate=2.0, burst=2, clock=lambda: clock[0])
-    assert [bucket.allow() for _ in range(3)] == [True, True, False]
+    bucket = telemetry.RateLimit(app.state.db, rate=2.0, burst=2, clock=lambda: clock[0])
+    assert [bucket.allow("c") for _ in range(3)] == [True, True, False]
     clock[0] += 0.5  # one token back after half a second at 2/s
-    assert [bucket.allow() for _ in range(2)] == [True, False]
+    assert [bucket.allow("c") for _ in range(2)] == [True, False]
 
 
 def test_inference_load_locks_stay_bounded():
@@ -434,37 +449,37 @@ def test_loading_an_artifact_and_its_model_cannot_deadlock(monkeypatch):
         engine.shutdown()
 
 
-def test_two_replicas_racing_for_the_last_slot_never_both_get_it(make_app):
-    """Two stores on one storage (two replicas: no shared lock) reserve at the same instant."""
+def test_replicas_racing_for_the_last_slot_exactly_one_gets_it(database_url, tmp_path, monkeypatch):
+    """Stores on separate engines (as two replicas have) on one database, 8 threads at once."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from kvcdn_server.artifacts import ArtifactStore
+    from kvcdn_server.config import load_config
+    from kvcdn_server.db import open_database
     from kvcdn_server.errors import ApiError
 
-    app, _client, _key = make_app(KVCDN_QUOTA_ARTIFACTS=1)
-    first = app.state.store
-    replicas = [first, ArtifactStore(first.storage, first.config)]
-    both_checked = threading.Barrier(2, timeout=30)
+    monkeypatch.setenv("KVCDN_QUOTA_ARTIFACTS", "3")
+    config = load_config(storage=str(tmp_path / "objects"), database=database_url)
+    from kvcdn_core import LocalStorage
 
-    def reserve(store):
-        real_save = store.save_pending
+    replicas = [ArtifactStore(open_database(database_url), LocalStorage(tmp_path / "objects"), config)
+                for _ in range(2)]
+    for _ in range(2):
+        replicas[0].begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
+    start = threading.Barrier(8, timeout=30)
 
-        def wait_then_save(tenant, record):
-            # Both replicas passed the first quota check before either record exists: the race.
-            both_checked.wait()
-            real_save(tenant, record)
-
-        store.save_pending = wait_then_save
+    def reserve(i):
+        start.wait()
         try:
-            store.begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
+            replicas[i % 2].begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
             return 200
         except ApiError as exc:
             return exc.status
 
-    with ThreadPoolExecutor(2) as pool:
-        statuses = list(pool.map(reserve, replicas))
-    assert statuses.count(200) <= 1, statuses
-    from kvcdn_server.artifacts import tenant_of
+    with ThreadPoolExecutor(8) as pool:
+        statuses = sorted(pool.map(reserve, range(8)))
+    assert statuses == [200] + [403] * 7
+    assert replicas[1].usage("org:acme")["pending_artifacts"] == 3 == replicas[0].reserved("org:acme")[0]
 
-    assert first.usage(tenant_of("org:acme"))["pending_artifacts"] == statuses.count(200)
+

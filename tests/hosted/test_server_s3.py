@@ -24,10 +24,10 @@ def test_replicas_share_one_bucket(s3_replicas, moto_s3, new_org, qwen3_artifact
     slug = new_org("s3")
     key = mint_key(a.url, admin, slug)
     art = upload(a.url, key, qwen3_artifact)
-    # The upload went straight to S3 through a presigned URL, under the configured prefix.
-    keys = bucket_keys(moto_s3)
-    assert any(k.endswith(f"{art['artifact_id']}.kv") and k.startswith("replicated/t/") for k in keys)
-    # Replica b knows the org (registered by a, through the bucket) and serves the artifact.
+    # The upload went straight to S3 through a presigned URL, under the configured prefix, and the
+    # key names only the artifact's random id.
+    assert f"replicated/artifacts/{art['artifact_id']}" in bucket_keys(moto_s3)
+    # Replica b knows the org (registered by a, in the shared database) and serves the artifact.
     listing = httpx.get(f"{b.url}{API}/artifacts", headers=bearer(key)).json()
     assert [x["artifact_id"] for x in listing["artifacts"]] == [art["artifact_id"]]
     d = httpx.post(f"{b.url}{API}/artifacts/{art['artifact_id']}/download-url", headers=bearer(key)).json()
@@ -94,3 +94,33 @@ def test_s3_isolation_and_refusals_store_nothing(s3_replicas, moto_s3, new_org, 
     r = confirm(a.url, owner, plan["artifact_id"])
     assert r.status_code == 422 and r.json()["error"] == "sha256_mismatch"
     assert bucket_keys(moto_s3) == before
+
+
+def test_the_collector_aborts_multipart_uploads_no_open_upload_owns(moto_s3, monkeypatch, tmp_path):
+    """A multipart upload the database does not know (a crash between starting it and recording
+    it) is aborted; the one an open upload is using is left alone."""
+    from fastapi.testclient import TestClient
+
+    from kvcdn_server.apikeys import derive_key
+    from kvcdn_server.app import create_app
+    from kvcdn_server.config import load_config
+
+    for name, value in {**moto_s3.env, "KVCDN_S3_PART_SIZE": str(5 << 20), "KVCDN_API_KEY_ORGS": "acme"}.items():
+        monkeypatch.setenv(name, value)
+    config = load_config(storage=f"s3://{S3_BUCKET}/collector", database=f"sqlite:///{tmp_path / 'state.db'}")
+    app = create_app(config)
+    client, store = TestClient(app), app.state.store
+    key = derive_key(config.api_key_seed, "acme")
+    size = 6 << 20
+    plan = client.post(f"{API}/artifacts/upload-url", headers=bearer(key),
+                       json={"name": "big.kv", "size_bytes": size, "sha256": "0" * 64}).json()
+    assert plan["multipart"] is not None
+    stray = "22222222-2222-4222-8222-222222222222"
+    store.storage.start_multipart(f"uploads/{stray}", size, 60)
+    assert {k for k, _ in store.storage.list_multipart("uploads/")} == {f"uploads/{plan['artifact_id']}",
+                                                                        f"uploads/{stray}"}
+    assert store.collect()["multipart"] == 1
+    assert [k for k, _ in store.storage.list_multipart("uploads/")] == [f"uploads/{plan['artifact_id']}"]
+    # Deleting the open upload aborts its multipart upload too.
+    assert client.delete(f"{API}/artifacts/{plan['artifact_id']}", headers=bearer(key)).status_code == 204
+    assert store.storage.list_multipart("uploads/") == []

@@ -160,8 +160,8 @@ class CuttingProxy:
     """A reverse proxy to ``upstream`` that sends only half of every blob GET's body, then hangs up
     (after ``stall`` seconds: time for a test to interrupt the client half-way).
 
-    The ``Host`` header is passed through, so the server signs URLs for the proxy's address when it
-    builds them from the request (or give the server ``KVCDN_PUBLIC_URL`` = :attr:`url`).
+    The server signs URLs for its own public URL (never the request's Host), so the proxy rewrites
+    that address to its own in JSON answers, as a reverse proxy configured for it would.
     """
 
     def __init__(self, upstream: str, port: int = 0, cut_prefix: str = "/api/v1/blobs/", stall: float = 0.0):
@@ -181,6 +181,8 @@ class CuttingProxy:
                 with httpx.Client(timeout=60) as client:
                     upstream = client.request(self.command, proxy.upstream + self.path, headers=headers, content=body)
                 data = upstream.content
+                if upstream.headers.get("content-type", "").startswith("application/json"):
+                    data = data.replace(proxy.upstream.encode(), proxy.url.encode())
                 cut = self.command == "GET" and self.path.startswith(cut_prefix) and upstream.status_code == 200
                 self.send_response(upstream.status_code)
                 for key, value in upstream.headers.items():

@@ -3,6 +3,8 @@
 - :func:`oidc_issuer`: the node ``oidc-provider`` issuer in ``tests/support/oidc_issuer`` (run
   ``npm ci --prefix tests/support/oidc_issuer`` once).
 - :func:`moto_s3`: moto's threaded S3 server.
+- :func:`postgres`: a PostgreSQL server (Debian's binaries) in a temp dir, one database per test
+  through :meth:`Postgres.new_database`.
 - :func:`kvcdn_server`: ``kvcdn serve`` as a subprocess on a free port.
 - :func:`device_flow_token` / :func:`browser_login`: get an access token from the issuer by driving
   its device-flow and login pages with httpx, as a person with a browser would.
@@ -238,6 +240,70 @@ def moto_s3(bucket: str | None = "kvcdn-test") -> Iterator[MotoS3]:
         yield MotoS3(endpoint, server, env)
     finally:
         server.stop()
+
+
+@dataclasses.dataclass
+class Postgres:
+    port: int
+    directory: Path
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def new_database(self, prefix: str = "kvcdn") -> str:
+        """A fresh empty database; its URL."""
+        import uuid
+
+        import psycopg
+
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+
+def postgres_bindir() -> Path | None:
+    """Where initdb and pg_ctl are: ``$KVCDN_PG_BINDIR``, PATH, or Debian's versioned directory."""
+    if os.environ.get("KVCDN_PG_BINDIR"):
+        return Path(os.environ["KVCDN_PG_BINDIR"])
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).parent
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"), key=lambda p: int(p.parent.parent.name))
+    return versions[-1].parent if versions else None
+
+
+@contextlib.contextmanager
+def postgres(timeout: float = 60.0) -> Iterator[Postgres]:
+    """A throw-away PostgreSQL server on a free loopback port (trust auth, no fsync: tests only).
+
+    PostgreSQL refuses to run as root: as root it runs as the ``postgres`` user.
+    """
+    import pwd
+    import tempfile
+
+    bindir = postgres_bindir()
+    if bindir is None:
+        raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
+    directory = Path(tempfile.mkdtemp(prefix="kvcdn-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        user = pwd.getpwnam("postgres")
+        os.chown(directory, user.pw_uid, user.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    data, log = directory / "data", directory / "server.log"
+    port = free_port()
+    subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
+                    "--no-sync", "-E", "UTF8"], check=True, capture_output=True, timeout=timeout)
+    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {directory} -c fsync=off -c max_connections=200"
+    subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w",
+                    "-t", str(int(timeout)), "start"], check=True, capture_output=True, timeout=timeout + 10)
+    try:
+        yield Postgres(port, directory)
+    finally:
+        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],
+                       capture_output=True, timeout=timeout)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @dataclasses.dataclass

@@ -20,6 +20,8 @@ import click
 from kvcdn_core import emit_json, print_table
 from kvcdn_core import CheckFailed, KvcdnError
 
+from kvcdn_hosted import wire
+
 
 # -- shared options and plumbing -----------------------------------------------------------------
 
@@ -230,7 +232,7 @@ def api_key_verify(api_url, api_key, fmt):
     if credential is None or credential.method != "api_key":
         raise KvcdnError("no API key set: kvcdn api-key set KEY, KVCDN_API_KEY or --api-key")
     with HostedClient(settings, credential=credential) as client:
-        response = client.request("POST", "/api/v1/api-keys/verify", what="api-key verify", ok=(200, 401))
+        response = client.request("POST", wire.VERIFY_API_KEY, what="api-key verify", ok=(200, 401))
     if response.status_code == 401:  # the check ran and the key failed it: exit 1
         raise CheckFailed(f"the server at {settings.api_url} rejects the API key {mask(credential.token)} "
                           f"from {credential.source}; ask your org admin for a valid key")
@@ -473,7 +475,7 @@ def whoami(fmt, api_url, api_key):
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         credential = client.require_credential("whoami")
-        info = client.json("GET", "/api/v1/whoami", what="whoami")
+        info = client.json("GET", wire.WHOAMI, what="whoami")
     info = dict(info or {})
     if fmt == "json":
         info.update(access_token=credential.token, credential=credential.method,
@@ -500,7 +502,7 @@ def quota(fmt, api_url, api_key):
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         client.require_credential("quota")
-        info = client.json("GET", "/api/v1/quota", what="quota")
+        info = client.json("GET", wire.QUOTA, what="quota")
     if fmt == "json":
         emit_json(info)
         return
@@ -540,7 +542,7 @@ def mint_api_key(org, fmt, api_url):
         raise KvcdnError("set KVCDN_ADMIN_SECRET to the server's admin secret (kvcdn serve prints where it is)")
     settings = settings_from(locals())
     with HostedClient(settings, auth=False) as client:
-        info = client.json("POST", "/api/v1/admin/api-keys", what="admin mint-api-key", json={"org_slug": org},
+        info = client.json("POST", wire.ADMIN_API_KEYS, what="admin mint-api-key", json={"org_slug": org},
                            headers={"X-Kvcdn-Admin-Secret": secret})
     if fmt == "json":
         emit_json(info)

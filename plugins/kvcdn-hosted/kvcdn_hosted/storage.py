@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import quote, urlparse
+from urllib.parse import urlparse
 
 from kvcdn_core import KvcdnError
 from kvcdn_core import ObjectInfo, StorageBackend
 
-API = "/api/v1"
+from kvcdn_hosted import wire
+
 #: confirm makes the server read and hash the whole object: allow a floor plus time per byte
 CONFIRM_BASE_S = 60.0
 CONFIRM_BYTES_PER_S = 20 * (1 << 20)
@@ -27,11 +28,12 @@ def confirm_timeout(size: int) -> float:
 
 
 def _id(artifact_id: str) -> str:
-    """An artifact id as one URL path segment (never a way to reach another route)."""
+    """An artifact id, checked non-empty (:func:`wire.path` makes it one URL path segment, never a
+    way to reach another route)."""
     artifact_id = (artifact_id or "").strip()
     if not artifact_id:
         raise KvcdnError("artifact id is empty")
-    return quote(artifact_id, safe="")
+    return artifact_id
 
 
 class HostedStorage(StorageBackend):
@@ -83,9 +85,11 @@ class HostedStorage(StorageBackend):
         digest = transfer.sha256_file(source, "sha256", quiet=self.quiet)
         client = self.client
         client.require_credential("upload")
-        grant = client.json("POST", f"{API}/artifacts/upload-url", what="upload", json={
-            "name": name, "size_bytes": size, "sha256": digest, "visibility": visibility,
-            "manifest": artifact.summary(manifest)})
+        from kvcdn_hosted.wire_schema import ManifestHints, UploadUrlRequest
+
+        body = UploadUrlRequest(name=name, size_bytes=size, sha256=digest, visibility=visibility,
+                                manifest=ManifestHints(**artifact.summary(manifest)))
+        grant = client.json("POST", wire.UPLOAD_URL, what="upload", json=body.model_dump(exclude_unset=True))
         artifact_id = grant.get("artifact_id")
         if not artifact_id:
             raise KvcdnError("upload: the server's answer has no artifact_id")
@@ -108,7 +112,7 @@ class HostedStorage(StorageBackend):
 
         client = self.client
         timeout = confirm_timeout(size)
-        response = client.request("POST", f"{API}/artifacts/{_id(artifact_id)}/confirm-upload",
+        response = client.request("POST", wire.path(wire.CONFIRM_UPLOAD, artifact_id=_id(artifact_id)),
                                   what="upload confirm", json=body, ok=(200, 409), timeout=timeout,
                                   idempotent=True)
         if response.status_code == 200:
@@ -121,7 +125,7 @@ class HostedStorage(StorageBackend):
             code = response.json().get("error")
         except (ValueError, AttributeError):
             code = None
-        if code != "already_confirmed":
+        if code not in wire.CONFIRM_MAYBE_DONE:
             from kvcdn_hosted.client import raise_for_response
 
             raise_for_response(response, "upload confirm")
@@ -164,7 +168,7 @@ class HostedStorage(StorageBackend):
             params = {"limit": page_size}
             if cursor:
                 params["cursor"] = cursor
-            page = self.client.json("GET", f"{API}/artifacts", what="list", params=params)
+            page = self.client.json("GET", wire.ARTIFACTS, what="list", params=params)
             items = page.get("artifacts", page.get("items", [])) if isinstance(page, dict) else page
             found.extend(items or [])
             cursor = page.get("next_cursor") if isinstance(page, dict) else None
@@ -173,11 +177,11 @@ class HostedStorage(StorageBackend):
         raise KvcdnError("list: the server kept returning more pages")
 
     def describe(self, artifact_id: str) -> dict[str, Any]:
-        return self.client.json("GET", f"{API}/artifacts/{_id(artifact_id)}", what=f"artifact {artifact_id}")
+        return self.client.json("GET", wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id)), what=f"artifact {artifact_id}")
 
     def download_grant(self, artifact_id: str) -> dict[str, Any]:
         # public artifacts need no credential: send one only when we have it
-        return self.client.json("POST", f"{API}/artifacts/{_id(artifact_id)}/download-url",
+        return self.client.json("POST", wire.path(wire.DOWNLOAD_URL, artifact_id=_id(artifact_id)),
                                 what=f"download {artifact_id}", idempotent=True)
 
     def download(self, artifact_id: str, target: Path) -> Path:
@@ -193,15 +197,15 @@ class HostedStorage(StorageBackend):
                                     label="download", quiet=self.quiet)
 
     def remove(self, artifact_id: str) -> None:
-        self.client.request("DELETE", f"{API}/artifacts/{_id(artifact_id)}", what=f"delete {artifact_id}",
+        self.client.request("DELETE", wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id)), what=f"delete {artifact_id}",
                             ok=(200, 204))
 
     def infer(self, artifact_id: str, question: str, n: int, org: str | None = None,
               project: str | None = None) -> dict[str, Any]:
         if org and project:
-            path = f"{API}/orgs/{quote(org, safe='')}/projects/{quote(project, safe='')}/artifacts/{_id(artifact_id)}/infer"
+            path = wire.path(wire.LEGACY_INFER, org=org, project=project, artifact_id=_id(artifact_id))
         else:
-            path = f"{API}/artifacts/{_id(artifact_id)}/infer"
+            path = wire.path(wire.INFER, artifact_id=_id(artifact_id))
         return self.client.json("POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0,
                                 idempotent=True)  # no side effects: a retry only repeats the work
 
@@ -213,8 +217,12 @@ class HostedStorage(StorageBackend):
     def get_file(self, key: str, target: Path) -> None:
         self.download(key, Path(target))
 
+    def open_read(self, key: str):
+        """The artifact, downloaded and checked against its sha256 before anything is read from it."""
+        return super().open_read(key)
+
     def exists(self, key: str) -> bool:
-        response = self.client.request("GET", f"{API}/artifacts/{_id(key)}", what=f"artifact {key}", ok=(200, 404))
+        response = self.client.request("GET", wire.path(wire.ARTIFACT, artifact_id=_id(key)), what=f"artifact {key}", ok=(200, 404))
         return response.status_code == 200
 
     def delete(self, key: str) -> None:

@@ -13,8 +13,10 @@ import os
 import threading
 import time
 
+from kvcdn_hosted.wire import TELEMETRY
+
 MAX_WAIT_S = 0.150
-PATH = "/api/v1/telemetry"
+PATH = TELEMETRY
 
 
 def enabled(api_url: str | None) -> bool:

@@ -1,8 +1,8 @@
 """Org API keys: ``kv_`` + hex(HKDF-SHA256(seed, salt empty, info ``kvcdn/api-key/v1/<org>``, 32)).
 
 Keys are derived, never stored: the server knows a set of orgs (``KVCDN_API_KEY_ORGS`` plus the orgs
-registered through the admin route, kept as small objects in storage so every replica sees them)
-and each org's key *generation*. Rotating an org bumps its generation, which changes the HKDF info
+registered through the admin route, kept in the database so every replica sees them) and each
+org's key *generation*. Rotating an org bumps its generation, which changes the HKDF info
 of that org only (``.../<org>/r<g>`` for g >= 2), so no other org's key changes.
 """
 
@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
+import contextlib
 import threading
 import time
 
+import sqlalchemy as sa
+
+from kvcdn_server.db import orgs, readers
+
 SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KEY = re.compile(r"^kv_[0-9a-f]{64}$")
-ORGS_PREFIX = "orgs/"
 
 
 def check_slug(slug: str) -> str:
@@ -48,25 +51,18 @@ def derive_key(seed: bytes, org: str, generation: int = 1) -> str:
 class OrgRegistry:
     """The orgs this server knows, their key generations, and key verification."""
 
-    def __init__(self, seed: bytes, env_orgs: dict[str, int], storage, refresh: float = 5.0):
+    def __init__(self, seed: bytes, env_orgs: dict[str, int], engine, refresh: float = 5.0):
         self.seed = seed
         self.env_orgs = dict(env_orgs)
-        self.storage = storage
+        self.db = engine
         self.refresh = refresh
         self._lock = threading.Lock()
         self._loaded_at = float("-inf")
         self._keys: dict[str, tuple[int, bytes]] = {}
 
     def _stored(self) -> dict[str, int]:
-        found = {}
-        for info in self.storage.list(ORGS_PREFIX):
-            raw = self.storage.read_bytes(info.key)
-            try:
-                record = json.loads(raw or b"")
-                found[check_slug(record["slug"])] = int(record["generation"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a damaged record never grants access
-        return found
+        with readers(self.db).connect() as c:
+            return {slug: int(gen) for slug, gen in c.execute(sa.select(orgs.c.slug, orgs.c.generation))}
 
     def generations(self, force: bool = False) -> dict[str, int]:
         with self._lock:
@@ -91,26 +87,23 @@ class OrgRegistry:
                 match = slug  # no early exit: the time taken does not depend on which org matched
         return match
 
-    def _write(self, slug: str, generation: int) -> None:
-        record = json.dumps({"slug": slug, "generation": generation}).encode()
-        self.storage.write_bytes(f"{ORGS_PREFIX}{slug}.json", record)
-
     def register(self, slug: str) -> tuple[str, int]:
         """Make ``slug`` known (idempotent); return its current key and generation."""
         check_slug(slug)
-        gens = self.generations(force=True)
-        if slug not in gens or slug not in self._stored():
-            self._write(slug, gens.get(slug, 1))
+        with contextlib.suppress(sa.exc.IntegrityError), self.db.begin() as c:
+            if c.execute(sa.select(orgs.c.slug).where(orgs.c.slug == slug)).first() is None:
+                c.execute(orgs.insert().values(slug=slug, generation=self.env_orgs.get(slug, 1)))
         gen = self.generations(force=True)[slug]
         return derive_key(self.seed, slug, gen), gen
 
     def rotate(self, slug: str) -> tuple[str, int] | None:
-        """Move ``slug`` to its next key generation; None when the org is unknown."""
+        """Move ``slug`` to its next key generation (one atomic UPDATE); None when the org is unknown."""
         check_slug(slug)
-        gens = self.generations(force=True)
-        if slug not in gens:
+        if slug not in self.generations(force=True):
             return None
-        gen = gens[slug] + 1
-        self._write(slug, gen)
+        self.register(slug)  # an org known from the environment gets its row here
+        with self.db.begin() as c:
+            c.execute(orgs.update().where(orgs.c.slug == slug).values(generation=orgs.c.generation + 1))
+            gen = c.execute(sa.select(orgs.c.generation).where(orgs.c.slug == slug)).scalar_one()
         self.generations(force=True)
         return derive_key(self.seed, slug, gen), gen

@@ -1,55 +1,60 @@
-"""Artifacts of tenants in one storage backend, with no database.
+"""Artifacts of tenants: state in the database (``db.py``), bytes in object storage.
 
-Object layout (every key built from server-side values only: a hash of the verified customer id and
-a uuid4 the server drew; the client's ``name`` is never part of a key)::
+Object keys are chosen by the server from the artifact's random id only (never the client's name
+nor anything derived from the owner)::
 
-    t/<tenant>/<id>.upload        bytes as uploaded, before confirm (never served)
-    t/<tenant>/<id>.confirming    the upload, moved here by confirm before it is checked (no URL
-                                  names this key, so nobody can change the bytes being checked)
-    t/<tenant>/<id>.pending.json  the declared upload, until confirm or expiry
-    t/<tenant>/<id>.kv            the confirmed artifact
-    t/<tenant>/<id>.meta.json     its metadata, read from the artifact itself at confirm
-    public/<id>.json              {"tenant": ...}: how anyone finds a public artifact by id
-    orgs/<slug>.json              API-key generations (see apikeys.py)
+    uploads/<id>     bytes as uploaded, before confirm (never served)
+    artifacts/<id>   the confirmed artifact
 
-Uploads land on a separate key. Confirm first moves them to a key no URL can write, checks them
-there and moves them to ``.kv`` only after every check passed, so a still-valid upload URL can never
-change the bytes being checked nor a confirmed artifact. Replicas share nothing but the bucket.
+State is never inferred from object listings. Every change of an upload's state is one conditional
+UPDATE (``... WHERE status IN (...)``), so two requests or two replicas can never both move the
+same upload, and quota is reserved at upload-url by one atomic conditional UPDATE of the tenant's
+usage row (``... WHERE artifacts + 1 <= quota AND bytes + size <= quota``): replicas on one
+database cannot over-grant. Reservations are released when an upload fails, expires or is
+deleted. The state machine is documented in docs/hosted-api.md.
 
-Quota: in one process a per-tenant lock makes "check usage, write the pending record" atomic.
-Across replicas each upload-url writes its pending record first and then counts again, refusing
-(and removing its record) when the count is over the quota: two replicas racing for the last slot
-may both refuse, but they can never both admit.
+Work that takes long (a PUT, a confirm) holds a *lease* on its row, renewed by a heartbeat; the
+garbage collector (:meth:`ArtifactStore.collect`) only reclaims uploads whose lease ran out (their
+server died) or whose session expired, and deletes objects only after the database says they are
+dead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
+import logging
+import os
 import re
 import tempfile
 import threading
 import time
+import unicodedata
 import uuid
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import artifact as kvformat
-from kvcdn_core import ArtifactError, KvcdnError
-from kvcdn_core import LocalStorage
+import sqlalchemy as sa
 
+from kvcdn_core import artifact as kvformat
+from kvcdn_core import KvcdnError, LocalStorage
+
+from kvcdn_server.db import artifacts, readers, usage
 from kvcdn_server.errors import ApiError, not_found
 
+log = logging.getLogger("kvcdn.server.store")
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
-TENANT = re.compile(r"^[0-9a-f]{32}$")
-PUBLIC_FIELDS = ("artifact_id", "name", "visibility", "status", "size_bytes", "sha256", "created_at",
-                 "confirmed_at", "customer_id", "manifest")
 HINTS = ("model_id", "architecture", "tokens", "layers", "dtype", "quantization")
-#: public views leave out who owns an artifact; its owner sees it through their own routes
-OWNER_FIELDS = ("customer_id",)
-#: striped locks serialise the quota check of one tenant in this process (bounded memory)
-LOCK_STRIPES = 64
+#: states that hold a quota reservation
+LIVE = ("pending", "uploading", "uploaded", "confirming", "ready")
+#: states an upload can be PUT or confirmed from
+OPEN = ("pending", "uploaded")
+#: how long rows of failed/expired uploads stay, so that a client's retry learns what happened
+KEEP_DEAD_ROWS = 86400
+#: temp files of PUTs in progress: ``.put-<id>-<random>``
+TEMP_PREFIX = ".put-"
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -57,29 +62,32 @@ def now_iso(ts: float | None = None) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def tenant_of(customer_id: str) -> str:
-    return hashlib.sha256(customer_id.encode()).hexdigest()[:32]
-
-
 def check_id(artifact_id: str) -> str:
-    """Only canonical uuid4 ids reach storage; anything else is simply not found."""
+    """Only canonical uuid4 ids reach the store; anything else is simply not found."""
     if not isinstance(artifact_id, str) or not UUID.match(artifact_id):
         raise not_found()
     return artifact_id
 
 
+#: zero-width characters that are not in category Cf everywhere (the rest of Cf is refused too)
+_INVISIBLE = {"\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u180e"}
+
+
 def check_name(name: str) -> str:
+    """The NFC form of an artifact name, or 422: names are shown in terminals, so no controls, bidi
+    overrides, invisible characters or lone surrogates."""
     problem = None
+    if any(unicodedata.category(c) == "Cs" for c in name):
+        raise ApiError(422, "invalid_name", "artifact name must not contain lone surrogates")
+    name = unicodedata.normalize("NFC", name)
     if not 1 <= len(name) <= 255:
         problem = "must be 1 to 255 characters"
-    elif any(ord(c) < 32 or ord(c) == 127 for c in name):
-        problem = "must not contain control characters"
+    elif any(unicodedata.category(c) in ("Cc", "Cf", "Co", "Zl", "Zp") or c in _INVISIBLE for c in name):
+        problem = "must not contain control, format (bidi, zero-width) or private-use characters"
     elif "/" in name or "\\" in name:
         problem = "must not contain '/' or '\\'"
-    elif ".." in name or name in (".",):
+    elif ".." in name or name == ".":
         problem = "must not contain '..'"
-    elif name.endswith(".meta.json"):
-        problem = "must not end in '.meta.json'"
     elif name != name.strip():
         problem = "must not start or end with white space"
     if problem:
@@ -89,299 +97,495 @@ def check_name(name: str) -> str:
 
 def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     """What listings show, read from the artifact's own manifest."""
-    return {
-        **kvformat.summary(manifest),
-        "format_version": kvformat.FORMAT_VERSION,
-        "kvcdn_version": manifest.get("kvcdn_version"),
-    }
+    return {**kvformat.summary(manifest), "format_version": kvformat.FORMAT_VERSION,
+            "kvcdn_version": manifest.get("kvcdn_version")}
 
 
-def public_view(record: dict[str, Any], owner: bool = True) -> dict[str, Any]:
-    """The fields callers see; ``owner=False`` (someone else's public artifact) hides the owner."""
-    return {key: record.get(key) for key in PUBLIC_FIELDS if owner or key not in OWNER_FIELDS}
+def upload_key(artifact_id: str) -> str:
+    return f"uploads/{artifact_id}"
+
+
+def artifact_key(artifact_id: str) -> str:
+    return f"artifacts/{artifact_id}"
+
+
+def view(row, owner: bool = True) -> dict[str, Any]:
+    """The fields callers see; ``owner=False`` (someone else's public artifact) hides the owner.
+
+    Besides its own fields each entry carries the fields the original kvcdn client lists
+    (``dtype``, ``num_tokens``, ...), read from the artifact's manifest; never ``id`` or
+    ``model_name``, which that client takes as aliases of ``artifact_id`` and ``name`` and refuses
+    when both are present.
+    """
+    manifest = json.loads(row.manifest) if row.manifest else None
+    out = {"artifact_id": row.id, "name": row.name, "visibility": row.visibility,
+           "status": "pending" if row.status in ("uploading", "uploaded") else row.status,
+           "size_bytes": row.size_bytes, "sha256": row.sha256, "created_at": now_iso(row.created_at),
+           "confirmed_at": now_iso(row.confirmed_at) if row.confirmed_at else None, "manifest": manifest}
+    if owner:
+        out["customer_id"] = row.tenant
+    m = manifest or {}
+    out.update(dtype=m.get("dtype"), storage_dtype=m.get("dtype"),
+               num_tokens=m.get("tokens"), num_layers=m.get("layers"),
+               quantized=bool(m.get("quantization")))
+    return out
 
 
 class ArtifactStore:
-    def __init__(self, storage, config):
+    def __init__(self, engine: sa.Engine, storage, config):
+        self.db = engine
+        self.reads = readers(engine)
         self.storage = storage
         self.config = config
         self.local = isinstance(storage, LocalStorage)
         self.tmp_dir = Path(config.home) / "tmp"
-        self._locks = [threading.Lock() for _ in range(LOCK_STRIPES)]
-
-    def tenant_lock(self, tenant: str) -> threading.Lock:
-        return self._locks[int(tenant[:8], 16) % LOCK_STRIPES]
-
-    # -- keys ------------------------------------------------------------------------------
-
-    @staticmethod
-    def key(tenant: str, artifact_id: str, suffix: str) -> str:
-        assert TENANT.match(tenant) and UUID.match(artifact_id)
-        return f"t/{tenant}/{artifact_id}{suffix}"
-
-    def blob_object(self, tenant: str, artifact_id: str) -> str:
-        """The object a signed blob URL names (``t/<tenant>/<id>``)."""
-        return f"t/{tenant}/{artifact_id}"
-
-    def _read_json(self, key: str) -> dict[str, Any] | None:
-        raw = self.storage.read_bytes(key)
-        if raw is None:
-            return None
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            return None
-        return value if isinstance(value, dict) else None
-
-    def _write_json(self, key: str, value: dict[str, Any]) -> None:
-        self.storage.write_bytes(key, json.dumps(value, sort_keys=True).encode())
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def ready(self, tenant: str, artifact_id: str) -> dict[str, Any] | None:
-        return self._read_json(self.key(tenant, artifact_id, ".meta.json"))
+    def row(self, artifact_id: str):
+        with self.reads.connect() as c:
+            return c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first()
 
-    def pending(self, tenant: str, artifact_id: str) -> dict[str, Any] | None:
-        return self._read_json(self.key(tenant, artifact_id, ".pending.json"))
-
-    def public_tenant(self, artifact_id: str) -> str | None:
-        entry = self._read_json(f"public/{artifact_id}.json")
-        tenant = (entry or {}).get("tenant")
-        return tenant if isinstance(tenant, str) and TENANT.match(tenant) else None
-
-    def readable(self, tenant: str | None, artifact_id: str) -> tuple[str, dict[str, Any]]:
-        """The caller's own artifact (ready or pending) or any public one; else 404."""
+    def readable(self, tenant: str | None, artifact_id: str):
+        """The caller's own artifact (any live state) or anyone's ready public one; else 404."""
         check_id(artifact_id)
-        if tenant is not None:
-            record = self.ready(tenant, artifact_id) or self.pending(tenant, artifact_id)
-            if record is not None:
-                return tenant, record
-        owner = self.public_tenant(artifact_id)
-        if owner is not None:
-            record = self.ready(owner, artifact_id)
-            if record is not None and record.get("visibility") == "public":
-                return owner, record
+        row = self.row(artifact_id)
+        if row is None or row.status not in LIVE:
+            raise not_found()
+        if tenant is not None and row.tenant == tenant:
+            return row
+        if row.visibility == "public" and row.status == "ready":
+            return row
         raise not_found()
 
-    # -- usage, quota and cleanup ----------------------------------------------------------
+    def ready_row(self, artifact_id: str):
+        row = self.row(artifact_id)
+        return row if row is not None and row.status == "ready" else None
 
-    def _tenant_objects(self, tenant: str) -> dict[str, dict[str, int]]:
-        """``id → {suffix: size}`` of a tenant's objects."""
-        found: dict[str, dict[str, int]] = {}
-        for info in self.storage.list(f"t/{tenant}/"):
-            name = info.key.rpartition("/")[2]
-            artifact_id, dot, suffix = name.partition(".")
-            if UUID.match(artifact_id) and dot:
-                found.setdefault(artifact_id, {})["." + suffix] = info.size
-        return found
+    def list_ready(self, tenant: str, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
+        query = (sa.select(artifacts).where(artifacts.c.tenant == tenant, artifacts.c.status == "ready")
+                 .order_by(artifacts.c.id).limit(limit + 1))
+        if cursor is not None:
+            query = query.where(artifacts.c.id > cursor)
+        with self.reads.connect() as c:
+            rows = c.execute(query).all()
+        page = [view(r) for r in rows[:limit]]
+        return page, (rows[limit - 1].id if len(rows) > limit else None)
 
-    def _drop(self, tenant: str, artifact_id: str, record: dict[str, Any] | None = None) -> None:
-        """Remove an unconfirmed upload: its bytes, any multipart upload and its pending record."""
-        multipart = (record or {}).get("multipart")
-        if multipart and hasattr(self.storage, "abort_multipart"):
-            try:
-                self.storage.abort_multipart(self.key(tenant, artifact_id, ".upload"), multipart["upload_id"])
-            except Exception:
-                pass
-        self.storage.delete(self.key(tenant, artifact_id, ".upload"))
-        self.storage.delete(self.key(tenant, artifact_id, ".confirming"))
-        self.storage.delete(self.key(tenant, artifact_id, ".pending.json"))
-
-    def usage(self, tenant: str, sweep: bool = True) -> dict[str, int]:
-        usage = {"artifacts": 0, "storage_bytes": 0, "pending_artifacts": 0, "pending_bytes": 0}
-        now = time.time()
-        for artifact_id, objects in self._tenant_objects(tenant).items():
-            if ".meta.json" in objects:
-                usage["artifacts"] += 1
-                usage["storage_bytes"] += objects.get(".kv", 0)
-                if sweep:  # bytes PUT with a still-valid URL after confirm: nobody will read them
-                    for suffix in (".upload", ".confirming"):
-                        if suffix in objects:
-                            self.storage.delete(self.key(tenant, artifact_id, suffix))
-            elif ".pending.json" in objects:
-                record = self.pending(tenant, artifact_id) or {}
-                if sweep and record.get("expires", 0) < now:
-                    self._drop(tenant, artifact_id, record)
-                    continue
-                usage["pending_artifacts"] += 1
-                usage["pending_bytes"] += int(record.get("size_bytes", 0))
-            elif sweep:  # bytes nobody declared, or a confirm that stopped half-way
-                for suffix in (".upload", ".confirming", ".kv"):
-                    if suffix in objects:
-                        self.storage.delete(self.key(tenant, artifact_id, suffix))
-        return usage
+    # -- quota -------------------------------------------------------------------------------
 
     def limits(self) -> dict[str, int]:
         return {"artifacts": self.config.quota_artifacts, "storage_bytes": self.config.quota_bytes,
                 "max_artifact_bytes": self.config.max_artifact_bytes}
 
-    def check_quota(self, usage: dict[str, int], artifacts: int, size: int) -> None:
-        if usage["artifacts"] + artifacts > self.config.quota_artifacts:
-            raise ApiError(403, "quota_exceeded",
-                           f"artifact quota of {self.config.quota_artifacts} reached")
-        if usage["storage_bytes"] + size > self.config.quota_bytes:
-            raise ApiError(403, "quota_exceeded",
-                           f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
+    def usage(self, tenant: str) -> dict[str, int]:
+        """Ready artifacts and uploads in flight, counted from the artifacts table."""
+        query = (sa.select(artifacts.c.status, sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size_bytes), 0))
+                 .where(artifacts.c.tenant == tenant, artifacts.c.status.in_(LIVE)).group_by(artifacts.c.status))
+        out = {"artifacts": 0, "storage_bytes": 0, "pending_artifacts": 0, "pending_bytes": 0}
+        with self.reads.connect() as c:
+            for status, count, size in c.execute(query):
+                prefix = "" if status == "ready" else "pending_"
+                out[f"{prefix}artifacts"] += int(count)
+                out[f"{prefix}{'storage_bytes' if status == 'ready' else 'bytes'}"] += int(size)
+        return out
 
-    def sweep_all(self) -> int:
-        """Remove expired pending uploads of every tenant; return how many went."""
-        before = 0
-        tenants = {info.key.split("/")[1] for info in self.storage.list("t/") if info.key.count("/") == 2}
-        for tenant in tenants:
-            if TENANT.match(tenant):
-                objects = self._tenant_objects(tenant)
-                before += sum(1 for o in objects.values() if ".pending.json" in o)
-                self.usage(tenant, sweep=True)
-                before -= sum(1 for o in self._tenant_objects(tenant).values() if ".pending.json" in o)
-        return before
+    def reserved(self, tenant: str) -> tuple[int, int]:
+        """The tenant's reservation counter (artifacts, bytes): what upload-url checks the quota against."""
+        with self.reads.connect() as c:
+            row = c.execute(sa.select(usage.c.artifacts, usage.c.bytes).where(usage.c.tenant == tenant)).first()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
 
-    # -- upload ----------------------------------------------------------------------------
+    def _reserve(self, c, tenant: str, size: int) -> bool:
+        grant = (usage.update().where(usage.c.tenant == tenant,
+                                      usage.c.artifacts + 1 <= self.config.quota_artifacts,
+                                      usage.c.bytes + size <= self.config.quota_bytes)
+                 .values(artifacts=usage.c.artifacts + 1, bytes=usage.c.bytes + size))
+        return c.execute(grant).rowcount == 1
 
-    def begin_upload(self, customer_id: str, name: str, size: int, sha256: str, visibility: str,
+    @staticmethod
+    def _release(c, tenant: str, size: int) -> None:
+        c.execute(usage.update().where(usage.c.tenant == tenant)
+                  .values(artifacts=usage.c.artifacts - 1, bytes=usage.c.bytes - size))
+
+    def _ensure_usage_row(self, tenant: str) -> None:
+        with contextlib.suppress(sa.exc.IntegrityError), self.db.begin() as c:
+            if c.execute(sa.select(usage.c.tenant).where(usage.c.tenant == tenant)).first() is None:
+                c.execute(usage.insert().values(tenant=tenant, artifacts=0, bytes=0))
+
+    # -- state changes -----------------------------------------------------------------------
+
+    def _move(self, c, artifact_id: str, frm: tuple[str, ...], to: str, **values) -> bool:
+        """One conditional state change; true when this caller made it."""
+        now = time.time()
+        result = c.execute(artifacts.update().where(artifacts.c.id == artifact_id, artifacts.c.status.in_(frm))
+                           .values(status=to, updated_at=now, **values))
+        return result.rowcount == 1
+
+    def _end(self, artifact_id: str, frm: tuple[str, ...], to: str, error: str | None = None) -> bool:
+        """Move an upload to ``failed``/``expired`` and give its reservation back, in one transaction;
+        then remove its bytes (only after the database says they are dead)."""
+        with self.db.begin() as c:
+            row = c.execute(sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id)
+                            .where(artifacts.c.id == artifact_id)).first()
+            if row is None or not self._move(c, artifact_id, frm, to, error=error, lease_until=None):
+                return False
+            self._release(c, row.tenant, row.size_bytes)
+        self._remove_objects(artifact_id, row.multipart_id)
+        return True
+
+    def _remove_objects(self, artifact_id: str, multipart_id: str | None = None) -> None:
+        if multipart_id and hasattr(self.storage, "abort_multipart"):
+            with contextlib.suppress(Exception):
+                self.storage.abort_multipart(upload_key(artifact_id), multipart_id)
+        for key in (upload_key(artifact_id), artifact_key(artifact_id)):
+            try:
+                self.storage.delete(key)
+            except Exception:  # the collector tries again later
+                log.warning("could not delete the objects of %s yet", artifact_id)
+
+    @contextlib.contextmanager
+    def lease(self, artifact_id: str, status: str):
+        """Renew the row's lease while the body runs, so the collector knows its server is alive."""
+        stop = threading.Event()
+        every = max(self.config.lease_seconds / 3, 0.05)
+
+        def beat():
+            while not stop.wait(every):
+                try:
+                    with self.db.begin() as c:
+                        c.execute(artifacts.update().where(artifacts.c.id == artifact_id,
+                                                           artifacts.c.status == status)
+                                  .values(lease_until=time.time() + self.config.lease_seconds))
+                except Exception:
+                    log.warning("lease renewal of %s failed", artifact_id)
+
+        thread = threading.Thread(target=beat, name="kvcdn-lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    # -- upload ------------------------------------------------------------------------------
+
+    def begin_upload(self, tenant: str, name: str, size: int, sha256: str, visibility: str,
                      hints: dict[str, Any]) -> dict[str, Any]:
-        """Check the quota and write the pending record (the reservation); return the record."""
-        tenant = tenant_of(customer_id)
+        """Reserve quota and create the upload's row (``pending``) in one transaction."""
         if size > self.config.max_artifact_bytes:
             raise ApiError(413, "payload_too_large",
                            f"size_bytes is over this server's maximum of {self.config.max_artifact_bytes}")
+        if size > self.config.quota_bytes:
+            raise ApiError(403, "quota_exceeded", f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
+        self._ensure_usage_row(tenant)
         now = time.time()
         url_expires = int(now) + self.config.upload_ttl
-        record = {
-            "artifact_id": str(uuid.uuid4()), "name": name, "visibility": visibility, "status": "pending",
-            "size_bytes": size, "sha256": sha256.lower(), "created_at": now_iso(now), "confirmed_at": None,
-            "customer_id": customer_id, "manifest": None, "declared": hints,
-            "url_expires": url_expires, "expires": url_expires + self.config.pending_grace,
-        }
-        with self.tenant_lock(tenant):
-            # Pending uploads hold their place until they are confirmed or expire.
-            self.check_quota(self._reserved(self.usage(tenant)), 1, size)
-            self.save_pending(tenant, record)
-            # Another replica may have reserved meanwhile: count again, this record included.
-            try:
-                self.check_quota(self._reserved(self.usage(tenant, sweep=False)), 0, 0)
-            except ApiError:
-                self._drop(tenant, record["artifact_id"], record)
-                raise
-        return record
+        record = {"id": str(uuid.uuid4()), "tenant": tenant, "name": name, "visibility": visibility,
+                  "status": "pending", "size_bytes": size, "sha256": sha256.lower(),
+                  "declared": json.dumps(hints, sort_keys=True), "created_at": now,
+                  "expires_at": url_expires + self.config.pending_grace, "updated_at": now}
+        with self.db.begin() as c:
+            if not self._reserve(c, tenant, size):
+                held = c.execute(sa.select(usage.c.artifacts).where(usage.c.tenant == tenant)).scalar_one()
+                if held + 1 > self.config.quota_artifacts:
+                    raise ApiError(403, "quota_exceeded", f"artifact quota of {self.config.quota_artifacts} reached")
+                raise ApiError(403, "quota_exceeded",
+                               f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
+            c.execute(artifacts.insert().values(**record))
+        return {**record, "url_expires": url_expires}
 
-    @staticmethod
-    def _reserved(usage: dict[str, int]) -> dict[str, int]:
-        return {"artifacts": usage["artifacts"] + usage["pending_artifacts"],
-                "storage_bytes": usage["storage_bytes"] + usage["pending_bytes"]}
+    def set_multipart(self, artifact_id: str, multipart_id: str) -> None:
+        with self.db.begin() as c:
+            c.execute(artifacts.update().where(artifacts.c.id == artifact_id).values(multipart_id=multipart_id))
 
-    def save_pending(self, tenant: str, record: dict[str, Any]) -> None:
-        self._write_json(self.key(tenant, record["artifact_id"], ".pending.json"), record)
+    def abandon(self, artifact_id: str, reason: str) -> None:
+        """An upload the server could not set up (no URL was handed out): give everything back."""
+        self._end(artifact_id, LIVE[:-1], "failed", reason)
 
-    def confirm(self, tenant: str, artifact_id: str, parts: list[dict[str, Any]] | None) -> dict[str, Any]:
-        check_id(artifact_id)
-        record = self.pending(tenant, artifact_id)
-        if record is None:
-            if self.ready(tenant, artifact_id) is not None:
-                raise ApiError(409, "already_confirmed", "this artifact is already confirmed")
-            raise not_found()
-        if time.time() > record.get("expires", 0):
-            self._drop(tenant, artifact_id, record)
+    def _refuse_state(self, row, doing: str) -> ApiError:
+        if row is None or row.status not in LIVE + ("failed", "expired"):
+            return not_found()
+        return {
+            "ready": ApiError(409, "already_confirmed", "this artifact is already confirmed"),
+            "uploading": ApiError(409, "upload_in_progress", "another PUT of this upload is in progress"),
+            "confirming": ApiError(409, "confirm_in_progress", "this upload is being confirmed"),
+            "failed": ApiError(409, "upload_failed",
+                               f"this upload failed{': ' + row.error if row.error else ''}; start again"),
+            "expired": ApiError(410, "upload_expired", "the upload expired before it was confirmed; start again"),
+        }.get(row.status, ApiError(409, "conflict", f"cannot {doing} an upload that is {row.status}"))
+
+    def _expire_if_due(self, row) -> None:
+        if row is not None and row.status in OPEN and row.expires_at < time.time():
+            self._end(row.id, OPEN, "expired")
             raise ApiError(410, "upload_expired", "the upload expired before it was confirmed; start again")
-        upload_key = self.key(tenant, artifact_id, ".upload")
-        if record.get("multipart"):
-            if not parts:
-                raise ApiError(409, "upload_incomplete", "a multipart upload is confirmed with its parts' ETags")
-            try:
-                self.storage.complete_multipart(upload_key, record["multipart"]["upload_id"], parts)
-            except Exception as exc:
-                raise ApiError(409, "upload_incomplete", f"the parts could not be assembled: {exc}") from None
-            record["multipart"] = None
-            self.save_pending(tenant, record)
-        checked_key = self.key(tenant, artifact_id, ".confirming")
-        if self.storage.size_of(upload_key) is None:
-            if self.storage.size_of(checked_key) is not None:
-                raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed")
-            raise ApiError(409, "upload_incomplete", "no bytes have been uploaded for this artifact yet")
-        # Move the bytes out of reach of the upload URL first, then check them where they now are.
+
+    @contextlib.contextmanager
+    def receiving(self, artifact_id: str):
+        """Hold the one PUT an upload may have at a time; yields the temp file path to write.
+
+        On a clean exit the temp file becomes the upload's bytes (``uploaded``); otherwise the
+        upload goes back to ``pending``. A second PUT meanwhile gets 409. The previous bytes of the
+        upload are removed first, so that the disk holds at most one copy (the quota reserved).
+        """
+        self._expire_if_due(self.row(artifact_id))
+        now = time.time()
+        with self.db.begin() as c:
+            took = c.execute(artifacts.update().where(
+                artifacts.c.id == artifact_id,
+                sa.or_(artifacts.c.status.in_(OPEN),
+                       sa.and_(artifacts.c.status == "uploading", artifacts.c.lease_until < now)))
+                .values(status="uploading", lease_until=now + self.config.lease_seconds, updated_at=now)).rowcount
+        if not took:
+            raise self._refuse_state(self.row(artifact_id), "upload to")
+        self.storage.delete(upload_key(artifact_id))
+        directory = self.temp_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{artifact_id}-", dir=directory)
+        os.close(fd)
+        ok = False
         try:
-            self.storage.rename(upload_key, checked_key)
-        except (OSError, KvcdnError):
-            # Another confirm of the same upload (a retry racing the first) got there first.
-            raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed") from None
-        size = self.storage.size_of(checked_key)
-        if size is None:
-            raise ApiError(409, "already_confirmed", "this upload is being or has been confirmed")
+            with self.lease(artifact_id, "uploading"):
+                yield Path(tmp)
+                if self.local:
+                    os.replace(tmp, self.storage.path_of(upload_key(artifact_id)))
+                else:
+                    self.storage.put_file(upload_key(artifact_id), Path(tmp))
+            with self.db.begin() as c:
+                ok = self._move(c, artifact_id, ("uploading",), "uploaded", lease_until=None)
+            if not ok:  # expired or deleted meanwhile: the collector owns it now
+                raise self._refuse_state(self.row(artifact_id), "upload to")
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+            if not ok:
+                with self.db.begin() as c:
+                    self._move(c, artifact_id, ("uploading",), "pending", lease_until=None)
 
-        def refuse(status: int, code: str, message: str):
-            self._drop(tenant, artifact_id, record)
-            return ApiError(status, code, message)
+    def temp_dir(self) -> Path:
+        """Where PUTs stream to: next to the objects on local storage (one rename), else the data dir."""
+        if self.local:
+            path = self.storage.path_of(upload_key("x")).parent
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        return self.tmp_dir
 
-        if size != record["size_bytes"]:
-            raise refuse(422, "size_mismatch", f"uploaded {size} bytes, declared {record['size_bytes']}")
-        with self._local_copy(checked_key) as path:
-            digest = _sha256_file(path)
-            if digest != record["sha256"]:
-                raise refuse(422, "sha256_mismatch", "the uploaded bytes do not match the declared sha256")
+    def confirm(self, tenant: str, artifact_id: str, parts: list[dict[str, Any]] | None,
+                digest: str | None = None, size: int | None = None) -> dict[str, Any]:
+        """Check the uploaded bytes and make the artifact ``ready``; any refusal fails the upload
+        (its reservation goes back) with a one-line 422, so an upload is never left stuck."""
+        check_id(artifact_id)
+        row = self.row(artifact_id)
+        if row is None or row.tenant != tenant:
+            raise not_found()
+        self._expire_if_due(row)
+        with self.db.begin() as c:
+            moved = self._move(c, artifact_id, OPEN, "confirming", lease_until=time.time() + self.config.lease_seconds)
+        if not moved:
+            raise self._refuse_state(self.row(artifact_id), "confirm")
+        with self.lease(artifact_id, "confirming"):
+            try:
+                summary = self._check(row, parts, digest, size)
+            except _Refused as refused:
+                self._end(artifact_id, ("confirming",), "failed", refused.error.message)
+                raise refused.error from None
+            except _NotYet as waiting:
+                with self.db.begin() as c:
+                    self._move(c, artifact_id, ("confirming",), "pending", lease_until=None)
+                raise waiting.error from None
+            except BaseException:
+                self._end(artifact_id, ("confirming",), "failed", "the server could not check the upload")
+                raise
+            with self.db.begin() as c:
+                done = self._move(c, artifact_id, ("confirming",), "ready", lease_until=None,
+                                  confirmed_at=time.time(), manifest=json.dumps(summary, sort_keys=True))
+        if not done:
+            raise ApiError(409, "upload_failed", "the upload was deleted or expired while it was confirmed")
+        return view(self.row(artifact_id))
+
+    def _check(self, row, parts, digest, size) -> dict[str, Any]:
+        if row.multipart_id:
+            if not parts:
+                raise _NotYet(ApiError(409, "upload_incomplete", "a multipart upload is confirmed with its parts' ETags"))
+            try:
+                self.storage.complete_multipart(upload_key(row.id), row.multipart_id, parts)
+            except Exception:
+                raise _Refused(422, "upload_incomplete", "the parts could not be assembled") from None
+        if self.storage.size_of(upload_key(row.id)) is None:
+            raise _NotYet(ApiError(409, "upload_incomplete", "no bytes have been uploaded for this artifact yet"))
+        # Out of reach of the upload URL first (an S3 URL stays valid), then checked where it is now.
+        self.storage.rename(upload_key(row.id), artifact_key(row.id))
+        stored = self.storage.size_of(artifact_key(row.id))
+        if stored != row.size_bytes:
+            raise _Refused(422, "size_mismatch", f"uploaded {stored} bytes, declared {row.size_bytes}")
+        if size is not None and size != row.size_bytes:
+            raise _Refused(422, "size_mismatch", f"confirmed size_bytes {size}, declared {row.size_bytes}")
+        with self.local_copy(artifact_key(row.id)) as path:
+            computed = _sha256_file(path)
+            if computed != row.sha256 or (digest is not None and digest.lower() != computed):
+                raise _Refused(422, "sha256_mismatch", "the uploaded bytes do not match the declared sha256")
             try:
                 header = kvformat.read_header(path)
-            except ArtifactError as exc:
-                reason = str(exc).partition(": ")[2] or "unreadable"
-                raise refuse(422, "not_a_kv_artifact", f"the upload is not a readable .kv artifact: {reason}") from None
-        summary = manifest_summary(header.manifest)
-        for hint, declared in (record.get("declared") or {}).items():
-            if hint in HINTS and declared != summary[hint]:
-                raise refuse(422, "manifest_mismatch",
-                             f"declared {hint} {declared!r}, the artifact's manifest says {summary[hint]!r}")
+                bad = kvformat.check_hashes(header)
+            except KvcdnError as exc:
+                reason = (str(exc).partition(": ")[2] or str(exc) or "unreadable").splitlines()[0][:300]
+                raise _Refused(422, "not_a_kv_artifact", f"the upload is not a valid .kv artifact: {reason}") from None
+            except (RecursionError, MemoryError, ValueError, TypeError, KeyError, AttributeError):
+                raise _Refused(422, "not_a_kv_artifact", "the upload is not a valid .kv artifact") from None
+            if bad:
+                raise _Refused(422, "tensor_hash_mismatch", f"tensor {bad[0]!r} does not match its sha256 in the manifest")
         try:
-            self.check_quota(self.usage(tenant, sweep=False), 1, size)
-        except ApiError as exc:
-            raise refuse(exc.status, exc.code, exc.message) from None
-        self.storage.rename(checked_key, self.key(tenant, artifact_id, ".kv"))
-        final = {key: record[key] for key in PUBLIC_FIELDS if key in record}
-        final.update(status="ready", confirmed_at=now_iso(), manifest=summary)
-        self._write_json(self.key(tenant, artifact_id, ".meta.json"), final)
-        if final["visibility"] == "public":
-            self._write_json(f"public/{artifact_id}.json", {"tenant": tenant})
-        self.storage.delete(self.key(tenant, artifact_id, ".pending.json"))
-        return final
+            summary = manifest_summary(header.manifest)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise _Refused(422, "not_a_kv_artifact", "the upload's manifest is malformed") from None
+        for hint, declared in json.loads(row.declared).items():
+            if hint in HINTS and declared != summary[hint]:
+                raise _Refused(422, "manifest_mismatch",
+                               f"declared {hint} {declared!r}, the artifact's manifest says {summary[hint]!r}")
+        return summary
 
-    def _local_copy(self, key: str):
-        """A context manager giving a local path of the object (the file itself on local storage)."""
-        import contextlib
+    @contextlib.contextmanager
+    def local_copy(self, key: str):
+        """A local path of the object (the file itself on local storage)."""
+        if self.local:
+            yield self.storage.path_of(key)
+            return
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.tmp_dir) as tmp:
+            target = Path(tmp) / "object.kv"
+            self.storage.get_file(key, target)
+            yield target
 
-        @contextlib.contextmanager
-        def manager():
-            if self.local:
-                yield self.storage.path_of(key)
-                return
-            self.tmp_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=self.tmp_dir) as tmp:
-                target = Path(tmp) / "upload.kv"
-                self.storage.get_file(key, target)
-                yield target
-
-        return manager()
-
-    # -- listing and deletion --------------------------------------------------------------
-
-    def list_ready(self, tenant: str, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
-        ids = sorted(i for i, objects in self._tenant_objects(tenant).items() if ".meta.json" in objects)
-        if cursor is not None:
-            ids = [i for i in ids if i > cursor]
-        page = []
-        for artifact_id in ids[:limit]:
-            record = self.ready(tenant, artifact_id)
-            if record is not None:
-                page.append(public_view(record))
-        more = len(ids) > limit
-        return page, (ids[limit - 1] if more else None)
+    # -- deletion ----------------------------------------------------------------------------
 
     def delete(self, tenant: str, artifact_id: str) -> None:
         check_id(artifact_id)
-        ready = self.ready(tenant, artifact_id)
-        pending = self.pending(tenant, artifact_id)
-        if ready is None and pending is None:
-            raise not_found()
-        if ready is not None and ready.get("visibility") == "public":
-            self.storage.delete(f"public/{artifact_id}.json")
-        self.storage.delete(self.key(tenant, artifact_id, ".kv"))
-        self.storage.delete(self.key(tenant, artifact_id, ".meta.json"))
-        self._drop(tenant, artifact_id, pending)
+        with self.db.begin() as c:
+            row = c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id,
+                                                       artifacts.c.tenant == tenant)).first()
+            if row is None or row.status not in LIVE:
+                raise not_found()
+            if c.execute(artifacts.delete().where(artifacts.c.id == artifact_id,
+                                                  artifacts.c.status == row.status)).rowcount != 1:
+                raise ApiError(409, "conflict", "the artifact changed meanwhile; try again")
+            self._release(c, tenant, row.size_bytes)
+        self._remove_objects(artifact_id, row.multipart_id)
+
+    # -- garbage collection ------------------------------------------------------------------
+
+    def collect(self) -> dict[str, int]:
+        """Reclaim what the database says is dead; return counts of what went.
+
+        - open uploads whose session expired → ``expired`` (reservation released, bytes removed);
+        - PUTs and confirms whose lease ran out (their server died) → ``failed``, the same;
+        - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, PUT temp files,
+          and S3 multipart uploads no open upload owns, older than the orphan grace period;
+        - rows of failed/expired uploads after a day (until then a retry learns what happened).
+        """
+        now = time.time()
+        counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "multipart": 0, "rows": 0}
+        with self.reads.connect() as c:
+            due = c.execute(sa.select(artifacts.c.id, artifacts.c.status).where(sa.or_(
+                sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now),
+                sa.and_(artifacts.c.status.in_(("uploading", "confirming")), artifacts.c.lease_until < now)))).all()
+        for artifact_id, status in due:
+            if status in OPEN:
+                counts["expired"] += self._end(artifact_id, OPEN, "expired")
+            else:
+                counts["failed"] += self._end_dead(artifact_id, status, now)
+        grace = self.config.orphan_grace
+        for prefix in ("uploads/", "artifacts/"):
+            keys = [info.key for info in self.storage.list(prefix)]
+            ids = [k[len(prefix):] for k in keys]
+            alive = self._alive(ids, ("pending", "uploading", "uploaded", "confirming") if prefix == "uploads/"
+                                else ("confirming", "ready"))
+            for key, artifact_id in zip(keys, ids):
+                if artifact_id not in alive and self._dead_long_enough(artifact_id, now - grace):
+                    self.storage.delete(key)
+                    counts["objects"] += 1
+        counts["temp_files"] = self._sweep_temp(now - grace)
+        counts["multipart"] = self._abort_orphan_multiparts(now - grace)
+        with self.db.begin() as c:
+            counts["rows"] = c.execute(artifacts.delete().where(artifacts.c.status.in_(("failed", "expired")),
+                                                                artifacts.c.updated_at < now - KEEP_DEAD_ROWS)).rowcount
+        return counts
+
+    def _end_dead(self, artifact_id: str, status: str, now: float) -> int:
+        """A PUT or confirm whose server stopped renewing its lease: fail it (checked again in the UPDATE)."""
+        with self.db.begin() as c:
+            row = c.execute(sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id)
+                            .where(artifacts.c.id == artifact_id)).first()
+            gone = c.execute(artifacts.update().where(artifacts.c.id == artifact_id, artifacts.c.status == status,
+                                                      artifacts.c.lease_until < now)
+                             .values(status="failed", lease_until=None, updated_at=now,
+                                     error="the server handling it stopped")).rowcount
+            if row is None or not gone:
+                return 0
+            self._release(c, row.tenant, row.size_bytes)
+        self._remove_objects(artifact_id, row.multipart_id)
+        return 1
+
+    def _alive(self, ids: list[str], states: tuple[str, ...]) -> set[str]:
+        alive: set[str] = set()
+        with self.reads.connect() as c:
+            for start in range(0, len(ids), 500):
+                chunk = ids[start:start + 500]
+                alive.update(c.execute(sa.select(artifacts.c.id).where(artifacts.c.id.in_(chunk),
+                                                                       artifacts.c.status.in_(states))).scalars())
+        return alive
+
+    def _dead_long_enough(self, artifact_id: str, before: float) -> bool:
+        row = self.row(artifact_id)
+        return row is None or row.updated_at < before
+
+    def _abort_orphan_multiparts(self, before: float) -> int:
+        """Multipart uploads (S3) that no open upload row names: a crash between starting one and
+        recording it, or an upload that ended while its abort failed."""
+        lister = getattr(self.storage, "list_multipart", None)
+        if lister is None:
+            return 0
+        aborted = 0
+        for key, multipart_id in lister("uploads/"):
+            row = self.row(key[len("uploads/"):])
+            owned = row is not None and row.status in OPEN + ("uploading", "confirming") \
+                and row.multipart_id == multipart_id
+            if not owned and (row is None or row.updated_at < before):
+                self.storage.abort_multipart(key, multipart_id)
+                aborted += 1
+        return aborted
+
+    def _sweep_temp(self, before: float) -> int:
+        removed = 0
+        directory = self.temp_dir()
+        if not directory.is_dir():
+            return 0
+        for path in directory.glob(f"{TEMP_PREFIX}*"):
+            artifact_id = path.name[len(TEMP_PREFIX):len(TEMP_PREFIX) + 36]
+            row = self.row(artifact_id)
+            writing = row is not None and row.status == "uploading" and (row.lease_until or 0) >= time.time()
+            try:
+                old = path.stat().st_mtime < before
+            except FileNotFoundError:
+                continue
+            if old and not writing:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+
+class _Refused(Exception):
+    """The upload is wrong: it fails (422)."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.error = ApiError(status, code, message)
+
+
+class _NotYet(Exception):
+    """The upload is not complete yet: it goes back to where it was and may be confirmed later."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:

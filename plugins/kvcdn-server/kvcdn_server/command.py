@@ -25,11 +25,15 @@ def _is_loopback(host: str) -> bool:
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--storage", default=None, metavar="PATH|s3://bucket/prefix",
               help="Where artifacts live [env KVCDN_STORAGE; default: $XDG_DATA_HOME/kvcdn/server/objects].")
+@click.option("--database", default=None, metavar="URL",
+              help="Where the server keeps its state: postgresql://user@host/db for several replicas, or "
+                   "sqlite:///PATH [env KVCDN_DATABASE_URL; default: SQLite file $XDG_DATA_HOME/kvcdn/server/kvcdn.db].")
 @click.option("--models", default=None, metavar="ID,...",
               help="Models inference may load: hub ids or local directories [env KVCDN_MODELS]. "
                    "Hub models already in the local cache are allowed too.")
 @click.option("--public-url", default=None,
-              help="External base URL used in signed links, e.g. https://kv.example.com [env KVCDN_PUBLIC_URL].")
+              help="External base URL used in signed links, e.g. https://kv.example.com [env KVCDN_PUBLIC_URL; "
+                   "default: the address it listens on]. The request's Host header is never used.")
 @click.option("--issuer-url", default=None, help="OIDC issuer whose access tokens are accepted [env KVCDN_ISSUER_URL].")
 @click.option("--client-id", default=None, help="Audience required in access tokens [env KVCDN_CLIENT_ID; default kvcdn-cli].")
 @click.option("--infer-concurrency", type=click.IntRange(1), default=None,
@@ -40,11 +44,13 @@ def _is_loopback(host: str) -> bool:
               help="Where inference runs [env KVCDN_INFER_DEVICE; default auto].")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
+def serve(host, port, storage, database, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
           device, log_level):
     """Serve the kvcdn hosted API: artifact upload/list/download/delete, API keys, inference.
 
-    On first start it creates its API-key seed, admin secret and URL-signing key (files 0600 in
+    State (artifacts, uploads, quotas, API-key generations) lives in a database: an SQLite file by
+    default, PostgreSQL (--database) for several replicas; its schema is migrated on start. On
+    first start it creates its API-key seed, admin secret and URL-signing key (files 0600 in
     $XDG_DATA_HOME/kvcdn/server/) unless KVCDN_API_KEY_SEED / KVCDN_ADMIN_SECRET /
     KVCDN_URL_SIGNING_KEY are set, and prints how to mint an org API key.
     """
@@ -54,12 +60,18 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
     from kvcdn_server.config import load_config
 
     config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
-                         device)
-    app = create_app(config)
+                         device, database)
     sock = bind_socket(host, port)  # before any output: a busy port is the only line
     shown = f"[{host}]" if ":" in host else host
-    base = config.public_url or f"http://{shown}:{port}"
-    click.echo(f"kvcdn serve: storage {config.storage_uri}; auth: org API keys"
+    if not config.public_url and host in ("0.0.0.0", "::"):
+        shown = "127.0.0.1"  # "all interfaces" is no address a client can use
+        click.echo("warning: signed URLs will name 127.0.0.1; set --public-url to the address clients use",
+                   err=True)
+    config.public_url = config.public_url or f"http://{shown}:{sock.getsockname()[1]}"
+    app = create_app(config)
+    base = config.public_url
+    click.echo(f"kvcdn serve: storage {config.storage_uri}; database {_redacted(config.database_url)}; "
+               "auth: org API keys"
                + (f", OIDC tokens from {config.issuer_url}" if config.issuer_url else ""), err=True)
     if config.created_secrets:
         click.echo("created " + ", ".join(str(p) for p in config.created_secrets) + " (mode 0600)", err=True)
@@ -74,6 +86,13 @@ def serve(host, port, storage, models, public_url, issuer_url, client_id, infer_
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, proxy_headers=True,
                                            server_header=False))
     server.run(sockets=[sock])
+
+
+def _redacted(url: str) -> str:
+    """A database URL without its password, for the start-up line."""
+    import re
+
+    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -59,6 +59,7 @@ class ServerConfig:
 
     home: Path
     storage_uri: str
+    database_url: str
     models: list[str]
     public_url: str | None
     issuer_url: str | None
@@ -75,6 +76,9 @@ class ServerConfig:
     upload_ttl: int
     download_ttl: int
     pending_grace: int
+    lease_seconds: float
+    orphan_grace: float
+    gc_interval: float
     orgs_refresh: float
     infer_concurrency: int
     infer_timeout: float
@@ -86,6 +90,8 @@ class ServerConfig:
     created_secrets: list[Path] = dataclasses.field(default_factory=list)
 
 
+#: secrets given through the environment are at least this long
+MIN_SECRET = 32
 ALLOWED_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 
 
@@ -122,8 +128,9 @@ def _secret_file(path: Path, created: list[Path]) -> bytes:
 def _secret(env: str, path: Path, created: list[Path]) -> bytes:
     value = os.environ.get(env, "").strip()
     if value:
-        if len(value) < 16:
-            raise KvcdnError(f"{env} is too short: use at least 16 characters (32 random bytes in hex is best)")
+        if len(value) < MIN_SECRET:
+            raise KvcdnError(f"{env} is too short: use at least {MIN_SECRET} characters "
+                             "(32 random bytes in hex is best)")
         return value.encode()
     return _secret_file(path, created)
 
@@ -164,7 +171,7 @@ def _device(value: str) -> str:
 def load_config(storage: str | None = None, models: str | None = None, public_url: str | None = None,
                 issuer_url: str | None = None, client_id: str | None = None,
                 infer_concurrency: int | None = None, infer_timeout: float | None = None,
-                device: str | None = None) -> ServerConfig:
+                device: str | None = None, database: str | None = None) -> ServerConfig:
     home = server_home()
     created: list[Path] = []
     storage_uri = storage or os.environ.get("KVCDN_STORAGE", "").strip() or str(home / "objects")
@@ -176,6 +183,8 @@ def load_config(storage: str | None = None, models: str | None = None, public_ur
     return ServerConfig(
         home=home,
         storage_uri=storage_uri,
+        database_url=(database or os.environ.get("KVCDN_DATABASE_URL", "").strip()
+                      or f"sqlite:///{home / 'kvcdn.db'}"),
         models=model_list,
         public_url=(public_url or os.environ.get("KVCDN_PUBLIC_URL", "").strip() or None),
         issuer_url=check_issuer_url(issuer_url or os.environ.get("KVCDN_ISSUER_URL", "").strip() or None),
@@ -192,6 +201,9 @@ def load_config(storage: str | None = None, models: str | None = None, public_ur
         upload_ttl=_int_env("KVCDN_UPLOAD_URL_TTL", 3600, 1),
         download_ttl=_int_env("KVCDN_DOWNLOAD_URL_TTL", 3600, 1),
         pending_grace=_int_env("KVCDN_PENDING_GRACE", 900),
+        lease_seconds=_float_env("KVCDN_LEASE_SECONDS", 30.0),
+        orphan_grace=_float_env("KVCDN_ORPHAN_GRACE", 3600.0),
+        gc_interval=_float_env("KVCDN_GC_INTERVAL", 60.0),
         orgs_refresh=_float_env("KVCDN_ORGS_REFRESH", 5.0),
         infer_concurrency=infer_concurrency or _int_env("KVCDN_INFER_CONCURRENCY", 2, 1),
         infer_timeout=infer_timeout or _float_env("KVCDN_INFER_TIMEOUT", 120.0),

@@ -1,4 +1,5 @@
-"""Telemetry intake: schema-checked events, forwarded in the background or logged as JSON lines."""
+"""Telemetry intake: events (schema in ``kvcdn_hosted.wire_schema``) forwarded in the background or
+logged as JSON lines, rate-limited per client address."""
 
 from __future__ import annotations
 
@@ -8,73 +9,72 @@ import queue
 import sys
 import threading
 import time
-from typing import Annotated, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+import sqlalchemy as sa
 
-MAX_BODY = 8 * 1024
-#: events accepted per second by one process, with bursts up to RATE_BURST; the rest get 429
+from kvcdn_server.db import telemetry_limits
+
+#: events accepted per second from one client address, with bursts up to RATE_BURST; the rest get 429
 RATE_PER_S = 20.0
 RATE_BURST = 100
 log = logging.getLogger("kvcdn.telemetry")
 
-PropKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-PropValue = Union[bool, int, float, Annotated[str, StringConstraints(max_length=256)]]
-
-
-class TelemetryEvent(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    event: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]
-    kvcdn_version: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    command: Annotated[str, StringConstraints(max_length=64)] | None = None
-    ok: bool | None = None
-    duration_ms: Annotated[float, Field(ge=0)] | None = None
-    os: Annotated[str, StringConstraints(max_length=32)] | None = None
-    python: Annotated[str, StringConstraints(max_length=16)] | None = None
-    install_id: Annotated[str, StringConstraints(max_length=64)] | None = None
-    props: Annotated[dict[PropKey, PropValue], Field(max_length=20)] | None = None
-
 
 class RateLimit:
-    """A token bucket: ``allow()`` is true for at most ``burst`` calls at once, ``rate`` a second after."""
+    """A token bucket per client address, kept in the database so that every replica shares it:
+    ``allow(client)`` is true for at most ``burst`` calls at once, ``rate`` a second after."""
 
-    def __init__(self, rate: float | None = None, burst: int | None = None, clock=time.monotonic):
+    def __init__(self, engine, rate: float | None = None, burst: int | None = None, clock=time.time):
+        self.db = engine
         self.rate = RATE_PER_S if rate is None else rate
         self.burst = RATE_BURST if burst is None else burst
         self.clock = clock
-        self.tokens = float(self.burst)
-        self.updated = clock()
-        self.lock = threading.Lock()
 
-    def allow(self) -> bool:
-        with self.lock:
-            now = self.clock()
-            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-            self.updated = now
-            if self.tokens < 1:
-                return False
-            self.tokens -= 1
-            return True
+    def allow(self, client: str) -> bool:
+        client = client[:64]
+        for _attempt in range(2):
+            try:
+                with self.db.begin() as c:
+                    now = self.clock()
+                    row = c.execute(sa.select(telemetry_limits.c.tokens, telemetry_limits.c.updated_at)
+                                    .where(telemetry_limits.c.client == client).with_for_update()).first()
+                    if row is None:
+                        c.execute(telemetry_limits.insert().values(client=client, tokens=self.burst - 1.0,
+                                                                   updated_at=now))
+                        return True
+                    tokens = min(self.burst, row.tokens + max(now - row.updated_at, 0) * self.rate)
+                    allowed = tokens >= 1
+                    c.execute(telemetry_limits.update().where(telemetry_limits.c.client == client)
+                              .values(tokens=tokens - 1 if allowed else tokens, updated_at=now))
+                    return allowed
+            except sa.exc.IntegrityError:
+                continue  # another request created this client's row first: read it
+        return False
+
+    def forget_idle(self) -> int:
+        """Drop buckets that have been full for a while (bounded table)."""
+        idle = self.burst / self.rate + 60
+        with self.db.begin() as c:
+            return c.execute(telemetry_limits.delete().where(telemetry_limits.c.updated_at < self.clock() - idle)).rowcount
 
 
 class TelemetrySink:
     """One background thread forwards events; a full queue drops events rather than slow requests.
 
-    Anyone may post events, so a per-process rate limit keeps them from flooding the log or the
-    collector.
+    Anyone may post events, so a rate limit per client address keeps them from flooding the log or
+    the collector.
     """
 
-    def __init__(self, url: str | None, secret: str | None, limit: RateLimit | None = None):
+    def __init__(self, url: str | None, secret: str | None, limit: RateLimit):
         self.url = url
         self.secret = secret
         self.queue: queue.Queue = queue.Queue(maxsize=1000)
         self._thread = None
-        self.limit = limit or RateLimit()
+        self.limit = limit
 
-    def submit(self, event: dict) -> bool:
-        """Take an event; false when over the rate limit (the event is dropped)."""
-        if not self.limit.allow():
+    def submit(self, event: dict, client: str) -> bool:
+        """Take an event from ``client`` (its address); false when over its rate limit (dropped)."""
+        if not self.limit.allow(client):
             return False
         if not self.url:
             sys.stderr.write(json.dumps({"telemetry": event}, sort_keys=True) + "\n")

@@ -272,6 +272,22 @@ class S3Storage(StorageBackend):
         except Exception as exc:
             raise _error(exc, f"multipart completion of '{key}'") from None
 
+    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+        """``(key, upload_id)`` of the multipart uploads in progress under ``prefix`` (for the
+        hosted server's garbage collector: parts of an abandoned upload cost storage)."""
+        if ".." in prefix.split("/") or prefix.startswith("/"):
+            raise KvcdnError(f"invalid storage prefix '{prefix}'")
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        found = []
+        try:
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
+                for item in page.get("Uploads", []):
+                    found.append((item["Key"][strip:], item["UploadId"]))
+        except Exception as exc:
+            raise _error(exc, f"multipart listing of '{prefix}'") from None
+        return found
+
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)

@@ -1,0 +1,116 @@
+"""The hosted API's request bodies and telemetry event, as pydantic models shared by the server
+(which validates with them) and the client (which builds its bodies with them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints
+
+from kvcdn_hosted.wire import MAX_INFER_TOKENS, MAX_QUESTION_CHARS
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused (``422 validation_error``)."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ManifestHints(Strict):
+    model_id: str | None = None
+    architecture: str | None = None
+    tokens: int | None = Field(None, ge=0, validation_alias=AliasChoices("tokens", "token_count"))
+    layers: int | None = Field(None, ge=0)
+    dtype: str | None = None
+    quantization: str | None = None
+
+
+class SeedMetadata(BaseModel):
+    """``metadata`` as the original kvcdn client sends it (other keys are ignored)."""
+    name: str | None = None
+    sha256: Sha256 | None = None
+    storage_dtype: str | None = None
+    num_layers: int | None = Field(None, ge=0)
+    quantized: bool | None = None
+
+
+class UploadUrlRequest(Strict):
+    """Native shape ``{name, size_bytes, sha256, visibility, manifest}``, or the original client's
+    ``{model_name, dtype, num_tokens, visibility, size_bytes, checksum, metadata}``."""
+    name: str | None = None
+    model_name: str | None = None
+    size_bytes: int = Field(ge=1)
+    sha256: Sha256 | None = None
+    checksum: Sha256 | None = None
+    visibility: Literal["private", "public"] = "private"
+    manifest: ManifestHints | None = None
+    dtype: str | None = Field(None, max_length=64)
+    num_tokens: int | None = Field(None, ge=0)
+    metadata: SeedMetadata | None = None
+
+    def resolved(self) -> tuple[str, str, dict[str, Any]]:
+        """(name, sha256, declared manifest hints); several spellings of one fact must agree.
+
+        Raises ValueError (a ``422 validation_error``) when a fact is missing or spelled twice differently.
+        """
+        meta = self.metadata or SeedMetadata()
+        name = next((n for n in (self.name, self.model_name, meta.name) if n is not None), None)
+        if name is None:
+            raise ValueError("name: a name (or model_name) is required")
+        digests = {d.lower() for d in (self.sha256, self.checksum, meta.sha256) if d}
+        if not digests:
+            raise ValueError("sha256: a sha256 (or checksum) of the file is required")
+        if len(digests) > 1:
+            raise ValueError("sha256: sha256, checksum and metadata.sha256 disagree")
+        hints = self.manifest.model_dump(exclude_unset=True) if self.manifest else {}
+        # The original client sends 0 for what it does not know; a number it knows is checked.
+        if self.num_tokens:
+            hints.setdefault("tokens", self.num_tokens)
+        if meta.num_layers:
+            hints.setdefault("layers", meta.num_layers)
+        return name, digests.pop(), hints
+
+
+class Part(Strict):
+    part_number: int = Field(ge=1, le=10000)
+    etag: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class ConfirmRequest(Strict):
+    parts: list[Part] | None = Field(None, max_length=10000)
+    #: the original client's confirm: the sha256 and size it uploaded (checked against the bytes)
+    digest: Sha256 | None = None
+    size_bytes: int | None = Field(None, ge=0)
+
+
+class InferRequest(Strict):
+    question: Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS)]
+    n: int = Field(ge=1, le=MAX_INFER_TOKENS)
+
+
+class OrgRequest(Strict):
+    org_slug: str
+
+
+class VerifyRequest(Strict):
+    api_key: str | None = None
+
+
+PropKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+PropValue = Union[bool, int, float, Annotated[str, StringConstraints(max_length=256)]]
+
+
+class TelemetryEvent(BaseModel):
+    """One usage event (``POST /api/v1/telemetry``)."""
+    model_config = ConfigDict(extra="forbid")
+
+    event: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]
+    kvcdn_version: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    command: Annotated[str, StringConstraints(max_length=64)] | None = None
+    ok: bool | None = None
+    duration_ms: Annotated[float, Field(ge=0)] | None = None
+    os: Annotated[str, StringConstraints(max_length=32)] | None = None
+    python: Annotated[str, StringConstraints(max_length=16)] | None = None
+    install_id: Annotated[str, StringConstraints(max_length=64)] | None = None
+    props: Annotated[dict[PropKey, PropValue], Field(max_length=20)] | None = None

@@ -1,0 +1,108 @@
+"""Artifact routes: upload-url, confirm, list, get, download-url, delete, infer."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Response
+
+from kvcdn_hosted import wire
+from kvcdn_hosted.wire_schema import ConfirmRequest, InferRequest, UploadUrlRequest
+
+from kvcdn_server.artifacts import UUID, artifact_key, check_id, check_name, now_iso, upload_key, view
+from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
+from kvcdn_server.errors import not_found, validation
+from kvcdn_server.services import Services
+
+router = APIRouter()
+
+
+@router.post(wire.UPLOAD_URL)
+def upload_url(identity: Auth, body: UploadUrlRequest, s: Svc):
+    try:
+        name, sha256, hints = body.resolved()
+    except ValueError as exc:
+        raise validation(str(exc)) from None
+    name = check_name(name)
+    record = s.store.begin_upload(identity.tenant, name, body.size_bytes, sha256, body.visibility, hints)
+    artifact_id, expires = record["id"], record["url_expires"]
+    url, multipart, storage, ttl = None, None, s.storage, s.config.upload_ttl
+    try:
+        if not s.store.local and getattr(storage, "needs_multipart", None) and storage.needs_multipart(body.size_bytes):
+            plan = storage.start_multipart(upload_key(artifact_id), body.size_bytes, ttl)
+            s.store.set_multipart(artifact_id, plan["upload_id"])
+            multipart = {"part_size": plan["part_size"], "parts": plan["parts"]}
+        elif not s.store.local:
+            url = storage.presigned_url("PUT", upload_key(artifact_id), ttl, body.size_bytes)
+    except BaseException:
+        s.store.abandon(artifact_id, "the server could not prepare the upload")
+        raise
+    if url is None and multipart is None:
+        url = s.signed_blob_url("put", artifact_id, body.size_bytes, expires)
+    return {"artifact_id": artifact_id, "method": "PUT", "url": url,
+            "headers": {"Content-Type": "application/octet-stream"}, "expires_at": now_iso(expires),
+            "multipart": multipart}
+
+
+@router.post(wire.CONFIRM_UPLOAD)
+def confirm_upload(identity: Auth, artifact_id: str, s: Svc, body: ConfirmRequest | None = None):
+    check_id(artifact_id)
+    parts = [p.model_dump() for p in body.parts] if body and body.parts else None
+    return s.store.confirm(identity.tenant, artifact_id, parts, body.digest if body else None,
+                           body.size_bytes if body else None)
+
+
+@router.get(wire.ARTIFACTS)
+def list_artifacts(identity: Auth, s: Svc, limit: int = 50, cursor: str | None = None):
+    if not 1 <= limit <= 500:
+        raise validation("limit: must be between 1 and 500")
+    if cursor is not None and not UUID.match(cursor):
+        raise validation("cursor: not a cursor this server issued")
+    page, next_cursor = s.store.list_ready(identity.tenant, limit, cursor)
+    return {"artifacts": page, "next_cursor": next_cursor}
+
+
+@router.get(wire.ARTIFACT)
+def get_artifact(identity: MaybeAuth, artifact_id: str, s: Svc):
+    row = s.store.readable(identity.tenant if identity else None, artifact_id)
+    return view(row, owner=identity is not None and row.tenant == identity.tenant)
+
+
+@router.post(wire.DOWNLOAD_URL)
+def download_url(identity: MaybeAuth, artifact_id: str, s: Svc):
+    row = s.store.readable(identity.tenant if identity else None, artifact_id)
+    if row.status != "ready":
+        raise not_found()
+    ttl = s.config.download_ttl
+    expires = int(time.time()) + ttl
+    url = None if s.store.local else s.storage.presigned_url("GET", artifact_key(artifact_id), ttl)
+    url = url or s.signed_blob_url("get", artifact_id, row.size_bytes, expires)
+    return {"artifact_id": artifact_id, "download_url": url, "sha256": row.sha256,
+            "size_bytes": row.size_bytes, "expires_at": now_iso(expires)}
+
+
+@router.delete(wire.ARTIFACT, status_code=204)
+def delete_artifact(identity: Auth, artifact_id: str, s: Svc):
+    s.store.delete(identity.tenant, artifact_id)
+    return Response(status_code=204)
+
+
+def _infer(identity: Identity, artifact_id: str, body: InferRequest, s: Services):
+    row = s.store.readable(identity.tenant, artifact_id)
+    if row.status != "ready":
+        raise not_found()
+    key = (row.tenant, artifact_id, row.sha256)
+    result = s.engine.run(key, lambda: s.store.local_copy(artifact_key(artifact_id)), body.question, body.n)
+    return {"artifact_id": artifact_id, "tokens": result.tokens, "token_count": len(result.tokens),
+            "text": result.text, "model": result.model, "reused_tokens": result.reused_tokens,
+            "question_tokens": result.question_tokens}
+
+
+@router.post(wire.INFER)
+def infer(identity: Auth, artifact_id: str, body: InferRequest, s: Svc):
+    return _infer(identity, artifact_id, body, s)
+
+
+@router.post(wire.LEGACY_INFER)
+def infer_legacy(identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, s: Svc):
+    return _infer(identity, artifact_id, body, s)

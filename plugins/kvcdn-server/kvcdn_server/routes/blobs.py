@@ -1,0 +1,75 @@
+"""The server's own signed blob URLs (local storage): the PUT of an upload, the GET of an artifact.
+
+No ``Authorization`` here: the signature over (op, artifact id, size, expiry) is the credential.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvcdn_hosted import wire
+
+from kvcdn_server.artifacts import UUID, artifact_key
+from kvcdn_server.auth import Svc
+from kvcdn_server.errors import ApiError, not_found
+
+router = APIRouter()
+
+
+def _checked(s, op: str, artifact_id: str, request: Request) -> int:
+    if not UUID.match(artifact_id):
+        raise ApiError(403, "invalid_signature", "the URL is not a valid signed URL")
+    return s.signer.check(op, artifact_id, request.query_params)
+
+
+@router.put(wire.BLOB)
+async def blob_put(artifact_id: str, request: Request, s: Svc):
+    size = _checked(s, "put", artifact_id, request)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > size:
+        raise ApiError(413, "payload_too_large", f"the body is larger than the signed {size} bytes")
+    digest, written = hashlib.sha256(), 0
+    receiving = s.store.receiving(artifact_id)  # one PUT at a time per upload (409 otherwise)
+    target = await run_in_threadpool(receiving.__enter__)
+    try:
+        with open(target, "wb") as out:
+            async for chunk in request.stream():
+                written += len(chunk)
+                if written > size:
+                    raise ApiError(413, "payload_too_large", f"the body is larger than the signed {size} bytes")
+                digest.update(chunk)
+                await run_in_threadpool(out.write, chunk)
+            if written != size:
+                raise ApiError(422, "size_mismatch", f"received {written} bytes, the URL is for {size}")
+            out.flush()
+            await run_in_threadpool(os.fsync, out.fileno())
+    except BaseException as exc:
+        await run_in_threadpool(receiving.__exit__, type(exc), exc, exc.__traceback__)
+        raise
+    await run_in_threadpool(receiving.__exit__, None, None, None)
+    etag = f'"{digest.hexdigest()}"'
+    return JSONResponse({"size_bytes": written, "sha256": digest.hexdigest()}, headers={"ETag": etag})
+
+
+@router.get(wire.BLOB)
+def blob_get(artifact_id: str, request: Request, s: Svc):
+    _checked(s, "get", artifact_id, request)
+    row = s.store.ready_row(artifact_id)
+    if row is None:
+        raise not_found()
+    headers = {"ETag": f'"{row.sha256}"', "Cache-Control": "private, no-store", "Content-Length": str(row.size_bytes)}
+    body = s.storage.open_read(artifact_key(artifact_id))
+
+    def chunks():
+        try:
+            while block := body.read(1 << 20):
+                yield block
+        finally:
+            body.close()
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)

@@ -1,0 +1,44 @@
+"""What the routes work with, built once per app and reached through the ``services`` dependency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from fastapi import Request
+
+from kvcdn_server.apikeys import OrgRegistry
+from kvcdn_server.artifacts import ArtifactStore
+from kvcdn_server.config import ServerConfig
+from kvcdn_server.inference import InferenceEngine
+from kvcdn_server.oidc import JwtVerifier
+from kvcdn_server.signing import UrlSigner
+from kvcdn_server.telemetry import RateLimit, TelemetrySink
+
+
+@dataclass
+class Services:
+    config: ServerConfig
+    db: sa.Engine
+    storage: object
+    store: ArtifactStore
+    orgs: OrgRegistry
+    verifier: JwtVerifier | None
+    signer: UrlSigner
+    engine: InferenceEngine
+    limit: RateLimit
+    telemetry: TelemetrySink
+    public_base: str
+    storage_kind: str
+
+    def signed_blob_url(self, op: str, artifact_id: str, size: int, expires: int) -> str:
+        """A server-signed blob URL on the configured public URL (never the request's Host header);
+        its path holds nothing but the artifact's random id."""
+        from kvcdn_hosted import wire
+
+        return f"{self.public_base}{wire.path(wire.BLOB, artifact_id=artifact_id)}?" \
+               f"{self.signer.query(op, artifact_id, size, expires)}"
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services
