@@ -25,7 +25,7 @@ def test_the_guide_sqlite_storage_serves_uploads_and_downloads(tmp_path, oidc_is
         art = upload(server.url, key, small_kv)
         with sqlite3.connect(store) as db:
             rows = dict(db.execute("SELECT key, length(data) FROM objects").fetchall())
-        stored = [k for k in rows if art["artifact_id"] in k and k.endswith(".kv")]
+        stored = [k for k in rows if art["artifact_id"] in k]
         assert len(stored) == 1 and rows[stored[0]] == small_kv.stat().st_size, rows
         grant = httpx.post(f"{server.url}{API}/artifacts/{art['artifact_id']}/download-url", headers=bearer(key))
         assert grant.status_code == 200, grant.text
