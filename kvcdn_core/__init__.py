@@ -53,6 +53,7 @@ _EXPORTS = {
     "ArtifactError": "kvcdn_core.errors",
     # files, paths, progress and output
     "atomic_open": "kvcdn_core.atomic",
+    "atomic_path": "kvcdn_core.atomic",
     "atomic_write_stream": "kvcdn_core.atomic",
     "write_json_atomic": "kvcdn_core.atomic",
     "fsync_dir": "kvcdn_core.atomic",

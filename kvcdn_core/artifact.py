@@ -13,7 +13,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import struct
 import sys
 from array import array
@@ -35,8 +37,20 @@ _READ_CHUNK = 16 << 20
 # Threads that hash tensors while load_tensors reads (at most the CPU count).
 _HASH_WORKERS = 4
 
-# Largest header we accept; safetensors itself caps it at 100 MB.
-MAX_HEADER_BYTES = 100_000_000
+#: Largest header accepted. A real header is mostly the manifest's ``context`` (the document, about
+#: 4-5 bytes per token of text) plus about 0.3 KB per tensor: 32 KB for a 36-layer model and 4k tokens
+#: (docs/artifact-format.md has the measurements), so 8 MiB holds the context of more than a million
+#: tokens, whose cache is tens of gigabytes. safetensors itself allows 100 MB, which let a padded
+#: header cost every reader half a gigabyte.
+MAX_HEADER_BYTES = 8 << 20
+#: Deepest JSON nesting accepted in the header and in the manifest (real ones: 3 and 7).
+MAX_JSON_DEPTH = 32
+#: Most JSON tokens (strings and brackets) in the header or the manifest: a real one has about 30
+#: per tensor (9 000 for an int4 artifact of 36 layers). With the size cap it bounds what a parse
+#: allocates to a few times the header's size.
+MAX_JSON_TOKENS = 200_000
+#: Most dimensions of a tensor.
+MAX_RANK = 16
 
 #: safetensors dtype name → (bytes per element, torch dtype name)
 DTYPES = {
@@ -54,6 +68,11 @@ DTYPES = {
     "BOOL": (1, "bool"),
 }
 TORCH_TO_ST = {torch_name: st for st, (_, torch_name) in DTYPES.items()}
+#: dtypes a cache is computed in (the manifest's ``compute_dtype``)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+#: ``token_ids`` dtypes → array type codes
+TOKEN_ID_CODES = {"I64": "q", "I32": "i"}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 #: Layer kinds a manifest may name.
 FULL_ATTENTION = "full_attention"
@@ -89,7 +108,12 @@ def _fail(path, message: str) -> ArtifactError:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """Read and validate the header of an artifact, without touching the tensor data."""
+    """Read and strictly validate the header of an artifact, without touching the tensor data.
+
+    Every reader (CLI, hosted client, server) goes through here: any malformed input is an
+    :class:`ArtifactError` with a one-line message, and what the parse may allocate is bounded by
+    :data:`MAX_HEADER_BYTES`, :data:`MAX_JSON_DEPTH` and :data:`MAX_JSON_TOKENS`.
+    """
     path = Path(path)
     try:
         with open(path, "rb") as fh:
@@ -98,40 +122,139 @@ def read_header(path: str | os.PathLike) -> Header:
             if len(prefix) < 8:
                 raise _fail(path, f"not a kvcdn artifact: file is {file_size} bytes, too short for a safetensors header")
             (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or header_len > file_size - 8:
-                if header_len <= MAX_HEADER_BYTES:
-                    raise _fail(path, f"truncated: header says {header_len} bytes, file has {file_size - 8}")
+            if header_len > MAX_HEADER_BYTES:
+                if header_len < 1 << 32 and header_len <= file_size - 8:
+                    raise _fail(path, f"refused: header of {header_len} bytes is over the "
+                                      f"{MAX_HEADER_BYTES >> 20} MiB limit")
                 raise _fail(path, "not a kvcdn artifact: not a safetensors file (implausible header length)")
+            if header_len > file_size - 8:
+                raise _fail(path, f"truncated: header says {header_len} bytes, file has {file_size - 8}")
             raw = fh.read(header_len)
     except OSError as exc:
         raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
     try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-    except (ValueError, UnicodeDecodeError):
-        raise _fail(path, "corrupted or not a safetensors file: header is not valid JSON") from None
-    meta = header.pop("__metadata__", None) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail(path, "corrupted: the header is not UTF-8") from None
+    del raw  # a hostile header may be large: hold one copy at a time
+    header = _parse_json(path, text, "header")
+    del text
+    if not isinstance(header, dict):
+        raise _fail(path, "corrupted or not a safetensors file: header is not valid JSON")
+    meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or meta.get(META_FORMAT) != FORMAT_NAME:
         raise _fail(path, "not a kvcdn artifact: safetensors file without a kvcdn manifest")
-    try:
-        version = int(meta.get(META_VERSION, ""))
-    except ValueError:
-        raise _fail(path, f"corrupted: format version {meta.get(META_VERSION)!r} is not a number") from None
-    if version > FORMAT_VERSION:
-        raise _fail(path, f"format version {version} is newer than this kvcdn reads ({FORMAT_VERSION}); upgrade kvcdn")
-    if version < 1:
-        raise _fail(path, f"unknown format version {version}")
-    try:
-        manifest = json.loads(meta.get(META_MANIFEST, ""))
-        if not isinstance(manifest, dict):
-            raise ValueError
-    except ValueError:
-        raise _fail(path, "corrupted: the manifest is not valid JSON") from None
-    data_start = 8 + header_len
-    result = Header(path, manifest, header, data_start, file_size)
+    unknown = next((k for k in meta if k not in (META_FORMAT, META_VERSION, META_MANIFEST)), None)
+    if unknown is not None:
+        raise _fail(path, f"corrupted: unknown metadata key {unknown!r}")
+    bad_meta = next((k for k, v in meta.items() if not isinstance(v, str)), None)
+    if bad_meta is not None:
+        raise _fail(path, f"corrupted: metadata '{bad_meta}' is not a string")
+    version = meta.get(META_VERSION, "")
+    if not (version.isascii() and version.isdigit() and len(version) <= 9):
+        raise _fail(path, f"corrupted: format version {version!r} is not a number")
+    if int(version) > FORMAT_VERSION:
+        raise _fail(path, f"format version {int(version)} is newer than this kvcdn reads ({FORMAT_VERSION}); upgrade kvcdn")
+    if int(version) < 1:
+        raise _fail(path, f"unknown format version {int(version)}")
+    manifest = _parse_json(path, meta.pop(META_MANIFEST, ""), "manifest")
+    if not isinstance(manifest, dict):
+        raise _fail(path, "corrupted: the manifest is not a JSON object")
+    result = Header(path, manifest, header, 8 + header_len, file_size)
     _validate(result)
     return result
+
+
+def check_file(path: str | os.PathLike) -> Header:
+    """:func:`read_header` plus :func:`check_hashes` and the token ids: the whole file is what its
+    manifest promises.
+
+    For readers that accept a file from outside and keep it (the hosted server's confirm-upload):
+    any problem, structural, a tensor whose bytes do not hash to its manifest sha256, or a negative
+    token id, is an :class:`ArtifactError` (HTTP 422 there).
+    """
+    header = read_header(path)
+    bad = check_hashes(header)
+    if bad:
+        raise _fail(header.path, f"corrupted: sha256 mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
+    read_token_ids(header.path, header)
+    return header
+
+
+# What the pre-parse scan counts: a whole JSON string (unrolled, so re matches it in one pass), or
+# a bracket. Numbers are not counted: the size cap bounds what they cost.
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+# A \uD800-\uDFFF escape: only then can a parsed string hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _parse_json(path, text: str, what: str) -> Any:
+    """``json.loads`` of untrusted text, after checking its nesting depth and token count.
+
+    The scan runs before the parser and stops at the first limit passed, so a hostile document can
+    neither exhaust the recursion limit (50 000 nested brackets) nor turn megabytes into hundreds of
+    megabytes of Python objects; it allocates nothing per token. Duplicate keys, ``NaN`` and
+    ``Infinity`` (which other JSON readers refuse or read differently) are refused too.
+    """
+    depth = tokens = 0
+    for match in _JSON_TOKEN.finditer(text):
+        tokens += 1
+        if tokens > MAX_JSON_TOKENS:
+            raise _fail(path, f"refused: the {what} has more than {MAX_JSON_TOKENS} JSON tokens")
+        char = match.group()
+        if char in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise _fail(path, f"refused: the {what} nests deeper than {MAX_JSON_DEPTH} levels")
+        elif char in "]}":
+            depth -= 1
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise _fail(path, f"corrupted: the {what} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise _fail(path, f"corrupted: the {what} holds a lone UTF-16 surrogate (not text)")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a parsed JSON value holds a string that cannot be encoded (``"\\ud800"`` alone)."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key appears twice")
+    return out
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+# Control characters (C0, DEL, C1), bidi overrides and isolates, zero-width characters: nothing a
+# name or version needs, and what would let a file rewrite the terminal that prints it.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def _is_label(value: Any) -> bool:
+    """A string fit to print as a name: no control, bidi or zero-width characters."""
+    return isinstance(value, str) and _UNPRINTABLE.search(value) is None
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative JSON integer (``true`` and ``1.0`` are not)."""
+    return type(value) is int and value >= 0
 
 
 def _check_manifest_types(path, manifest: dict) -> None:
@@ -144,67 +267,115 @@ def _check_manifest_types(path, manifest: dict) -> None:
         if not ok:
             raise _fail(path, f"corrupted: manifest {what}")
 
-    count = manifest["token_count"]
-    expect(isinstance(count, int) and not isinstance(count, bool) and count >= 0,
-           "token_count is not a non-negative integer")
-    expect(isinstance(manifest["model"], dict), "model is not an object")
-    expect(isinstance(manifest["compute_dtype"], str), "compute_dtype is not a string")
-    expect(manifest.get("quantization") is None or isinstance(manifest["quantization"], dict),
-           "quantization is neither null nor an object")
+    def optional(container: dict, key: str, kind) -> bool:
+        return container.get(key) is None or isinstance(container[key], kind)
+
+    expect(_is_label(manifest["kvcdn_version"]), "kvcdn_version is not a printable string")
+    expect(_is_label(manifest["created_at"]), "created_at is not a printable string")
+    expect(_is_count(manifest["token_count"]), "token_count is not a non-negative integer")
+    model = manifest["model"]
+    expect(isinstance(model, dict), "model is not an object")
+    expect(_is_label(model.get("id")) and model["id"] != "", "model.id is not a non-empty printable string")
+    for key in ("revision", "family", "architecture", "config_sha256", "tokenizer_sha256", "weights_sha256"):
+        expect(model.get(key) is None or _is_label(model[key]), f"model.{key} is not a printable string")
+    expect(manifest["compute_dtype"] in COMPUTE_DTYPES,
+           f"compute_dtype {manifest['compute_dtype']!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    expect(optional(manifest, "context", str), "context is not a string")
+    expect(manifest.get("reuse") in (None, "any_prefix", "whole_prefix"), "reuse is not any_prefix or whole_prefix")
+    quant = manifest.get("quantization")
+    expect(quant is None or isinstance(quant, dict), "quantization is neither null nor an object")
+    if quant is not None:
+        _check_quantization(expect, quant)
     expect(isinstance(manifest["tensors"], dict), "tensors is not an object")
     for name, spec in manifest["tensors"].items():
+        expect(_is_label(name), f"tensor name {name!r} is not printable")
         expect(isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
-               and isinstance(spec.get("shape"), list)
-               and all(isinstance(d, int) and not isinstance(d, bool) for d in spec["shape"]),
-               f"entry for tensor '{name}' lacks a dtype or an integer shape")
+               and isinstance(spec.get("shape"), list) and all(_is_count(d) for d in spec["shape"]),
+               f"entry for tensor '{name}' lacks a dtype or a shape of non-negative integers")
+        expect(isinstance(spec.get("sha256"), str) and _SHA256.fullmatch(spec["sha256"]) is not None,
+               f"entry for tensor '{name}' lacks a sha256")
     expect(isinstance(manifest["layers"], list), "layers is not a list")
     for i, layer in enumerate(manifest["layers"]):
         expect(isinstance(layer, dict), f"layer {i} is not an object")
+        expect(_is_count(layer.get("index")), f"layer {i} has no non-negative integer index")
         expect(layer.get("kind") in LAYER_KINDS, f"layer {i} has unknown kind {layer.get('kind')!r}")
         tensors = layer.get("tensors", {})
         expect(isinstance(tensors, dict) and all(isinstance(v, str) for v in tensors.values()),
                f"layer {i} tensors is not a map of names")
+        unknown = next((t for t in tensors.values() if t not in manifest["tensors"]), None)
+        expect(unknown is None, f"layer {i} names unknown tensor '{unknown}'")
+        if layer["kind"] == SLIDING_WINDOW:
+            expect(_is_count(layer.get("window")) and layer["window"] > 0
+                   and _is_count(layer.get("cumulative_length")),
+                   f"layer {i} lacks an integer window and cumulative_length")
+
+
+def _check_quantization(expect, q: dict) -> None:
+    """The quantization block's common structure (docs/quantization.md); its scheme checks the rest."""
+    expect(isinstance(q.get("scheme"), str) and isinstance(q.get("target_dtype"), str),
+           "quantization lacks a scheme or a target_dtype")
+    expect(q.get("version") is None or _is_count(q["version"]), "quantization version is not an integer")
+    expect(q.get("parameters") is None or isinstance(q["parameters"], dict), "quantization parameters is not an object")
+    expect(isinstance(q.get("layers"), list), "quantization layers is not a list")
+    for i, record in enumerate(q["layers"]):
+        expect(isinstance(record, dict) and _is_count(record.get("index")),
+               f"quantization layer {i} is not an object with an integer index")
+        tensors = record.get("tensors", {})
+        expect(isinstance(tensors, dict) and all(isinstance(t, dict) for t in tensors.values()),
+               f"quantization layer {i} tensors is not a map of objects")
+        for role, t in tensors.items():
+            if t.get("action") == "quantized":
+                expect(isinstance(t.get("parts"), list) and all(isinstance(p, str) for p in t["parts"])
+                       and isinstance(t.get("shape"), list) and all(_is_count(d) for d in t["shape"]),
+                       f"quantization layer {i} tensor '{role}' lacks parts or an integer shape")
 
 
 def _validate(h: Header) -> None:
     path, manifest = h.path, h.manifest
     _check_manifest_types(path, manifest)
-    data_len = 0
+    spans = []
     for name, entry in h.entries.items():
-        try:
-            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            width = DTYPES[dtype][0]
-        except (KeyError, TypeError, ValueError):
-            raise _fail(path, f"corrupted: bad header entry for tensor '{name}'") from None
-        try:
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            bad = end - start != count * width or start < 0
-        except (TypeError, ValueError):
-            raise _fail(path, f"corrupted: bad header entry for tensor '{name}'") from None
-        if bad:
-            raise _fail(path, f"corrupted: tensor '{name}' has {end - start} bytes, its shape needs {count * width}")
-        data_len = max(data_len, end)
+        if not (isinstance(entry, dict) and entry.keys() == {"dtype", "shape", "data_offsets"}):
+            raise _fail(path, f"corrupted: header entry for tensor '{name}' is not {{dtype, shape, data_offsets}}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _fail(path, f"corrupted: tensor '{name}' has unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(_is_count(d) for d in shape)):
+            raise _fail(path, f"corrupted: tensor '{name}' has a shape that is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise _fail(path, f"corrupted: tensor '{name}' has data_offsets that are not [start, end] integers")
+        need = math.prod(shape) * DTYPES[dtype][0]
+        if offsets[1] - offsets[0] != need:
+            raise _fail(path, f"corrupted: tensor '{name}' has {offsets[1] - offsets[0]} bytes, its shape needs {need}")
+        spans.append((offsets[0], offsets[1], name))
+    # The tensors must tile the data region exactly: no gap, no overlap, nothing after the last.
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise _fail(path, f"corrupted: tensor '{name}' starts at byte {start} of the data, expected {end} "
+                              f"({'overlap' if start < end else 'gap'})")
+        end = stop
     actual = h.file_size - h.data_start
-    if actual < data_len:
-        raise _fail(path, f"truncated: {actual} bytes of tensor data, the header needs {data_len}")
-    if actual > data_len:
-        raise _fail(path, f"corrupted: {actual - data_len} unexpected trailing bytes")
+    if actual < end:
+        raise _fail(path, f"truncated: {actual} bytes of tensor data, the header needs {end}")
+    if actual > end:
+        raise _fail(path, f"corrupted: {actual - end} unexpected trailing bytes")
     for name, spec in manifest["tensors"].items():
         entry = h.entries.get(name)
         if entry is None:
             raise _fail(path, f"corrupted: manifest names tensor '{name}', which the file lacks")
-        if list(entry["shape"]) != list(spec["shape"]) or entry["dtype"] != spec["dtype"]:
+        if entry["shape"] != spec["shape"] or entry["dtype"] != spec["dtype"]:
             raise _fail(path, f"corrupted: tensor '{name}' is {entry['dtype']}{entry['shape']}, "
                               f"the manifest says {spec['dtype']}{spec['shape']}")
+    extra = next((name for name in h.entries if name not in manifest["tensors"]), None)
+    if extra is not None:
+        raise _fail(path, f"corrupted: tensor '{extra}' is in the file but not in the manifest")
     token_entry = h.entries.get(TOKEN_IDS)
-    if token_entry is None or token_entry["shape"] != [int(manifest["token_count"])]:
+    if token_entry is None or token_entry["shape"] != [manifest["token_count"]]:
         raise _fail(path, f"corrupted: '{TOKEN_IDS}' tensor missing or not of length token_count")
-    for layer in manifest["layers"]:
-        for tensor_name in layer.get("tensors", {}).values():
-            if tensor_name not in manifest["tensors"]:
-                raise _fail(path, f"corrupted: layer {layer.get('index')} names unknown tensor '{tensor_name}'")
+    if token_entry["dtype"] not in TOKEN_ID_CODES:
+        raise _fail(path, f"corrupted: '{TOKEN_IDS}' has dtype {token_entry['dtype']}, expected I64 or I32")
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -216,16 +387,17 @@ def read_token_ids(path: str | os.PathLike, header: Header | None = None) -> lis
     h = header or read_header(path)
     entry = h.entries[TOKEN_IDS]
     start, end = entry["data_offsets"]
-    codes = {"I64": "q", "I32": "i"}
-    if entry["dtype"] not in codes:
-        raise _fail(h.path, f"corrupted: '{TOKEN_IDS}' has dtype {entry['dtype']}, expected I64 or I32")
     with open(h.path, "rb") as fh:
         fh.seek(h.data_start + start)
         raw = fh.read(end - start)
-    ids = array(codes[entry["dtype"]])
+    if len(raw) != end - start:
+        raise _fail(h.path, "truncated while reading token ids")
+    ids = array(TOKEN_ID_CODES[entry["dtype"]])
     ids.frombytes(raw)
     if sys.byteorder != "little":
         ids.byteswap()
+    if ids and min(ids) < 0:
+        raise _fail(h.path, f"corrupted: '{TOKEN_IDS}' holds a negative token id")
     return ids.tolist()
 
 

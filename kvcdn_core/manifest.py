@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvcdn_core.artifact import LINEAR_ATTENTION, RECURRENT_STATE, reuse_mode
+from kvcdn_core.artifact import COMPUTE_DTYPES, LINEAR_ATTENTION, RECURRENT_STATE, reuse_mode
 
 ANY_PREFIX = "any_prefix"
 WHOLE_PREFIX = "whole_prefix"
-#: Compute dtypes an artifact may record (torch names).
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+__all__ = ["ANY_PREFIX", "COMPUTE_DTYPES", "WHOLE_PREFIX", "LayerEntry", "Manifest", "ModelInfo"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -282,47 +282,32 @@ def test_upload_url_quota_is_atomic_in_one_process(make_app, small_kv):
 def tiny_issuer():
     """A minimal issuer on 127.0.0.1 whose discovery states its URL with a trailing '/'."""
     import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import jwt
     from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from tests.support.json_http import json_server
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
     jwk.update(kid="k1", use="sig", alg="RS256")
     state = {"down": False, "hits": 0}
 
-    class Issuer(BaseHTTPRequestHandler):
-        def do_GET(self):
-            state["hits"] += 1
-            if state["down"]:
-                self.send_response(503)
-                self.end_headers()
-                return
-            base = f"http://127.0.0.1:{self.server.server_port}"
-            doc = ({"issuer": base + "/", "jwks_uri": base + "/jwks"} if self.path.startswith("/.well-known")
-                   else {"keys": [jwk]})
-            body = json.dumps(doc).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(_method, path, base):
+        state["hits"] += 1
+        if state["down"]:
+            return 503, {}
+        return 200, ({"issuer": base + "/", "jwks_uri": base + "/jwks"} if path.startswith("/.well-known")
+                     else {"keys": [jwk]})
 
-        def log_message(self, *args):
-            pass
+    with json_server(answer) as (base, _seen):
+        issuer = base + "/"
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Issuer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    issuer = f"http://127.0.0.1:{server.server_port}/"
+        def token(iss: str = issuer) -> str:
+            return jwt.encode({"sub": "alice", "iss": iss, "aud": "kvcdn-cli", "exp": int(time.time()) + 300},
+                              key, algorithm="RS256", headers={"kid": "k1", "typ": "at+jwt"})
 
-    def token(iss: str = issuer) -> str:
-        return jwt.encode({"sub": "alice", "iss": iss, "aud": "kvcdn-cli", "exp": int(time.time()) + 300},
-                          key, algorithm="RS256", headers={"kid": "k1"})
-
-    yield issuer, token, state
-    server.shutdown()
+        yield issuer, token, state
 
 
 def test_an_issuer_whose_url_ends_in_a_slash_can_log_in(tiny_issuer):
@@ -422,9 +407,9 @@ def test_telemetry_is_rate_limited_per_client(make_app, monkeypatch):
 
 
 def test_inference_load_locks_stay_bounded():
-    from kvcdn_server.inference import InferenceEngine, ModelPolicy
+    from kvcdn_server.inference import InferenceEngine, InferLimits, ModelPolicy
 
-    engine = InferenceEngine(ModelPolicy([]), 1, 5.0, 1, 1 << 20, "cpu")
+    engine = InferenceEngine(ModelPolicy([]), InferLimits(slots=1, timeout=5.0, cache_bytes=1 << 20, device="cpu"))
     try:
         locks = {id(engine._stripe(engine._artifact_locks, ("t", str(i), "sha"))) for i in range(5000)}
         assert len(locks) <= 64
@@ -439,10 +424,11 @@ def test_loading_an_artifact_and_its_model_cannot_deadlock(monkeypatch):
     import kvcdn_server.inference as inference
 
     monkeypatch.setattr(inference, "LOAD_LOCK_STRIPES", 1)  # every key on the same stripe
-    engine = inference.InferenceEngine(inference.ModelPolicy([]), 1, 5.0, 1, 1 << 20, "cpu")
+    engine = inference.InferenceEngine(inference.ModelPolicy([]),
+                                       inference.InferLimits(slots=1, timeout=5.0, cache_bytes=1 << 20, device="cpu"))
     try:
         with engine._stripe(engine._artifact_locks, ("t", "1", "sha")):
-            model_lock = engine._stripe(engine._model_locks, ("m", "float32"))
+            model_lock = engine._stripe(engine._model_locks, "m")
             assert model_lock.acquire(timeout=2)
             model_lock.release()
     finally:

@@ -51,13 +51,25 @@ def resolve_credential(settings: Settings, http=None) -> Credential | None:
     if settings.issuer_url and session.get("issuer") != settings.issuer_url:
         return None  # a session of another issuer is no credential for this one
     if oidc.needs_refresh(session):
-        import httpx
+        session = _refreshed(session, http)
+    return Credential("oidc", session["access_token"], f"login session ({session['issuer']})",
+                      session.get("expires_at"))
 
+
+def _refreshed(session: dict[str, Any], http=None) -> dict[str, Any]:
+    """The session refreshed, under the credentials' lock: another process may have done it already."""
+    import httpx
+
+    with credentials.locked():
+        current = credentials.load().get("session")
+        if isinstance(current, dict) and current.get("issuer") == session.get("issuer"):
+            session = current  # the latest refresh token, possibly rotated by another process
+        if not oidc.needs_refresh(session):
+            return session
         with httpx.Client() if http is None else contextlib.nullcontext(http) as client:
             session = oidc.refresh(client, session)
         credentials.update(session=session)
-    return Credential("oidc", session["access_token"], f"login session ({session['issuer']})",
-                      session.get("expires_at"))
+    return session
 
 
 def backoff_delay(attempt: int, retry_after: str | None = None) -> float:

@@ -68,6 +68,15 @@ def hosted_command(name: str):
             except (click.exceptions.Exit, click.Abort, click.ClickException, KeyboardInterrupt):
                 _telemetry(kwargs, name, started, False)
                 raise
+            except (TypeError, KeyError, AttributeError, ValueError) as exc:
+                # A server (or a proxy in front of it) answered with a shape the command did not
+                # expect: one line and exit 2, not a traceback (KVCDN_DEBUG=1 shows where).
+                if os.environ.get("KVCDN_DEBUG"):
+                    raise
+                click.echo(f"error: {name}: unexpected data in the server's answer "
+                           f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", err=True)
+                _telemetry(kwargs, name, started, False)
+                raise click.exceptions.Exit(2) from None
             _telemetry(kwargs, name, started, True)
             return result
 
@@ -535,13 +544,16 @@ def admin_group():
 @hosted_command("admin mint-api-key")
 def mint_api_key(org, fmt, api_url):
     """Mint (derive) the API key of ORG; prints the key."""
-    from kvcdn_hosted.client import HostedClient
+    from kvcdn_hosted.client import HostedClient, insecure_remote
 
     secret = os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
     if not secret:
         raise KvcdnError("set KVCDN_ADMIN_SECRET to the server's admin secret (kvcdn serve prints where it is)")
     settings = settings_from(locals())
     with HostedClient(settings, auth=False) as client:
+        if insecure_remote(client.api_url):
+            click.echo(f"warning: sending the admin secret over plain http to {client.api_url}; "
+                       "use https for anything but a loopback address", err=True)
         info = client.json("POST", wire.ADMIN_API_KEYS, what="admin mint-api-key", json={"org_slug": org},
                            headers={"X-Kvcdn-Admin-Secret": secret})
     if fmt == "json":

@@ -2,21 +2,18 @@
 
 Uploads stream the file to a presigned URL (re-opened on every retry). Downloads stream into a
 temporary file next to the target while hashing, then check size, sha256 and that the result is a
-readable ``.kv`` before an atomic rename; any failure removes the temporary file.
+readable ``.kv`` whose tensors match their hashes before an atomic rename; any failure removes the
+temporary file. Downloaded artifacts follow the umask, like generated ones.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
 
-from kvcdn_core import fsync_dir
-from kvcdn_core import CheckFailed, KvcdnError
-from kvcdn_core import Progress
+from kvcdn_core import CheckFailed, KvcdnError, Progress, atomic_path
 
 from kvcdn_hosted.client import ATTEMPTS, TRANSIENT_STATUSES, backoff_delay, server_message
 
@@ -78,36 +75,29 @@ def put_bytes(http, url: str, path: Path, *, start: int = 0, length: int | None 
 def download_to(http, url: str, target: Path, *, sha256: str | None, size: int | None,
                 headers: dict[str, str] | None = None, label: str = "download", quiet: bool = False,
                 attempts: int = ATTEMPTS) -> Path:
-    """Stream ``url`` into ``target`` atomically after checking size, sha256 and the ``.kv`` header."""
-    import httpx
+    """Stream ``url`` into ``target`` atomically after checking size, sha256 and the ``.kv`` file.
 
+    The file gets the permissions of any file kvcdn writes (``0666`` less the umask, as generated
+    artifacts): an artifact is not a secret. Only credentials are kept 0600.
+    """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     last_error = "no attempt made"
     for attempt in range(attempts):
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-        tmp = Path(tmp_name)
         try:
-            try:
-                digest, received = _stream_into(http, url, fd, headers, size, label, quiet)
-            except _Transient as exc:
-                last_error = str(exc)
-                tmp.unlink(missing_ok=True)
-                if attempt + 1 < attempts:
-                    time.sleep(backoff_delay(attempt, exc.retry_after))
-                    continue
-                raise KvcdnError(f"download failed after {attempts} attempts: {last_error}") from None
-            if size is not None and received != size:
-                raise CheckFailed(f"download failed: received {received} bytes, expected {size}")
-            if sha256 and digest != sha256.lower():
-                raise CheckFailed(f"download failed: sha256 {digest} does not match the expected {sha256}")
-            check_artifact(tmp)
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
+            with atomic_path(target, suffix=".part") as tmp:
+                digest, received = _stream_into(http, url, tmp, headers, size, label, quiet)
+                if size is not None and received != size:
+                    raise CheckFailed(f"download failed: received {received} bytes, expected {size}")
+                if sha256 and digest != str(sha256).lower():
+                    raise CheckFailed(f"download failed: sha256 {digest} does not match the expected {sha256}")
+                check_artifact(tmp)
             return target
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        except _Transient as exc:
+            last_error = str(exc)
+            if attempt + 1 < attempts:
+                time.sleep(backoff_delay(attempt, exc.retry_after))
+                continue
+            raise KvcdnError(f"download failed after {attempts} attempts: {last_error}") from None
     raise KvcdnError(f"download failed: {last_error}")
 
 
@@ -117,12 +107,12 @@ class _Transient(Exception):
         self.retry_after = retry_after
 
 
-def _stream_into(http, url, fd, headers, size, label, quiet) -> tuple[str, int]:
+def _stream_into(http, url, path: Path, headers, size, label, quiet) -> tuple[str, int]:
     import httpx
 
     digest = hashlib.sha256()
     received = 0
-    with os.fdopen(fd, "wb") as out:
+    with open(path, "wb") as out:
         try:
             with http.stream("GET", url, headers=headers or {},
                              timeout=httpx.Timeout(300.0, connect=10.0)) as response:
@@ -143,8 +133,6 @@ def _stream_into(http, url, fd, headers, size, label, quiet) -> tuple[str, int]:
                         bar.update(len(block))
         except httpx.TransportError as exc:
             raise _Transient(f"{type(exc).__name__}: {exc} after {received} bytes") from None
-        out.flush()
-        os.fsync(out.fileno())
     return digest.hexdigest(), received
 
 
@@ -157,12 +145,9 @@ def check_artifact(path: Path) -> None:
     from kvcdn_core import ArtifactError
 
     try:
-        header = artifact.read_header(path)
+        artifact.check_file(path)
     except ArtifactError as exc:
         reason = str(exc).removeprefix(f"{path}: ")
         raise CheckFailed(f"download failed: the object is not a valid .kv artifact ({reason})") from None
-    bad = artifact.check_hashes(header)
-    if bad:
-        raise CheckFailed(f"download failed: the artifact's tensor '{bad[0]}' does not match its manifest sha256")
 
 

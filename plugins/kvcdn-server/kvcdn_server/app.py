@@ -25,7 +25,7 @@ from kvcdn_server.artifacts import ArtifactStore
 from kvcdn_server.config import ServerConfig
 from kvcdn_server.db import open_database
 from kvcdn_server.errors import ApiError
-from kvcdn_server.inference import InferenceEngine, ModelPolicy
+from kvcdn_server.inference import InferenceEngine
 from kvcdn_server.oidc import JwtVerifier
 from kvcdn_server.routes import account, admin, artifacts, blobs, telemetry
 from kvcdn_server.services import Services
@@ -130,8 +130,7 @@ def build_services(config: ServerConfig, storage=None, engine=None) -> Services:
         verifier=(JwtVerifier(config.issuer_url, config.client_id, config.jwt_algorithms, config.jwt_leeway)
                   if config.issuer_url else None),
         signer=UrlSigner(config.url_key),
-        engine=InferenceEngine(ModelPolicy(config.models), config.infer_concurrency, config.infer_timeout,
-                               config.infer_max_models, config.infer_cache_bytes, config.infer_device),
+        engine=InferenceEngine.from_config(config),
         limit=limit, telemetry=TelemetrySink(config.telemetry_url, config.telemetry_secret, limit),
         public_base=(config.public_url or DEFAULT_PUBLIC_URL).rstrip("/"),
         storage_kind="local" if isinstance(storage, LocalStorage) else (type(storage).schemes or ("other",))[0],

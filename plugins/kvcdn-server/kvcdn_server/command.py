@@ -29,8 +29,8 @@ def _is_loopback(host: str) -> bool:
               help="Where the server keeps its state: postgresql://user@host/db for several replicas, or "
                    "sqlite:///PATH [env KVCDN_DATABASE_URL; default: SQLite file $XDG_DATA_HOME/kvcdn/server/kvcdn.db].")
 @click.option("--models", default=None, metavar="ID,...",
-              help="Models inference may load: hub ids or local directories [env KVCDN_MODELS]. "
-                   "Hub models already in the local cache are allowed too.")
+              help="Models inference may load, and the only ones: hub ids (from the local cache) "
+                   "or local directories [env KVCDN_MODELS].")
 @click.option("--public-url", default=None,
               help="External base URL used in signed links, e.g. https://kv.example.com [env KVCDN_PUBLIC_URL; "
                    "default: the address it listens on]. The request's Host header is never used.")
@@ -42,10 +42,13 @@ def _is_loopback(host: str) -> bool:
               help="Seconds before an inference request gets 504 [env KVCDN_INFER_TIMEOUT; default 120].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default=None,
               help="Where inference runs [env KVCDN_INFER_DEVICE; default auto].")
+@click.option("--infer-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="The compute dtype of inference; artifacts computed in another are refused "
+                   "[env KVCDN_INFER_DTYPE; default auto: float32 on CPU, bfloat16 on CUDA].")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
 def serve(host, port, storage, database, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
-          device, log_level):
+          device, infer_dtype, log_level):
     """Serve the kvcdn hosted API: artifact upload/list/download/delete, API keys, inference.
 
     State (artifacts, uploads, quotas, API-key generations) lives in a database: an SQLite file by
@@ -60,7 +63,7 @@ def serve(host, port, storage, database, models, public_url, issuer_url, client_
     from kvcdn_server.config import load_config
 
     config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
-                         device, database)
+                         device, database, infer_dtype)
     sock = bind_socket(host, port)  # before any output: a busy port is the only line
     shown = f"[{host}]" if ":" in host else host
     if not config.public_url and host in ("0.0.0.0", "::"):

@@ -85,6 +85,12 @@ class ServerConfig:
     infer_max_models: int
     infer_cache_bytes: int
     infer_device: str
+    infer_dtype: str
+    infer_per_tenant: int
+    infer_max_new_tokens: int
+    infer_max_question_tokens: int
+    infer_max_context_tokens: int
+    infer_model_bytes: int
     telemetry_url: str | None
     telemetry_secret: str | None
     created_secrets: list[Path] = dataclasses.field(default_factory=list)
@@ -168,10 +174,21 @@ def _device(value: str) -> str:
     return value
 
 
+def _dtype(value: str) -> str:
+    if value not in INFER_DTYPES:
+        raise KvcdnError(f"inference dtype must be one of {', '.join(INFER_DTYPES)}, not '{value}'")
+    return value
+
+
+#: compute dtypes the server may be told to use (auto: float32 on CPU, bfloat16 on CUDA)
+INFER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def load_config(storage: str | None = None, models: str | None = None, public_url: str | None = None,
                 issuer_url: str | None = None, client_id: str | None = None,
                 infer_concurrency: int | None = None, infer_timeout: float | None = None,
-                device: str | None = None, database: str | None = None) -> ServerConfig:
+                device: str | None = None, database: str | None = None,
+                dtype: str | None = None) -> ServerConfig:
     home = server_home()
     created: list[Path] = []
     storage_uri = storage or os.environ.get("KVCDN_STORAGE", "").strip() or str(home / "objects")
@@ -210,6 +227,12 @@ def load_config(storage: str | None = None, models: str | None = None, public_ur
         infer_max_models=_int_env("KVCDN_INFER_MAX_MODELS", 2, 1),
         infer_cache_bytes=_int_env("KVCDN_INFER_CACHE_BYTES", 4 * GIB, 1),
         infer_device=_device(device or os.environ.get("KVCDN_INFER_DEVICE", "").strip() or "auto"),
+        infer_dtype=_dtype(dtype or os.environ.get("KVCDN_INFER_DTYPE", "").strip() or "auto"),
+        infer_per_tenant=_int_env("KVCDN_INFER_PER_TENANT", 0),
+        infer_max_new_tokens=_int_env("KVCDN_INFER_MAX_NEW_TOKENS", 256, 1),
+        infer_max_question_tokens=_int_env("KVCDN_INFER_MAX_QUESTION_TOKENS", 1024, 1),
+        infer_max_context_tokens=_int_env("KVCDN_INFER_MAX_CONTEXT_TOKENS", 32768, 1),
+        infer_model_bytes=_int_env("KVCDN_INFER_MODEL_BYTES", 16 * GIB, 1),
         telemetry_url=os.environ.get("KVCDN_TELEMETRY_URL", "").strip() or None,
         telemetry_secret=os.environ.get("KVCDN_TELEMETRY_SECRET", "").strip() or None,
         created_secrets=created,

@@ -1,11 +1,21 @@
 """Server-side inference from an uploaded artifact, without repeating the prefill.
 
-Models and recently used artifact caches stay resident (LRU: a number of models, a byte budget of
-artifacts); each request works on a deep copy of the resident cache, so requests never see each
-other's tokens. A fixed number of slots bounds concurrency: a request that finds none free is
-refused at once (429) rather than queued, and one that runs past the timeout is answered 504 while
-its slot stays taken until the computation really ends (a thread cannot be killed safely), so the
-server never runs more work than it has slots for.
+Shared by tenants that must not be able to starve each other or the server:
+
+* **Slots.** A fixed number of requests run at once, and one tenant holds at most its fair share of
+  them (``ceil(slots / 2)`` unless configured). A request that finds no slot is refused at once
+  (429), never queued.
+* **Limits in tokens.** ``n`` new tokens, the question's tokens and the artifact's context tokens
+  are each capped; a request over a cap is refused (422 / 413) before any model work.
+* **Cancellation.** A request that runs past the timeout (504) or whose client disconnects is
+  cancelled: the decode loop checks between steps and stops, so the slot is free again within one
+  decode step, not when the computation would have ended.
+* **Bounded memory.** Models and artifact caches stay resident in two LRUs budgeted in bytes (the
+  parameters of a model, the tensors of a loaded cache); a cache larger than the whole budget is
+  refused, so each request's private copy is bounded too.
+* **The server decides.** Only models named by ``--models`` load, in the server's compute dtype;
+  an artifact computed in another dtype, or naming any other model (even one in the local hub
+  cache), is refused with 422.
 
 The answer is computed exactly as ``kvcdn continue --kv-path --question --n`` computes it: the same
 ``runtime.load_session``, ``runtime.load_cache``, ``adapter.encode_continuation`` and
@@ -17,22 +27,27 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
+import dataclasses
+import logging
+import math
 import re
 import threading
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kvcdn_core import KvcdnError
 
 from kvcdn_server.errors import ApiError
 
+log = logging.getLogger("kvcdn.server")
 #: per-key load locks are striped over this many locks, so their number stays bounded
 LOAD_LOCK_STRIPES = 64
-HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+#: how often a waiting request checks whether its client is still there (seconds)
+DISCONNECT_POLL = 0.2
 
 
-@dataclass
+@dataclasses.dataclass
 class InferResult:
     tokens: list[int]
     text: str
@@ -41,8 +56,38 @@ class InferResult:
     question_tokens: int
 
 
+@dataclasses.dataclass(frozen=True)
+class InferLimits:
+    """What one server lets inference use; built from :class:`~kvcdn_server.config.ServerConfig`."""
+
+    slots: int = 2
+    per_tenant: int = 0  # 0: ceil(slots / 2)
+    timeout: float = 120.0
+    max_new_tokens: int = 256
+    max_question_tokens: int = 1024
+    max_context_tokens: int = 32768
+    model_bytes: int = 16 << 30
+    max_models: int = 2
+    cache_bytes: int = 4 << 30
+    device: str = "auto"
+    dtype: str = "auto"
+
+    @property
+    def tenant_slots(self) -> int:
+        return min(self.slots, self.per_tenant or math.ceil(self.slots / 2))
+
+    @classmethod
+    def from_config(cls, config) -> "InferLimits":
+        return cls(slots=config.infer_concurrency, per_tenant=config.infer_per_tenant,
+                   timeout=config.infer_timeout, max_new_tokens=config.infer_max_new_tokens,
+                   max_question_tokens=config.infer_max_question_tokens,
+                   max_context_tokens=config.infer_max_context_tokens, model_bytes=config.infer_model_bytes,
+                   max_models=config.infer_max_models, cache_bytes=config.infer_cache_bytes,
+                   device=config.infer_device, dtype=config.infer_dtype)
+
+
 class ModelPolicy:
-    """Which model references this server may load: an allow-list, or ids already in the HF cache."""
+    """The models this server may load: exactly the ``--models`` allow-list, nothing else."""
 
     def __init__(self, allowed: list[str]):
         self.allowed = list(allowed)
@@ -53,34 +98,48 @@ class ModelPolicy:
                 self._resolved[str(local.resolve())] = str(local.resolve())
             self._resolved[ref] = str(local.resolve()) if local.is_dir() else ref
 
-    def resolve(self, model_id: str | None) -> str:
+    def resolve(self, model_id: Any) -> str:
         """The reference to load for an artifact's model id; 422 when it may not be loaded."""
         if not model_id:
             raise ApiError(422, "model_not_available", "the artifact names no model")
         if model_id in self._resolved:
             return self._resolved[model_id]
-        cached = _hf_cache_dir(model_id) if HF_ID.match(model_id) else None
-        if cached is not None:
-            return cached
-        raise ApiError(422, "model_not_available",
-                       f"model '{model_id}' is not allowed on this server (--models) nor in its model cache")
+        raise ApiError(422, "model_not_available", f"model '{model_id}' is not allowed on this server (--models)")
 
 
-def _hf_cache_dir(model_id: str) -> str | None:
-    """The local snapshot of a hub model already in the cache; never downloads."""
-    try:
-        from huggingface_hub import snapshot_download
+class Slots:
+    """``total`` slots, at most ``per_tenant`` held by one tenant; a request without one is refused."""
 
-        return snapshot_download(model_id, local_files_only=True)
-    except Exception:
-        return None
+    def __init__(self, total: int, per_tenant: int):
+        self.total, self.per_tenant = total, per_tenant
+        self._held: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def acquire(self, tenant: str) -> None:
+        with self._lock:
+            if sum(self._held.values()) >= self.total:
+                raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
+            if self._held[tenant] >= self.per_tenant:
+                raise ApiError(429, "busy", f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
+                               {"Retry-After": "1"})
+            self._held[tenant] += 1
+
+    def release(self, tenant: str) -> None:
+        with self._lock:
+            self._held[tenant] -= 1
+            if self._held[tenant] <= 0:
+                del self._held[tenant]
+
+    def in_use(self, tenant: str | None = None) -> int:
+        with self._lock:
+            return self._held[tenant] if tenant is not None else sum(self._held.values())
 
 
 class _Lru:
-    """A small thread-safe LRU with a cost budget."""
+    """A small thread-safe LRU with a budget in bytes (and optionally a number of items)."""
 
-    def __init__(self, budget: int):
-        self.budget = budget
+    def __init__(self, budget: int, max_items: int | None = None):
+        self.budget, self.max_items = budget, max_items
         self.items: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
         self.lock = threading.Lock()
 
@@ -92,23 +151,83 @@ class _Lru:
         return None
 
     def put(self, key, value, cost: int) -> None:
+        """Keep ``value``, evicting the least recently used until the rest fits beside it.
+
+        The newest item stays even when it alone is over the budget (a model the operator allowed
+        must be usable); callers refuse what must not be held at all (see ``artifact_too_large``).
+        """
         with self.lock:
             self.items[key] = (value, cost)
             self.items.move_to_end(key)
-            while len(self.items) > 1 and sum(c for _, c in self.items.values()) > self.budget:
+            while len(self.items) > 1 and (sum(c for _, c in self.items.values()) > self.budget
+                                           or (self.max_items is not None and len(self.items) > self.max_items)):
                 self.items.popitem(last=False)
+
+    def resident_bytes(self) -> int:
+        with self.lock:
+            return sum(c for _, c in self.items.values())
+
+
+class Cancelled(Exception):
+    """The request was cancelled (timeout or disconnect); raised between decode steps."""
+
+
+class _StopBetweenSteps:
+    """A session's adapter whose ``forward`` refuses to run once the request is cancelled."""
+
+    def __init__(self, adapter, cancel: threading.Event):
+        self._adapter, self._cancel = adapter, cancel
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def forward(self, *args, **kwargs):
+        if self._cancel.is_set():
+            raise Cancelled()
+        return self._adapter.forward(*args, **kwargs)
+
+
+def tensor_bytes(obj: Any, depth: int = 4) -> int:
+    """Bytes of the distinct torch tensors reachable from ``obj`` (a model cache, a model)."""
+    import torch
+
+    seen: set[int] = set()
+
+    def walk(value, left):
+        if isinstance(value, torch.Tensor):
+            ptr = value.untyped_storage().data_ptr()
+            if ptr in seen:
+                return 0
+            seen.add(ptr)
+            return value.untyped_storage().nbytes()
+        if left == 0:
+            return 0
+        if isinstance(value, (list, tuple)):
+            return sum(walk(v, left - 1) for v in value)
+        if isinstance(value, dict):
+            return sum(walk(v, left - 1) for v in value.values())
+        if hasattr(value, "__dict__") and not isinstance(value, type):
+            return sum(walk(v, left - 1) for v in vars(value).values())
+        return 0
+
+    return walk(obj, depth)
+
+
+def _model_bytes(model) -> int:
+    import itertools
+
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 class InferenceEngine:
-    def __init__(self, policy: ModelPolicy, concurrency: int, timeout: float, max_models: int,
-                 cache_bytes: int, device: str = "auto"):
+    def __init__(self, policy: ModelPolicy, limits: InferLimits):
         self.policy = policy
-        self.timeout = timeout
-        self.device = device
-        self.slots = threading.BoundedSemaphore(concurrency)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvcdn-infer")
-        self.models = _Lru(max_models)
-        self.artifacts = _Lru(cache_bytes)
+        self.limits = limits
+        self.timeout = limits.timeout
+        self.slots = Slots(limits.slots, limits.tenant_slots)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=limits.slots, thread_name_prefix="kvcdn-infer")
+        self.models = _Lru(limits.model_bytes, limits.max_models)
+        self.artifacts = _Lru(limits.cache_bytes)
         # Striped: a fixed number of locks however many keys pass through (two keys may share one).
         # Artifacts and models have separate stripes, always taken artifact first, then model: one
         # shared pool would let a thread holding an artifact stripe wait on itself (or on a thread
@@ -116,38 +235,58 @@ class InferenceEngine:
         self._artifact_locks = [threading.Lock() for _ in range(LOAD_LOCK_STRIPES)]
         self._model_locks = [threading.Lock() for _ in range(LOAD_LOCK_STRIPES)]
 
+    @classmethod
+    def from_config(cls, config) -> "InferenceEngine":
+        return cls(ModelPolicy(config.models), InferLimits.from_config(config))
+
     @staticmethod
     def _stripe(locks: list, key) -> threading.Lock:
         return locks[hash(key) % len(locks)]
 
-    def run(self, artifact_key: tuple, fetch_path, question: str, n: int) -> InferResult:
-        """Answer one request; ``fetch_path()`` gives a local path of the artifact when not resident."""
-        if not self.slots.acquire(blocking=False):
-            raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
-        try:
-            future = self.pool.submit(self._infer, artifact_key, fetch_path, question, n)
-        except BaseException:
-            self.slots.release()
-            raise
-        future.add_done_callback(lambda _f: self.slots.release())
-        try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise ApiError(504, "timeout", f"inference took longer than {self.timeout:g} s") from None
+    def run(self, tenant: str, artifact_key: tuple, fetch_path, question: str, n: int,
+            disconnected: Callable[[], bool] | None = None) -> InferResult:
+        """Answer one request of ``tenant``; ``fetch_path()`` gives a local path of the artifact.
 
-    def _session(self, model_ref: str, dtype: str):
+        ``disconnected()`` says whether the client went away; it is polled while the request runs.
+        On a timeout or a disconnect the computation is cancelled before its next decode step.
+        """
+        if n > self.limits.max_new_tokens:
+            raise ApiError(422, "too_many_tokens", f"n is {n}; this server decodes at most "
+                                                   f"{self.limits.max_new_tokens} tokens")
+        self.slots.acquire(tenant)
+        cancel = threading.Event()
+        try:
+            future = self.pool.submit(self._infer, artifact_key, fetch_path, question, n, cancel)
+        except BaseException:
+            self.slots.release(tenant)
+            raise
+        future.add_done_callback(lambda _f: self.slots.release(tenant))
+        deadline = time.monotonic() + self.timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ApiError(504, "timeout", f"inference took longer than {self.timeout:g} s")
+                try:
+                    return future.result(timeout=min(left, DISCONNECT_POLL))
+                except concurrent.futures.TimeoutError:
+                    if disconnected is not None and disconnected():
+                        raise ApiError(499, "client_closed_request", "the client disconnected") from None
+        finally:
+            cancel.set()  # a no-op once done; otherwise the decode loop stops at its next step
+
+    def _session(self, model_ref: str):
         from kvcdn_core import runtime
 
-        key = (model_ref, dtype)
-        with self._stripe(self._model_locks, key):
-            session = self.models.get(key)
+        with self._stripe(self._model_locks, model_ref):
+            session = self.models.get(model_ref)
             if session is None:
-                session = runtime.load_session(model_ref, None, self.device, dtype)
-                self.models.put(key, session, 1)
+                session = runtime.load_session(model_ref, None, self.limits.device, self.limits.dtype)
+                self.models.put(model_ref, session, _model_bytes(session.model))
         return session
 
     def _resident(self, artifact_key: tuple, fetch_path):
-        """``(session, cache, context ids)`` of an artifact, loading model and cache when needed."""
+        """``(session, cache, context ids, model id)`` of an artifact, loading model and cache when needed."""
         from kvcdn_core import artifact, runtime
 
         with self._stripe(self._artifact_locks, artifact_key):
@@ -155,27 +294,56 @@ class InferenceEngine:
             if entry is None:
                 with fetch_path() as path:
                     header = artifact.read_header(path)
-                    model_ref = self.policy.resolve((header.manifest.get("model") or {}).get("id"))
-                    session = self._session(model_ref, header.manifest.get("compute_dtype", "auto"))
+                    if header.token_count > self.limits.max_context_tokens:
+                        raise ApiError(422, "context_too_long",
+                                       f"the artifact holds {header.token_count} context tokens; this server "
+                                       f"infers from at most {self.limits.max_context_tokens}")
+                    model_id = header.manifest["model"]["id"]
+                    model_ref = self.policy.resolve(model_id)
+                    session = self._session(model_ref)
+                    if header.manifest["compute_dtype"] != session.dtype:
+                        raise ApiError(422, "dtype_mismatch",
+                                       f"the artifact was computed in {header.manifest['compute_dtype']}; "
+                                       f"this server computes in {session.dtype}")
                     cache, ids = runtime.load_cache(session, header)
-                    entry = (model_ref, header.manifest.get("compute_dtype"), cache, ids,
-                             header.manifest["model"]["id"])
-                    self.artifacts.put(artifact_key, entry, header.file_size)
-        model_ref, dtype, cache, ids, model_id = entry
-        return self._session(model_ref, dtype), cache, ids, model_id
+                    cost = tensor_bytes(cache)
+                    if cost > self.limits.cache_bytes:
+                        raise ApiError(413, "artifact_too_large",
+                                       f"the artifact's cache takes {cost} bytes in memory; this server "
+                                       f"holds at most {self.limits.cache_bytes}")
+                    entry = (model_ref, cache, ids, model_id)
+                    self.artifacts.put(artifact_key, entry, cost)
+        model_ref, cache, ids, model_id = entry
+        return self._session(model_ref), cache, ids, model_id
 
-    def _infer(self, artifact_key: tuple, fetch_path, question: str, n: int) -> InferResult:
+    def _infer(self, artifact_key: tuple, fetch_path, question: str, n: int,
+               cancel: threading.Event) -> InferResult | None:
         from kvcdn_core import runtime
 
         try:
             session, resident_cache, context_ids, model_id = self._resident(artifact_key, fetch_path)
-            cache = copy.deepcopy(resident_cache)  # greedy appends to the cache it is given
             question_ids = session.adapter.encode_continuation(session.tokenizer, question)
-            ids, _ = runtime.greedy(session, cache, question_ids, n)
+            if len(question_ids) > self.limits.max_question_tokens:
+                raise ApiError(413, "question_too_long",
+                               f"the question is {len(question_ids)} tokens; this server takes at most "
+                               f"{self.limits.max_question_tokens}")
+            if cancel.is_set():
+                return None
+            cache = copy.deepcopy(resident_cache)  # greedy appends to the cache it is given
+            stoppable = dataclasses.replace(session, adapter=_StopBetweenSteps(session.adapter, cancel))
+            ids, _ = runtime.greedy(stoppable, cache, question_ids, n)
+        except Cancelled:
+            return None
         except ApiError:
             raise
         except KvcdnError as exc:
             raise ApiError(422, "artifact_incompatible", _strip_paths(str(exc))) from None
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError, RuntimeError) as exc:
+            # The header passed validation, yet a scheme's own fields (a quantizer's record, say)
+            # tripped the loader: the artifact's fault, not the server's. Logged for the operator.
+            log.warning("artifact %s could not be loaded", artifact_key[1], exc_info=exc)
+            raise ApiError(422, "artifact_incompatible",
+                           f"the artifact could not be loaded ({type(exc).__name__})") from None
         return InferResult(ids, runtime.decode(session, ids), model_id, len(context_ids), len(question_ids))
 
     def shutdown(self) -> None:

@@ -1,9 +1,15 @@
 """Verification of OIDC access tokens (JWTs) against the issuer's JWKS.
 
 Checked: ``alg`` against an allow-list of asymmetric algorithms (so neither ``none`` nor an ``HS*``
-token signed with the public key can pass), the ``kid`` against the JWKS (re-fetched at most once
-per 30 s when an unknown ``kid`` shows up, so rotation works and junk tokens cannot hammer the
-issuer), the signature, ``iss``, ``aud``, ``exp`` and ``sub``.
+token signed with the public key can pass), the header's ``typ``, which must say access token
+(``at+jwt``, RFC 9068: an ID token the issuer gave the CLI is signed by the same keys and carries the
+same ``aud``, and must not pass as an access token), the ``kid`` against the JWKS (re-fetched at
+most once per 30 s when an unknown ``kid`` shows up, so rotation works and junk tokens cannot hammer
+the issuer), the signature, ``iss``, ``aud``, ``exp`` and ``sub``.
+
+The keys are fetched from the discovery document's ``jwks_uri`` only when it is https on the
+issuer's own host (or http on a loopback issuer, for tests): a discovery document cannot send the
+server to another host or scheme.
 
 ``iss`` is compared with the issuer exactly as its discovery document states it (a trailing ``/``
 included); the configured URL may differ from it only by that trailing ``/``. When a refresh of the
@@ -29,6 +35,9 @@ JWKS_TTL = 300.0
 UNKNOWN_KID_REFETCH = 30.0
 RETRY_MIN = 30.0
 RETRY_MAX = 300.0
+#: JWT ``typ`` headers of access tokens (RFC 9068 §2.1), compared case-insensitively
+ACCESS_TOKEN_TYPES = ("at+jwt", "application/at+jwt")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -66,7 +75,7 @@ class JwtVerifier:
                 stated = meta.get("issuer")
                 if not isinstance(stated, str) or stated.rstrip("/") != self.base_url:
                     raise ValueError("discovery document names another issuer")
-                jwks = client.get(meta["jwks_uri"])
+                jwks = client.get(self._jwks_url(meta.get("jwks_uri")))
                 jwks.raise_for_status()
                 keys = {}
                 for raw in jwks.json().get("keys", []):
@@ -81,6 +90,18 @@ class JwtVerifier:
         self.issuer = stated
         self._keys = keys
         self._fetched_at = time.monotonic()
+
+    def _jwks_url(self, url) -> str:
+        """The discovery document's ``jwks_uri``, if it is on the issuer's host (else ValueError)."""
+        from urllib.parse import urlsplit
+
+        issuer = urlsplit(self.base_url)
+        target = urlsplit(url) if isinstance(url, str) else None
+        same_host = target is not None and target.hostname is not None and target.hostname == issuer.hostname
+        if not same_host or not (target.scheme == "https"
+                                 or (target.scheme == "http" and target.hostname in LOOPBACK)):
+            raise ValueError("jwks_uri is not https on the issuer's host")
+        return url
 
     def _key(self, kid: str) -> jwt.PyJWK | None:
         with self._lock:
@@ -109,6 +130,9 @@ class JwtVerifier:
         alg = header.get("alg")
         if alg not in self.algorithms:
             raise unauthorized(f"token algorithm '{alg}' is not allowed")
+        kind = header.get("typ")
+        if not isinstance(kind, str) or kind.lower() not in ACCESS_TOKEN_TYPES:
+            raise unauthorized("not an access token (JWT typ must be at+jwt; an ID token is not accepted)")
         kid = header.get("kid")
         if not isinstance(kid, str):
             raise unauthorized("token has no key id")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Response
+from anyio import from_thread
+from fastapi import APIRouter, Request, Response
 
 from kvcdn_hosted import wire
 from kvcdn_hosted.wire_schema import ConfirmRequest, InferRequest, UploadUrlRequest
@@ -87,22 +88,24 @@ def delete_artifact(identity: Auth, artifact_id: str, s: Svc):
     return Response(status_code=204)
 
 
-def _infer(identity: Identity, artifact_id: str, body: InferRequest, s: Services):
+def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Request, s: Services):
     row = s.store.readable(identity.tenant, artifact_id)
     if row.status != "ready":
         raise not_found()
     key = (row.tenant, artifact_id, row.sha256)
-    result = s.engine.run(key, lambda: s.store.local_copy(artifact_key(artifact_id)), body.question, body.n)
+    result = s.engine.run(identity.tenant, key, lambda: s.store.local_copy(artifact_key(artifact_id)),
+                          body.question, body.n, disconnected=lambda: from_thread.run(request.is_disconnected))
     return {"artifact_id": artifact_id, "tokens": result.tokens, "token_count": len(result.tokens),
             "text": result.text, "model": result.model, "reused_tokens": result.reused_tokens,
             "question_tokens": result.question_tokens}
 
 
 @router.post(wire.INFER)
-def infer(identity: Auth, artifact_id: str, body: InferRequest, s: Svc):
-    return _infer(identity, artifact_id, body, s)
+def infer(identity: Auth, artifact_id: str, body: InferRequest, request: Request, s: Svc):
+    return _infer(identity, artifact_id, body, request, s)
 
 
 @router.post(wire.LEGACY_INFER)
-def infer_legacy(identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, s: Svc):
-    return _infer(identity, artifact_id, body, s)
+def infer_legacy(identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, request: Request,
+                 s: Svc):
+    return _infer(identity, artifact_id, body, request, s)

@@ -1,0 +1,273 @@
+"""Inference under a busy or hostile tenant (issue 13, item 3), over real HTTP.
+
+The app runs in a uvicorn thread of the test process, so a test can slow the model's forward pass
+down (each decode step then takes a known time, as on a big model) and watch the computation: a
+request that times out or whose client disconnects must stop within a decode step, one tenant
+cannot hold every slot, limits are in tokens and refused before any model work, and only the
+server's allow-list and dtype decide what loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.support.hosted import API, bearer, sha256_of, write_synthetic_kv
+
+STEP = 0.05  # seconds per forward pass once slowed down
+QUESTION = " What did the keeper write during the storm?"
+
+
+@pytest.fixture
+def forward_calls(monkeypatch):
+    """Slow every forward pass of every model adapter to STEP seconds; record when each ran."""
+    from kvcdn_core.adapter import ModelAdapter
+
+    calls: list[float] = []
+    real = ModelAdapter.forward
+
+    def slow(self, model, input_ids, cache):
+        calls.append(time.monotonic())
+        time.sleep(STEP)
+        return real(self, model, input_ids, cache)
+
+    monkeypatch.setattr(ModelAdapter, "forward", slow)
+    return calls
+
+
+@pytest.fixture
+def serve(monkeypatch, tmp_path, hosted_model):
+    """``serve(**env) -> (base_url, app, {org: key})``: a live server on loopback with two orgs."""
+    import uvicorn
+
+    from kvcdn_server.apikeys import derive_key
+    from kvcdn_server.app import create_app
+    from kvcdn_server.command import bind_socket
+    from kvcdn_server.config import load_config
+
+    running = []
+
+    def start(**env):
+        for name, value in {"KVCDN_MODELS": str(hosted_model), "KVCDN_INFER_DEVICE": "cpu",
+                            "KVCDN_API_KEY_ORGS": "acme,beta", **env}.items():
+            monkeypatch.setenv(name, str(value))
+        config = load_config(storage=str(tmp_path / "objects"))
+        app = create_app(config)
+        sock = bind_socket("127.0.0.1", 0)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.02)
+        running.append((server, thread))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return url, app, {org: derive_key(config.api_key_seed, org) for org in ("acme", "beta")}
+
+    yield start
+    for server, thread in running:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _upload(url: str, key: str, path) -> str:
+    r = httpx.post(f"{url}{API}/artifacts/upload-url", headers=bearer(key),
+                   json={"name": path.name, "size_bytes": path.stat().st_size, "sha256": sha256_of(path)})
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert httpx.put(plan["url"], content=path.read_bytes()).status_code == 200
+    r = httpx.post(f"{url}{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
+    assert r.status_code == 200, r.text
+    return plan["artifact_id"]
+
+
+def _infer(url, key, artifact_id, n, question=QUESTION, timeout=60.0):
+    return httpx.post(f"{url}{API}/artifacts/{artifact_id}/infer", headers=bearer(key),
+                      json={"question": question, "n": n}, timeout=timeout)
+
+
+def _wait(condition, limit: float) -> float:
+    """Seconds until ``condition()`` held; fails after ``limit``."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < limit, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def _assert_stopped(calls: list[float]) -> None:
+    """No forward pass starts any more (one already running may finish)."""
+    time.sleep(2 * STEP)
+    settled = len(calls)
+    time.sleep(10 * STEP)
+    assert len(calls) == settled, f"{len(calls) - settled} decode steps ran after the cancellation"
+
+
+def test_a_timed_out_request_stops_and_frees_its_slot(serve, forward_calls, qwen3_artifact):
+    url, app, keys = serve(KVCDN_INFER_TIMEOUT="1.5", KVCDN_INFER_CONCURRENCY="1", KVCDN_INFER_PER_TENANT="1")
+    artifact_id = _upload(url, keys["acme"], qwen3_artifact)
+    assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200  # model and cache resident
+    r = _infer(url, keys["acme"], artifact_id, 256)  # 256 steps: 13 s if nothing stopped it
+    answered = time.monotonic()
+    assert r.status_code == 504 and r.json()["error"] == "timeout"
+    # The cancellation is set before the 504 is sent: at most the step already past its check runs.
+    _wait(lambda: app.state.engine.slots.in_use() == 0, 5.0)
+    _assert_stopped(forward_calls)
+    late = [t for t in forward_calls if t > answered]
+    assert len(late) <= 1, f"{len(late)} decode steps started after the 504"
+    assert _infer(url, keys["acme"], artifact_id, 2).status_code == 200
+
+
+def test_a_disconnected_client_stops_its_computation(serve, forward_calls, qwen3_artifact):
+    url, app, keys = serve(KVCDN_INFER_TIMEOUT="60", KVCDN_INFER_CONCURRENCY="2")
+    artifact_id = _upload(url, keys["acme"], qwen3_artifact)
+    assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200
+    before = len(forward_calls)
+    with pytest.raises(httpx.ReadTimeout):
+        _infer(url, keys["acme"], artifact_id, 256, timeout=1.0)  # the client gives up and closes
+    _wait(lambda: app.state.engine.slots.in_use() == 0, 5.0)  # noticed within a poll (0.2 s) and a step
+    _assert_stopped(forward_calls)
+    ran = len(forward_calls) - before
+    assert ran < 128, f"{ran} of the 256 decode steps ran although the client left after 1 s"
+
+
+def test_one_tenant_cannot_hold_every_slot(serve, forward_calls, qwen3_artifact, tmp_path):
+    url, app, keys = serve(KVCDN_INFER_TIMEOUT="60", KVCDN_INFER_CONCURRENCY="2")  # 1 slot per tenant
+    public = shutil.copy(qwen3_artifact, tmp_path / "doc.kv")
+    a_id, b_id = _upload(url, keys["acme"], public), _upload(url, keys["beta"], public)
+    for key, artifact_id in ((keys["acme"], a_id), (keys["beta"], b_id)):
+        assert _infer(url, key, artifact_id, 1).status_code == 200
+    engine = app.state.engine
+
+    def hog():  # a long request (13 s), abandoned after 3 s
+        with contextlib.suppress(httpx.ReadTimeout):
+            _infer(url, keys["acme"], a_id, 256, timeout=3.0)
+
+    hogging = threading.Thread(target=hog)
+    hogging.start()
+    try:
+        _wait(lambda: engine.slots.in_use() == 1, 2.5)
+        second = _infer(url, keys["acme"], a_id, 4)
+        assert second.status_code == 429 and second.json()["error"] == "busy", second.text
+        assert "your 1 inference slot" in second.json()["message"]
+        other = _infer(url, keys["beta"], b_id, 4)
+        assert other.status_code == 200, other.text  # the other tenant still gets the free slot
+    finally:
+        hogging.join()
+    _wait(lambda: engine.slots.in_use() == 0, 5.0)
+
+
+def test_limits_are_in_tokens_and_refused_before_any_model_work(serve, forward_calls, qwen3_artifact):
+    from kvcdn_core import artifact
+
+    tokens = artifact.read_header(qwen3_artifact).token_count
+    url, app, keys = serve(KVCDN_INFER_MAX_QUESTION_TOKENS="8", KVCDN_INFER_MAX_NEW_TOKENS="16",
+                           KVCDN_INFER_MAX_CONTEXT_TOKENS=str(tokens - 1))
+    artifact_id = _upload(url, keys["acme"], qwen3_artifact)
+    r = _infer(url, keys["acme"], artifact_id, 17)
+    assert r.status_code == 422 and r.json()["error"] == "too_many_tokens", r.text
+    r = _infer(url, keys["acme"], artifact_id, 4)
+    assert r.status_code == 422 and r.json()["error"] == "context_too_long", r.text
+    assert f"holds {tokens} context tokens" in r.json()["message"]
+    assert app.state.engine.models.items == {} and forward_calls == []  # no model was even loaded
+
+    url, app, keys = serve(KVCDN_INFER_MAX_QUESTION_TOKENS="8", KVCDN_INFER_MAX_CONTEXT_TOKENS="32768")
+    artifact_id = _upload(url, keys["beta"], qwen3_artifact)
+    # 36 characters, 9 tokens: the limit counts tokens
+    r = _infer(url, keys["beta"], artifact_id, 4, question=" the" * 9)
+    assert r.status_code == 413 and r.json()["error"] == "question_too_long", r.text
+    assert forward_calls == []
+    assert _infer(url, keys["beta"], artifact_id, 4, question=" the" * 2).status_code == 200
+
+
+def test_the_server_chooses_the_dtype(serve, qwen3_artifact):
+    url, app, keys = serve(KVCDN_INFER_DTYPE="bfloat16")
+    artifact_id = _upload(url, keys["acme"], qwen3_artifact)  # computed in float32
+    r = _infer(url, keys["acme"], artifact_id, 2)
+    assert r.status_code == 422 and r.json()["error"] == "dtype_mismatch", r.text
+    assert "computed in float32; this server computes in bfloat16" in r.json()["message"]
+
+
+def test_a_model_in_the_hub_cache_but_not_allowed_is_refused(serve, monkeypatch, tmp_path, hosted_model):
+    """Before, any model already in the server's hub cache loaded; now only --models does."""
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--example--cached" / "snapshots" / ("0" * 40)
+    shutil.copytree(hosted_model, snapshot)
+    (hub / "models--example--cached" / "refs").mkdir()
+    (hub / "models--example--cached" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    url, app, keys = serve()
+    artifact_id = _upload(url, keys["acme"], write_synthetic_kv(tmp_path / "cached.kv", model_id="example/cached"))
+    r = _infer(url, keys["acme"], artifact_id, 1)
+    assert r.status_code == 422 and r.json()["error"] == "model_not_available", r.text
+    assert app.state.engine.models.items == {}
+
+
+def test_resident_caches_stay_within_their_byte_budget(serve, qwen3_artifact, tmp_path):
+    from kvcdn_server.inference import tensor_bytes
+
+    url, app, keys = serve()
+    first = _upload(url, keys["acme"], qwen3_artifact)
+    assert _infer(url, keys["acme"], first, 1).status_code == 200
+    ((_, cache, _, _),) = [entry for entry, _ in app.state.engine.artifacts.items.values()]
+    one = tensor_bytes(cache)
+    assert one > 0
+
+    # room for one cache: a second artifact evicts the first
+    url, app, keys = serve(KVCDN_INFER_CACHE_BYTES=str(one + one // 2))
+    a = _upload(url, keys["acme"], qwen3_artifact)
+    b = _upload(url, keys["acme"], shutil.copy(qwen3_artifact, tmp_path / "copy.kv"))
+    for artifact_id in (a, b, a):
+        assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200
+        assert app.state.engine.artifacts.resident_bytes() <= one + one // 2
+    # a cache larger than the whole budget is refused rather than held per request
+    url, app, keys = serve(KVCDN_INFER_CACHE_BYTES=str(one - 1))
+    artifact_id = _upload(url, keys["beta"], qwen3_artifact)
+    r = _infer(url, keys["beta"], artifact_id, 1)
+    assert r.status_code == 413 and r.json()["error"] == "artifact_too_large", r.text
+
+
+def test_a_quantization_block_that_trips_the_loader_is_422_not_500(serve, qwen3_artifact, tmp_path, cli):
+    """The header is valid, but a scheme's own field is not: whatever the loader raises is a 422."""
+    import json
+    import struct
+
+    from kvcdn_core import artifact
+    from tests.support.kvfiles import frame
+
+    quantized = tmp_path / "q.kv"
+    assert cli("quant", "--input", qwen3_artifact, "--scheme", "int8", "-o", quantized).exit_code == 0
+    raw = quantized.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    manifest = json.loads(header["__metadata__"][artifact.META_MANIFEST])
+    record = manifest["quantization"]["layers"][0]["tensors"]["key"]
+    record.update(empty=True, quantized_tokens="many")  # a TypeError deep in the dequantizer
+    header["__metadata__"][artifact.META_MANIFEST] = json.dumps(manifest)
+    broken = tmp_path / "broken.kv"
+    broken.write_bytes(frame(json.dumps(header).encode(), raw[8 + n:]))
+    artifact.check_file(broken)  # structurally valid, every hash right
+    url, app, keys = serve()
+    artifact_id = _upload(url, keys["acme"], broken)
+    r = _infer(url, keys["acme"], artifact_id, 2)
+    assert r.status_code == 422 and r.json()["error"] == "artifact_incompatible", r.text
+
+
+def test_the_lru_keeps_within_its_budget_and_keeps_the_newest():
+    from kvcdn_server.inference import _Lru
+
+    lru = _Lru(budget=100, max_items=3)
+    for key, cost in (("a", 40), ("b", 40), ("c", 10)):
+        lru.put(key, key, cost)
+    assert lru.get("a") == "a"  # a is now the most recently used
+    lru.put("d", "d", 30)  # 120 > 100: b, the least recently used, goes
+    assert list(lru.items) == ["c", "a", "d"] and lru.resident_bytes() == 80
+    lru.put("e", "e", 5)  # 4 items > 3: c goes
+    assert list(lru.items) == ["a", "d", "e"]
+    lru.put("huge", "huge", 500)  # alone over the budget: it stays, everything else goes
+    assert list(lru.items) == ["huge"]
