@@ -525,12 +525,15 @@ def check_writable(path: Path) -> None:
     """Fail early, naming the user's path, when an artifact could not be written there."""
     if path.is_dir():
         raise KvcdnError(f"cannot write '{path}': it is a directory")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
-    if not os.access(path.parent, os.W_OK):
-        raise KvcdnError(f"cannot write '{path}': directory '{path.parent}' is not writable")
+    # Nothing is created here (a command that fails later leaves no empty directory behind): the
+    # nearest existing directory must let the missing ones be made at write time.
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise KvcdnError(f"cannot write '{path}': '{existing}' is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise KvcdnError(f"cannot write '{path}': directory '{existing}' is not writable")
 
 
 def summary(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -47,11 +47,27 @@ def resolve_model_dir(ref: str, revision: str | None = None, weights: bool = Tru
         patterns = None if weights else METADATA_PATTERNS
         return Path(snapshot_download(ref, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, gated, bad revision
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvcdnError(
-            f"cannot get model '{ref}' from the Hugging Face hub or its cache: {detail}. "
-            "Pass --model with a local model directory when the hub is unreachable."
-        ) from None
+        raise KvcdnError(hub_failure(exc, ref, revision)) from None
+
+
+def hub_failure(exc: Exception, ref: str, revision: str | None) -> str:
+    """One human line for a failed hub download (the library's own text is long and technical)."""
+    from huggingface_hub import errors
+
+    cached = "not in the local Hugging Face cache"
+    hint = "pass --model with a local model directory, or try again online"
+    if isinstance(exc, errors.LocalEntryNotFoundError):
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"model '{ref}' is {cached} and HF_HUB_OFFLINE is set: {hint}"
+        return f"the Hugging Face hub is unreachable (offline?) and model '{ref}' is {cached}: {hint}"
+    if isinstance(exc, errors.GatedRepoError):
+        return f"model '{ref}' is gated on the Hugging Face hub: accept its terms and log in (hf auth login)"
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return f"no model '{ref}' on the Hugging Face hub (or it is private: log in with hf auth login)"
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return f"model '{ref}' has no revision '{revision}' on the Hugging Face hub"
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"cannot get model '{ref}' from the Hugging Face hub or its cache: {detail}"
 
 
 def read_config(model_dir: Path) -> dict:

@@ -32,8 +32,14 @@ def command_dir(command: str) -> Path:
 
 
 def model_slug(model: str) -> str:
-    """A model reference as a file-name fragment: ``Qwen/Qwen3-0.6B`` → ``Qwen_Qwen3-0.6B``."""
-    return model.strip("/").replace("/", "_").replace(os.sep, "_") or "model"
+    """A model reference as a file-name fragment: ``Qwen/Qwen3-0.6B`` → ``Qwen_Qwen3-0.6B``.
+
+    A local directory (``./tiny-qwen3``, ``/models/tiny-qwen3``, ``~/m``) gives its own name.
+    """
+    text = model.strip()
+    if text.startswith((".", "/", "~", os.sep)):
+        text = Path(text).expanduser().resolve().name
+    return text.strip("/").replace("/", "_").replace(os.sep, "_") or "model"
 
 
 def default_artifact_path(command: str, model: str) -> Path:

@@ -117,6 +117,13 @@ def newest_csv(model: str | None = None) -> Path:
     return found[-1]
 
 
+def model_in_csv(path: Path) -> str | None:
+    """The model a benchmark CSV names: its ``model`` column if it has one, else its default file name."""
+    with path.open(encoding="utf-8", newline="") as f:
+        row = next(csv.DictReader(f), None) or {}
+    return (row.get("model") or "").strip() or model_from_csv_name(path)
+
+
 def model_from_csv_name(path: Path) -> str | None:
     """``<ms>-<model slug>-bench.csv`` → the model slug, for titles and default names."""
     stem = path.name
@@ -142,8 +149,33 @@ def table(costs: list[Cost], max_n: int) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
+def n_star_text(cost: Cost, max_n: int) -> str:
+    """N* for a legend entry: a number, "> max_n" when off the chart, or "never"."""
+    if math.isinf(cost.n_star):
+        return "never"
+    return f"{cost.n_star:.2f}" if cost.n_star <= max_n else f"> {max_n}"
+
+
 def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
     """The 840x600 log-log chart as PNG bytes."""
+    from matplotlib import rc_context
+
+    with rc_context(STYLE):
+        fig = render_figure(costs, max_n, title)
+        out = io.BytesIO()
+        fig.savefig(out, format="png", dpi=DPI)
+    return out.getvalue()
+
+
+STYLE = {"font.family": "DejaVu Sans", "font.size": 10}
+
+
+def render_figure(costs: list[Cost], max_n: int, title: str):
+    """The chart as a matplotlib Figure (Agg canvas).
+
+    Nothing is written inside the axes but curves and N* markers: the N* values (also "never")
+    are in the legend, which sits below the axes, so no label can cover a curve or another label.
+    """
     import numpy as np
     from matplotlib import rc_context
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -154,7 +186,7 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
     lengths = sorted({c.tokens for c in costs})
     schemes = sorted({c.scheme for c in costs}, key=lambda s: (s != "none", s))
     styles = ["-", "-.", ":", (0, (5, 1, 1, 1)), (0, (1, 1))]
-    with rc_context({"font.family": "DejaVu Sans", "font.size": 10}):
+    with rc_context(STYLE):
         fig = Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
@@ -163,7 +195,6 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
         for length, color in zip(lengths, colors):
             group = [c for c in costs if c.tokens == length]
             ax.plot(n, np.full_like(n, group[0].c_prefill), linestyle="--", color=color, alpha=0.55, lw=1.2)
-            marked = 0
             for c in group:
                 style = styles[schemes.index(c.scheme) % len(styles)]
                 ax.plot(n, c.c_prefill / n + c.c_load, linestyle=style, color=color, lw=1.8)
@@ -171,11 +202,9 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
                     # N* is always above 1, often just above: do not let the axis clip the marker.
                     ax.plot([c.n_star], [c.c_prefill], marker="o", ms=7, color=color,
                             markeredgecolor="black", zorder=5, clip_on=False)
-                    label = f"N*={c.n_star:.2f}" + (f" ({c.scheme})" if len(schemes) > 1 else "")
-                    ax.annotate(label, (c.n_star, c.c_prefill), xytext=(8, 5 + 11 * marked),
-                                textcoords="offset points", fontsize=8, color=color)
-                    marked += 1
-            handles.append(Line2D([], [], color=color, lw=1.8, label=f"{length} tokens"))
+            stars = ", ".join(n_star_text(c, max_n) + (f" ({c.scheme})" if len(schemes) > 1 else "")
+                              for c in group)
+            handles.append(Line2D([], [], color=color, lw=1.8, label=f"{length} tokens: N* {stars}"))
         handles.append(Line2D([], [], color="gray", lw=1.2, linestyle="--", alpha=0.8,
                               label="no cache: C_prefill every call"))
         for scheme in schemes:
@@ -184,21 +213,22 @@ def render_png(costs: list[Cost], max_n: int, title: str) -> bytes:
             handles.append(Line2D([], [], color="gray", lw=1.8, linestyle=style,
                                   label=f"{label}: C_prefill/N + C_load"))
         handles.append(Line2D([], [], color="gray", marker="o", markeredgecolor="black", lw=0,
-                              label="break-even N* = C_prefill/(C_prefill - C_load)"))
+                              label="break-even N* = C_prefill/(C_prefill - C_load); never: load >= prefill"))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlim(1, max_n)
-        # Headroom above the highest flat line for the stacked N* labels.
-        ax.set_ylim(min(c.c_load for c in costs) / 1.5, max(c.c_prefill for c in costs) * 3)
+        # Room for every flat line, and for a cached curve that never breaks even (load >= prefill).
+        ax.set_ylim(min(c.c_load for c in costs) / 1.5, max(max(c.c_prefill, c.c_load) for c in costs) * 1.5)
         ax.set_xlabel("reuse count N (calls that share one cached context)")
         ax.set_ylabel("amortized cost per call (seconds)")
         ax.set_title(title, fontsize=11)
         ax.grid(True, which="both", alpha=0.25)
-        ax.legend(handles=handles, loc="lower left", fontsize=8, framealpha=0.9)
-        fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.09)
-        out = io.BytesIO()
-        fig.savefig(out, format="png", dpi=DPI)
-    return out.getvalue()
+        rows = math.ceil(len(handles) / 2)
+        legend_height = 0.035 * rows + 0.03
+        fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, framealpha=0.9,
+                   bbox_to_anchor=(0.5, 0.005))
+        fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.1 + legend_height)
+    return fig
 
 
 def write_png(data: bytes, path: Path) -> Path:

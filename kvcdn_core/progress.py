@@ -6,6 +6,15 @@ import sys
 import time
 
 
+def human_bytes(n: float) -> str:
+    """``1065162714`` → ``1015.8 MiB``: a byte count or rate for people."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 class Progress:
     def __init__(self, total: int, label: str, unit: str = "tokens", enabled: bool = True):
         self.total, self.label, self.unit = max(total, 1), label, unit
@@ -22,7 +31,11 @@ class Progress:
         width = 30
         filled = int(width * self.done / self.total)
         bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {self.unit} {pct:3.0f}% {rate:,.0f}/s")
+        if self.unit == "bytes":
+            counts = f"{human_bytes(self.done)}/{human_bytes(self.total)} {pct:3.0f}% {human_bytes(rate)}/s"
+        else:
+            counts = f"{self.done}/{self.total} {self.unit} {pct:3.0f}% {rate:,.0f} {self.unit}/s"
+        sys.stderr.write(f"\r{self.label} [{bar}] {counts}   ")
         sys.stderr.flush()
 
     def close(self) -> None:

@@ -1,11 +1,38 @@
 #!/usr/bin/env bash
 # Install kvcdn core and every plugin under plugins/ in editable mode, with the test tools.
-# Usage: scripts/dev-install.sh            (into the active Python environment)
+# Usage: scripts/dev-install.sh              (into the active Python environment, or $PYTHON's)
+#        scripts/dev-install.sh --venv DIR    (into the virtual environment DIR, created if missing)
+# Skips the install when the environment already holds one made from the same pyproject files, torch
+# pin and Python (a stamp file in the environment records them); KVCDN_REINSTALL=1 forces it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+torch_pin="torch==${KVCDN_TORCH_VERSION:-2.13.0}"
+say() { echo "dev-install: $*" >&2; }
+if [ "${1:-}" = "--venv" ]; then
+  if [ -x "$2/bin/python" ]; then
+    say "using the virtual environment $2"
+  else
+    say "creating the virtual environment $2"
+    python3 -m venv "$2"
+  fi
+  PY=$2/bin/python
+fi
+
+prefix=$("$PY" -c 'import sys; print(sys.prefix)')
+stamp="$prefix/.kvcdn-dev-install"
+inputs=$( { echo "$torch_pin"; "$PY" --version; for f in pyproject.toml plugins/*/pyproject.toml; do
+  echo "$f"; cat "$f"; done; } | sha256sum | cut -d' ' -f1)
+if [ "${KVCDN_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
+  say "$prefix is up to date with the pyproject files: nothing to install (KVCDN_REINSTALL=1 forces it)"
+  exit 0
+fi
+rm -f "$stamp"
+
 # torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
-"$PY" -m pip install --quiet "torch==${KVCDN_TORCH_VERSION:-2.13.0}"
+# pip's own lines, less the "already satisfied" ones: what it fetches and installs.
+say "step 1/2: $torch_pin into $prefix (the largest download: can take minutes the first time)"
+PYTHONUNBUFFERED=1 "$PY" -m pip install --progress-bar off "$torch_pin" | { grep --line-buffered -E '^(Collecting|Downloading|Installing|Successfully|Requirement already satisfied: torch)' || true; }
 args=(-e ".[test]")
 for plugin in plugins/*/; do
   plugin=${plugin%/}
@@ -15,4 +42,7 @@ for plugin in plugins/*/; do
     args+=(-e "$plugin")
   fi
 done
-"$PY" -m pip install --quiet "${args[@]}"
+say "step 2/2: kvcdn and its $(( ${#args[@]} / 2 - 1 )) plugins in editable mode, with their dependencies"
+PYTHONUNBUFFERED=1 "$PY" -m pip install --progress-bar off "${args[@]}" | { grep --line-buffered -E '^ *(Obtaining|Collecting|Downloading|Building|Installing|Successfully)' || true; }
+echo "$inputs" > "$stamp"
+say "done; stamp $stamp"

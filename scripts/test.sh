@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # Install kvcdn and every plugin into ./.venv (created if missing) and run the whole test suite.
 # Usage: scripts/test.sh [pytest args...]
+#   scripts/test.sh                                 everything (what CI runs)
+#   scripts/test.sh -m "not slow and not hosted"    the fast tests only (under a minute)
+# Finished steps are skipped: an up-to-date .venv is not reinstalled (see scripts/dev-install.sh),
+# and the test issuer's npm packages are installed again only when their lock file changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || python3 -m venv .venv
-PYTHON=.venv/bin/python scripts/dev-install.sh
+say() { echo "test.sh: $*" >&2; }
+scripts/dev-install.sh --venv .venv
 # The hosted tests run a real OIDC issuer (the npm package oidc-provider).
-if [ -f tests/support/oidc_issuer/package-lock.json ]; then
-  npm ci --silent --no-audit --no-fund --prefix tests/support/oidc_issuer
+issuer=tests/support/oidc_issuer
+if [ -f "$issuer/package-lock.json" ]; then
+  lock=$(sha256sum "$issuer/package-lock.json" | cut -d' ' -f1)
+  if [ -f "$issuer/node_modules/.kvcdn-lock-sha256" ] && [ "$(cat "$issuer/node_modules/.kvcdn-lock-sha256")" = "$lock" ]; then
+    say "npm packages of the test OIDC issuer are up to date"
+  else
+    say "installing the npm packages of the test OIDC issuer (npm ci)"
+    npm ci --silent --no-audit --no-fund --prefix "$issuer"
+    echo "$lock" > "$issuer/node_modules/.kvcdn-lock-sha256"
+  fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+say "running: python -m pytest $*"
 exec .venv/bin/python -m pytest "$@"

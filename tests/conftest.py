@@ -14,6 +14,19 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests.support he
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+#: Tests under these directories start hosted services (kvcdn serve, the OIDC issuer, moto's S3
+#: server): marked `hosted`, so that `scripts/test.sh -m "not slow and not hosted"` leaves them out.
+HOSTED_TEST_DIRS = ("tests/hosted", "plugins/kvcdn-storage-s3/tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        where = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if where.startswith(tuple(d + "/" for d in HOSTED_TEST_DIRS)):
+            item.add_marker(pytest.mark.hosted)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_dirs(tmp_path, monkeypatch):
     """Every test gets its own XDG data and config directories."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 from kvcdn_core import artifact as fmt
 
@@ -43,7 +45,7 @@ def test_default_output_goes_to_the_xdg_data_dir(cli, qwen3_dir, context_file, t
     expected_dir = os.path.join(os.environ["XDG_DATA_HOME"], "kvcdn", "generate")
     assert os.path.dirname(path) == expected_dir
     name = os.path.basename(path)
-    assert name.startswith("generate-") and name.endswith(f"-{str(qwen3_dir).strip('/').replace('/', '_')}.kv")
+    assert name.startswith("generate-") and name.endswith(f"-{qwen3_dir.name}.kv")  # a local model: its directory's name
 
 
 def test_tampered_artifact_fails_loudly(cli, qwen3_artifact, tmp_path):
@@ -144,8 +146,21 @@ def test_unreachable_hub_is_explained(cli, context_file, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = cli("generate", "--model", "no-such-org/no-such-model", "--context-file", context_file)
     assert result.exit_code == 2
-    assert "cannot get model 'no-such-org/no-such-model'" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "model 'no-such-org/no-such-model' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" \
+        in result.stderr
     assert "local model directory" in result.stderr
+
+
+def test_unreachable_hub_says_offline_not_a_library_error(context_file, tmp_path):
+    """Online mode with no route to the hub (a laptop on a plane); a subprocess: the hub's URL is read at import."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))  # nothing listens on port 9
+    result = subprocess.run([sys.executable, "-m", "kvcdn_core", "generate", "--model", "no-such-org/no-such-model",
+                             "--context-file", str(context_file)], capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "the Hugging Face hub is unreachable (offline?)" in result.stderr
+    assert "ConnectError" not in result.stderr and "Errno" not in result.stderr
 
 
 def test_other_weights_with_the_same_config_are_refused(cli, qwen3_artifact, tmp_path):
@@ -193,3 +208,48 @@ def test_continue_dir_skips_a_damaged_best_artifact(cli, qwen3_artifact, tmp_pat
     assert result.exit_code == 0, result.stderr
     assert "skipping" in result.stderr and "a-damaged.kv" in result.stderr
     assert json.loads(result.stdout)["reused_tokens"] > 0
+
+
+def test_failed_generate_creates_nothing(cli, tmp_path):
+    """An empty context (/dev/null) fails before anything, including the output's directory, exists."""
+    target = tmp_path / "new" / "deeper" / "out.kv"
+    result = cli("generate", "--context-file", "/dev/null", "--output", target)
+    assert result.exit_code == 2 and "is empty" in result.stderr
+    assert not (tmp_path / "new").exists()
+    bad_model = cli("generate", "--model", tmp_path / "missing-model", "--context-file", __file__, "-o", target)
+    assert bad_model.exit_code == 2 and not (tmp_path / "new").exists()
+
+
+def test_verify_says_what_it_is_doing(cli, qwen3_artifact, monkeypatch):
+    from kvcdn_core.commands import verify
+
+    monkeypatch.setattr(verify, "on_terminal", lambda: True)
+    result = cli("verify", "--kv-path", qwen3_artifact, "--n", "4")
+    assert result.exit_code == 0, result.stderr
+    assert f"loading the model of {qwen3_artifact} ..." in result.stderr
+    assert "decoding 4 tokens twice: from the artifact, and after a full prefill" in result.stderr
+    quiet = cli("verify", "--kv-path", qwen3_artifact, "--n", "4", "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_verify_help_shows_the_default_question_on_one_line(cli):
+    from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
+
+    text = cli("verify", "--help").stdout
+    assert "Q: Summarize" in text and "\nA:" not in text and repr(DEFAULT_QUESTION)[:12] in text
+
+
+def test_a_local_model_path_makes_a_plain_file_name():
+    from kvcdn_core.paths import model_slug
+
+    assert model_slug("Qwen/Qwen3-0.6B") == "Qwen_Qwen3-0.6B"
+    assert model_slug("./tiny-qwen3") == "tiny-qwen3"
+    assert model_slug("/models/tiny-qwen3/") == "tiny-qwen3"
+
+
+def test_serve_refuses_a_missing_local_model(tmp_path):
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    result = subprocess.run([sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--models", "./missing"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --models: model directory './missing' does not exist"

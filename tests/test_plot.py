@@ -49,7 +49,7 @@ def test_plot_png_and_table(cli, tmp_path):
     assert lines[3].split()[:5] == ["2048", "none", "40.0000", "0.5000", "1.013"]  # 40 / 39.5
     assert lines[4].split()[:2] == ["2048", "int8"]
 
-    result = cli("plot", "--csv-path", csv_path, "--out", out, "--format", "json")
+    result = cli("plot", "--csv-path", csv_path, "--out", out, "--format", "json", "--force")
     rows = json.loads(result.stdout)["rows"]
     assert rows[1]["n_star"] == 1.25 and rows[0]["n_star"] is None
     assert rows[1]["saving_at_max_n"] == pytest.approx(1 - (10 / 1000 + 2) / 10)
@@ -112,3 +112,56 @@ def test_plot_needs_no_torch_and_no_display(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY=\n" in proc.stdout
     assert plot.png_size(out.read_bytes()) == (840, 600)
+
+
+def clustered_costs():
+    """Break-evens that cluster near N=1 (what a fast disk gives), and one that never comes."""
+    return [plot.Cost(256, "none", 0.10, 0.020), plot.Cost(256, "int8", 0.10, 0.018),
+            plot.Cost(512, "none", 0.105, 0.021), plot.Cost(512, "int8", 0.105, 0.02),
+            plot.Cost(1024, "none", 0.11, 0.02), plot.Cost(1024, "int8", 0.11, 0.2),
+            plot.Cost(64, "none", 0.002, 0.0015)]
+
+
+def test_no_label_can_overlap_a_curve_and_never_is_shown():
+    """N* values live in the legend, below the axes: nothing is written over the curves."""
+    fig = plot.render_figure(clustered_costs(), 1000, "title")
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    assert len(ax.texts) == 0 and ax.get_legend() is None
+    (legend,) = fig.legends
+    assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert "1024 tokens: N* 1.22 (none), never (int8)" in labels
+    assert "256 tokens: N* 1.25 (none), 1.22 (int8)" in labels
+    # the curve that never breaks even is inside the y range, not cut off above it
+    assert ax.get_ylim()[1] > 0.2
+
+
+def test_n_star_beyond_the_axis_is_said():
+    assert plot.n_star_text(plot.Cost(64, "none", 1.0, 0.9995), 100) == "> 100"
+
+
+def test_title_names_the_model_from_the_option_the_csv_or_the_file(cli, tmp_path):
+    def titled(csv_path, *args):
+        result = cli("plot", "--csv-path", csv_path, "--out", tmp_path / f"{csv_path.stem}{len(args)}.png",
+                     "--format", "json", *args)
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)["title"]
+
+    plain = write_csv(tmp_path / "bench.csv", [(128, "none", 0.2, 0.05)])
+    named = write_csv(tmp_path / "1700000000000-Qwen_Qwen3-0.6B-bench.csv", [(128, "none", 0.2, 0.05)])
+    column = tmp_path / "column.csv"
+    column.write_text("tokens,prefill_s,load_s,model\n128,0.2,0.05,Qwen/Qwen3-0.6B\n")
+    assert titled(plain).endswith("\nbench.csv")                      # at least which data it is
+    assert titled(plain, "--model", "./tiny-qwen3").endswith("\n./tiny-qwen3")
+    assert titled(named).endswith("\nQwen_Qwen3-0.6B")
+    assert titled(column).endswith("\nQwen/Qwen3-0.6B")
+
+
+def test_a_local_model_path_gives_a_sane_default_name(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    csv_path = write_csv(tmp_path / "bench.csv", [(128, "none", 0.2, 0.05)])
+    result = cli("plot", "--csv-path", csv_path, "--model", "./tiny-qwen3")
+    assert result.exit_code == 0, result.stderr
+    (png,) = (tmp_path / "xdg-data" / "kvcdn" / "plot").glob("*.png")
+    assert png.name.endswith("-tiny-qwen3-amortized-cost.png"), png.name

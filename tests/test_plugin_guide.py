@@ -1,5 +1,7 @@
-"""docs/plugin-guide.md: every hook and contract method is documented with its signature, and the
-storage and quantizer examples, installed as their own packages, pass their contract suites."""
+"""docs/plugin-guide.md: every hook and contract method is documented with its signature, and each
+example plugin, cut from the guide and installed as its own package (into a scratch directory, so
+this environment's plugin set never changes), does what the guide says: the model family validates
+and passes the adapter contract, the storage and quantizer examples pass their contract suites."""
 
 from __future__ import annotations
 
@@ -77,27 +79,34 @@ def test_the_member_list_is_not_empty():
 def installed(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
     files = {}
-    for title in (plugin_examples.STORAGE, plugin_examples.QUANTIZER):
-        files[title] = plugin_examples.install(title, target, tmp_path_factory.mktemp("build"))
+    for project in (plugin_examples.STORAGE, plugin_examples.QUANTIZER):
+        files[project] = plugin_examples.install(project, target, tmp_path_factory.mktemp("build"))
     return target, files
 
 
+def with_site(site: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+            "HF_HUB_OFFLINE": "1"}
+
+
 def run_python(code: str, site: Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = with_site(site)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
     )
 
 
 @pytest.mark.parametrize(
-    "title,module", [("A storage plugin", "kvcdn_storage_sqlite.py"), ("A quantizer plugin", "kvcdn_quant_bf16.py")]
+    "project,module",
+    [(plugin_examples.STORAGE, "kvcdn_storage_sqlite.py"), (plugin_examples.QUANTIZER, "kvcdn_quant_bf16.py")],
 )
-def test_examples_are_complete_and_short(installed, title, module):
+def test_examples_are_complete_and_short(installed, project, module):
     _, files = installed
-    assert set(files[title]) == {"pyproject.toml", module}
-    assert len(files[title][module].splitlines()) < 60
+    assert set(files[project]) == {"pyproject.toml", module}
+    assert len(files[project][module].splitlines()) < 60
 
 
+@pytest.mark.slow
 def test_the_storage_example_passes_the_storage_contract(installed, tmp_path):
     site, _ = installed
     result = run_python(
@@ -120,6 +129,7 @@ def test_the_storage_example_passes_the_storage_contract(installed, tmp_path):
     assert "contract passed" in result.stdout and "warning" not in result.stderr
 
 
+@pytest.mark.slow
 def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path):
     site, _ = installed
     result = run_python(
@@ -139,6 +149,7 @@ def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path
     assert "contract passed" in result.stdout
 
 
+@pytest.mark.slow
 def test_installed_examples_show_in_kvcdn_plugins(installed, tmp_path):
     site, _ = installed
     result = run_python("from kvcdn_core.cli import main; main(['plugins', '--format', 'json'])", site, tmp_path)
@@ -147,3 +158,42 @@ def test_installed_examples_show_in_kvcdn_plugins(installed, tmp_path):
     assert rows["sqlite"]["distribution"] == "kvcdn-storage-sqlite" and rows["sqlite"]["version"] == "0.1.0"
     assert rows["sqlite"]["provides"] == {"uri_schemes": ["sqlite"]}
     assert rows["bf16"]["provides"] == {"schemes": ["bf16-round"]}
+
+
+@pytest.mark.slow
+def test_guide_model_family_example_installs_and_validates(tmp_path):
+    site = tmp_path / "site"
+    plugin_examples.install(plugin_examples.FAMILY, site, tmp_path / "build")
+    contract = next(b for b in plugin_examples.fenced("python") if "assert_adapter_contract(" in b)
+    (tmp_path / "test_helium_contract.py").write_text(contract)
+    env = with_site(site)
+    kvcdn = [sys.executable, "-m", "kvcdn_core"]
+
+    plugins = subprocess.run([*kvcdn, "plugins", "--format", "json"], env=env, capture_output=True, text=True)
+    assert plugins.returncode == 0, plugins.stderr
+    helium = [p for p in json.loads(plugins.stdout) if p.get("distribution") == plugin_examples.FAMILY]
+    assert helium and helium[0]["status"] == "loaded", plugins.stdout
+    assert helium[0]["version"] == "0.1.0" and helium[0]["provides"] == {"architectures": ["HeliumForCausalLM"]}
+
+    validate = subprocess.run([*kvcdn, "validate", "--family", "helium", "--format", "json"], env=env,
+                              capture_output=True, text=True)
+    assert validate.returncode == 0, validate.stdout + validate.stderr
+    assert "HeliumForCausalLM" in validate.stdout and "kvcdn-model-helium>=0.1" in validate.stdout
+
+    contract_run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   str(tmp_path / "test_helium_contract.py")], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True)
+    assert contract_run.returncode == 0, contract_run.stdout[-3000:] + contract_run.stderr[-2000:]
+    assert "1 passed" in contract_run.stdout
+
+
+def test_guide_architectures_exist_in_transformers():
+    """Every architecture the guide's examples name is a class of the installed transformers."""
+    import re
+
+    import transformers
+
+    named = set(re.findall(r'"(\w+ForCausalLM)"', "\n".join(plugin_examples.fenced("python"))))
+    assert named, "the guide names no architecture"
+    for architecture in named:
+        assert hasattr(transformers, architecture), f"transformers has no {architecture}"

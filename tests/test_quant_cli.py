@@ -18,6 +18,8 @@ from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.tiny import SAMPLE_TEXT
 from kvcdn_model_qwen import QwenAdapter
 
+pytestmark = pytest.mark.slow  # trains a tiny model per test (teach_tiny_model)
+
 
 PARAGRAPHS = SAMPLE_TEXT.split("\n\n")
 MEMO_CONTEXT = "\n\n".join(PARAGRAPHS[:3]) + "\n\n"
@@ -158,11 +160,11 @@ def test_mismatch_exits_1_and_still_writes_the_event(doc, cli):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--dtype", "U8"], "U8 is not supported: unsigned"),
+    (["--target-dtype", "U8"], "U8 is not supported: unsigned"),
     (["--target-dtype", "I4"], "use --scheme int4"),
-    (["--dtype", "FP4"], "no kvcdn scheme stores 4-bit floats"),
-    (["--dtype", "FP1"], "no 1-bit float"),
-    (["--dtype", "FP8", "--scheme", "int8"], "contradicts --scheme int8"),
+    (["--target-dtype", "FP4"], "no kvcdn scheme stores 4-bit floats"),
+    (["--target-dtype", "FP1"], "no 1-bit float"),
+    (["--target-dtype", "FP8", "--scheme", "int8"], "contradicts --scheme int8"),
     (["--scheme", "int3"], "no installed quantizer provides scheme 'int3'"),
     (["--group-size", "32"], "takes no parameter group_size"),
     (["--scheme", "int4", "--group-size", "0"], "group_size must be a positive integer"),
@@ -204,10 +206,25 @@ def test_quantized_input_is_refused(doc, cli):
 
 
 def test_storage_dtype_picks_the_scheme(doc, cli):
-    result = cli("quant", "--input", doc, "--dtype", "FP8", "--format", "json")
+    result = cli("quant", "--input", doc, "--target-dtype", "FP8", "--format", "json")
     assert result.exit_code == 0
     event = json.loads(result.stdout)
     assert event["scheme"] == "fp8" and event["storage_dtype"] == "F8_E4M3" and event["target_dtype"] == "F32"
+
+
+def test_dtype_is_the_compute_dtype_as_in_every_model_command(doc, cli):
+    """--dtype means the compute dtype everywhere; the target is --target-dtype."""
+    wrong = cli("quant", "--input", doc, "--dtype", "F16")
+    assert wrong.exit_code == 2 and "--dtype" in wrong.stderr and "'F16'" in wrong.stderr
+    result = cli("quant", "--input", doc, "--dtype", "float32", "--verify", "--n", "4", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["verification"] == "Match"
+
+
+def test_old_compute_dtype_spelling_still_works_with_a_warning(doc, cli):
+    result = cli("quant", "--input", doc, "--compute-dtype", "float32", "--verify", "--n", "4")
+    assert result.exit_code == 0, result.stderr
+    assert "warning: --compute-dtype is deprecated; use --dtype" in result.stderr
 
 
 def _fake_artifact(path, kinds):

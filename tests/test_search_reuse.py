@@ -185,6 +185,7 @@ def test_crop_refuses_sliding_layers(sliding, tmp_path):
         sliding.adapter.crop(cache, header.manifest["layers"], len(ids) // 2, token_count=len(ids))
 
 
+@pytest.mark.slow
 def test_tree_and_reuse_on_a_recurrent_model(tiny_model, tmp_path):
     """Mamba: whole-prefix reuse, and branches copied per row (recurrent states update in place)."""
     from kvcdn_core.registry import adapter_classes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import format_option, model_options, read_text_file
+from kvcdn_core.commands.common import check_new_output, force_output_option, format_option, model_options, read_text_file
 from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
@@ -19,8 +19,8 @@ from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
               help="UTF-8 document to cut the contexts from [default: a synthetic text, said in the output].")
 @click.option("--scheme", "schemes", default="none", show_default=True,
               help="Comma-separated artifact schemes: none and any installed quantizer (e.g. none,int8).")
-@click.option("--question", default=DEFAULT_QUESTION, show_default=True,
-              help="Text fed after the cached context for the time to first token.")
+@click.option("--question", default=DEFAULT_QUESTION,
+              help=f"Text fed after the cached context for the time to first token [default: {DEFAULT_QUESTION!r}].")
 @click.option("--page-cache", type=click.Choice(["file", "auto", "system", "keep"]), default="file",
               show_default=True,
               help="How loads are made cold: file = fadvise(DONTNEED) on the artifact only (checked with "
@@ -28,9 +28,10 @@ from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
                    "auto = system where permitted, else file; keep = do not drop (warm loads).")
 @click.option("--output", "-o", default=None,
               help="CSV path [default: $XDG_DATA_HOME/kvcdn/benchmark/<ms>-<model>-bench.csv].")
+@force_output_option
 @format_option
 def command(model, revision, device, dtype, quiet, lengths, reps, context_file, schemes, question,
-            page_cache, output, fmt):
+            page_cache, output, force, fmt):
     """Measure prefill against a cached continuation for several context lengths.
 
     For each length: the full prefill (prefill_s), one decode step on the resident cache
@@ -48,6 +49,7 @@ def command(model, revision, device, dtype, quiet, lengths, reps, context_file, 
     scheme_list = bench.parse_schemes(schemes, bench.installed_schemes())
     text = read_text_file(context_file) if context_file else None
     path = Path(output) if output else bench.default_csv_path(model)
+    check_new_output(path, force)
     session = runtime.load_session(model, revision, device, dtype)
     bench.check_lengths(session, wanted)
     ids, source = bench.context_ids(session, text, max(wanted))

@@ -43,6 +43,16 @@ format_option = click.option("--format", "fmt", type=click.Choice(["table", "jso
 force_option = click.option("--force", is_flag=True,
                             help="Use an artifact even if it was made with another model or dtype.")
 
+force_output_option = click.option("--force", is_flag=True, help="Replace an existing output file.")
+
+
+def check_new_output(path: Path, force: bool, option: str = "--output") -> None:
+    """The one rule for every file a command writes: an existing file is replaced only with --force."""
+    if path.is_dir():
+        raise KvcdnError(f"cannot write '{path}': it is a directory")
+    if path.exists() and not force:
+        raise KvcdnError(f"'{path}' exists; pass --force to replace it or {option} to choose another path")
+
 
 def read_text_file(path: str, what: str = "context file") -> str:
     try:

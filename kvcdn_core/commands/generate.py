@@ -6,7 +6,8 @@ import time
 
 import click
 
-from kvcdn_core.commands.common import artifact_path, format_option, model_options, read_text_file
+from kvcdn_core.commands.common import (artifact_path, check_new_output, force_output_option, format_option,
+                                        model_options, read_text_file)
 from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL
 
@@ -18,14 +19,16 @@ from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL
               help="Artifact path [default: $XDG_DATA_HOME/kvcdn/generate/generate-<ms>-<model>.kv].")
 @click.option("--chunk-size", type=click.IntRange(1), default=DEFAULT_CHUNK, show_default=True,
               help="Tokens per prefill step.")
+@force_output_option
 @format_option
-def command(model, revision, device, dtype, quiet, context_file, output, chunk_size, fmt):
+def command(model, revision, device, dtype, quiet, context_file, output, chunk_size, force, fmt):
     """Prefill the document in --context-file once and save its KV cache as a .kv artifact."""
     from kvcdn_core import runtime
 
     model = model or DEFAULT_MODEL
     context = read_text_file(context_file)
     path = artifact_path(output, "generate", model)
+    check_new_output(path, force)
     session = runtime.load_session(model, revision, device, dtype)
     start = time.perf_counter()
     path, ids = runtime.generate(session, context, path, chunk=chunk_size, progress=not quiet)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import format_option
+from kvcdn_core.commands.common import check_new_output, force_output_option, format_option
 from kvcdn_core.render import emit_json
 
 
@@ -17,8 +17,9 @@ from kvcdn_core.render import emit_json
               help="PNG path [default: $XDG_DATA_HOME/kvcdn/plot/<ms>-<model>-amortized-cost.png].")
 @click.option("--max-n", type=int, default=1000, show_default=True,
               help="Largest reuse count on the x axis (at least 2).")
+@force_output_option
 @format_option
-def command(csv_path, model, out, max_n, fmt):
+def command(csv_path, model, out, max_n, force, fmt):
     """Plot amortized cost per call against the reuse count N, with the break-even N* marked.
 
     Per context length: C_prefill every call without a cache, C_prefill/N + C_load with one, and
@@ -31,12 +32,13 @@ def command(csv_path, model, out, max_n, fmt):
     plot.check_max_n(max_n)
     source = Path(csv_path) if csv_path else plot.newest_csv(model)
     costs = plot.read_costs(source)
-    name = model or plot.model_from_csv_name(source)
-    title = "Amortized cost per call vs reuse count N" + (f"\n{name}" if name else "")
+    name = model or plot.model_in_csv(source)
+    title = "Amortized cost per call vs reuse count N" + (f"\n{name}" if name else f"\n{source.name}")
     path = Path(out) if out else plot.default_png_path(name)
+    check_new_output(path, force, "--out")
     plot.write_png(plot.render_png(costs, max_n, title), path)
     if fmt == "json":
-        emit_json({"csv": str(source), "png": str(path), "max_n": max_n,
+        emit_json({"csv": str(source), "png": str(path), "title": title, "max_n": max_n,
                    "rows": [c.as_dict(max_n) for c in costs]})
     else:
         click.echo(plot.table(costs, max_n))

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import format_option, read_text_file
+from kvcdn_core.commands.common import (check_new_output, force_output_option, format_option, model_options,
+                                        read_text_file)
 from kvcdn_core.errors import CheckFailed, KvcdnError
 from kvcdn_core.paths import ensure_kv_suffix
 from kvcdn_core.render import render
-from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
+from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
 SCHEME_HELP = ("int8 (per-channel keys, per-token values; default), int8-tensor (one scale per tensor), "
                "fp8 (e4m3, per-token scales), int4 / int2 (grouped asymmetric; kvcdn-quant-lowbit plugin)")
@@ -29,7 +30,7 @@ SCHEME_HELP = ("int8 (per-channel keys, per-token values; default), int8-tensor 
 @click.option("--output", "-o", default=None,
               help="Quantized artifact [default: <input stem>.q8.kv for int8, <stem>.<scheme>.kv otherwise].")
 @click.option("--scheme", default=None, help=f"Quantization scheme: {SCHEME_HELP}.")
-@click.option("--target-dtype", "--dtype", "target_dtype", default=None, metavar="F32|F16|BF16|FP8|I8",
+@click.option("--target-dtype", "target_dtype", default=None, metavar="F32|F16|BF16|FP8|I8",
               help="What the artifact dequantizes to on load (F32, F16, BF16) [default: its compute dtype]; "
                    "FP8 or I8 choose the fp8 / int8 storage scheme instead.")
 @click.option("--group-size", type=int, default=None, help="Elements per group (int4: 64, int2: 32).")
@@ -38,22 +39,22 @@ SCHEME_HELP = ("int8 (per-channel keys, per-token values; default), int8-tensor 
 @click.option("--verify", "do_verify", is_flag=True,
               help="Continue from the quantized artifact and compare with a full prefill; exit 1 on mismatch.")
 @click.option("--n", "n", type=click.IntRange(1), default=8, show_default=True, help="Tokens to compare with --verify.")
-@click.option("--question", default=DEFAULT_QUESTION, show_default=True, help="Text fed after the context with --verify.")
-@click.option("--model", default=None,
-              help=f"Model for --verify / --context-file [default: the artifact's model, else {DEFAULT_MODEL}].")
-@click.option("--revision", default=None, help="Model revision on the hub.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
-              help="Where to run the model.")
-@click.option("--compute-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="Model dtype for --context-file (auto: float32 on CPU).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--question", default=DEFAULT_QUESTION, help=f"Text fed after the context with --verify [default: {DEFAULT_QUESTION!r}].")
+@model_options()
+@click.option("--compute-dtype", "legacy_compute_dtype", hidden=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None)
+@force_output_option
 @format_option
 def command(input_path, context_file, output, scheme, target_dtype, group_size, residual, do_verify, n,
-            question, model, revision, device, compute_dtype, quiet, fmt):
+            question, model, revision, device, dtype, quiet, legacy_compute_dtype, force, fmt):
     """Quantize a KV artifact: print the compression ratio and dequantization error, and with
     --verify check that continuing from it is token-exact against a full prefill."""
     from kvcdn_core import quant, quant_service
 
+    if legacy_compute_dtype is not None:  # the old spelling, before --dtype meant the compute dtype everywhere
+        click.echo("warning: --compute-dtype is deprecated; use --dtype (the compute dtype, as in every "
+                   "model command)", err=True)
+        dtype = legacy_compute_dtype
     if bool(input_path) == bool(context_file):
         raise KvcdnError("pass exactly one of --input (an artifact) or --context-file (a document)")
     target, implied = quant.normalize_target_dtype(target_dtype)
@@ -75,6 +76,8 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
     out = ensure_kv_suffix(output) if output else quant_service.default_output(source, scheme)
     if out.exists() and source.exists() and out.resolve() == source.resolve():
         raise KvcdnError(f"output '{out}' is the input; kvcdn quant never overwrites its input, pass another --output")
+    check_new_output(out, force)
+    check_new_output(quant_service.event_path(out), force)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     temp_input = None
@@ -90,14 +93,14 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
                 from kvcdn_core.manifest import Manifest
 
                 session = runtime.session_for_artifact(Manifest.from_dict(header.manifest), model, revision, device,
-                                                       compute_dtype)
+                                                       dtype)
                 runtime.check_model(session, header.manifest)
         else:
             from kvcdn_core import artifact, runtime
 
             source_kind = "context"
             context = read_text_file(context_file)
-            session = runtime.load_session(model or DEFAULT_MODEL, revision, device, compute_dtype)
+            session = runtime.session_for_artifact(None, model, revision, device, dtype)
             fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".source.kv", dir=out.parent)
             os.close(fd)
             temp_input = Path(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -23,6 +24,7 @@ def prepare(command_name, model, revision, device, dtype, quiet, kv_path, contex
     if kv_path and path.exists():
         if context_file:
             click.echo(f"warning: --context-file ignored: '{path}' exists and carries its own context", err=True)
+        announce(quiet, f"loading the model of {path} ...")
         return open_artifact(path, model, revision, device, dtype)
     if not context_file:
         if kv_path:
@@ -30,11 +32,23 @@ def prepare(command_name, model, revision, device, dtype, quiet, kv_path, contex
         raise KvcdnError("pass --kv-path of an existing artifact, or --context-file to generate one")
     artifact.check_writable(path)
     context = read_text_file(context_file)
+    announce(quiet, f"loading the model {model or DEFAULT_MODEL} ...")
     session = runtime.load_session(model or DEFAULT_MODEL, revision, device, dtype)
     runtime.generate(session, context, path, progress=not quiet)
     if not quiet:
         click.echo(f"generated {path}", err=True)
     return session, artifact.read_header(path)
+
+
+def announce(quiet: bool, text: str) -> None:
+    """What a slow step is doing (a model load and two decodes take a while), on a terminal only,
+    like the progress bars: a script's stderr keeps errors as its only lines."""
+    if not quiet and on_terminal():
+        click.echo(text, err=True)
+
+
+def on_terminal() -> bool:
+    return sys.stderr.isatty()
 
 
 def check_options(f):
@@ -43,8 +57,8 @@ def check_options(f):
         click.option("--kv-path", default=None,
                      help="Artifact to check; generated from --context-file when it does not exist."),
         click.option("--context-file", default=None, help="Document to generate the artifact from."),
-        click.option("--question", default=DEFAULT_QUESTION, show_default=True,
-                     help="Text fed after the context on both paths."),
+        click.option("--question", default=DEFAULT_QUESTION,
+                     help=f"Text fed after the context on both paths [default: {DEFAULT_QUESTION!r}]."),
         click.option("--n", "n", type=click.IntRange(1), default=32, show_default=True,
                      help="Tokens to decode greedily."),
         force_option,
@@ -66,6 +80,8 @@ def command(model, revision, device, dtype, quiet, kv_path, context_file, questi
     from kvcdn_core.verify import run_verify
 
     session, header = prepare("verify", model, revision, device, dtype, quiet, kv_path, context_file)
+    announce(quiet, f"decoding {n} tokens twice: from the artifact, and after a full prefill of its "
+                  f"{header.token_count} context tokens ...")
     result = run_verify(session, header, question, n, force=force)
     if fmt == "json":
         emit_json({"path": str(header.path), "model": session.model_ref, **result.as_dict()})

@@ -68,7 +68,8 @@ def test_hostile_artifacts_are_refused_at_confirm_and_leave_nothing(server, key,
         assert r.json()["error"] == "not_a_kv_artifact", (case, r.text)
         assert "\n" not in r.json()["message"]
         retry = confirm(local_server.url, key, artifact_id)
-        assert retry.status_code == 404, (case, retry.text)  # not stuck as "already_confirmed"
+        # failed for good, saying why: not stuck pending, not "already_confirmed"
+        assert retry.status_code == 409 and retry.json()["error"] == "upload_failed", (case, retry.text)
         quota = httpx.get(f"{local_server.url}{API}/quota", headers=bearer(key)).json()["usage"]
         assert quota["artifacts"] == 0 and quota["storage_bytes"] == 0, (case, quota)
     assert httpx.get(f"{local_server.url}{API}/artifacts", headers=bearer(key)).json()["artifacts"] == []

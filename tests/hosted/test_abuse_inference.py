@@ -26,7 +26,7 @@ QUESTION = " What did the keeper write during the storm?"
 @pytest.fixture
 def forward_calls(monkeypatch):
     """Slow every forward pass of every model adapter to STEP seconds; record when each ran."""
-    from kvcdn_core.adapter import ModelAdapter
+    from kvcdn_core import ModelAdapter
 
     calls: list[float] = []
     real = ModelAdapter.forward
@@ -56,16 +56,17 @@ def serve(monkeypatch, tmp_path, hosted_model):
         for name, value in {"KVCDN_MODELS": str(hosted_model), "KVCDN_INFER_DEVICE": "cpu",
                             "KVCDN_API_KEY_ORGS": "acme,beta", **env}.items():
             monkeypatch.setenv(name, str(value))
+        sock = bind_socket("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        monkeypatch.setenv("KVCDN_PUBLIC_URL", url)  # signed URLs name the address it listens on
         config = load_config(storage=str(tmp_path / "objects"))
         app = create_app(config)
-        sock = bind_socket("127.0.0.1", 0)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         while not server.started:
             time.sleep(0.02)
         running.append((server, thread))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return url, app, {org: derive_key(config.api_key_seed, org) for org in ("acme", "beta")}
 
     yield start

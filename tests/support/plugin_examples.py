@@ -1,4 +1,10 @@
-"""The example plugins of docs/plugin-guide.md, installed as their own packages (pip, no network)."""
+"""The example plugins of docs/plugin-guide.md, cut from the guide and installed as their own packages.
+
+Each example file is a fenced block whose first line is a comment naming its path, project first
+(``# kvcdn-storage-sqlite/pyproject.toml``). ``install`` builds the project with pip (no network, no
+build isolation) into a directory the tests put on ``PYTHONPATH``: this environment's installed
+plugin set never changes.
+"""
 
 from __future__ import annotations
 
@@ -8,47 +14,34 @@ import sys
 from pathlib import Path
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "plugin-guide.md"
-STORAGE = "A storage plugin"
-QUANTIZER = "A quantizer plugin"
+FAMILY = "kvcdn-model-helium"
+STORAGE = "kvcdn-storage-sqlite"
+QUANTIZER = "kvcdn-quant-bf16"
 
 
-def section(title: str) -> str:
-    text = GUIDE.read_text(encoding="utf-8")
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else None]
+def fenced(language: str) -> list[str]:
+    """The guide's fenced blocks of ``language``."""
+    return re.findall(rf"^```{language}\n(.*?)^```$", GUIDE.read_text(encoding="utf-8"), re.M | re.S)
 
 
-def example_files(title: str) -> dict[str, str]:
-    """file name → content of the fenced blocks of a section that start with ``# <file name>``."""
+def example_files(project: str) -> dict[str, str]:
+    """Path inside the project → content, for every block of the guide that belongs to ``project``."""
     files = {}
-    for block in re.findall(r"```(?:toml|python)\n(.*?)```", section(title), re.S):
-        first, _, _ = block.partition("\n")
-        if re.fullmatch(r"# [\w.-]+\.(py|toml)", first):
-            files[first[2:]] = block
+    for block in fenced("toml") + fenced("python"):
+        first = block.partition("\n")[0]
+        if first.startswith(f"# {project}/"):
+            files[first.removeprefix(f"# {project}/")] = block
     return files
 
 
-def install(title: str, target: Path, build: Path) -> dict[str, str]:
-    """pip-install a section's example package into ``target``, a directory to put on PYTHONPATH."""
-    files = example_files(title)
-    build.mkdir(parents=True, exist_ok=True)
+def install(project: str, target: Path, build: Path) -> dict[str, str]:
+    """pip-install the guide's ``project`` into ``target``; returns its files."""
+    files = example_files(project)
+    assert "pyproject.toml" in files, f"the guide has no pyproject.toml for {project}"
     for name, content in files.items():
-        (build / name).write_text(content, encoding="utf-8")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(target),
-            str(build),
-        ],
-        check=True,
-    )
+        path = build / project / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(build / project)], check=True)
     return files

@@ -118,12 +118,9 @@ def _backend(uri: str | None, settings, quiet: bool):
 
 
 def _human_bytes(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    from kvcdn_core.progress import human_bytes
+
+    return human_bytes(float(n or 0))
 
 
 def _table(rows: list[tuple]) -> None:
@@ -274,11 +271,12 @@ def api_key_clear():
 @click.option("--visibility", type=click.Choice(["private", "public"]), default="private", show_default=True)
 @click.option("--to", "to_uri", default=None, metavar="URI",
               help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].")
+@click.option("--force", is_flag=True, help="Replace an object of the same name in a --to store.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @endpoint_options
 @quiet_option
 @hosted_command("upload")
-def upload(artifact_path, name, visibility, to_uri, fmt, api_url, api_key, quiet):
+def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key, quiet):
     """Upload a .kv artifact and print its id."""
     source, _manifest = _check_upload_source(artifact_path)
     settings = settings_from(locals())
@@ -289,7 +287,9 @@ def upload(artifact_path, name, visibility, to_uri, fmt, api_url, api_key, quiet
     else:
         from kvcdn_hosted.transfer import sha256_file
 
-        key = name if name.endswith(".kv") else name + ".kv"
+        key = _store_key(name)
+        if not force and backend.exists(key):
+            raise KvcdnError(f"'{key}' exists in {to_uri}; pass --force to replace it or --name to choose another")
         backend.put_file(key, source)
         record = {"artifact_id": key, "name": name, "size_bytes": source.stat().st_size,
                   "sha256": sha256_file(source), "storage": to_uri}
@@ -338,6 +338,11 @@ def list_cmd(fmt, long_, from_uri, api_url, api_key):
         _table(rows)
 
 
+def _store_key(artifact_id: str) -> str:
+    """An artifact's key in a plain store: the id that upload printed, with or without its ``.kv``."""
+    return artifact_id if artifact_id.endswith(".kv") else artifact_id + ".kv"
+
+
 def _default_download_name(artifact_id: str, record: dict | None) -> str:
     name = (record or {}).get("name") or ""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
@@ -378,7 +383,7 @@ def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
         if hosted:
             backend.download(artifact_id, target)
         else:
-            _download_generic(backend, artifact_id, target)
+            _download_generic(backend, _store_key(artifact_id), target)
     click.echo(str(target))
 
 
@@ -435,6 +440,7 @@ def delete(artifact_id, yes, from_uri, api_url, api_key):
         record = backend.describe(artifact_id)
         label = f"{artifact_id} ({record.get('name')})" if record.get("name") else artifact_id
     else:
+        artifact_id = _store_key(artifact_id)
         if not backend.exists(artifact_id):
             raise KvcdnError(f"no artifact '{artifact_id}' in {from_uri}")
         label = artifact_id

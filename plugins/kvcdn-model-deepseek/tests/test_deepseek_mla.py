@@ -8,6 +8,8 @@ from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.validation import long_context
 from kvcdn_model_deepseek import LATENT, ROTARY_KEY, DeepseekAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):

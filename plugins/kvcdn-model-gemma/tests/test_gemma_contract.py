@@ -4,6 +4,8 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_model_gemma import GemmaAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 F, S = fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW
 EXPECTED_KINDS = {
     "GemmaForCausalLM": [F, F],

@@ -9,6 +9,8 @@ from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.tiny import build_tiny_model
 from kvcdn_model_gpt import GptAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 
 def variant(architecture: str, **changes):
     """An adapter whose tiny config for ``architecture`` has ``changes`` applied."""

@@ -5,6 +5,8 @@ from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.validation import validate_tiny
 from kvcdn_model_llama import LLAMA3_ROPE, LlamaAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 
 @pytest.mark.parametrize("architecture", sorted(LlamaAdapter.validation_configs))
 def test_adapter_contract(architecture, tmp_path):

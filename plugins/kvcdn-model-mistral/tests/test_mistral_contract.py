@@ -4,6 +4,8 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_model_mistral import MistralAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 EXPECTED_KINDS = {
     "MistralForCausalLM": [fmt.SLIDING_WINDOW] * 2,
     "MixtralForCausalLM": [fmt.FULL_ATTENTION] * 2,

@@ -4,6 +4,8 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_model_olmo_granite import OlmoGraniteAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 
 @pytest.mark.parametrize("architecture", sorted(OlmoGraniteAdapter.validation_configs))
 def test_adapter_contract(architecture, tmp_path):

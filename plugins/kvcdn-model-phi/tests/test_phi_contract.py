@@ -8,6 +8,8 @@ from kvcdn_core.validation import validate_tiny
 from kvcdn_core.verify import run_verify
 from kvcdn_model_phi import PhiAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 
 @pytest.mark.parametrize("architecture", sorted(PhiAdapter.validation_configs))
 def test_adapter_contract(architecture, tmp_path):

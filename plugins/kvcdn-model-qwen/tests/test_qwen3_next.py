@@ -14,6 +14,8 @@ from kvcdn_core.errors import KvcdnError
 from kvcdn_core.validation import long_context
 from kvcdn_model_qwen import QwenAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 NEXT = "Qwen3NextForCausalLM"
 
 

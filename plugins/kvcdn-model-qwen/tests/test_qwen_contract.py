@@ -3,6 +3,8 @@ import pytest
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_model_qwen import QwenAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 
 @pytest.mark.parametrize("architecture", sorted(QwenAdapter.validation_configs))
 def test_adapter_contract(architecture, tmp_path):

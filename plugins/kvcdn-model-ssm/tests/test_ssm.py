@@ -14,6 +14,8 @@ from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.validation import long_context
 from kvcdn_model_ssm import SSMAdapter
 
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
 ARCHITECTURES = sorted(SSMAdapter.validation_configs)
 
 

@@ -64,6 +64,7 @@ def serve(host, port, storage, database, models, public_url, issuer_url, client_
 
     config = load_config(storage, models, public_url, issuer_url, client_id, infer_concurrency, infer_timeout,
                          device, database, infer_dtype)
+    check_local_models(config.models)
     sock = bind_socket(host, port)  # before any output: a busy port is the only line
     shown = f"[{host}]" if ":" in host else host
     if not config.public_url and host in ("0.0.0.0", "::"):
@@ -89,6 +90,18 @@ def serve(host, port, storage, database, models, public_url, issuer_url, client_
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, proxy_headers=True,
                                            server_header=False))
     server.run(sockets=[sock])
+
+
+def check_local_models(models: list[str]) -> None:
+    """A local model path that is not there is a typo: say so now, not at the first inference."""
+    from pathlib import Path
+
+    from kvcdn_core.errors import KvcdnError
+
+    for model in models:
+        if model.startswith((".", "/", "~")) and not (Path(model).expanduser() / "config.json").is_file():
+            what = "has no config.json" if Path(model).expanduser().is_dir() else "does not exist"
+            raise KvcdnError(f"--models: model directory '{model}' {what}")
 
 
 def _redacted(url: str) -> str:
