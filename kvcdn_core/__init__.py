@@ -61,6 +61,7 @@ _EXPORTS = {
     "data_home": "kvcdn_core.paths",
     "ensure_kv_suffix": "kvcdn_core.paths",
     "Progress": "kvcdn_core.progress",
+    "human_bytes": "kvcdn_core.progress",
     "emit_json": "kvcdn_core.render",
     "render": "kvcdn_core.render",
     "print_table": "kvcdn_core.render",

@@ -118,7 +118,7 @@ def _backend(uri: str | None, settings, quiet: bool):
 
 
 def _human_bytes(n) -> str:
-    from kvcdn_core.progress import human_bytes
+    from kvcdn_core import human_bytes
 
     return human_bytes(float(n or 0))
 

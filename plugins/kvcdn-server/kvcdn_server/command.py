@@ -96,7 +96,7 @@ def check_local_models(models: list[str]) -> None:
     """A local model path that is not there is a typo: say so now, not at the first inference."""
     from pathlib import Path
 
-    from kvcdn_core.errors import KvcdnError
+    from kvcdn_core import KvcdnError
 
     for model in models:
         if model.startswith((".", "/", "~")) and not (Path(model).expanduser() / "config.json").is_file():
