@@ -194,7 +194,7 @@ def train_model(workdir: Path, train_docs, seconds: float, seed: int = 0) -> tup
                  "final_loss": statistics.mean(losses[-50:]), "seconds": round(time.perf_counter() - start)}
 
 
-def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int) -> list[dict]:
+def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int, schemes=None) -> list[dict]:
     import torch
 
     from kvcdn_core import artifact, runtime
@@ -211,7 +211,7 @@ def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int) ->
             pending = []
         if len(cases) == contexts:
             break
-    schemes = installed(SCHEMES) + installed(WITH_RESIDUAL)
+    schemes = installed(schemes or SCHEMES + WITH_RESIDUAL)
     stats = {label(s, p): {"match": 0, "exact": 0, "max_dlogit": 0.0, "kl": [], "tf_agree": 0, "flip_margins": []}
              for s, p in schemes}
     total, margins = 0, []
@@ -249,6 +249,22 @@ def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int) ->
             "median_reference_margin": statistics.median(margins)}
 
 
+def print_quality(q: dict, n: int) -> None:
+    """The quality table of :func:`quality` as markdown (what docs/quantization.md shows)."""
+    print(f"{q['rows'][0]['contexts'] if q['rows'] else 0} held-out contexts of 400-512 tokens, "
+          f"8-token questions, {n} greedy tokens; {q['steps']} reference steps, "
+          f"{q['reference_steps_with_margin_below_0.05']} of them near-ties (top-2 margin < 0.05), "
+          f"median margin {q['median_reference_margin']:.2f}\n")
+    print("| scheme | token agreement | exact sequences | teacher-forced argmax | largest margin flipped | "
+          "max abs logit diff | mean KL | max KL |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in q["rows"]:
+        flipped = "-" if r["largest_flipped_margin"] is None else f"{r['largest_flipped_margin']:.3f}"
+        print(f"| {r['scheme']} | {100 * r['token_agreement']:.1f}% | {r['exact_sequences']}/{r['contexts']} | "
+              f"{100 * r['teacher_forced_argmax']:.1f}% | {flipped} | {r['max_abs_logit_diff']:.3f} | "
+              f"{r['mean_kl']:.2e} | {r['max_kl']:.2e} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-seconds", type=float, default=180)
@@ -284,19 +300,7 @@ def main(argv=None) -> int:
     t = report["training"]
     print(f"\n### Quality (trained model: {t['steps']} steps, {t['tokens_seen']:,} tokens seen, "
           f"final loss {t['final_loss']:.2f}, {t['seconds']}s)\n")
-    q = report["quality"]
-    print(f"{q['rows'][0]['contexts'] if q['rows'] else 0} held-out contexts of 400-512 tokens, "
-          f"8-token questions, {args.n} greedy tokens; {q['steps']} reference steps, "
-          f"{q['reference_steps_with_margin_below_0.05']} of them near-ties (top-2 margin < 0.05), "
-          f"median margin {q['median_reference_margin']:.2f}\n")
-    print("| scheme | token agreement | exact sequences | teacher-forced argmax | largest margin flipped | "
-          "max abs logit diff | mean KL | max KL |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in q["rows"]:
-        flipped = "-" if r["largest_flipped_margin"] is None else f"{r['largest_flipped_margin']:.3f}"
-        print(f"| {r['scheme']} | {100 * r['token_agreement']:.1f}% | {r['exact_sequences']}/{r['contexts']} | "
-              f"{100 * r['teacher_forced_argmax']:.1f}% | {flipped} | {r['max_abs_logit_diff']:.3f} | "
-              f"{r['mean_kl']:.2e} | {r['max_kl']:.2e} |")
+    print_quality(report["quality"], args.n)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0

@@ -41,6 +41,9 @@ _EXPORTS = {
     "LINEAR_ATTENTION": "kvcdn_core.artifact",
     "RECURRENT_STATE": "kvcdn_core.artifact",
     "TOKEN_IDS": "kvcdn_core.artifact",
+    # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
+    "LinearAttentionLayers": "kvcdn_core.linear_attention",
+    "is_linear_attention": "kvcdn_core.linear_attention",
     # lookup
     "adapter_for": "kvcdn_core.registry",
     "quantizer_for": "kvcdn_core.registry",

@@ -4,12 +4,11 @@ Layout (see docs/artifact-format.md): the safetensors header metadata holds ``kv
 ``kvcdn.format_version`` and ``kvcdn.manifest`` (JSON). Token ids are the ``token_ids`` tensor.
 Reading the header, the manifest and the token ids is pure Python (no torch), so ``inspect`` and
 ``search`` stay fast; :func:`load_tensors` reads the data region in one pass and builds tensors on
-that buffer without copying.
+that buffer without copying (:mod:`kvcdn_core.tensor_io`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,11 +30,6 @@ META_FORMAT = "kvcdn.format"
 META_VERSION = "kvcdn.format_version"
 META_MANIFEST = "kvcdn.manifest"
 TOKEN_IDS = "token_ids"
-
-# Bytes per read call of load_tensors: hashing starts on a tensor as soon as its bytes are in.
-_READ_CHUNK = 16 << 20
-# Threads that hash tensors while load_tensors reads (at most the CPU count).
-_HASH_WORKERS = 4
 
 #: Largest header accepted. A real header is mostly the manifest's ``context`` (the document, about
 #: 4-5 bytes per token of text) plus about 0.3 KB per tensor: 32 KB for a 36-layer model and 4k tokens
@@ -401,74 +395,27 @@ def read_token_ids(path: str | os.PathLike, header: Header | None = None) -> lis
     return ids.tolist()
 
 
-def _iter_tensor_bytes(h: Header, names):
-    with open(h.path, "rb") as fh:
-        for name in names:
-            start, end = h.entries[name]["data_offsets"]
-            fh.seek(h.data_start + start)
-            yield name, fh.read(end - start)
-
-
 def check_hashes(header: Header) -> list[str]:
     """Re-hash every tensor the manifest lists; return the names whose sha256 differs."""
-    specs = header.manifest["tensors"]
-    return [
-        name for name, data in _iter_tensor_bytes(header, list(specs))
-        if hashlib.sha256(data).hexdigest() != specs[name].get("sha256")
-    ]
+    from kvcdn_core import tensor_io
+
+    return tensor_io.mismatched(header)
 
 
-def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True) -> dict[str, Any]:
+def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True,
+                 direct: bool | None = None) -> dict[str, Any]:
     """Read the whole data region once and return every tensor as a torch tensor.
 
-    The tensors share one buffer (``torch.frombuffer``), so loading costs one read. With
-    ``verify_hashes`` each tensor is hashed by worker threads as soon as its bytes are in (hashlib
-    releases the GIL), so the sha256 pass overlaps the read and spreads over cores instead of
-    following the read on one core (sha256 is slower than a fast disk on one core). The buffer is
-    ``numpy.empty``: no zero-fill pass before the read, and huge pages where the kernel offers them.
+    The tensors are views on one buffer laid out like the file, filled by one read (``O_DIRECT``
+    when the file is cold, see :mod:`kvcdn_core.tensor_io`), and each tensor's sha256 is checked by
+    worker threads while the read goes on. ``direct`` forces (True) or forbids (False) direct I/O.
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from kvcdn_core import tensor_io
 
-    import numpy as np
-    import torch
-
-    size = header.file_size - header.data_start
-    buffer = np.empty(size, dtype=np.uint8)
-    view = memoryview(buffer)
-    specs = header.manifest["tensors"]
-    order = sorted((header.entries[name]["data_offsets"], name) for name in specs) if verify_hashes else []
-    digests: dict[str, Any] = {}
-
-    def digest(start: int, end: int) -> str:
-        return hashlib.sha256(view[start:end]).hexdigest()
-
-    workers = min(_HASH_WORKERS, os.cpu_count() or 1)
-    hashing = ThreadPoolExecutor(max_workers=workers) if verify_hashes else contextlib.nullcontext()
-    with hashing as pool, open(header.path, "rb", buffering=0) as fh:
-        fh.seek(header.data_start)
-        done = queued = 0
-        while done < size:
-            n = fh.readinto(view[done:min(done + _READ_CHUNK, size)])
-            if not n:
-                raise _fail(header.path, "truncated while reading tensor data")
-            done += n
-            while queued < len(order) and order[queued][0][1] <= done:
-                (start, end), name = order[queued]
-                digests[name] = pool.submit(digest, start, end)
-                queued += 1
-    if verify_hashes:
-        bad = [name for name, spec in specs.items() if digests[name].result() != spec.get("sha256")]
-        if bad:
-            raise _fail(header.path, f"corrupted: sha256 mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
+    reader = tensor_io.read_checked(header, verify_hashes=verify_hashes, direct=direct)
     tensors = {}
-    for name, entry in header.entries.items():
-        start, end = entry["data_offsets"]
-        dtype = getattr(torch, DTYPES[entry["dtype"]][1])
-        if end == start:
-            t = torch.empty(entry["shape"], dtype=dtype)
-        else:
-            t = torch.frombuffer(buffer, dtype=dtype, offset=start, count=(end - start) // DTYPES[entry["dtype"]][0])
-            t = t.view(entry["shape"])
+    for name in header.entries:
+        t = tensor_io.as_tensor(reader, name)
         tensors[name] = t if device == "cpu" else t.to(device)
     return tensors
 

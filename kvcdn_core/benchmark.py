@@ -14,25 +14,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
-import ctypes
-import ctypes.util
 import dataclasses
 import io
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.pagecache import evict, resident_fraction
 from kvcdn_core.paths import command_dir, model_slug
 
 #: CSV columns, in the documented order: the compute group, then the per-scheme group.
 CSV_COLUMNS = (
     "tokens", "prefill_s", "kv_attn_s", "kv_mb", "prefill_gflops", "speedup_compute",
     "scheme", "load_s", "load_gbps", "ttft_cached_s", "speedup_ttft", "artifact_bytes",
+    # added later, so after the first ones: the physical limits the cached path is held to
+    "plain_read_s", "load_read_ratio", "question_s", "ttft_pipelined_s", "ttft_limit_s",
+    "speedup_pipelined", "threads",
 )
+#: Timed columns whose min and max are reported next to the median (``--format json``: ``spread``).
+TIMED = ("prefill_s", "kv_attn_s", "question_s", "plain_read_s", "load_s", "load_unverified_s",
+         "ttft_cached_s", "ttft_pipelined_s")
 DEFAULT_LENGTHS = (255, 485, 945, 1888, 3774)
 DEFAULT_REPS = 5
 #: A file counts as cold when at most this fraction of its pages is resident after a drop.
@@ -55,21 +59,41 @@ class BenchRow:
     ttft_cached_s: float
     speedup_ttft: float
     artifact_bytes: int
-    plain_read_s: float = 0.0
+    plain_read_s: float
+    question_s: float
+    ttft_pipelined_s: float
+    threads: int
     load_unverified_s: float = 0.0  # the same load without the sha256 check: what hashing costs
     first_token_match: bool | None = None
+    spread: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def plain_read_gbps(self) -> float:
         return self.artifact_bytes / self.plain_read_s / 1e9 if self.plain_read_s > 0 else 0.0
+
+    @property
+    def load_read_ratio(self) -> float:
+        """How far the load is from reading its bytes (1.0: at the limit)."""
+        return self.load_s / self.plain_read_s
+
+    @property
+    def ttft_limit_s(self) -> float:
+        """What a cached first token cannot beat: the slower of reading the file and the question's
+        forward on a resident cache (a pipelined load overlaps the two)."""
+        return max(self.plain_read_s, self.question_s)
+
+    @property
+    def speedup_pipelined(self) -> float:
+        return self.prefill_s / self.ttft_pipelined_s
 
     def csv_values(self) -> list[str]:
         return [_fmt(getattr(self, name)) for name in CSV_COLUMNS]
 
     def as_dict(self) -> dict[str, Any]:
         data = {name: getattr(self, name) for name in CSV_COLUMNS}
-        data.update(plain_read_s=self.plain_read_s, plain_read_gbps=round(self.plain_read_gbps, 4),
-                    load_unverified_s=self.load_unverified_s, first_token_match=self.first_token_match)
+        data.update(plain_read_gbps=round(self.plain_read_gbps, 4), load_unverified_s=self.load_unverified_s,
+                    first_token_match=self.first_token_match,
+                    spread={name: list(values) for name, values in self.spread.items()})
         return data
 
 
@@ -86,6 +110,8 @@ class BenchResult:
     page_cache_method: str  # drop_caches | fadvise | none
     max_resident_after_drop: float | None  # worst fraction of a file still cached after a drop
     context_source: str
+    threads: int = 0  # torch intra-op threads the run used
+    load_average: tuple[float, float] | None = None  # 1-minute load average at the start and the end
 
 
 # -- the page cache -------------------------------------------------------------------------------
@@ -116,7 +142,7 @@ class PageCache:
                 raise KvcdnError("cannot write /proc/sys/vm/drop_caches (needs root on Linux); "
                                  "use --page-cache file")
         if self.method != "drop_caches":
-            self.method = "fadvise" if _fadvise_dontneed(path) else "none"
+            self.method = "fadvise" if evict(path) else "none"
         resident = resident_fraction(path)
         if resident is not None:
             self.max_resident = max(self.max_resident or 0.0, resident)
@@ -142,54 +168,6 @@ def _drop_system_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def _fadvise_dontneed(path: Path) -> bool:
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def resident_fraction(path: Path) -> float | None:
-    """The fraction of ``path``'s pages in the page cache (Linux ``mincore``), or None if unknown."""
-    if not sys.platform.startswith("linux"):
-        return None
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0.0
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    except (OSError, AttributeError):
-        return None
-    page = os.sysconf("SC_PAGE_SIZE")
-    pages = (size + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                return None
-            return (pages - bytes(vec).count(0)) / pages
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-    finally:
-        os.close(fd)
 
 
 def plain_read(path: Path) -> int:
@@ -287,8 +265,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_run(fn: Callable[[], Any], reps: int, tick: Callable[[], None], warmup=None) -> tuple[float, Any]:
-    """One warm-up (``warmup`` or ``fn``), then ``reps`` timed calls of ``fn``; ``(median s, last)``."""
+def _stat(times: list[float]) -> tuple[float, float, float]:
+    return min(times), statistics.median(times), max(times)
+
+
+def _timed_runs(fn: Callable[[], Any], reps: int, tick: Callable[[], None], warmup=None) -> tuple[tuple, Any]:
+    """One warm-up (``warmup`` or ``fn``, discarded), then ``reps`` timed calls of ``fn``;
+    ``((min, median, max) s, last result)``."""
     (warmup or fn)()
     tick()
     times, last = [], None
@@ -297,7 +280,34 @@ def _median_run(fn: Callable[[], Any], reps: int, tick: Callable[[], None], warm
         last = fn()
         times.append(time.perf_counter() - start)
         tick()
-    return statistics.median(times), last
+    return _stat(times), last
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counting SMT siblings once: the default ``--threads``.
+
+    More torch threads than physical cores make CPU timings swing (siblings and other processes
+    preempt a thread the others wait for)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            siblings = str(cpu)
+        cores.add(siblings)
+    return max(1, len(cores))
+
+
+def set_threads(threads: int | None) -> int:
+    """Pin torch's intra-op threads (default: the physical cores); return the number used."""
+    import torch
+
+    threads = threads or physical_cores()
+    if threads < 1:
+        raise KvcdnError("--threads must be at least 1")
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def attention_flops(config, tokens: int) -> float:
@@ -324,8 +334,11 @@ def count_matmul_flops(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, schemes: list[str],
                   workdir: Path, question: str, page_cache: PageCache, context_source: str,
-                  progress: bool = True) -> BenchResult:
-    """Measure every length and scheme; artifacts are written under ``workdir`` and removed."""
+                  progress: bool = True, threads: int | None = None) -> BenchResult:
+    """Measure every length and scheme; artifacts are written under ``workdir`` and removed.
+
+    ``threads``: torch intra-op threads (default: the physical cores), set before anything is timed.
+    """
     import torch
 
     from kvcdn_core import artifact as fmt
@@ -338,8 +351,10 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
     question_ids = session.adapter.encode_continuation(session.tokenizer, question)
     if not question_ids:
         raise KvcdnError("the question has no tokens")
+    threads = set_threads(threads)
+    load_start = _load_average()
     device = session.device
-    per_length = (2 + len(schemes)) * (reps + 1)  # prefill, one step, a load per scheme
+    per_length = (3 + len(schemes)) * (reps + 1)  # prefill, one step, the question, a load per scheme
     rows: list[BenchRow] = []
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -364,24 +379,25 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
             def counted_prefill():
                 flops["matmul"], _ = count_matmul_flops(full_prefill)
 
-            prefill_s, (cache, first) = _median_run(full_prefill, reps, tick, warmup=counted_prefill)
+            prefill, (cache, first) = _timed_runs(full_prefill, reps, tick, warmup=counted_prefill)
             total_flops = flops["matmul"] + attention_flops(session.model.config, length)
 
-            def one_step():
-                resident = copy.deepcopy(cache)
-                _sync(device)
-                start = time.perf_counter()
-                forward(resident, [first])
-                _sync(device)
-                return time.perf_counter() - start
+            def on_resident(piece):
+                """Time ``piece`` fed on a copy of the resident cache (the copy is not timed)."""
+                def run():
+                    resident = copy.deepcopy(cache)
+                    _sync(device)
+                    start = time.perf_counter()
+                    forward(resident, piece)
+                    _sync(device)
+                    return time.perf_counter() - start
+                samples = [run() for _ in range(reps + 1)]  # the first is the warm-up
+                for _ in samples:
+                    tick()
+                return _stat(samples[1:])
 
-            one_step()
-            tick()
-            steps = []
-            for _ in range(reps):
-                steps.append(one_step())
-                tick()
-            kv_attn_s = statistics.median(steps)
+            step = on_resident([first])
+            question_time = on_resident(question_ids)
             # The reference for the loaded caches: the question continued on the resident cache
             # the artifact is saved from; a loaded unquantized artifact must give the same token.
             expected, _ = forward(copy.deepcopy(cache), question_ids)
@@ -392,61 +408,75 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
             header = fmt.read_header(base)
             kv_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0]
                            for name, e in header.entries.items() if name != fmt.TOKEN_IDS)
-            compute = dict(tokens=length, prefill_s=prefill_s, kv_attn_s=kv_attn_s,
-                           kv_mb=kv_bytes / 1e6, prefill_gflops=total_flops / 1e9 / prefill_s,
-                           speedup_compute=prefill_s / kv_attn_s)
+            compute = dict(tokens=length, prefill_s=prefill[1], kv_attn_s=step[1],
+                           kv_mb=kv_bytes / 1e6, prefill_gflops=total_flops / 1e9 / prefill[1],
+                           speedup_compute=prefill[1] / step[1], question_s=question_time[1], threads=threads)
+            spread = {"prefill_s": prefill, "kv_attn_s": step, "question_s": question_time}
             for scheme in schemes:
                 path = base if scheme == "none" else quantize(base, scheme, workdir / f"bench-{length}-{scheme}.kv")
                 rows.append(_measure_load(session, path, scheme, question_ids, expected, reps,
-                                          page_cache, tick, forward, compute))
+                                          page_cache, tick, forward, compute, spread))
                 if path != base:
                     path.unlink(missing_ok=True)
             base.unlink(missing_ok=True)
     return BenchResult(rows, page_cache.describe(), page_cache.method or "none",
-                       page_cache.max_resident, context_source)
+                       page_cache.max_resident, context_source, threads, (load_start, _load_average()))
+
+
+def _load_average() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _measure_load(session, path: Path, scheme: str, question_ids, expected: int, reps: int,
-                  page_cache: PageCache, tick, forward, compute: dict) -> BenchRow:
+                  page_cache: PageCache, tick, forward, compute: dict, spread: dict) -> BenchRow:
+    """Per rep, each from a cold file: a plain read, the load + question (sequential and
+    pipelined) and the load without hashes. Rep 0 is the warm-up."""
     from kvcdn_core import artifact as fmt
     from kvcdn_core import runtime
 
     size = path.stat().st_size
-    loads, ttfts, reads, unverified, tokens = [], [], [], [], []
-    for rep in range(reps + 1):
+    samples: dict[str, list[float]] = {name: [] for name in
+                                       ("plain_read_s", "load_s", "ttft_cached_s", "ttft_pipelined_s",
+                                        "load_unverified_s")}
+    tokens = []
+
+    def cold(fn) -> tuple[float, float, Any]:
+        """``fn`` on a cold file: (start, end, result)."""
         page_cache.drop(path)
         start = time.perf_counter()
-        plain_read(path)
-        read_s = time.perf_counter() - start
-        page_cache.drop(path)
-        start_load = time.perf_counter()
-        header = fmt.read_header(path)
-        cache, _ = runtime.load_cache(session, header)
+        result = fn()
+        _sync(session.device)
+        return start, time.perf_counter(), result
+
+    def cached_ttft(stream: bool) -> float:
+        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=stream)
         _sync(session.device)
         loaded = time.perf_counter()
-        token, cache = forward(cache, question_ids)
-        _sync(session.device)
-        done = time.perf_counter()
-        del cache
-        page_cache.drop(path)
-        start = time.perf_counter()
-        cache, _ = runtime.load_cache(session, fmt.read_header(path), verify_hashes=False)
-        _sync(session.device)
-        unverified_s = time.perf_counter() - start
-        del cache
+        token, _ = forward(cache, question_ids)
         tokens.append(token)
+        return loaded
+
+    for rep in range(reps + 1):
+        start, end, _ = cold(lambda: plain_read(path))
+        runs = {"plain_read_s": end - start}
+        start, end, loaded = cold(lambda: cached_ttft(stream=False))
+        runs.update(load_s=loaded - start, ttft_cached_s=end - start)
+        start, end, _ = cold(lambda: cached_ttft(stream=True))
+        runs["ttft_pipelined_s"] = end - start
+        start, end, _ = cold(lambda: runtime.load_cache(session, fmt.read_header(path), verify_hashes=False))
+        runs["load_unverified_s"] = end - start
         if rep:  # rep 0 is the warm-up
-            loads.append(loaded - start_load)
-            ttfts.append(done - start_load)
-            reads.append(read_s)
-            unverified.append(unverified_s)
+            for name, value in runs.items():
+                samples[name].append(value)
         tick()
-    load_s, ttft_s = statistics.median(loads), statistics.median(ttfts)
+    stats = {name: _stat(values) for name, values in samples.items() if values}
+    med = {name: values[1] for name, values in stats.items()}
     return BenchRow(
-        **compute, scheme=scheme, load_s=load_s, load_gbps=size / load_s / 1e9,
-        ttft_cached_s=ttft_s, speedup_ttft=compute["prefill_s"] / ttft_s, artifact_bytes=size,
-        plain_read_s=statistics.median(reads), load_unverified_s=statistics.median(unverified),
-        first_token_match=all(t == expected for t in tokens),
+        **compute, scheme=scheme, load_s=med["load_s"], load_gbps=size / med["load_s"] / 1e9,
+        ttft_cached_s=med["ttft_cached_s"], speedup_ttft=compute["prefill_s"] / med["ttft_cached_s"],
+        artifact_bytes=size, plain_read_s=med["plain_read_s"], ttft_pipelined_s=med["ttft_pipelined_s"],
+        load_unverified_s=med["load_unverified_s"], first_token_match=all(t == expected for t in tokens),
+        spread={**spread, **stats},
     )
 
 
@@ -488,15 +518,23 @@ def write_csv(rows: list[BenchRow], path: Path) -> Path:
 
 def table(rows: list[BenchRow]) -> str:
     head = ("tokens", "scheme", "prefill_s", "kv_attn_s", "load_s", "ttft_cached_s", "speedup_ttft",
-            "kv_MB", "file_MB", "load_GB/s", "read_GB/s", "first_tok")
+            "kv_MB", "file_MB", "load_GB/s", "read_GB/s", "first_tok", "load/read", "ttft_pipelined_s",
+            "limit_s", "speedup_pipelined")
     lines = [head]
     for r in rows:
         lines.append((str(r.tokens), r.scheme, f"{r.prefill_s:.4f}", f"{r.kv_attn_s:.4f}", f"{r.load_s:.4f}",
-                      f"{r.ttft_cached_s:.4f}", f"{r.speedup_ttft:.1f}x", f"{r.kv_mb:.2f}",
+                      f"{r.ttft_cached_s:.4f}", _times(r.speedup_ttft), f"{r.kv_mb:.2f}",
                       f"{r.artifact_bytes / 1e6:.2f}", f"{r.load_gbps:.2f}", f"{r.plain_read_gbps:.2f}",
-                      {True: "same", False: "DIFFERS", None: "-"}[r.first_token_match]))
+                      {True: "same", False: "DIFFERS", None: "-"}[r.first_token_match],
+                      f"{r.load_read_ratio:.2f}x", f"{r.ttft_pipelined_s:.4f}", f"{r.ttft_limit_s:.4f}",
+                      _times(r.speedup_pipelined)))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def _times(ratio: float) -> str:
+    """A speed-up with two significant digits, so that a slow-down reads 0.42x, not 0.0x."""
+    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.2g}x"
 
 
 @contextlib.contextmanager

@@ -36,6 +36,16 @@ def kvcdn_register_model_adapters() -> list[type[ModelAdapter]]:
 
 
 @hookspec
+def kvcdn_adapt_unclaimed_architecture(architecture: str, config: dict) -> type[ModelAdapter] | str | None:
+    """Offer an adapter for an architecture that no family plugin claims (the generic adapter).
+
+    Called only when no registered adapter claims ``architecture``; ``config`` is the model's
+    ``config.json``. Return an adapter class to serve it, a one-line string saying why it is refused
+    (the user sees it), or None for no opinion. The first class or string returned wins.
+    """
+
+
+@hookspec
 def kvcdn_register_quantizers() -> list[type[Quantizer]]:
     """Return the quantizer classes this plugin provides.
 

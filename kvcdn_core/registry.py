@@ -36,9 +36,21 @@ def families() -> dict[str, type[ModelAdapter]]:
     return {cls.family: cls for cls in adapter_classes().values()}
 
 
-def adapter_for(architecture: str) -> type[ModelAdapter]:
-    """The adapter class that claims ``architecture``, or an error naming what to install."""
+def adapter_for(architecture: str, config: dict[str, Any] | None = None) -> type[ModelAdapter]:
+    """The adapter class that claims ``architecture``, or an error naming what to install.
+
+    With ``config`` (the model's ``config.json``), an architecture no family claims is offered to the
+    ``kvcdn_adapt_unclaimed_architecture`` hook (the guarded generic adapter), which serves it,
+    refuses it with a reason, or passes.
+    """
     cls = adapter_classes().get(architecture)
+    if cls is None and config is not None:
+        for _name, offer in get_host().call_each("kvcdn_adapt_unclaimed_architecture",
+                                                 architecture=architecture, config=config):
+            if isinstance(offer, str):
+                raise KvcdnError(offer)
+            if isinstance(offer, type):
+                return offer
     if cls is None:
         installed = ", ".join(sorted(families())) or "none"
         raise KvcdnError(
@@ -49,23 +61,15 @@ def adapter_for(architecture: str) -> type[ModelAdapter]:
 
 
 _EXTRA_HINTS = {
-    "qwen": "qwen",
-    "llama": "llama",
-    "yi": "llama",
-    "mistral": "mistral",
-    "mixtral": "mistral",
-    "phi": "phi",
-    "gemma": "gemma",
-    "deepseek": "deepseek",
-    "gpt": "gpt",
-    "bloom": "gpt",
-    "falcon": "gpt",
-    "glm": "glm",
-    "olmo": "olmo-granite",
-    "granite": "olmo-granite",
-    "stablelm": "olmo-granite",
-    "starcoder": "olmo-granite",
-    "mamba": "ssm",
+    # more specific prefixes first: the first match wins
+    "gptoss": "gptoss", "granitemoehybrid": "hybrid", "jamba": "hybrid", "lfm2": "hybrid",
+    "smollm": "llama", "arcee": "llama", "cohere": "cohere", "minimax": "minimax", "exaone": "exaone",
+    "ernie": "ernie", "hunyuan": "hunyuan", "seedoss": "seed-oss", "dots": "dots", "helium": "helium",
+    "nemotron": "nemotron",
+    "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
+    "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
+    "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",
+    "stablelm": "olmo-granite", "starcoder": "olmo-granite", "mamba": "ssm",
 }
 
 

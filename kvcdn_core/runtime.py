@@ -63,7 +63,7 @@ def load_session(model_ref: str, revision: str | None = None, device: str = "aut
     """Load a model through the adapter that claims it (or ``adapter_cls``, for contract tests)."""
     model_dir = resolve_model_dir(model_ref, revision)
     config = read_config(model_dir)
-    adapter = (adapter_cls or adapter_for(architecture_of(config)))()
+    adapter = (adapter_cls or adapter_for(architecture_of(config), config))()
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     try:
@@ -155,16 +155,23 @@ def decode(session: Session, ids: list[int]) -> str:
 
 
 def build_manifest(session: Session, layers: list[dict], context: str) -> dict:
+    return model_manifest(session.model_ref, session.revision, session.adapter.family, session.fingerprint,
+                          session.dtype, layers, context)
+
+
+def model_manifest(model_ref: str, revision: str | None, family: str | None, fingerprint: dict, dtype: str,
+                   layers: list[dict], context: str | None) -> dict:
+    """The manifest of an unquantized cache, for writers without a :class:`Session` (serving engines)."""
     return {
         "kvcdn_version": kvcdn_core.__version__,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {
-            "id": session.model_ref,
-            "revision": session.revision,
-            "family": session.adapter.family,
-            **session.fingerprint,
+            "id": model_ref,
+            "revision": revision,
+            "family": family,
+            **fingerprint,
         },
-        "compute_dtype": session.dtype,
+        "compute_dtype": dtype,
         "context": context,
         "layers": layers,
         "quantization": None,
@@ -207,25 +214,67 @@ def check_model(session: Session, manifest: dict, force: bool = False) -> None:
         )
 
 
-def load_cache(session: Session, header: fmt.Header, force: bool = False, verify_hashes: bool = True):
-    """Load an artifact's cache into tensors for the session's model; return ``(cache, token ids)``."""
+def load_cache(session: Session, header: fmt.Header, force: bool = False, verify_hashes: bool = True,
+               stream: bool = False):
+    """Load an artifact's cache into tensors for the session's model; return ``(cache, token ids)``.
+
+    With ``stream`` the cache comes back at once and fills layer by layer in the background
+    (:mod:`kvcdn_core.layer_stream`): the model may start its forward pass while later layers are
+    still read, and meets each layer only once it is verified. Used where the adapter allows it
+    (:meth:`ModelAdapter.streams_layers`) and the artifact is not quantized; otherwise a full load.
+    """
     check_model(session, header.manifest, force)
-    manifest = Manifest.from_dict(header.manifest)
-    if manifest.quantization:
+    manifest = header.manifest
+    convert = _converter(session, manifest)
+    if stream and not manifest.get("quantization") and session.adapter.streams_layers(manifest["layers"]):
+        return _stream_cache(session, header, convert, verify_hashes)
+    if manifest.get("quantization"):
         from kvcdn_core.quant import dequantize_tensors
 
         tensors = dequantize_tensors(header, session.device, verify_hashes)
     else:
         tensors = fmt.load_tensors(header, verify_hashes=verify_hashes)
-    dtype = manifest.compute_dtype
+    ids = tensors.pop(fmt.TOKEN_IDS).tolist()
+    tensors = {name: convert(name, t) for name, t in tensors.items()}
+    cache = session.adapter.import_cache(session.model, manifest["layers"], tensors, session.device)
+    return cache, ids
+
+
+def _converter(session: Session, manifest: dict):
+    """``convert(name, tensor)``: a floating tensor in the session's dtype, unless it must stay wider.
+
+    Linear-attention and recurrent layers keep their state wider than the compute dtype (float32
+    under bfloat16) on purpose; narrowing it on load would make the restored state inexact. A tensor
+    already in the target dtype is returned as is (no copy).
+    """
     import torch
 
-    target, computed = getattr(torch, session.dtype), getattr(torch, dtype)
-    # Linear-attention and recurrent layers keep their state wider than the compute dtype (float32
-    # under bfloat16) on purpose; narrowing it on load would make the restored state inexact.
-    kept = {name for layer in manifest.layers if layer.keeps_state for name in layer.tensors.values()}
-    tensors = {k: (v.to(target) if v.is_floating_point() and (k not in kept or v.dtype == computed) else v)
-               for k, v in tensors.items()}
-    ids = tensors.pop(fmt.TOKEN_IDS).tolist()
-    cache = session.adapter.import_cache(session.model, manifest.layer_dicts, tensors, session.device)
+    target, computed = getattr(torch, session.dtype), getattr(torch, manifest["compute_dtype"])
+    kept = {name for layer in manifest["layers"] if layer["kind"] in (fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
+            for name in layer.get("tensors", {}).values()}
+
+    def convert(name: str, t):
+        if t.is_floating_point() and t.dtype != target and (name not in kept or t.dtype == computed):
+            return t.to(target)
+        return t
+
+    return convert
+
+
+def _stream_cache(session: Session, header: fmt.Header, convert, verify_hashes: bool):
+    from kvcdn_core import tensor_io
+    from kvcdn_core.layer_stream import LayerStream
+
+    reader = tensor_io.TensorReader(header)
+    reader.fetch(*reader.span(fmt.TOKEN_IDS))
+    if verify_hashes and not reader.hash_matches(fmt.TOKEN_IDS):
+        reader.close()
+        raise ArtifactError(f"{header.path}: corrupted: sha256 mismatch in '{fmt.TOKEN_IDS}'")
+    ids = tensor_io.as_tensor(reader, fmt.TOKEN_IDS).tolist()
+    cache = session.adapter.new_cache(session.model)
+    targets = session.adapter.cache_layers(cache)
+    if len(targets) != len(header.manifest["layers"]):
+        raise ArtifactError(f"artifact has {len(header.manifest['layers'])} cache layers, "
+                            f"the loaded model has {len(targets)}")
+    LayerStream(session.adapter, reader, cache, targets, convert, session.device, verify_hashes)
     return cache, ids

@@ -65,16 +65,44 @@ def model_class(architecture: str):
     return cls
 
 
+DEFAULT_VARIANT = "default"
+
+#: The tiny decoder shape most family configs start from: 2 layers, hidden 64, 4 query heads on 2
+#: key-value heads of width 16, untied output embedding (tied, a random model repeats one token).
+TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def config_variants(adapter_cls, architecture: str) -> dict[str, dict]:
+    """Variant name → tiny config kwargs of ``architecture``: ``default`` first, then the extras.
+
+    ``validation_configs[arch]`` is the default shape; ``validation_variants[arch]`` (optional) lists
+    more, each naming itself with a ``_variant`` key and holding only what it changes: head counts,
+    GQA ratios, head widths, tied embeddings, RoPE scalings... so that no architecture is validated
+    on one lucky shape.
+    """
+    base = dict(adapter_cls.validation_configs[architecture])
+    variants = {DEFAULT_VARIANT: base}
+    for extra in getattr(adapter_cls, "validation_variants", {}).get(architecture, ()):
+        extra = dict(extra)
+        name = extra.pop("_variant")
+        if name in variants:
+            raise ValueError(f"{adapter_cls.__name__}: {architecture} has two variants named {name!r}")
+        variants[name] = {**base, **extra}
+    return variants
+
+
 def build_tiny_model(adapter_cls, architecture: str, out_dir: str | Path, seed: int = 0,
-                     init_std: float = 0.3) -> Path:
-    """Build the adapter's tiny config for ``architecture`` with random weights and save it."""
+                     init_std: float = 0.3, variant: str | None = None) -> Path:
+    """Build one tiny config of ``architecture`` (the first variant by default) and save it."""
     import torch
 
     from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
     out = Path(out_dir)
-    kwargs = dict(adapter_cls.validation_configs[architecture])
+    variants = config_variants(adapter_cls, architecture)
+    kwargs = dict(variants[variant or DEFAULT_VARIANT])
     bos = kwargs.pop("_bos", False)
     tokenizer = train_tokenizer(bos=bos)
     cls = model_class(architecture)

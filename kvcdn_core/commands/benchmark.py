@@ -14,7 +14,10 @@ from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 @click.option("--lengths", default="255,485,945,1888,3774", show_default=True,
               help="Context lengths in tokens, comma-separated.")
 @click.option("--reps", type=click.IntRange(1), default=5, show_default=True,
-              help="Timed runs per measurement, after one warm-up; medians are reported.")
+              help="Timed runs per measurement, after one discarded warm-up; medians are reported "
+                   "(min and max too with --format json).")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="Torch threads for every timed run [default: the physical cores]; printed with the results.")
 @click.option("--context-file", default=None,
               help="UTF-8 document to cut the contexts from [default: a synthetic text, said in the output].")
 @click.option("--scheme", "schemes", default="none", show_default=True,
@@ -30,14 +33,17 @@ from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
               help="CSV path [default: $XDG_DATA_HOME/kvcdn/benchmark/<ms>-<model>-bench.csv].")
 @force_output_option
 @format_option
-def command(model, revision, device, dtype, quiet, lengths, reps, context_file, schemes, question,
+def command(model, revision, device, dtype, quiet, lengths, reps, threads, context_file, schemes, question,
             page_cache, output, force, fmt):
     """Measure prefill against a cached continuation for several context lengths.
 
     For each length: the full prefill (prefill_s), one decode step on the resident cache
     (kv_attn_s); and for each scheme: loading the artifact from a cold file and rebuilding the cache
-    (load_s), and load + the question + the first token (ttft_cached_s). One warm-up, then REPS
-    runs, medians. Writes a CSV (plot it with `kvcdn plot`) and prints a table.
+    (load_s), load + the question + the first token (ttft_cached_s), the same with the load
+    pipelined under the question's forward (ttft_pipelined_s), and the limits they are held to: a
+    plain read of the file (plain_read_s) and the question on the resident cache (question_s). One
+    discarded warm-up, then REPS runs, medians. Writes a CSV (plot it with `kvcdn plot`) and prints
+    a table.
     """
     from pathlib import Path
 
@@ -57,13 +63,14 @@ def command(model, revision, device, dtype, quiet, lengths, reps, context_file, 
         click.echo(f"context: {source}", err=True)
     with bench.scratch_dir(path.parent) as work:
         result = bench.run_benchmark(session, ids, wanted, reps, scheme_list, work, question,
-                                     bench.PageCache(page_cache), source, progress=not quiet)
+                                     bench.PageCache(page_cache), source, progress=not quiet, threads=threads)
     bench.write_csv(result.rows, path)
     broken = [r for r in result.rows if r.scheme == "none" and r.first_token_match is False]
     if fmt == "json":
         emit_json({
             "csv": str(path), "model": session.model_ref, "device": session.device, "dtype": session.dtype,
-            "reps": reps, "context": result.context_source, "page_cache": result.page_cache,
+            "reps": reps, "threads": result.threads, "load_average": result.load_average,
+            "context": result.context_source, "page_cache": result.page_cache,
             "page_cache_method": result.page_cache_method,
             "max_resident_after_drop": result.max_resident_after_drop,
             "rows": [row.as_dict() for row in result.rows],
@@ -71,7 +78,10 @@ def command(model, revision, device, dtype, quiet, lengths, reps, context_file, 
     else:
         click.echo(bench.table(result.rows))
         click.echo(f"model: {session.model_ref} ({session.device}, {session.dtype}); "
-                   f"medians of {reps} run(s) after one warm-up")
+                   f"medians of {reps} run(s) after one discarded warm-up")
+        start_load, end_load = result.load_average or (None, None)
+        busy = f"; 1-minute load average {start_load} at the start, {end_load} at the end" if start_load is not None else ""
+        click.echo(f"threads: {result.threads}{busy}")
         click.echo(f"context: {result.context_source}")
         click.echo(f"page cache: {result.page_cache}")
         click.echo(f"wrote {path}")

@@ -49,7 +49,8 @@ def _continue_artifact(model, revision, device, dtype, kv_path, question, n, for
     from kvcdn_core import runtime
 
     session, header = open_artifact(ensure_kv_suffix(kv_path), model, revision, device, dtype)
-    cache, context_ids = runtime.load_cache(session, header, force=force)
+    # Streamed: the question's forward starts on the first layers while the later ones are read.
+    cache, context_ids = runtime.load_cache(session, header, force=force, stream=True)
     question_ids = session.adapter.encode_continuation(session.tokenizer, question)
     ids, _ = runtime.greedy(session, cache, question_ids, n)
     text = runtime.decode(session, ids)

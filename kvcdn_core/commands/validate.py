@@ -31,6 +31,12 @@ class ArchReport:
     phases: list = dataclasses.field(default_factory=list)  # PhaseResult
     layers: list = dataclasses.field(default_factory=list)  # manifest layer entries
     seconds: float = 0.0
+    variant: str = "default"  # which tiny shape (kvcdn_core.tiny.config_variants)
+    proven: dict = dataclasses.field(default_factory=dict)  # kvcdn_core.validation.exercised
+
+    @property
+    def label(self) -> str:
+        return self.architecture if self.variant == "default" else f"{self.architecture}[{self.variant}]"
 
     @property
     def passed(self) -> bool:
@@ -42,7 +48,9 @@ class ArchReport:
     def as_dict(self) -> dict:
         return {
             "family": self.family, "requirement": self.requirement, "architecture": self.architecture,
-            "source": self.source, "passed": self.passed, "layers": self.layer_summary(),
+            "variant": self.variant, "source": self.source, "passed": self.passed,
+            "layers": self.layer_summary(), "layer_kinds": self.proven.get("layer_kinds", []),
+            "features": self.proven.get("features", []), "shape": self.proven.get("shape", {}),
             "seconds": round(self.seconds, 3), "phases": [p.as_dict() for p in self.phases],
         }
 
@@ -78,28 +86,39 @@ def _failed(run_arch: str, phase: str, exc: BaseException):
 def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None,
                  **options) -> None:
     """Run every validation phase on a loaded session and fill ``report``."""
-    from kvcdn_core.validation import run_validation
+    from kvcdn_core.validation import exercised, run_validation
 
     run, results = run_validation(session, report.architecture, workdir, n, context, **options)
     report.phases.extend(results)
     if run.header is not None:
         report.layers = run.header.manifest.get("layers", [])
+    report.proven = exercised(session.model.config, report.layers)
 
 
-def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> ArchReport:
+def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> list[ArchReport]:
+    """One report per tiny variant of ``arch`` (see :func:`kvcdn_core.tiny.config_variants`)."""
+    from kvcdn_core.tiny import config_variants
+
+    if arch not in (cls.validation_configs or {}):
+        from kvcdn_core.validation import PhaseResult
+
+        report = ArchReport(family, cls.install_requirement(), arch, "tiny")
+        report.phases.append(PhaseResult(arch, "load", False, "the adapter ships no tiny validation config"))
+        return [report]
+    return [validate_tiny_variant(family, arch, cls, variant, workdir / variant, n)
+            for variant in config_variants(cls, arch)]
+
+
+def validate_tiny_variant(family: str, arch: str, cls, variant: str, workdir: Path, n: int) -> ArchReport:
     from kvcdn_core import runtime
     from kvcdn_core.tiny import build_tiny_model
     from kvcdn_core.validation import tiny_options
 
-    report = ArchReport(family, cls.install_requirement(), arch, "tiny")
+    report = ArchReport(family, cls.install_requirement(), arch, "tiny", variant=variant)
     start = time.perf_counter()
-    if arch not in (cls.validation_configs or {}):
-        from kvcdn_core.validation import PhaseResult
-
-        report.phases.append(PhaseResult(arch, "load", False, "the adapter ships no tiny validation config"))
-        return report
+    workdir.mkdir(parents=True, exist_ok=True)
     try:
-        model_dir = build_tiny_model(cls, arch, workdir / arch)
+        model_dir = build_tiny_model(cls, arch, workdir / arch, variant=variant)
         session = runtime.load_session(str(model_dir), device="cpu", dtype="float32", adapter_cls=cls)
     except Exception as exc:
         report.phases.append(_failed(arch, "load", exc))
@@ -147,26 +166,45 @@ def render_table(reports: list[ArchReport]) -> str:
     rows = [["FAMILY", "ARCHITECTURE", *[n.upper() for n in names], "LAYERS", "TOTAL"]]
     for r in reports:
         by_name = {p.phase: p for p in r.phases}
-        rows.append([r.family, r.architecture, *[_cell(by_name.get(n)) for n in names],
+        rows.append([r.family, r.label, *[_cell(by_name.get(n)) for n in names],
                      r.layer_summary(), f"{r.seconds:.1f}s"])
     lines = table_lines(rows)
     failures = [(r, p) for r in reports for p in r.phases if not p.passed]
     for r, p in failures:
         where = "" if p.first_divergence is None else f" (first divergence at token {p.first_divergence})"
-        lines.append(f"{r.architecture} {p.phase}: {p.detail}{where}")
+        lines.append(f"{r.label} {p.phase}: {p.detail}{where}")
     passed = sum(r.passed for r in reports)
     lines.append(f"{passed}/{len(reports)} architectures pass" + ("" if reports else " (none installed)"))
     return "\n".join(lines)
 
 
+def _shape_text(shape: dict) -> str:
+    """``4q/2kv×16``: query heads, key-value heads and head width of one validated shape."""
+    if not shape:
+        return "-"
+    return f"{shape.get('heads')}q/{shape.get('kv_heads')}kv×{shape.get('head_dim')}"
+
+
 def render_markdown(reports: list[ArchReport]) -> str:
-    """The README's support table: one row per architecture, sorted by family then architecture."""
-    lines = ["| Architecture | Family | Install | Cache layers (tiny config) | `kvcdn validate` |",
-             "| --- | --- | --- | --- | --- |"]
-    for r in sorted(reports, key=lambda r: (r.family, r.architecture)):
-        status = "PASS" if r.passed else "FAIL"
-        lines.append(f"| `{r.architecture}` | {r.family} | `pip install '{r.requirement}'` | "
-                     f"{r.layer_summary()} | {status} |")
+    """The README's support table: one row per architecture (all its tiny shapes), sorted by family.
+
+    *Proven* lists the features the passing runs exercised (kvcdn_core.validation.exercised) and
+    *Shapes* the attention shapes validated (query heads / key-value heads × head width).
+    """
+    by_arch: dict[tuple[str, str], list[ArchReport]] = {}
+    for r in reports:
+        by_arch.setdefault((r.family, r.architecture), []).append(r)
+    lines = ["| Architecture | Family | Install | Cache layers (tiny config) | Proven | Shapes | `kvcdn validate` |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (family, arch), group in sorted(by_arch.items()):
+        first = group[0]
+        features = sorted({f for r in group for f in r.proven.get("features", [])})
+        shapes = sorted({_shape_text(r.proven.get("shape", {})) for r in group})
+        status = "PASS" if all(r.passed for r in group) else "FAIL"
+        if len(group) > 1:
+            status += f" ({len(group)} shapes)"
+        lines.append(f"| `{arch}` | {family} | `pip install '{first.requirement}'` | "
+                     f"{first.layer_summary()} | {', '.join(features) or '-'} | {', '.join(shapes)} | {status} |")
     return "\n".join(lines)
 
 
@@ -236,7 +274,7 @@ def _validate_families(family: str | None, workdir: Path, n: int, say) -> list:
     for fam in sorted(adapters) if family is None else [family]:
         for arch, cls in sorted(adapters[fam].items()):
             say(f"validating {fam}/{arch} ...")
-            report = validate_tiny_arch(fam, arch, cls, workdir, n)
-            say(f"  {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f}s")
-            reports.append(report)
+            for report in validate_tiny_arch(fam, arch, cls, workdir, n):
+                say(f"  {report.variant}: {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f}s")
+                reports.append(report)
     return reports

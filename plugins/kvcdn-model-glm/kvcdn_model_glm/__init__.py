@@ -1,4 +1,5 @@
-"""kvcdn model family: GLM and GLM-4 (``GlmForCausalLM``, ``Glm4ForCausalLM``).
+"""kvcdn model family: GLM, GLM-4 and GLM-4.5 MoE (``GlmForCausalLM``, ``Glm4ForCausalLM``,
+``Glm4MoeForCausalLM``).
 
 Both use partial rotary embeddings (half of each head is rotated) and a standard transformers
 ``DynamicCache`` of full-attention layers, so the base adapter does the export and import; this
@@ -18,10 +19,20 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 
 class GlmAdapter(ModelAdapter):
     family = "glm"
-    architectures = ("GlmForCausalLM", "Glm4ForCausalLM")
+    architectures = ("GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
     validation_configs = {
         "GlmForCausalLM": dict(_COMMON),
         "Glm4ForCausalLM": dict(_COMMON),
+        # GLM-4.5: a dense first layer then routed + shared experts, QK norms, partial rotary.
+        "Glm4MoeForCausalLM": dict(_COMMON, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                   use_qk_norm=True),
+    }
+    validation_variants = {
+        # GLM-4.5-Air's 96 query heads on 8 key-value heads (12:1), scaled down.
+        "Glm4MoeForCausalLM": [dict(_variant="12q-kv1", num_attention_heads=12, num_key_value_heads=1,
+                                    head_dim=8)],
+        "GlmForCausalLM": [dict(_variant="mha-tied", num_key_value_heads=4, tie_word_embeddings=True)],
     }
 
 

@@ -1,4 +1,5 @@
-"""kvcdn model family: Llama (Llama 2, 3, 3.1, 3.2, and Yi checkpoints published as Llama).
+"""kvcdn model family: Llama (Llama 2, 3, 3.1, 3.2, Yi and SmolLM2 checkpoints published as Llama)
+and the Llama-layout decoders SmolLM3 (no rotary on every fourth layer) and Arcee AFM (ReLU² MLP).
 
 Llama models use the standard transformers ``DynamicCache`` of full-attention layers, so the base
 adapter exports and imports the cache; this plugin names the architecture and its tiny validation
@@ -28,9 +29,20 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 
 class LlamaAdapter(ModelAdapter):
     family = "llama"
-    architectures = ("LlamaForCausalLM",)
+    architectures = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "ArceeForCausalLM")
     validation_configs = {
         "LlamaForCausalLM": dict(_COMMON),
+        "SmolLM3ForCausalLM": dict(_COMMON, num_hidden_layers=4, no_rope_layer_interval=2),
+        "ArceeForCausalLM": dict(_COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                            "factor": 4.0, "original_max_position_embeddings": 64}),
+    }
+    validation_variants = {
+        # Llama 3.1 RoPE scaling at 8 query heads per key-value head (Llama 3 70B); SmolLM2-135M's
+        # 9:3 heads of width 64 with tied embeddings is validated on its real weights in the tests.
+        "LlamaForCausalLM": [dict(_variant="llama3-rope-8q-kv1", num_attention_heads=8, num_key_value_heads=1,
+                                  rope_parameters=dict(LLAMA3_ROPE)),
+                             dict(_variant="mha-tied-wide-heads", num_key_value_heads=4, head_dim=32,
+                                  tie_word_embeddings=True)],
     }
 
 

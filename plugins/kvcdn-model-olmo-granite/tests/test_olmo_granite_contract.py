@@ -11,9 +11,11 @@ pytestmark = pytest.mark.slow  # real model runs on every tiny config of the fam
 def test_adapter_contract(architecture, tmp_path):
     assert_adapter_contract(OlmoGraniteAdapter, architecture, tmp_path)
     manifest = fmt.read_manifest(tmp_path / f"{architecture}.kv")
-    window = OlmoGraniteAdapter.validation_configs[architecture].get("sliding_window")
-    want = fmt.SLIDING_WINDOW if window else fmt.FULL_ATTENTION
-    assert [layer["kind"] for layer in manifest["layers"]] == [want] * 2
+    config = OlmoGraniteAdapter.validation_configs[architecture]
+    window = config.get("sliding_window")
+    types = config.get("layer_types") or ["sliding_attention" if window else "full_attention"] * 2
+    want = [fmt.SLIDING_WINDOW if t == "sliding_attention" else fmt.FULL_ATTENTION for t in types]
+    assert [layer["kind"] for layer in manifest["layers"]] == want
     if window:
         assert manifest["layers"][0]["window"] == window
         assert manifest["layers"][0]["cumulative_length"] == manifest["token_count"] > 2 * window

@@ -1,0 +1,49 @@
+"""Linear-attention and recurrent cache layers inside hybrid models (gated DeltaNet, Mamba, short conv).
+
+A linear-attention layer caches a causal-convolution state and a recurrent state instead of per-token
+keys and values. That state summarises the whole prefix, so the layer is recorded as
+``linear_attention`` and the artifact is reusable only as a whole prefix (``reuse: whole_prefix``);
+cropping it is refused. Families whose caches mix such layers with attention layers (Qwen3-Next,
+Qwen3.5, Jamba, Granite 4 hybrid, LFM2) put :class:`LinearAttentionLayers` before
+:class:`~kvcdn_core.contracts.adapter.ModelAdapter` in their bases.
+"""
+
+from __future__ import annotations
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core.errors import ArtifactError
+
+
+def is_linear_attention(layer) -> bool:
+    """A pure linear-attention cache layer (not a hybrid layer that also holds keys and values)."""
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+    return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
+
+
+class LinearAttentionLayers:
+    """Adapter mixin: export and import linear-attention layers; other layers go to the base adapter.
+
+    A cache without linear-attention layers never reaches this code.
+    """
+
+    def layer_kind(self, layer) -> str:
+        if is_linear_attention(layer):
+            return fmt.LINEAR_ATTENTION
+        return super().layer_kind(layer)
+
+    def export_layer(self, index: int, layer):
+        if not is_linear_attention(layer):
+            return super().export_layer(index, layer)
+        entry = {"kind": fmt.LINEAR_ATTENTION, "conv_kernel": int(layer.conv_kernel_size[0] or 0)}
+        return entry, self.export_linear_state(layer)
+
+    def import_layer(self, entry: dict, named: dict, layer) -> None:
+        if not is_linear_attention(layer):
+            return super().import_layer(entry, named, layer)
+        if entry["kind"] != fmt.LINEAR_ATTENTION:
+            raise ArtifactError(
+                f"layer {entry['index']} is '{entry['kind']}' in the artifact but "
+                f"'{fmt.LINEAR_ATTENTION}' in the model"
+            )
+        self.import_linear_state(entry, named, layer)

@@ -1,0 +1,9 @@
+import pytest
+
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_cohere import CohereAdapter
+
+
+@pytest.mark.parametrize("architecture", CohereAdapter.architectures)
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(CohereAdapter, architecture, tmp_path)

@@ -1,0 +1,9 @@
+import pytest
+
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_ernie import ErnieAdapter
+
+
+@pytest.mark.parametrize("architecture", ErnieAdapter.architectures)
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(ErnieAdapter, architecture, tmp_path)

@@ -1,0 +1,29 @@
+"""kvcdn model family: LG AI EXAONE 4.0 (``Exaone4ForCausalLM``).
+
+EXAONE 4.0 mixes sliding-window and global layers (hybrid attention) with QK norms; the global
+layers have no rotary embedding.
+A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family exaone``).
+"""
+
+from kvcdn_core import hookimpl
+from kvcdn_core import ModelAdapter
+from kvcdn_core.tiny import TINY_DECODER as _COMMON
+
+__version__ = "0.1.0"
+
+
+class ExaoneAdapter(ModelAdapter):
+    family = "exaone"
+    architectures = ("Exaone4ForCausalLM",)
+    validation_configs = {
+        "Exaone4ForCausalLM": dict(_COMMON, num_hidden_layers=4, sliding_window=16,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    }
+    validation_variants = {
+        "Exaone4ForCausalLM": [dict(_variant="8q-kv1-wide-heads", num_attention_heads=8, num_key_value_heads=1, head_dim=32)],
+    }
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [ExaoneAdapter]

@@ -1,0 +1,9 @@
+import pytest
+
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_helium import HeliumAdapter
+
+
+@pytest.mark.parametrize("architecture", HeliumAdapter.architectures)
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(HeliumAdapter, architecture, tmp_path)

@@ -1,0 +1,28 @@
+"""kvcdn model family: Tencent Hunyuan dense (``HunYuanDenseV1ForCausalLM``).
+
+Hunyuan's dense models are full attention with QK norms and dynamic-alpha rotary scaling in some
+checkpoints (kept exact or refused by core, like every length-dependent RoPE).
+A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family hunyuan``).
+"""
+
+from kvcdn_core import hookimpl
+from kvcdn_core import ModelAdapter
+from kvcdn_core.tiny import TINY_DECODER as _COMMON
+
+__version__ = "0.1.0"
+
+
+class HunYuanAdapter(ModelAdapter):
+    family = "hunyuan"
+    architectures = ("HunYuanDenseV1ForCausalLM",)
+    validation_configs = {
+        "HunYuanDenseV1ForCausalLM": dict(_COMMON),
+    }
+    validation_variants = {
+        "HunYuanDenseV1ForCausalLM": [dict(_variant="8q-kv1", num_attention_heads=8, num_key_value_heads=1)],
+    }
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [HunYuanAdapter]

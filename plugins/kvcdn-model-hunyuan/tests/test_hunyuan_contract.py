@@ -1,0 +1,9 @@
+import pytest
+
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_hunyuan import HunYuanAdapter
+
+
+@pytest.mark.parametrize("architecture", HunYuanAdapter.architectures)
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(HunYuanAdapter, architecture, tmp_path)

@@ -1,0 +1,27 @@
+"""kvcdn model family: MiniMax-M2 (``MiniMaxM2ForCausalLM``).
+
+MiniMax-M2 is a full-attention mixture of experts with QK norms and partial rotary embeddings.
+A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family minimax``).
+"""
+
+from kvcdn_core import hookimpl
+from kvcdn_core import ModelAdapter
+from kvcdn_core.tiny import TINY_DECODER as _COMMON
+
+__version__ = "0.1.0"
+
+
+class MiniMaxAdapter(ModelAdapter):
+    family = "minimax"
+    architectures = ("MiniMaxM2ForCausalLM",)
+    validation_configs = {
+        "MiniMaxM2ForCausalLM": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    }
+    validation_variants = {
+        "MiniMaxM2ForCausalLM": [dict(_variant="12q-kv2", num_attention_heads=12, num_key_value_heads=2, head_dim=8)],
+    }
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [MiniMaxAdapter]

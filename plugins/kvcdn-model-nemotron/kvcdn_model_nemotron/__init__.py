@@ -1,0 +1,27 @@
+"""kvcdn model family: NVIDIA Nemotron (``NemotronForCausalLM``, Nemotron-3/4 and Minitron).
+
+Nemotron is full attention with partial rotary embeddings, LayerNorm1p and a squared-ReLU MLP.
+A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family nemotron``).
+"""
+
+from kvcdn_core import hookimpl
+from kvcdn_core import ModelAdapter
+from kvcdn_core.tiny import TINY_DECODER as _COMMON
+
+__version__ = "0.1.0"
+
+
+class NemotronAdapter(ModelAdapter):
+    family = "nemotron"
+    architectures = ("NemotronForCausalLM",)
+    validation_configs = {
+        "NemotronForCausalLM": dict(_COMMON, partial_rotary_factor=0.5),
+    }
+    validation_variants = {
+        "NemotronForCausalLM": [dict(_variant="8q-kv1", num_attention_heads=8, num_key_value_heads=1)],
+    }
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [NemotronAdapter]

@@ -1,0 +1,9 @@
+import pytest
+
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_model_nemotron import NemotronAdapter
+
+
+@pytest.mark.parametrize("architecture", NemotronAdapter.architectures)
+def test_adapter_contract(architecture, tmp_path):
+    assert_adapter_contract(NemotronAdapter, architecture, tmp_path)

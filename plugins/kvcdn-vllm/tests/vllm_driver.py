@@ -1,0 +1,53 @@
+"""Runs vLLM engines one after another in one process and writes what each request reported.
+
+Run with the vLLM environment's Python: ``python vllm_driver.py SPEC.json OUT.json``. SPEC holds
+``runs``, each ``{"model", "connector": null | kv_connector_extra_config, "prompts": [[ids]],
+"max_tokens", "max_model_len"}``; OUT gets, per run, per prompt: the greedy token ids,
+``num_cached_tokens`` and the connector's ``kv_transfer_params``. Engines are float32, eager, with
+vLLM's own prefix cache off, so any cached token was loaded by the connector.
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+
+
+def run_engine(run: dict) -> list[dict]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if run.get("connector") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvcdnConnector", kv_connector_module_path="kvcdn_vllm", kv_role="kv_both",
+            kv_connector_extra_config=run["connector"], kv_load_failure_policy="recompute")
+    llm = LLM(model=run["model"], dtype="float32", max_model_len=run.get("max_model_len", 2048),
+              enforce_eager=True, enable_prefix_caching=False, seed=0, **kwargs)
+    try:
+        params = SamplingParams(max_tokens=run.get("max_tokens", 8), temperature=0.0)
+        results = []
+        for ids in run["prompts"]:  # one at a time: each request's load is its own step
+            started = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            results.append({"ids": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+                            "kv_transfer_params": out.kv_transfer_params,
+                            "seconds": time.perf_counter() - started})
+        return results
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out = {"runs": [run_engine(run) for run in spec["runs"]]}
+    with open(sys.argv[2], "w") as fh:
+        json.dump(out, fh)
+
+
+if __name__ == "__main__":  # vLLM starts its engine in a spawned process, which re-imports this file
+    main()

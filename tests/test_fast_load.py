@@ -1,0 +1,187 @@
+"""The fast load paths are exact: direct and buffered reads, whole and layer-streamed loads all
+continue like a full prefill of the same tokens (token ids, float32, tiny models, one of them with
+sliding-window layers), and a corrupted layer fails loudly instead of being used."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core import runtime, tensor_io
+from kvcdn_core.errors import ArtifactError
+from kvcdn_core.layer_stream import GatedLayers, LayerStream
+from kvcdn_core.tiny import SAMPLE_TEXT
+
+QUESTION = " And what comes next?"
+N_NEW = 8
+FAMILIES = [("kvcdn_model_qwen", "QwenAdapter", "Qwen3ForCausalLM"),
+            ("kvcdn_model_gemma", "GemmaAdapter", "Gemma3ForCausalLM")]  # layers 0 and 2 slide
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[arch for *_, arch in FAMILIES])
+def case(request, tiny_session, tmp_path_factory):
+    """A tiny model, an artifact of the sample text, and the greedy continuation of a full prefill."""
+    import importlib
+
+    module, name, arch = request.param
+    session = tiny_session(getattr(importlib.import_module(module), name), arch)
+    path = tmp_path_factory.mktemp(arch) / "ctx.kv"
+    path, ids = runtime.generate(session, SAMPLE_TEXT, path, progress=False)
+    question = session.adapter.encode_continuation(session.tokenizer, QUESTION)
+    full, _ = runtime.prefill(session, ids + question, progress=False)  # one prefill of everything
+    expected, _ = runtime.greedy(session, runtime.prefill(session, ids, progress=False)[0], question, N_NEW)
+    # The reference itself: greedy on the full prefill of context + question gives the same first token.
+    first_full, _ = runtime.decode_from(session, full, runtime.prefill(session, ids + question, progress=False)[1], 1)
+    assert first_full == expected[:1]
+    return session, path, ids, question, expected
+
+
+def _kinds(path):
+    return {layer["kind"] for layer in fmt.read_header(path).manifest["layers"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("direct", [None, True, False], ids=["auto", "direct", "buffered"])
+def test_loaded_cache_continues_exactly_like_a_full_prefill(case, stream, direct, monkeypatch):
+    session, path, ids, question, expected = case
+    if direct is not None:
+        original = tensor_io.TensorReader.__init__
+        monkeypatch.setattr(tensor_io.TensorReader, "__init__",
+                            lambda self, header, _direct=None: original(self, header, direct))
+    cache, loaded_ids = runtime.load_cache(session, fmt.read_header(path), stream=stream)
+    assert isinstance(cache.layers, GatedLayers) is stream
+    assert loaded_ids == ids
+    got, _ = runtime.greedy(session, cache, question, N_NEW)
+    assert got == expected
+
+
+def test_the_sliding_window_model_really_has_sliding_layers(case):
+    _, path, *_ = case
+    if "Gemma" in str(path):
+        assert _kinds(path) == {fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW}
+
+
+def test_load_tensors_is_bitwise_the_file_in_both_read_modes(case):
+    from safetensors.torch import load_file
+
+    _, path, *_ = case
+    reference = load_file(str(path))
+    for direct in (True, False):
+        tensors = fmt.load_tensors(fmt.read_header(path), direct=direct)
+        assert tensors.keys() == reference.keys()
+        for name, t in reference.items():
+            assert tensors[name].dtype == t.dtype and tensors[name].equal(t), (direct, name)
+
+
+def test_the_model_starts_before_the_last_layer_is_read(case, monkeypatch):
+    """Pipelining, shown without a clock: the loader is held after the first layer of each kind
+    (the masks are sized from them) until the model's first decoder layer has started, so that
+    layer must run while later layers are still unread; a model that waited for the whole cache
+    first would leave the loader held."""
+    session, path, _, question, expected = case
+    layers = fmt.read_header(path).manifest["layers"]
+    firsts = {kind: next(i for i, layer in enumerate(layers) if layer["kind"] == kind)
+              for kind in {layer["kind"] for layer in layers}}
+    assert max(firsts.values()) < len(layers) - 1  # something is left to overlap
+    first_layer = [name for i in range(max(firsts.values()) + 1) for name in layers[i]["tensors"].values()]
+    layer_zero_runs = threading.Event()
+    held = []
+    fetch = tensor_io.TensorReader.fetch
+
+    def slow_fetch(self, start, end):
+        later = start >= max(self.span(name)[1] for name in first_layer)
+        if later and threading.current_thread().name == "kvcdn-layer-stream":
+            held.append(layer_zero_runs.wait(timeout=10))
+        fetch(self, start, end)
+
+    monkeypatch.setattr(tensor_io.TensorReader, "fetch", slow_fetch)
+    hook = session.model.model.layers[0].register_forward_pre_hook(lambda *_: layer_zero_runs.set())
+    try:
+        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+        got, _ = runtime.greedy(session, cache, question, N_NEW)
+    finally:
+        hook.remove()
+    assert got == expected
+    assert held and all(held), "the model did not start on layer 0 while later layers were unread"
+
+
+def _corrupt_last_layer(path, tmp_path):
+    """A copy of the artifact with one byte of its last layer's value tensor flipped."""
+    header = fmt.read_header(path)
+    last = header.manifest["layers"][-1]["tensors"]["value"]
+    start, end = header.entries[last]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[header.data_start + (start + end) // 2] ^= 0x40
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(bytes(data))
+    return bad, len(header.manifest["layers"]) - 1
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_corrupted_layer_fails_loudly_and_is_never_used(case, tmp_path, direct, monkeypatch):
+    session, path, _, question, _ = case
+    bad, last = _corrupt_last_layer(path, tmp_path)
+    original = tensor_io.TensorReader.__init__
+    monkeypatch.setattr(tensor_io.TensorReader, "__init__",
+                        lambda self, header, _direct=None: original(self, header, direct))
+    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+        runtime.load_cache(session, fmt.read_header(bad))
+    cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=True)
+    with pytest.raises(ArtifactError, match=f"sha256 mismatch in layer {last} "):
+        runtime.greedy(session, cache, question, N_NEW)
+    # The bad layer was never imported: its cache layer is still empty.
+    assert not _layer_filled(cache, last)
+
+
+def _layer_filled(cache, index) -> bool:
+    layer = cache.layers.unchecked()[index]
+    return getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
+
+
+def test_a_truncated_file_fails_the_streamed_load(case, tmp_path):
+    """Cut after its header was read: the reader hits the end early and the model is told."""
+    session, path, _, question, _ = case
+    header = fmt.read_header(path)
+    short = tmp_path / "short.kv"
+    short.write_bytes(path.read_bytes()[:header.file_size - 4096])
+    cut = fmt.Header(short, header.manifest, header.entries, header.data_start, header.file_size)
+    cache, _ = runtime.load_cache(session, cut, stream=True)
+    with pytest.raises(ArtifactError, match="truncated"):
+        runtime.greedy(session, cache, question, N_NEW)
+
+
+def test_a_streamed_cache_copies_and_crops_like_a_plain_one(case):
+    session, path, ids, question, expected = case
+    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    twin = copy.deepcopy(cache)  # waits for the whole load, then a plain list of layers
+    assert type(twin.layers) is list
+    assert runtime.greedy(session, twin, question, N_NEW)[0] == expected
+    assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
+
+
+def test_adapters_that_reshape_the_cache_load_whole(case):
+    from kvcdn_core import ModelAdapter
+
+    session, path, *_ = case
+    layers = fmt.read_header(path).manifest["layers"]
+    assert session.adapter.streams_layers(layers)
+    assert not session.adapter.streams_layers([*layers, {"kind": fmt.RECURRENT_STATE}])
+
+    class Reshaping(type(session.adapter)):
+        def import_cache(self, model, layers, tensors, device):
+            return ModelAdapter.import_cache(self, model, layers, tensors, device)
+
+    assert not Reshaping().streams_layers(layers)
+
+
+def test_continue_streams_and_refuses_a_corrupted_layer_in_one_line(cli, qwen3_dir, qwen3_artifact, tmp_path):
+    good = cli("continue", "--kv-path", qwen3_artifact, "--model", qwen3_dir, "--n", "4", "--format", "json")
+    assert good.exit_code == 0, good.stderr
+    bad, last = _corrupt_last_layer(qwen3_artifact, tmp_path)
+    result = cli("continue", "--kv-path", bad, "--model", qwen3_dir, "--n", "4")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and f"sha256 mismatch in layer {last} " in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,52 @@
+"""``kvcdn validate --format json`` says, per architecture shape, what the run exercised."""
+
+from __future__ import annotations
+
+import json
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core.validation import exercised
+
+
+def config(architecture: str, **kwargs):
+    import transformers
+
+    return getattr(transformers, architecture).config_class(**kwargs)
+
+
+def test_exercised_names_layer_kinds_features_and_shape():
+    cfg = config("Qwen3MoeForCausalLM", num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                 num_experts=4, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                  "original_max_position_embeddings": 64})
+    layers = [{"kind": fmt.SLIDING_WINDOW, "window": 16}, {"kind": fmt.FULL_ATTENTION}]
+    proven = exercised(cfg, layers)
+    assert proven["layer_kinds"] == [fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW]
+    assert proven["features"] == [fmt.SLIDING_WINDOW, "moe", "rope:yarn", "tied_embeddings"]
+    assert proven["shape"] == {"heads": 8, "kv_heads": 2, "head_dim": 32}
+
+
+def test_plain_config_proves_no_feature():
+    cfg = config("LlamaForCausalLM", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                 tie_word_embeddings=False)
+    proven = exercised(cfg, [{"kind": fmt.FULL_ATTENTION}] * 2)
+    assert proven["features"] == [] and proven["shape"] == {"heads": 4, "kv_heads": 4, "head_dim": 16}
+
+
+def test_recurrent_and_linear_kinds_are_features():
+    cfg = config("Qwen3NextForCausalLM")
+    proven = exercised(cfg, [{"kind": fmt.LINEAR_ATTENTION}, {"kind": fmt.RECURRENT_STATE}])
+    assert {fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE} <= set(proven["features"])
+
+
+def test_validate_json_reports_each_shape(run_kvcdn):
+    code, out, err = run_kvcdn("validate", "--family", "deepseek", "--format", "json", "-q")
+    assert code == 0, err
+    rows = json.loads(out)["architectures"]
+    assert {(r["architecture"], r["variant"]) for r in rows} >= {("DeepseekV3ForCausalLM", "default"),
+                                                                   ("DeepseekV3ForCausalLM", "8q-kv2")}
+    for row in rows:
+        assert row["passed"] and row["layer_kinds"] == [fmt.MLA_LATENT]
+        assert {"mla", "moe"} <= set(row["features"])
+    assert any(r["shape"]["kv_heads"] != r["shape"]["heads"] for r in rows)
+    assert any("rope:yarn" in r["features"] for r in rows)
