@@ -44,6 +44,14 @@ _EXPORTS = {
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",
     "is_linear_attention": "kvcdn_core.linear_attention",
+    # models: files, fingerprint, tiny validation configs, the validation run
+    "resolve_model_dir": "kvcdn_core.model_files",
+    "fingerprint": "kvcdn_core.model_files",
+    "fingerprint_differences": "kvcdn_core.model_files",
+    "TINY_DECODER": "kvcdn_core.tiny",
+    "validate_tiny": "kvcdn_core.validation",
+    # quantized artifacts
+    "dequantize_tensors": "kvcdn_core.quant",
     # lookup
     "adapter_for": "kvcdn_core.registry",
     "quantizer_for": "kvcdn_core.registry",
@@ -61,17 +69,20 @@ _EXPORTS = {
     "write_json_atomic": "kvcdn_core.atomic",
     "fsync_dir": "kvcdn_core.atomic",
     "config_home": "kvcdn_core.paths",
+    "cache_home": "kvcdn_core.paths",
     "data_home": "kvcdn_core.paths",
     "ensure_kv_suffix": "kvcdn_core.paths",
     "Progress": "kvcdn_core.progress",
     "human_bytes": "kvcdn_core.progress",
     "emit_json": "kvcdn_core.render",
+    "format_option": "kvcdn_core.commands.common",
     "render": "kvcdn_core.render",
     "print_table": "kvcdn_core.render",
 }
 
-#: Public modules: the `.kv` format (read, write, validate) and model sessions (load, prefill, decode).
-_MODULES = ("artifact", "runtime")
+#: Public modules: the `.kv` format (read, write, validate), model sessions (load, prefill, decode)
+#: and prefix search (index, rank, reuse).
+_MODULES = ("artifact", "runtime", "search")
 
 __all__ = ["__version__", "hookimpl", *_MODULES, *_EXPORTS]
 

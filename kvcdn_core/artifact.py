@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcdn_core.atomic import atomic_path
+from kvcdn_core import tensor_io
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
 FORMAT_NAME = "kvcdn-kv"
@@ -46,21 +47,8 @@ MAX_JSON_TOKENS = 200_000
 #: Most dimensions of a tensor.
 MAX_RANK = 16
 
-#: safetensors dtype name → (bytes per element, torch dtype name)
-DTYPES = {
-    "F64": (8, "float64"),
-    "F32": (4, "float32"),
-    "F16": (2, "float16"),
-    "BF16": (2, "bfloat16"),
-    "F8_E4M3": (1, "float8_e4m3fn"),
-    "F8_E5M2": (1, "float8_e5m2"),
-    "I64": (8, "int64"),
-    "I32": (4, "int32"),
-    "I16": (2, "int16"),
-    "I8": (1, "int8"),
-    "U8": (1, "uint8"),
-    "BOOL": (1, "bool"),
-}
+#: safetensors dtype name → (bytes per element, torch dtype name); defined with the tensor reader
+DTYPES = tensor_io.DTYPES
 TORCH_TO_ST = {torch_name: st for st, (_, torch_name) in DTYPES.items()}
 #: dtypes a cache is computed in (the manifest's ``compute_dtype``)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")

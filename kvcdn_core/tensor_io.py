@@ -27,6 +27,22 @@ from typing import Any, Iterable
 
 from kvcdn_core.errors import ArtifactError
 
+#: safetensors dtype name → (bytes per element, torch dtype name)
+DTYPES = {
+    "F64": (8, "float64"),
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "I64": (8, "int64"),
+    "I32": (4, "int32"),
+    "I16": (2, "int16"),
+    "I8": (1, "int8"),
+    "U8": (1, "uint8"),
+    "BOOL": (1, "bool"),
+}
+
 #: Alignment of direct reads (offsets, lengths and the buffer).
 BLOCK = 4096
 #: Bytes per read call; READERS calls run at once, so that a direct read keeps several requests in
@@ -207,8 +223,6 @@ def _read_hashing(reader: TensorReader, names: list[str]) -> list[str]:
 def as_tensor(reader: TensorReader, name: str) -> Any:
     """A torch tensor viewing a tensor's bytes in the reader's buffer (no copy)."""
     import torch
-
-    from kvcdn_core.artifact import DTYPES
 
     entry = reader.header.entries[name]
     width, torch_name = DTYPES[entry["dtype"]]

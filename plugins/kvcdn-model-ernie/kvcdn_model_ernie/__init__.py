@@ -6,7 +6,7 @@ A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --fam
 
 from kvcdn_core import hookimpl
 from kvcdn_core import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
 
 __version__ = "0.1.0"
 

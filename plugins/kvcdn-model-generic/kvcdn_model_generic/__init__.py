@@ -88,7 +88,7 @@ def read_record(architecture: str) -> dict | None:
 def run_guard(architecture: str, config: dict[str, Any]) -> dict:
     """Validate ``architecture`` on its shrunk config; return (and store) the verdict record."""
     from kvcdn_core import atomic_open
-    from kvcdn_core.validation import validate_tiny
+    from kvcdn_core import validate_tiny
     from kvcdn_model_generic.shrink import shrink
 
     tiny = shrink(config)

@@ -17,7 +17,7 @@ from typing import Callable
 from kvcdn_core import artifact as fmt
 from kvcdn_core import search
 from kvcdn_core import ArtifactError, KvcdnError
-from kvcdn_core.model_files import fingerprint_differences
+from kvcdn_core import fingerprint_differences
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,7 @@ class _Pending:
 
 def model_facts(vllm_config: "VllmConfig") -> tuple[Path, dict, ModelShape]:
     """The engine's model directory, kvcdn fingerprint and cache shape (config and files only)."""
-    from kvcdn_core.model_files import fingerprint, resolve_model_dir
+    from kvcdn_core import fingerprint, resolve_model_dir
 
     mc = vllm_config.model_config
     model_dir = resolve_model_dir(mc.model, mc.revision, weights=False)

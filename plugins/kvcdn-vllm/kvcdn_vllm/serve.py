@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from kvcdn_core.commands.common import emit_json, format_option
+from kvcdn_core import emit_json, format_option
 from kvcdn_core import KvcdnError
 
 
