@@ -19,7 +19,7 @@ import struct
 import sys
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core import tensor_io
@@ -85,11 +85,11 @@ class Header:
         return int(self.manifest["token_count"])
 
 
-def _fail(path, message: str) -> ArtifactError:
+def _fail(path: Any, message: str) -> ArtifactError:
     return ArtifactError(f"{path}: {message}")
 
 
-def read_header(path: str | os.PathLike) -> Header:
+def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and strictly validate the header of an artifact, without touching the tensor data.
 
     Every reader (CLI, hosted client, server) goes through here: any malformed input is an
@@ -147,7 +147,7 @@ def read_header(path: str | os.PathLike) -> Header:
     return result
 
 
-def check_file(path: str | os.PathLike) -> Header:
+def check_file(path: str | os.PathLike[str]) -> Header:
     """:func:`read_header` plus :func:`check_hashes` and the token ids: the whole file is what its
     manifest promises.
 
@@ -170,7 +170,7 @@ _JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def _parse_json(path, text: str, what: str) -> Any:
+def _parse_json(path: Any, text: str, what: str) -> Any:
     """``json.loads`` of untrusted text, after checking its nesting depth and token count.
 
     The scan runs before the parser and stops at the first limit passed, so a hostile document can
@@ -220,7 +220,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_constant(name: str):
+def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
@@ -239,7 +239,7 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _check_manifest_types(path, manifest: dict) -> None:
+def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
     """The manifest's structure, so that later code can index it without surprises."""
     missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in manifest]
     if missing:
@@ -249,7 +249,7 @@ def _check_manifest_types(path, manifest: dict) -> None:
         if not ok:
             raise _fail(path, f"corrupted: manifest {what}")
 
-    def optional(container: dict, key: str, kind) -> bool:
+    def optional(container: dict[str, Any], key: str, kind: Any) -> bool:
         return container.get(key) is None or isinstance(container[key], kind)
 
     expect(_is_label(manifest["kvcdn_version"]), "kvcdn_version is not a printable string")
@@ -292,7 +292,7 @@ def _check_manifest_types(path, manifest: dict) -> None:
                    f"layer {i} lacks an integer window and cumulative_length")
 
 
-def _check_quantization(expect, q: dict) -> None:
+def _check_quantization(expect: Callable[[bool, str], None], q: dict[str, Any]) -> None:
     """The quantization block's common structure (docs/quantization.md); its scheme checks the rest."""
     expect(isinstance(q.get("scheme"), str) and isinstance(q.get("target_dtype"), str),
            "quantization lacks a scheme or a target_dtype")
@@ -344,11 +344,11 @@ def _validate(h: Header) -> None:
     if actual > end:
         raise _fail(path, f"corrupted: {actual - end} unexpected trailing bytes")
     for name, spec in manifest["tensors"].items():
-        entry = h.entries.get(name)
-        if entry is None:
+        found = h.entries.get(name)
+        if found is None:
             raise _fail(path, f"corrupted: manifest names tensor '{name}', which the file lacks")
-        if entry["shape"] != spec["shape"] or entry["dtype"] != spec["dtype"]:
-            raise _fail(path, f"corrupted: tensor '{name}' is {entry['dtype']}{entry['shape']}, "
+        if found["shape"] != spec["shape"] or found["dtype"] != spec["dtype"]:
+            raise _fail(path, f"corrupted: tensor '{name}' is {found['dtype']}{found['shape']}, "
                               f"the manifest says {spec['dtype']}{spec['shape']}")
     extra = next((name for name in h.entries if name not in manifest["tensors"]), None)
     if extra is not None:
@@ -360,11 +360,11 @@ def _validate(h: Header) -> None:
         raise _fail(path, f"corrupted: '{TOKEN_IDS}' has dtype {token_entry['dtype']}, expected I64 or I32")
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return read_header(path).manifest
 
 
-def read_token_ids(path: str | os.PathLike, header: Header | None = None) -> list[int]:
+def read_token_ids(path: str | os.PathLike[str], header: Header | None = None) -> list[int]:
     """The artifact's token ids, read without loading the cache tensors (no torch)."""
     h = header or read_header(path)
     entry = h.entries[TOKEN_IDS]
@@ -408,7 +408,7 @@ def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True
     return tensors
 
 
-def tensor_bytes(t) -> memoryview:
+def tensor_bytes(t: Any) -> memoryview:
     """The raw little-endian bytes of a CPU tensor, as stored in the file."""
     import torch
 
@@ -418,7 +418,7 @@ def tensor_bytes(t) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def write_artifact(path: str | os.PathLike, manifest: dict[str, Any], tensors: dict[str, Any]) -> Path:
+def write_artifact(path: str | os.PathLike[str], manifest: dict[str, Any], tensors: dict[str, Any]) -> Path:
     """Write an artifact atomically: temporary file in the same directory, fsync, rename.
 
     ``tensors`` maps names to torch tensors and must include ``token_ids``. The manifest's

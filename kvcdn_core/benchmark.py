@@ -111,7 +111,7 @@ class BenchResult:
     max_resident_after_drop: float | None  # worst fraction of a file still cached after a drop
     context_source: str
     threads: int = 0  # torch intra-op threads the run used
-    load_average: tuple[float, float] | None = None  # 1-minute load average at the start and the end
+    load_average: tuple[float | None, float | None] | None = None  # 1-minute load average at the start and the end
 
 
 # -- the page cache -------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def plain_read(path: Path) -> int:
 
     size = os.path.getsize(path)
     buffer = np.empty(size, dtype=np.uint8)
-    view = memoryview(buffer)
+    view = memoryview(buffer.data)
     done = 0
     with open(path, "rb", buffering=0) as fh:
         while done < size:

@@ -44,8 +44,9 @@ class LayerStream:
         if not 0 <= index < len(self.ready):
             return  # a layer the artifact does not have: the cache's own business
         self.ready[index].wait()
-        if self.errors[index] is not None:
-            raise self.errors[index]
+        error = self.errors[index]
+        if error is not None:
+            raise error
 
     def wait_all(self) -> None:
         for index in range(len(self.ready)):

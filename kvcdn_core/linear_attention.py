@@ -10,6 +10,8 @@ Qwen3.5, Jamba, Granite 4 hybrid, LFM2) put :class:`LinearAttentionLayers` befor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError
 
@@ -21,7 +23,13 @@ def is_linear_attention(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
 
 
-class LinearAttentionLayers:
+if TYPE_CHECKING:  # a mixin of ModelAdapter subclasses: type-check it as one
+    from kvcdn_core.contracts.adapter import ModelAdapter as _MixinBase
+else:
+    _MixinBase = object
+
+
+class LinearAttentionLayers(_MixinBase):
     """Adapter mixin: export and import linear-attention layers; other layers go to the base adapter.
 
     A cache without linear-attention layers never reaches this code.

