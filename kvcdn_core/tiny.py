@@ -135,7 +135,7 @@ def teach_tiny_model(model_dir: Path, out_dir: Path, text: str = SAMPLE_TEXT, st
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([tok(text)["input_ids"]])
-    limit = int(getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096))
+    limit = int(getattr(model.config, "n_positions", 0) or getattr(model.config, "max_position_embeddings", 4096))
     windows = [ids[:, :limit], ids[:, -limit:]] if ids.shape[1] > limit else [ids]
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
