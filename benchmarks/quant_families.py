@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from kvcdn_core import artifact, quant, runtime
     from kvcdn_core.contracts.adapter import quiet_transformers
     from kvcdn_core.registry import adapter_classes, quantizer_for
-    from kvcdn_core.tiny import teach_tiny_model, SAMPLE_TEXT, build_tiny_model
+    from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model, teach_tiny_model
     from kvcdn_core.verify import run_verify
 
     quiet_transformers()
@@ -49,9 +49,12 @@ def main(argv=None) -> int:
         work = Path(tempfile.mkdtemp(prefix="kvcdn-qf-"))
         start = time.perf_counter()
         try:
-            loss = teach_tiny_model(build_tiny_model(adapters[arch], arch, work / "random"), work / "taught", SAMPLE_TEXT)
-            session = runtime.load_session(str(work / "taught"), device="cpu", dtype="float32",
-                                           adapter_cls=adapters[arch])
+            loss = teach_tiny_model(
+                build_tiny_model(adapters[arch], arch, work / "random"), work / "taught", SAMPLE_TEXT
+            )
+            session = runtime.load_session(
+                str(work / "taught"), device="cpu", dtype="float32", adapter_cls=adapters[arch]
+            )
             src = work / "ctx.kv"
             runtime.generate(session, context, src, progress=False)
             header = artifact.read_header(src)

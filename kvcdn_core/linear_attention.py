@@ -51,7 +51,6 @@ class LinearAttentionLayers(_MixinBase):
             return super().import_layer(entry, named, layer)
         if entry["kind"] != fmt.LINEAR_ATTENTION:
             raise ArtifactError(
-                f"layer {entry['index']} is '{entry['kind']}' in the artifact but "
-                f"'{fmt.LINEAR_ATTENTION}' in the model"
+                f"layer {entry['index']} is '{entry['kind']}' in the artifact but '{fmt.LINEAR_ATTENTION}' in the model"
             )
         self.import_linear_state(entry, named, layer)

@@ -18,7 +18,8 @@ import dataclasses
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 
@@ -133,8 +134,9 @@ class PluginHost:
                 _add(info.groups, group)
             else:
                 wanted.append(name)
-        manager = NamedExtensionManager(group, names=wanted, on_load_failure_callback=failed,
-                                        warn_on_missing_entrypoint=False)
+        manager = NamedExtensionManager(
+            group, names=wanted, on_load_failure_callback=failed, warn_on_missing_entrypoint=False
+        )
         for ext in manager.extensions:
             dist, version = _distribution_of(declared.get(ext.name))
             self.register(ext.plugin, ext.name, group, distribution=dist, version=version)
@@ -151,8 +153,15 @@ class PluginHost:
         info.version = info.version or version
         return info
 
-    def _fail(self, name: str, group: str, exc: BaseException, dist: str | None = None,
-              version: str | None = None, what: str = "failed") -> None:
+    def _fail(
+        self,
+        name: str,
+        group: str,
+        exc: BaseException,
+        dist: str | None = None,
+        version: str | None = None,
+        what: str = "failed",
+    ) -> None:
         info = self._info(name, dist, version)
         _add(info.groups, group)
         info.status = "failed"
@@ -164,8 +173,9 @@ class PluginHost:
 
     # -- registration ------------------------------------------------------------------------
 
-    def register(self, obj: Any, name: str, group: str, distribution: str | None = None,
-                 version: str | None = None) -> None:
+    def register(
+        self, obj: Any, name: str, group: str, distribution: str | None = None, version: str | None = None
+    ) -> None:
         """Register ``obj`` (a module or object with hook implementations) as plugin ``name``."""
         self._claims.clear()
         info = self._info(name, distribution, version)
@@ -179,13 +189,13 @@ class PluginHost:
         except Exception as exc:  # pluggy validation: bad hookimpl signature
             self._fail(name, group, exc, what="is invalid")
             return
-        unknown = [
-            caller.name for caller in (self.pm.get_hookcallers(obj) or []) if caller.spec is None
-        ]
+        unknown = [caller.name for caller in (self.pm.get_hookcallers(obj) or []) if caller.spec is None]
         if unknown:
             self.pm.unregister(obj)
             self._fail(
-                name, group, pluggy.PluginValidationError(obj, f"unknown hook {', '.join(unknown)}"),
+                name,
+                group,
+                pluggy.PluginValidationError(obj, f"unknown hook {', '.join(unknown)}"),
                 what="implements an unknown hook",
             )
             return
@@ -245,8 +255,9 @@ class PluginHost:
         info = self.infos[name]
         if line not in info.overridden:
             info.overridden.append(line)
-            self._warn(f"warning: plugin '{name}' and plugin '{winner}' both claim "
-                       f"{line.partition(' (')[0]}; using '{winner}'")
+            self._warn(
+                f"warning: plugin '{name}' and plugin '{winner}' both claim {line.partition(' (')[0]}; using '{winner}'"
+            )
 
     def _drop(self, name: str, exc: BaseException, what: str) -> None:
         for plugin_name, plugin in self.pm.list_name_plugin():

@@ -20,8 +20,15 @@ import datetime as _dt
 from typing import Any
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core.contracts.quantizer import (DTYPE_ALIASES, QUANT_BLOCK_VERSION, REFUSED_TARGETS,
-                                            STORAGE_DTYPE_SCHEMES, TARGET_DTYPES, Quantizer, role_of)
+from kvcdn_core.contracts.quantizer import (
+    DTYPE_ALIASES,
+    QUANT_BLOCK_VERSION,
+    REFUSED_TARGETS,
+    STORAGE_DTYPE_SCHEMES,
+    TARGET_DTYPES,
+    Quantizer,
+    role_of,
+)
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.manifest import Manifest
 from kvcdn_core.registry import quantizer_for
@@ -44,8 +51,10 @@ def normalize_target_dtype(requested: str | None) -> tuple[str | None, str | Non
         return None, STORAGE_DTYPE_SCHEMES[name]
     if name in REFUSED_TARGETS:
         raise KvcdnError(f"target dtype {name} is not supported: {REFUSED_TARGETS[name]}")
-    raise KvcdnError(f"unknown target dtype '{requested}': use F32, F16 or BF16 (what the artifact "
-                     "dequantizes to on load), or FP8/I8 to pick the fp8/int8 storage scheme")
+    raise KvcdnError(
+        f"unknown target dtype '{requested}': use F32, F16 or BF16 (what the artifact "
+        "dequantizes to on load), or FP8/I8 to pick the fp8/int8 storage scheme"
+    )
 
 
 # -- quantizing a whole cache ---------------------------------------------------------------------
@@ -69,9 +78,12 @@ class ErrorStats:
             self.max_ref = max(self.max_ref, float(x.float().abs().max()))
 
     def as_dict(self) -> dict:
-        return {"max_abs": self.max_abs, "mean_abs": self.sum_abs / self.count if self.count else 0.0,
-                "max_relative": self.max_abs / self.max_ref if self.max_ref else 0.0,
-                "elements": self.count}
+        return {
+            "max_abs": self.max_abs,
+            "mean_abs": self.sum_abs / self.count if self.count else 0.0,
+            "max_relative": self.max_abs / self.max_ref if self.max_ref else 0.0,
+            "elements": self.count,
+        }
 
 
 @dataclasses.dataclass
@@ -83,8 +95,9 @@ class QuantResult:
     kept_layers: int
 
 
-def quantize_cache(manifest: dict, tensors: dict[str, Any], quantizer: Quantizer,
-                   target_dtype: str | None = None) -> QuantResult:
+def quantize_cache(
+    manifest: dict, tensors: dict[str, Any], quantizer: Quantizer, target_dtype: str | None = None
+) -> QuantResult:
     """Quantize an unquantized artifact's tensors; returns the new manifest and stored tensors.
 
     ``manifest`` and ``tensors`` are what :func:`kvcdn_core.artifact.read_header` and
@@ -93,8 +106,10 @@ def quantize_cache(manifest: dict, tensors: dict[str, Any], quantizer: Quantizer
     """
     typed = Manifest.from_dict(manifest)
     if typed.quantization:
-        raise KvcdnError(f"the input is already quantized (scheme {typed.scheme}); quantize the "
-                         "unquantized artifact instead of stacking quantization errors")
+        raise KvcdnError(
+            f"the input is already quantized (scheme {typed.scheme}); quantize the "
+            "unquantized artifact instead of stacking quantization errors"
+        )
     target = target_dtype or fmt.TORCH_TO_ST.get(typed.compute_dtype, "F32")
     if target not in TARGET_DTYPES:
         raise KvcdnError(f"target dtype {target} is not one of {', '.join(TARGET_DTYPES)}")
@@ -107,8 +122,14 @@ def quantize_cache(manifest: dict, tensors: dict[str, Any], quantizer: Quantizer
             kept += 1
             for full in layer.tensors.values():
                 stored[full] = tensors[full]
-            layer_records.append({"index": layer.index, "kind": layer.kind, "action": "full_precision",
-                                  "reason": f"scheme {quantizer.scheme} does not support {layer.kind} layers"})
+            layer_records.append(
+                {
+                    "index": layer.index,
+                    "kind": layer.kind,
+                    "action": "full_precision",
+                    "reason": f"scheme {quantizer.scheme} does not support {layer.kind} layers",
+                }
+            )
             continue
         records = {}
         for local, full in layer.tensors.items():
@@ -125,8 +146,7 @@ def quantize_cache(manifest: dict, tensors: dict[str, Any], quantizer: Quantizer
             records[local] = record
             errors.setdefault(role, ErrorStats()).add(t, quantizer.dequantize(parts, record))
         done += 1
-        layer_records.append({"index": layer.index, "kind": layer.kind, "action": "quantized",
-                              "tensors": records})
+        layer_records.append({"index": layer.index, "kind": layer.kind, "action": "quantized", "tensors": records})
     new = copy.deepcopy(manifest)
     new.pop("tensors", None)
     new["created_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -163,10 +183,14 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
         layer_records = q["layers"]
         params = q.get("parameters") or {}
     except (KeyError, TypeError, ValueError):
-        raise ArtifactError(f"{header.path}: corrupted: the quantization block lacks scheme, target_dtype or layers") from None
+        raise ArtifactError(
+            f"{header.path}: corrupted: the quantization block lacks scheme, target_dtype or layers"
+        ) from None
     if version > QUANT_BLOCK_VERSION:
-        raise ArtifactError(f"{header.path}: quantization block version {version} is newer than this kvcdn reads "
-                            f"({QUANT_BLOCK_VERSION}); upgrade kvcdn")
+        raise ArtifactError(
+            f"{header.path}: quantization block version {version} is newer than this kvcdn reads "
+            f"({QUANT_BLOCK_VERSION}); upgrade kvcdn"
+        )
     if target not in TARGET_DTYPES:
         raise ArtifactError(f"{header.path}: unknown quantization target dtype {target!r}")
     quantizer = quantizer_for(scheme)(**params)
@@ -177,7 +201,9 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
     for layer in manifest.layers:
         rec = by_index.get(layer.index)
         if rec is None:
-            raise ArtifactError(f"{header.path}: corrupted: the quantization block has no record for layer {layer.index}")
+            raise ArtifactError(
+                f"{header.path}: corrupted: the quantization block has no record for layer {layer.index}"
+            )
         for local, full in layer.tensors.items():
             trec = rec.get("tensors", {}).get(local) if rec.get("action") == "quantized" else None
             if trec is None or trec.get("action") != "quantized":
@@ -189,7 +215,9 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
             except (KeyError, RuntimeError, ValueError) as exc:
                 raise ArtifactError(f"{header.path}: corrupted: cannot dequantize '{full}': {exc}") from None
             if list(value.shape) != list(trec["shape"]):
-                raise ArtifactError(f"{header.path}: corrupted: '{full}' dequantizes to {list(value.shape)}, "
-                                    f"the record says {trec['shape']}")
+                raise ArtifactError(
+                    f"{header.path}: corrupted: '{full}' dequantizes to {list(value.shape)}, "
+                    f"the record says {trec['shape']}"
+                )
             out[full] = value
     return out

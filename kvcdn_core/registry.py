@@ -45,8 +45,9 @@ def adapter_for(architecture: str, config: dict[str, Any] | None = None) -> type
     """
     cls = adapter_classes().get(architecture)
     if cls is None and config is not None:
-        for _name, offer in get_host().call_each("kvcdn_adapt_unclaimed_architecture",
-                                                 architecture=architecture, config=config):
+        for _name, offer in get_host().call_each(
+            "kvcdn_adapt_unclaimed_architecture", architecture=architecture, config=config
+        ):
             if isinstance(offer, str):
                 raise KvcdnError(offer)
             if isinstance(offer, type):
@@ -62,14 +63,38 @@ def adapter_for(architecture: str, config: dict[str, Any] | None = None) -> type
 
 _EXTRA_HINTS = {
     # more specific prefixes first: the first match wins
-    "gptoss": "gptoss", "granitemoehybrid": "hybrid", "jamba": "hybrid", "lfm2": "hybrid",
-    "smollm": "llama", "arcee": "llama", "cohere": "cohere", "minimax": "minimax", "exaone": "exaone",
-    "ernie": "ernie", "hunyuan": "hunyuan", "seedoss": "seed-oss", "dots": "dots", "helium": "helium",
+    "gptoss": "gptoss",
+    "granitemoehybrid": "hybrid",
+    "jamba": "hybrid",
+    "lfm2": "hybrid",
+    "smollm": "llama",
+    "arcee": "llama",
+    "cohere": "cohere",
+    "minimax": "minimax",
+    "exaone": "exaone",
+    "ernie": "ernie",
+    "hunyuan": "hunyuan",
+    "seedoss": "seed-oss",
+    "dots": "dots",
+    "helium": "helium",
     "nemotron": "nemotron",
-    "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
-    "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
-    "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",
-    "stablelm": "olmo-granite", "starcoder": "olmo-granite", "mamba": "ssm",
+    "qwen": "qwen",
+    "llama": "llama",
+    "yi": "llama",
+    "mistral": "mistral",
+    "mixtral": "mistral",
+    "phi": "phi",
+    "gemma": "gemma",
+    "deepseek": "deepseek",
+    "gpt": "gpt",
+    "bloom": "gpt",
+    "falcon": "gpt",
+    "glm": "glm",
+    "olmo": "olmo-granite",
+    "granite": "olmo-granite",
+    "stablelm": "olmo-granite",
+    "starcoder": "olmo-granite",
+    "mamba": "ssm",
 }
 
 

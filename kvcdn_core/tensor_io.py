@@ -22,8 +22,9 @@ import hashlib
 import mmap
 import os
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any
 
 from kvcdn_core.errors import ArtifactError
 
@@ -166,7 +167,7 @@ class TensorReader:
                     break  # the last block is partial: the file ends inside it
                 raise ArtifactError(f"{self.path}: truncated while reading tensor data")
             offset += n
-        self._have[begin // BLOCK:stop // BLOCK] = b"\x01" * (stop // BLOCK - begin // BLOCK)
+        self._have[begin // BLOCK : stop // BLOCK] = b"\x01" * (stop // BLOCK - begin // BLOCK)
         return stop
 
     def _pread(self, offset: int, stop: int) -> int:

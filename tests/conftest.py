@@ -63,8 +63,13 @@ def run_kvcdn():
 
     def run(*args, env=None, check=None):
         full_env = {**os.environ, **(env or {})}
-        proc = subprocess.run([sys.executable, "-m", "kvcdn_core", *map(str, args)],
-                              capture_output=True, text=True, env=full_env, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcdn_core", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=300,
+        )
         if check is not None:
             assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
         return proc.returncode, proc.stdout, proc.stderr

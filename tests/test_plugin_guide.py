@@ -85,8 +85,11 @@ def installed(tmp_path_factory):
 
 
 def with_site(site: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-            "HF_HUB_OFFLINE": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+        "HF_HUB_OFFLINE": "1",
+    }
 
 
 def run_python(code: str, site: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -175,14 +178,19 @@ def test_guide_model_family_example_installs_and_validates(tmp_path):
     assert helium and helium[0]["status"] == "loaded", plugins.stdout
     assert helium[0]["version"] == "0.1.0" and helium[0]["provides"] == {"architectures": ["HeliumForCausalLM"]}
 
-    validate = subprocess.run([*kvcdn, "validate", "--family", "helium", "--format", "json"], env=env,
-                              capture_output=True, text=True)
+    validate = subprocess.run(
+        [*kvcdn, "validate", "--family", "helium", "--format", "json"], env=env, capture_output=True, text=True
+    )
     assert validate.returncode == 0, validate.stdout + validate.stderr
     assert "HeliumForCausalLM" in validate.stdout and "kvcdn-model-helium>=0.1" in validate.stdout
 
-    contract_run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                   str(tmp_path / "test_helium_contract.py")], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True)
+    contract_run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_helium_contract.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert contract_run.returncode == 0, contract_run.stdout[-3000:] + contract_run.stderr[-2000:]
     assert "1 passed" in contract_run.stdout
 

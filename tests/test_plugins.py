@@ -26,16 +26,28 @@ def _fake_distribution(root, name, group, module, source):
 def plugin_dir(tmp_path):
     root = tmp_path / "site"
     root.mkdir()
-    _fake_distribution(root, "broken-plugin", "kvcdn.models", "broken_plugin_mod",
-                       "import a_module_that_does_not_exist\n")
-    _fake_distribution(root, "odd-plugin", "kvcdn.commands", "odd_plugin_mod", """
+    _fake_distribution(
+        root, "broken-plugin", "kvcdn.models", "broken_plugin_mod", "import a_module_that_does_not_exist\n"
+    )
+    _fake_distribution(
+        root,
+        "odd-plugin",
+        "kvcdn.commands",
+        "odd_plugin_mod",
+        """
         from kvcdn_core import hookimpl
 
         @hookimpl
         def kvcdn_register_gadgets():
             return []
-        """)
-    _fake_distribution(root, "hello-plugin", "kvcdn.commands", "hello_plugin_mod", """
+        """,
+    )
+    _fake_distribution(
+        root,
+        "hello-plugin",
+        "kvcdn.commands",
+        "hello_plugin_mod",
+        """
         import click
         from kvcdn_core import hookimpl
 
@@ -46,7 +58,8 @@ def plugin_dir(tmp_path):
         @hookimpl
         def kvcdn_register_commands(cli):
             cli.add_command(hello)
-        """)
+        """,
+    )
     return root
 
 
@@ -165,12 +178,21 @@ def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, cap
         schemes = ("file",)
 
     # Registered in the "wrong" order: precedence is by name, not by registration.
-    kvcdn_host.register(types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [Second])),
-                        "zeta", "kvcdn.models")
-    kvcdn_host.register(types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [First])),
-                        "alpha", "kvcdn.models")
-    kvcdn_host.register(types.SimpleNamespace(kvcdn_register_storage_backends=kvcdn_core.hookimpl(lambda: [Hijack])),
-                        "aaa-storage", "kvcdn.storage")
+    kvcdn_host.register(
+        types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [Second])),
+        "zeta",
+        "kvcdn.models",
+    )
+    kvcdn_host.register(
+        types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [First])),
+        "alpha",
+        "kvcdn.models",
+    )
+    kvcdn_host.register(
+        types.SimpleNamespace(kvcdn_register_storage_backends=kvcdn_core.hookimpl(lambda: [Hijack])),
+        "aaa-storage",
+        "kvcdn.storage",
+    )
     assert adapter_for("DupForCausalLM") is First
     assert adapter_for("OnlySecondForCausalLM") is Second
     assert type(open_storage("/tmp")) is LocalStorage  # a built-in wins over any plugin
@@ -184,7 +206,12 @@ def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, cap
 
 
 def test_duplicate_commands_keep_the_first_owner(plugin_dir, run_kvcdn):
-    _fake_distribution(plugin_dir, "verify-hijack", "kvcdn.commands", "verify_hijack_mod", """
+    _fake_distribution(
+        plugin_dir,
+        "verify-hijack",
+        "kvcdn.commands",
+        "verify_hijack_mod",
+        """
         import click
         from kvcdn_core import hookimpl
 
@@ -195,7 +222,8 @@ def test_duplicate_commands_keep_the_first_owner(plugin_dir, run_kvcdn):
         @hookimpl
         def kvcdn_register_commands(cli):
             cli.add_command(verify)
-        """)
+        """,
+    )
     env = {"PYTHONPATH": str(plugin_dir)}
     code, out, err = run_kvcdn("verify", "--help", env=env)
     assert code == 0 and "hijacked" not in out and "token-exact" in out

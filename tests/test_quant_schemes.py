@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcdn_core import KEY, VALUE, quant, role_of
-from kvcdn_core.errors import KvcdnError
 from kvcdn_core.builtin.quantizers import Fp8Quantizer, Int8Quantizer, Int8TensorQuantizer
+from kvcdn_core.errors import KvcdnError
 
 CORE = [Int8TensorQuantizer, Int8Quantizer, Fp8Quantizer]
 PROFILE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -152,18 +152,35 @@ def test_bad_parameters_are_refused():
         type("R", (Int8Quantizer,), {"default_params": {"residual": 0}})(residual=-1)
 
 
-@pytest.mark.parametrize("requested,target,implied", [
-    ("F32", "F32", None), ("f16", "F16", None), ("bfloat16", "BF16", None), ("float32", "F32", None),
-    ("I8", None, "int8"), ("int8", None, "int8"), ("FP8", None, "fp8"), ("f8_e4m3", None, "fp8"),
-])
+@pytest.mark.parametrize(
+    "requested,target,implied",
+    [
+        ("F32", "F32", None),
+        ("f16", "F16", None),
+        ("bfloat16", "BF16", None),
+        ("float32", "F32", None),
+        ("I8", None, "int8"),
+        ("int8", None, "int8"),
+        ("FP8", None, "fp8"),
+        ("f8_e4m3", None, "fp8"),
+    ],
+)
 def test_target_dtype_accepted(requested, target, implied):
     assert quant.normalize_target_dtype(requested) == (target, implied)
 
 
-@pytest.mark.parametrize("requested,why", [
-    ("U8", "signed"), ("I4", "storage format"), ("U4", "storage format"), ("FP4", "int4"),
-    ("FP1", "1-bit"), ("F64", "F32"), ("Q3", "unknown target dtype"),
-])
+@pytest.mark.parametrize(
+    "requested,why",
+    [
+        ("U8", "signed"),
+        ("I4", "storage format"),
+        ("U4", "storage format"),
+        ("FP4", "int4"),
+        ("FP1", "1-bit"),
+        ("F64", "F32"),
+        ("Q3", "unknown target dtype"),
+    ],
+)
 def test_target_dtype_refused_with_reason(requested, why):
     with pytest.raises(KvcdnError, match=why):
         quant.normalize_target_dtype(requested)

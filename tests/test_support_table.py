@@ -48,8 +48,10 @@ def test_generated_table_parses_back(discovered_host):
     """What `kvcdn validate --format markdown` prints is what this test reads."""
     from kvcdn_core.commands.validate import ArchReport, render_markdown
 
-    reports = [ArchReport(cls.family, cls.install_requirement(), arch, "tiny")
-               for arch, cls in discovered_host.model_adapters().items()]
+    reports = [
+        ArchReport(cls.family, cls.install_requirement(), arch, "tiny")
+        for arch, cls in discovered_host.model_adapters().items()
+    ]
     assert table_rows(render_markdown(reports)) == installed_rows(discovered_host)
 
 

@@ -102,7 +102,7 @@ class Fp8Quantizer(Quantizer):
         import torch
 
         scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX * SCALE_SLACK
-        return torch.maximum(x.abs() * 2.0 ** -4, scale * 2.0 ** -10) * SCALE_SLACK
+        return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * SCALE_SLACK
 
 
 @hookimpl

@@ -21,14 +21,24 @@ def model_options(from_artifact: bool = True):
 
     def decorate(f):
         options = [
-            click.option("--model", "model", default=None,
-                         help=f"Hugging Face id or local directory [default: {default_help}]"),
+            click.option(
+                "--model", "model", default=None, help=f"Hugging Face id or local directory [default: {default_help}]"
+            ),
             click.option("--revision", default=None, help="Model revision (branch, tag or commit) on the hub."),
-            click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto",
-                         show_default=True, help="Where to run the model."),
-            click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                         default="auto", show_default=True,
-                         help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA."),
+            click.option(
+                "--device",
+                type=click.Choice(["auto", "cpu", "cuda", "mps"]),
+                default="auto",
+                show_default=True,
+                help="Where to run the model.",
+            ),
+            click.option(
+                "--dtype",
+                type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                default="auto",
+                show_default=True,
+                help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.",
+            ),
             click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
         ]
         for option in reversed(options):
@@ -38,10 +48,17 @@ def model_options(from_artifact: bool = True):
     return decorate
 
 
-format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-                             show_default=True, help="Output for people (table) or tools (json).")
-force_option = click.option("--force", is_flag=True,
-                            help="Use an artifact even if it was made with another model or dtype.")
+format_option = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="Output for people (table) or tools (json).",
+)
+force_option = click.option(
+    "--force", is_flag=True, help="Use an artifact even if it was made with another model or dtype."
+)
 
 force_output_option = click.option("--force", is_flag=True, help="Replace an existing output file.")
 

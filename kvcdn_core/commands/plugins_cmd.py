@@ -31,8 +31,9 @@ def _table(rows: list[dict]) -> None:
     table = [("NAME", "DISTRIBUTION", "VERSION", "GROUPS", "HOOKS", "STATUS")]
     for i in rows:
         hooks = ",".join(h.removeprefix("kvcdn_register_") for h in i["hooks"]) or "-"
-        table.append((i["name"], i["distribution"] or "?", i["version"] or "?", ",".join(i["groups"]), hooks,
-                      i["status"]))
+        table.append(
+            (i["name"], i["distribution"] or "?", i["version"] or "?", ",".join(i["groups"]), hooks, i["status"])
+        )
     print_table(table)
     for i in rows:
         if i["error"]:

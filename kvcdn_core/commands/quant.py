@@ -13,59 +13,112 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import (check_new_output, force_output_option, format_option, model_options,
-                                        read_text_file)
+from kvcdn_core.commands.common import (
+    check_new_output,
+    force_output_option,
+    format_option,
+    model_options,
+    read_text_file,
+)
 from kvcdn_core.errors import CheckFailed, KvcdnError
 from kvcdn_core.paths import ensure_kv_suffix
 from kvcdn_core.render import render
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
-SCHEME_HELP = ("int8 (per-channel keys, per-token values; default), int8-tensor (one scale per tensor), "
-               "fp8 (e4m3, per-token scales), int4 / int2 (grouped asymmetric; kvcdn-quant-lowbit plugin)")
+SCHEME_HELP = (
+    "int8 (per-channel keys, per-token values; default), int8-tensor (one scale per tensor), "
+    "fp8 (e4m3, per-token scales), int4 / int2 (grouped asymmetric; kvcdn-quant-lowbit plugin)"
+)
 
 
 @click.command("quant")
 @click.option("--input", "input_path", default=None, help="Artifact to quantize (read, never overwritten).")
 @click.option("--context-file", default=None, help="Document to generate the cache from, instead of --input.")
-@click.option("--output", "-o", default=None,
-              help="Quantized artifact [default: <input stem>.q8.kv for int8, <stem>.<scheme>.kv otherwise].")
+@click.option(
+    "--output",
+    "-o",
+    default=None,
+    help="Quantized artifact [default: <input stem>.q8.kv for int8, <stem>.<scheme>.kv otherwise].",
+)
 @click.option("--scheme", default=None, help=f"Quantization scheme: {SCHEME_HELP}.")
-@click.option("--target-dtype", "target_dtype", default=None, metavar="F32|F16|BF16|FP8|I8",
-              help="What the artifact dequantizes to on load (F32, F16, BF16) [default: its compute dtype]; "
-                   "FP8 or I8 choose the fp8 / int8 storage scheme instead.")
+@click.option(
+    "--target-dtype",
+    "target_dtype",
+    default=None,
+    metavar="F32|F16|BF16|FP8|I8",
+    help="What the artifact dequantizes to on load (F32, F16, BF16) [default: its compute dtype]; "
+    "FP8 or I8 choose the fp8 / int8 storage scheme instead.",
+)
 @click.option("--group-size", type=int, default=None, help="Elements per group (int4: 64, int2: 32).")
-@click.option("--residual", type=int, default=None,
-              help="Most recent tokens kept unquantized (int4/int2; default 128).")
-@click.option("--verify", "do_verify", is_flag=True,
-              help="Continue from the quantized artifact and compare with a full prefill; exit 1 on mismatch.")
+@click.option(
+    "--residual", type=int, default=None, help="Most recent tokens kept unquantized (int4/int2; default 128)."
+)
+@click.option(
+    "--verify",
+    "do_verify",
+    is_flag=True,
+    help="Continue from the quantized artifact and compare with a full prefill; exit 1 on mismatch.",
+)
 @click.option("--n", "n", type=click.IntRange(1), default=8, show_default=True, help="Tokens to compare with --verify.")
-@click.option("--question", default=DEFAULT_QUESTION, help=f"Text fed after the context with --verify [default: {DEFAULT_QUESTION!r}].")
+@click.option(
+    "--question",
+    default=DEFAULT_QUESTION,
+    help=f"Text fed after the context with --verify [default: {DEFAULT_QUESTION!r}].",
+)
 @model_options()
-@click.option("--compute-dtype", "legacy_compute_dtype", hidden=True,
-              type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None)
+@click.option(
+    "--compute-dtype",
+    "legacy_compute_dtype",
+    hidden=True,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default=None,
+)
 @force_output_option
 @format_option
-def command(input_path, context_file, output, scheme, target_dtype, group_size, residual, do_verify, n,
-            question, model, revision, device, dtype, quiet, legacy_compute_dtype, force, fmt):
+def command(
+    input_path,
+    context_file,
+    output,
+    scheme,
+    target_dtype,
+    group_size,
+    residual,
+    do_verify,
+    n,
+    question,
+    model,
+    revision,
+    device,
+    dtype,
+    quiet,
+    legacy_compute_dtype,
+    force,
+    fmt,
+):
     """Quantize a KV artifact: print the compression ratio and dequantization error, and with
     --verify check that continuing from it is token-exact against a full prefill."""
     from kvcdn_core import quant, quant_service
 
     if legacy_compute_dtype is not None:  # the old spelling, before --dtype meant the compute dtype everywhere
-        click.echo("warning: --compute-dtype is deprecated; use --dtype (the compute dtype, as in every "
-                   "model command)", err=True)
+        click.echo(
+            "warning: --compute-dtype is deprecated; use --dtype (the compute dtype, as in every model command)",
+            err=True,
+        )
         dtype = legacy_compute_dtype
     if bool(input_path) == bool(context_file):
         raise KvcdnError("pass exactly one of --input (an artifact) or --context-file (a document)")
     target, implied = quant.normalize_target_dtype(target_dtype)
     if implied and scheme and scheme != implied and not (implied == "int8" and scheme == "int8-tensor"):
-        raise KvcdnError(f"--target-dtype {target_dtype} is the storage dtype of scheme {implied}, "
-                         f"which contradicts --scheme {scheme}; drop one of them")
+        raise KvcdnError(
+            f"--target-dtype {target_dtype} is the storage dtype of scheme {implied}, "
+            f"which contradicts --scheme {scheme}; drop one of them"
+        )
     scheme = scheme or implied or "int8"
     from kvcdn_core.registry import quantizer_for
 
     quantizer = quantizer_for(scheme)(
-        **{k: v for k, v in (("group_size", group_size), ("residual", residual)) if v is not None})
+        **{k: v for k, v in (("group_size", group_size), ("residual", residual)) if v is not None}
+    )
 
     if input_path:
         source = ensure_kv_suffix(input_path)
@@ -89,11 +142,11 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             header = artifact.read_header(source)
             if do_verify:  # load and check the model before anything is written
                 from kvcdn_core import runtime
-
                 from kvcdn_core.manifest import Manifest
 
-                session = runtime.session_for_artifact(Manifest.from_dict(header.manifest), model, revision, device,
-                                                       dtype)
+                session = runtime.session_for_artifact(
+                    Manifest.from_dict(header.manifest), model, revision, device, dtype
+                )
                 runtime.check_model(session, header.manifest)
         else:
             from kvcdn_core import artifact, runtime
@@ -106,38 +159,61 @@ def command(input_path, context_file, output, scheme, target_dtype, group_size, 
             temp_input = Path(name)
             runtime.generate(session, context, temp_input, progress=not quiet)
             header = artifact.read_header(temp_input)
-        event = quant_service.quantize_artifact(header, out, quantizer, target, source if input_path else Path(context_file),
-                                        source_kind, session, question, n if do_verify else None)
+        event = quant_service.quantize_artifact(
+            header,
+            out,
+            quantizer,
+            target,
+            source if input_path else Path(context_file),
+            source_kind,
+            session,
+            question,
+            n if do_verify else None,
+        )
     finally:
         if temp_input is not None:
             temp_input.unlink(missing_ok=True)
     render(event.as_dict(), fmt, _table)
     if event.verification == "Mismatch" and event.verify:
         v = event.verify
-        raise CheckFailed(f"quantized continuation diverges from the full prefill at token "
-                          f"{v['first_divergence_reference']} ({v['reference_matches']}/{v['n']} match)")
+        raise CheckFailed(
+            f"quantized continuation diverges from the full prefill at token "
+            f"{v['first_divergence_reference']} ({v['reference_matches']}/{v['n']} match)"
+        )
 
 
 def _table(event: dict) -> None:
     click.echo(f"wrote {event['output']}")
     params = ", ".join(f"{k} {v}" for k, v in event["parameters"].items())
-    click.echo(f"  scheme {event['scheme']}{f' ({params})' if params else ''}, storage {event['storage_dtype']}, "
-               f"dequantizes to {event['target_dtype']}")
-    click.echo(f"  {event['tokens']} tokens, {event['quantized_layers']} layers quantized, "
-               f"{event['full_precision_layers']} kept in full precision")
-    click.echo(f"  bytes {event['original_bytes']:,} -> {event['quantized_bytes']:,}: "
-               f"compression {event['compression_ratio']:.2f}x")
+    click.echo(
+        f"  scheme {event['scheme']}{f' ({params})' if params else ''}, storage {event['storage_dtype']}, "
+        f"dequantizes to {event['target_dtype']}"
+    )
+    click.echo(
+        f"  {event['tokens']} tokens, {event['quantized_layers']} layers quantized, "
+        f"{event['full_precision_layers']} kept in full precision"
+    )
+    click.echo(
+        f"  bytes {event['original_bytes']:,} -> {event['quantized_bytes']:,}: "
+        f"compression {event['compression_ratio']:.2f}x"
+    )
     for role, e in event["errors"].items():
-        click.echo(f"  {role:<5} error: max {e['max_abs']:.3e}, mean {e['mean_abs']:.3e} "
-                   f"(max {100 * e['max_relative']:.2f}% of max |x|)")
+        click.echo(
+            f"  {role:<5} error: max {e['max_abs']:.3e}, mean {e['mean_abs']:.3e} "
+            f"(max {100 * e['max_relative']:.2f}% of max |x|)"
+        )
     v = event.get("verify")
     if v:
-        click.echo(f"  verify ({v['n']} tokens): reference {v['reference_matches']}/{v['n']}, "
-                   f"unquantized {v['unquantized_matches']}/{v['n']}: {event['verification']}")
+        click.echo(
+            f"  verify ({v['n']} tokens): reference {v['reference_matches']}/{v['n']}, "
+            f"unquantized {v['unquantized_matches']}/{v['n']}: {event['verification']}"
+        )
         first = v["first_divergence_reference"]
         if first is None:
             click.echo("  first divergence: none")
         else:
-            click.echo(f"  first divergence: index {first} (reference {v['reference_ids'][first]}, "
-                       f"quantized {v['quantized_ids'][first]})")
+            click.echo(
+                f"  first divergence: index {first} (reference {v['reference_ids'][first]}, "
+                f"quantized {v['quantized_ids'][first]})"
+            )
     click.echo(f"  event: {event['event_path']}")

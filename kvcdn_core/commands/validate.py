@@ -16,8 +16,8 @@ from pathlib import Path
 import click
 
 from kvcdn_core.commands.common import read_text_file
-from kvcdn_core.render import emit_json, table_lines
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.render import emit_json, table_lines
 
 
 @dataclasses.dataclass
@@ -47,11 +47,18 @@ class ArchReport:
 
     def as_dict(self) -> dict:
         return {
-            "family": self.family, "requirement": self.requirement, "architecture": self.architecture,
-            "variant": self.variant, "source": self.source, "passed": self.passed,
-            "layers": self.layer_summary(), "layer_kinds": self.proven.get("layer_kinds", []),
-            "features": self.proven.get("features", []), "shape": self.proven.get("shape", {}),
-            "seconds": round(self.seconds, 3), "phases": [p.as_dict() for p in self.phases],
+            "family": self.family,
+            "requirement": self.requirement,
+            "architecture": self.architecture,
+            "variant": self.variant,
+            "source": self.source,
+            "passed": self.passed,
+            "layers": self.layer_summary(),
+            "layer_kinds": self.proven.get("layer_kinds", []),
+            "features": self.proven.get("features", []),
+            "shape": self.proven.get("shape", {}),
+            "seconds": round(self.seconds, 3),
+            "phases": [p.as_dict() for p in self.phases],
         }
 
 
@@ -83,8 +90,7 @@ def _failed(run_arch: str, phase: str, exc: BaseException):
     return PhaseResult(run_arch, phase, False, text.splitlines()[0] if text else type(exc).__name__)
 
 
-def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None,
-                 **options) -> None:
+def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None, **options) -> None:
     """Run every validation phase on a loaded session and fill ``report``."""
     from kvcdn_core.validation import exercised, run_validation
 
@@ -105,8 +111,10 @@ def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> li
         report = ArchReport(family, cls.install_requirement(), arch, "tiny")
         report.phases.append(PhaseResult(arch, "load", False, "the adapter ships no tiny validation config"))
         return [report]
-    return [validate_tiny_variant(family, arch, cls, variant, workdir / variant, n)
-            for variant in config_variants(cls, arch)]
+    return [
+        validate_tiny_variant(family, arch, cls, variant, workdir / variant, n)
+        for variant in config_variants(cls, arch)
+    ]
 
 
 def validate_tiny_variant(family: str, arch: str, cls, variant: str, workdir: Path, n: int) -> ArchReport:
@@ -128,8 +136,9 @@ def validate_tiny_variant(family: str, arch: str, cls, variant: str, workdir: Pa
     return report
 
 
-def validate_model(model: str, revision, device: str, dtype: str, workdir: Path, n: int,
-                   context: str | None) -> ArchReport:
+def validate_model(
+    model: str, revision, device: str, dtype: str, workdir: Path, n: int, context: str | None
+) -> ArchReport:
     from kvcdn_core import runtime
 
     start = time.perf_counter()
@@ -142,6 +151,7 @@ def validate_model(model: str, revision, device: str, dtype: str, workdir: Path,
 
 
 # -- output -------------------------------------------------------------------------------------
+
 
 def phase_names(reports: list[ArchReport]) -> list[str]:
     names: list[str] = []
@@ -166,8 +176,9 @@ def render_table(reports: list[ArchReport]) -> str:
     rows = [["FAMILY", "ARCHITECTURE", *[n.upper() for n in names], "LAYERS", "TOTAL"]]
     for r in reports:
         by_name = {p.phase: p for p in r.phases}
-        rows.append([r.family, r.label, *[_cell(by_name.get(n)) for n in names],
-                     r.layer_summary(), f"{r.seconds:.1f}s"])
+        rows.append(
+            [r.family, r.label, *[_cell(by_name.get(n)) for n in names], r.layer_summary(), f"{r.seconds:.1f}s"]
+        )
     lines = table_lines(rows)
     failures = [(r, p) for r in reports for p in r.phases if not p.passed]
     for r, p in failures:
@@ -194,8 +205,10 @@ def render_markdown(reports: list[ArchReport]) -> str:
     by_arch: dict[tuple[str, str], list[ArchReport]] = {}
     for r in reports:
         by_arch.setdefault((r.family, r.architecture), []).append(r)
-    lines = ["| Architecture | Family | Install | Cache layers (tiny config) | Proven | Shapes | `kvcdn validate` |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| Architecture | Family | Install | Cache layers (tiny config) | Proven | Shapes | `kvcdn validate` |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for (family, arch), group in sorted(by_arch.items()):
         first = group[0]
         features = sorted({f for r in group for f in r.proven.get("features", [])})
@@ -203,26 +216,51 @@ def render_markdown(reports: list[ArchReport]) -> str:
         status = "PASS" if all(r.passed for r in group) else "FAIL"
         if len(group) > 1:
             status += f" ({len(group)} shapes)"
-        lines.append(f"| `{arch}` | {family} | `pip install '{first.requirement}'` | "
-                     f"{first.layer_summary()} | {', '.join(features) or '-'} | {', '.join(shapes)} | {status} |")
+        lines.append(
+            f"| `{arch}` | {family} | `pip install '{first.requirement}'` | "
+            f"{first.layer_summary()} | {', '.join(features) or '-'} | {', '.join(shapes)} | {status} |"
+        )
     return "\n".join(lines)
 
 
 @click.command("validate")
 @click.option("--family", default=None, help="Validate only this installed family's tiny configs.")
-@click.option("--model", default=None,
-              help="Validate one real model (Hugging Face id or local directory) instead of the tiny configs.")
+@click.option(
+    "--model",
+    default=None,
+    help="Validate one real model (Hugging Face id or local directory) instead of the tiny configs.",
+)
 @click.option("--revision", default=None, help="Model revision (with --model).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
-              help="Where to run --model (tiny configs always run on the CPU in float32).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="Compute dtype for --model; auto is float32 on CPU, bfloat16 on CUDA.")
-@click.option("--context-file", default=None,
-              help="Context for --model [default: sample text longer than twice its sliding window].")
-@click.option("--n", "n", type=click.IntRange(1), default=16, show_default=True,
-              help="Tokens to decode greedily on both paths.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
-              show_default=True, help="table for people, json for tools, markdown for the README support table.")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda", "mps"]),
+    default="auto",
+    show_default=True,
+    help="Where to run --model (tiny configs always run on the CPU in float32).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Compute dtype for --model; auto is float32 on CPU, bfloat16 on CUDA.",
+)
+@click.option(
+    "--context-file",
+    default=None,
+    help="Context for --model [default: sample text longer than twice its sliding window].",
+)
+@click.option(
+    "--n", "n", type=click.IntRange(1), default=16, show_default=True, help="Tokens to decode greedily on both paths."
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "markdown"]),
+    default="table",
+    show_default=True,
+    help="table for people, json for tools, markdown for the README support table.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def command(family, model, revision, device, dtype, context_file, n, fmt, quiet):
     """Check that every installed architecture (or one model) continues token-exact from its cache.

@@ -137,9 +137,7 @@ class ModelAdapter:
         cache = self.new_cache(model)
         targets = self.cache_layers(cache)
         if len(targets) != len(layers):
-            raise ArtifactError(
-                f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}"
-            )
+            raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
         for entry, layer in zip(layers, targets):
             named = {k: tensors[v].to(device) for k, v in entry["tensors"].items()}
             self.import_layer(entry, named, layer)
@@ -151,9 +149,12 @@ class ModelAdapter:
         into ``cache.layers[i]``, touching nothing shared. True for attention layers when the
         adapter keeps the base cache layout; a family that overrides the import says so itself."""
         cls = type(self)
-        return (cls.import_cache is ModelAdapter.import_cache and cls.cache_layers is ModelAdapter.cache_layers
-                and cls.new_cache is ModelAdapter.new_cache
-                and all(entry["kind"] in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers))
+        return (
+            cls.import_cache is ModelAdapter.import_cache
+            and cls.cache_layers is ModelAdapter.cache_layers
+            and cls.new_cache is ModelAdapter.new_cache
+            and all(entry["kind"] in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers)
+        )
 
     def cache_layers(self, cache: Cache) -> list[CacheLayer]:
         return list(cache.layers)
@@ -306,7 +307,9 @@ class ModelAdapter:
             elif hasattr(layer, "reorder_cache"):
                 layer.reorder_cache(rows)
             else:
-                raise KvcdnError(f"a {type(layer).__name__} cache layer cannot be split into branches; --tree needs that")
+                raise KvcdnError(
+                    f"a {type(layer).__name__} cache layer cannot be split into branches; --tree needs that"
+                )
 
     # -- info -----------------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ import os
 import stat
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -56,9 +57,17 @@ class Entry:
     ids: np.ndarray  # int32, length token_count
 
     def record(self) -> dict[str, Any]:
-        return {"name": self.path.name, "size": self.size, "mtime_ns": self.mtime_ns, "ino": self.ino,
-                "model": self.model, "token_count": self.token_count, "reuse": self.reuse,
-                "compute_dtype": self.compute_dtype, "quantization": self.quantization}
+        return {
+            "name": self.path.name,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "ino": self.ino,
+            "model": self.model,
+            "token_count": self.token_count,
+            "reuse": self.reuse,
+            "compute_dtype": self.compute_dtype,
+            "quantization": self.quantization,
+        }
 
 
 def _entry_from_file(path: Path, st: os.stat_result) -> Entry:
@@ -69,9 +78,16 @@ def _entry_from_file(path: Path, st: os.stat_result) -> Entry:
         raise ArtifactError(f"{path}: corrupted: token ids out of range")
     m = Manifest.from_dict(header.manifest)
     return Entry(
-        path, st.st_size, st.st_mtime_ns, st.st_ino,
+        path,
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ino,
         {k: getattr(m.model, k) for k in ("id", *FINGERPRINT_KEYS)},
-        m.token_count, m.reuse, m.compute_dtype, m.scheme, array.astype(np.int32),
+        m.token_count,
+        m.reuse,
+        m.compute_dtype,
+        m.scheme,
+        array.astype(np.int32),
     )
 
 
@@ -104,7 +120,7 @@ def _read_index(path: Path, directory: Path) -> dict[str, Entry]:
         if data[:8] != INDEX_MAGIC:
             return {}
         (json_len,) = struct.unpack_from("<Q", data, 8)
-        meta = json.loads(data[16:16 + json_len])
+        meta = json.loads(data[16 : 16 + json_len])
         if meta.get("version") != INDEX_VERSION:
             return {}
         start = 16 + json_len
@@ -116,9 +132,16 @@ def _read_index(path: Path, directory: Path) -> dict[str, Entry]:
             if "/" in name or os.sep in name or name in (".", "..") or offset < 0 or offset + count > ids.size:
                 return {}
             entries[name] = Entry(
-                directory / name, int(rec["size"]), int(rec["mtime_ns"]), int(rec["ino"]), dict(rec["model"]),
-                count, str(rec["reuse"]), str(rec["compute_dtype"]), rec.get("quantization"),
-                ids[offset:offset + count],
+                directory / name,
+                int(rec["size"]),
+                int(rec["mtime_ns"]),
+                int(rec["ino"]),
+                dict(rec["model"]),
+                count,
+                str(rec["reuse"]),
+                str(rec["compute_dtype"]),
+                rec.get("quantization"),
+                ids[offset : offset + count],
             )
         return entries
     except (ValueError, KeyError, TypeError, struct.error):

@@ -10,17 +10,17 @@ always prefilled. Tokenizing the query needs no torch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.model_files import fingerprint_differences
 from kvcdn_core.manifest import ANY_PREFIX
+from kvcdn_core.model_files import fingerprint_differences
 from kvcdn_core.search.index import Entry, Warn, _stderr_warning, scan
-
 
 # -- matching and ranking -------------------------------------------------------------------
 
@@ -62,10 +62,17 @@ class Match:
 
     def as_dict(self) -> dict[str, Any]:
         e = self.entry
-        return {"path": str(e.path), "prefix_tokens": self.prefix_tokens, "artifact_tokens": e.token_count,
-                "usable_tokens": self.usable_tokens, "usable_fraction": round(self.usable_fraction, 4),
-                "reuse": e.reuse, "model": e.model.get("id"), "compute_dtype": e.compute_dtype,
-                "quantization": e.quantization}
+        return {
+            "path": str(e.path),
+            "prefix_tokens": self.prefix_tokens,
+            "artifact_tokens": e.token_count,
+            "usable_tokens": self.usable_tokens,
+            "usable_fraction": round(self.usable_fraction, 4),
+            "reuse": e.reuse,
+            "model": e.model.get("id"),
+            "compute_dtype": e.compute_dtype,
+            "quantization": e.quantization,
+        }
 
 
 @dataclasses.dataclass
@@ -103,8 +110,15 @@ def rank(entries: list[Entry], fingerprint: dict, query_ids: list[int], start_to
         if prefix <= start_tokens:
             continue
         matches.append(Match(e, prefix, usable_tokens(prefix, e.token_count, len(q), e.reuse)))
-    matches.sort(key=lambda m: (-m.usable_tokens, -m.prefix_tokens, -m.usable_fraction,
-                                m.entry.quantization is not None, str(m.path)))
+    matches.sort(
+        key=lambda m: (
+            -m.usable_tokens,
+            -m.prefix_tokens,
+            -m.usable_fraction,
+            m.entry.quantization is not None,
+            str(m.path),
+        )
+    )
     return Ranking(matches, n_same, n_foreign)
 
 
@@ -215,15 +229,21 @@ class Search:
     start_tokens: int
     ranking: Ranking
 
-    def retokenized(self, tokenizer, fingerprint: dict | None = None) -> "Search":
+    def retokenized(self, tokenizer, fingerprint: dict | None = None) -> Search:
         """The same search with another tokenizer (a loaded model's): reranked only if ids differ."""
         ids = list(self.adapter.encode_context(tokenizer, self.query))
         fingerprint = fingerprint or self.fingerprint
         if ids == self.query_ids and fingerprint == self.fingerprint:
             return dataclasses.replace(self, tokenizer=tokenizer)
         start = start_token_count(lambda t: self.adapter.encode_context(tokenizer, t))
-        return dataclasses.replace(self, tokenizer=tokenizer, fingerprint=fingerprint, query_ids=ids,
-                                   start_tokens=start, ranking=rank(self.entries, fingerprint, ids, start))
+        return dataclasses.replace(
+            self,
+            tokenizer=tokenizer,
+            fingerprint=fingerprint,
+            query_ids=ids,
+            start_tokens=start,
+            ranking=rank(self.entries, fingerprint, ids, start),
+        )
 
 
 def infer_model(entries: list[Entry], directory) -> str:
@@ -236,8 +256,9 @@ def infer_model(entries: list[Entry], directory) -> str:
     raise KvcdnError(f"artifacts under '{directory}' come from {len(ids)} models; pass --model to choose one")
 
 
-def search(directory, query: str, model_ref: str | None = None, revision: str | None = None,
-           warn: Warn = _stderr_warning) -> Search:
+def search(
+    directory, query: str, model_ref: str | None = None, revision: str | None = None, warn: Warn = _stderr_warning
+) -> Search:
     """Scan ``directory``, tokenize ``query`` the way the model's contexts are, and rank."""
     from kvcdn_core.model_files import fingerprint as model_fingerprint
     from kvcdn_core.model_files import resolve_model_dir
@@ -255,5 +276,6 @@ def search(directory, query: str, model_ref: str | None = None, revision: str | 
         return list(adapter.encode_context(tokenizer, text))
 
     ids, start = encode(query), start_token_count(encode)
-    return Search(model_ref, model_dir, fp, adapter, tokenizer, entries, query, ids, start,
-                  rank(entries, fp, ids, start))
+    return Search(
+        model_ref, model_dir, fp, adapter, tokenizer, entries, query, ids, start, rank(entries, fp, ids, start)
+    )

@@ -46,19 +46,34 @@ class Prefilled:
     def summary(self, what: str = "query") -> str:
         """One line saying what was reused and what was prefilled."""
         if self.path is None:
-            return (f"no saved artifact has a usable prefix of the {what}; "
-                    f"prefilled all {self.query_tokens} tokens from scratch")
-        return (f"reused {self.reused_tokens} of {self.query_tokens} {what} tokens from {self.path}; "
-                f"prefilled {self.prefilled_tokens}")
+            return (
+                f"no saved artifact has a usable prefix of the {what}; "
+                f"prefilled all {self.query_tokens} tokens from scratch"
+            )
+        return (
+            f"reused {self.reused_tokens} of {self.query_tokens} {what} tokens from {self.path}; "
+            f"prefilled {self.prefilled_tokens}"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"artifact": str(self.path) if self.path else None, "query_tokens": self.query_tokens,
-                "reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens,
-                "from_scratch": self.path is None}
+        return {
+            "artifact": str(self.path) if self.path else None,
+            "query_tokens": self.query_tokens,
+            "reused_tokens": self.reused_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "from_scratch": self.path is None,
+        }
 
 
-def prefill_reusing(session, ranking: Ranking, query_ids: list[int], chunk: int | None = None,
-                    progress: bool = False, force: bool = False, warn: Warn = _stderr_warning) -> Prefilled:
+def prefill_reusing(
+    session,
+    ranking: Ranking,
+    query_ids: list[int],
+    chunk: int | None = None,
+    progress: bool = False,
+    force: bool = False,
+    warn: Warn = _stderr_warning,
+) -> Prefilled:
     """Load the best usable artifact, crop it to the usable prefix and prefill the rest of the query.
 
     The artifact's own token ids (not the index) decide the prefix, so a file changed since the scan
@@ -76,13 +91,15 @@ def prefill_reusing(session, ranking: Ranking, query_ids: list[int], chunk: int 
         except ArtifactError as exc:
             warn(f"skipping {match.path}: {str(exc).removeprefix(str(match.path) + ': ')}")
             continue
-        usable = usable_tokens(common_prefix(ids, query_ids), len(ids), len(query_ids),
-                               Manifest.from_dict(header.manifest).reuse)
+        usable = usable_tokens(
+            common_prefix(ids, query_ids), len(ids), len(query_ids), Manifest.from_dict(header.manifest).reuse
+        )
         if usable > 0:
             if usable < len(ids):
                 cache = session.adapter.crop(cache, header.manifest["layers"], usable, token_count=len(ids))
-            cache, logits = runtime.prefill(session, list(query_ids[usable:]), chunk=chunk, progress=progress,
-                                            cache=cache)
+            cache, logits = runtime.prefill(
+                session, list(query_ids[usable:]), chunk=chunk, progress=progress, cache=cache
+            )
             return Prefilled(cache, logits, len(query_ids), usable, match.path)
     cache, logits = runtime.prefill(session, list(query_ids), chunk=chunk, progress=progress)
     return Prefilled(cache, logits, len(query_ids), 0, None)
@@ -102,8 +119,12 @@ class Candidate:
     text: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {"first_token": self.token_ids[0], "first_token_logprob": self.first_token_logprob,
-                "token_ids": self.token_ids, "text": self.text}
+        return {
+            "first_token": self.token_ids[0],
+            "first_token_logprob": self.first_token_logprob,
+            "token_ids": self.token_ids,
+            "text": self.text,
+        }
 
 
 def tree(session, prefilled: Prefilled, n: int, tokens: int) -> list[Candidate]:

@@ -88,9 +88,12 @@ class GroupedQuantizer(Quantizer):
         codes = torch.where(s > 0, shifted / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(shifted))
         codes = torch.round(codes).clamp_(0, self.levels).to(torch.uint8)
         codes = codes.reshape(*codes.shape[:-2], -1)[..., :length]
-        record = {"bits": self.bits, "group_size": self.params["group_size"],
-                  "granularity": "per_channel" if role == KEY else "per_token",
-                  "grouped_axis": "tokens" if role == KEY else "channels"}
+        record = {
+            "bits": self.bits,
+            "group_size": self.params["group_size"],
+            "granularity": "per_channel" if role == KEY else "per_token",
+            "grouped_axis": "tokens" if role == KEY else "channels",
+        }
         return {"": pack(codes, self.bits), "scale": scale, "zero": zero}, record
 
     def decode(self, role, parts, record):
@@ -121,8 +124,8 @@ class GroupedQuantizer(Quantizer):
         groups, length = self._groups(x, role)
         lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
         magnitude = torch.maximum(lo.abs(), hi.abs())
-        step = (hi - lo + lo.abs() * 2.0 ** -10 + _F16_QUANTUM) / self.levels
-        bound = (step / 2 * _SLACK + magnitude * 2.0 ** -20).unsqueeze(-1).expand_as(groups)
+        step = (hi - lo + lo.abs() * 2.0**-10 + _F16_QUANTUM) / self.levels
+        bound = (step / 2 * _SLACK + magnitude * 2.0**-20).unsqueeze(-1).expand_as(groups)
         bound = bound.reshape(*bound.shape[:-2], -1)[..., :length]
         return bound.movedim(-1, self._axis(role))
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from kvcdn_core import KvcdnError
-from kvcdn_core import cache_home
+from kvcdn_core import KvcdnError, cache_home
 
 #: Seconds between two listings of a remote source.
 SYNC_INTERVAL_S = 30.0
