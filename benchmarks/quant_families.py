@@ -32,15 +32,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from kvcdn_core import artifact, quant, runtime
-    from kvcdn_core.adapter import quiet_transformers
-    from kvcdn_core.plugins import get_host
-    from kvcdn_core.tiny import teach_tiny_model, SAMPLE_TEXT, build_tiny_model
+    from kvcdn_core.contracts.adapter import quiet_transformers
+    from kvcdn_core.registry import adapter_classes, quantizer_for
+    from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model, teach_tiny_model
     from kvcdn_core.verify import run_verify
 
     quiet_transformers()
     schemes = args.schemes.split(",")
     context = "\n\n".join(SAMPLE_TEXT.split("\n\n")[:3]) + "\n\n"
-    adapters = get_host().model_adapters()
+    adapters = adapter_classes()
     exact = {s: 0 for s in schemes}
     done = 0
     print("| architecture | training loss | layers quantized (int8) | " + " | ".join(schemes) + " |")
@@ -49,16 +49,19 @@ def main(argv=None) -> int:
         work = Path(tempfile.mkdtemp(prefix="kvcdn-qf-"))
         start = time.perf_counter()
         try:
-            loss = teach_tiny_model(build_tiny_model(adapters[arch], arch, work / "random"), work / "taught", SAMPLE_TEXT)
-            session = runtime.load_session(str(work / "taught"), device="cpu", dtype="float32",
-                                           adapter_cls=adapters[arch])
+            loss = teach_tiny_model(
+                build_tiny_model(adapters[arch], arch, work / "random"), work / "taught", SAMPLE_TEXT
+            )
+            session = runtime.load_session(
+                str(work / "taught"), device="cpu", dtype="float32", adapter_cls=adapters[arch]
+            )
             src = work / "ctx.kv"
             runtime.generate(session, context, src, progress=False)
             header = artifact.read_header(src)
             tensors = artifact.load_tensors(header)
             cells, quantized = [], "-"
             for scheme in schemes:
-                result = quant.quantize_cache(header.manifest, tensors, quant.get_quantizer_class(scheme)())
+                result = quant.quantize_cache(header.manifest, tensors, quantizer_for(scheme)())
                 out = artifact.write_artifact(work / f"ctx.{scheme}.kv", result.manifest, result.tensors)
                 res = run_verify(session, artifact.read_header(out), QUESTION, args.n)
                 exact[scheme] += res.passed

@@ -33,8 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SCHEMES = [("int8-tensor", {}), ("int8", {}), ("fp8", {}), ("int4", {"residual": 0}),
-           ("int2", {"residual": 0})]
+SCHEMES = [("int8-tensor", {}), ("int8", {}), ("fp8", {}), ("int4", {"residual": 0}), ("int2", {"residual": 0})]
 WITH_RESIDUAL = [("int4", {}), ("int2", {})]  # default residual 128
 
 
@@ -43,7 +42,7 @@ def log(msg):
 
 
 def installed(schemes):
-    from kvcdn_core.quant import quantizer_classes
+    from kvcdn_core.registry import quantizer_classes
 
     have = quantizer_classes()
     missing = sorted({s for s, _ in schemes} - set(have))
@@ -60,10 +59,10 @@ def label(scheme, params):
 
 def quantize_file(src: Path, scheme: str, params: dict, out: Path) -> Path:
     from kvcdn_core import artifact, quant
+    from kvcdn_core.registry import quantizer_for
 
     header = artifact.read_header(src)
-    result = quant.quantize_cache(header.manifest, artifact.load_tensors(header),
-                                  quant.get_quantizer_class(scheme)(**params))
+    result = quant.quantize_cache(header.manifest, artifact.load_tensors(header), quantizer_for(scheme)(**params))
     return artifact.write_artifact(out, result.manifest, result.tensors)
 
 
@@ -81,15 +80,25 @@ def median_time(fn, reps=5):
 
 
 def compression_and_speed(workdir: Path) -> dict:
+    from kvcdn_model_qwen import QwenAdapter
+
     from kvcdn_core import artifact, quant, runtime
     from kvcdn_core.tiny import build_tiny_model
     from kvcdn_core.validation import long_context
-    from kvcdn_model_qwen import QwenAdapter
 
     class Shaped(QwenAdapter):
-        validation_configs = {"Qwen3ForCausalLM": dict(
-            hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False)}
+        validation_configs = {
+            "Qwen3ForCausalLM": dict(
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                head_dim=128,
+                max_position_embeddings=4096,
+                tie_word_embeddings=False,
+            )
+        }
 
     model_dir = build_tiny_model(Shaped, "Qwen3ForCausalLM", workdir / "shaped", init_std=0.02)
     session = runtime.load_session(str(model_dir), device="cpu", dtype="float16")
@@ -99,20 +108,33 @@ def compression_and_speed(workdir: Path) -> dict:
     base = runtime.save_cache(session, cache, ids, "(2048-token benchmark context)", workdir / "ctx2k.kv")
     base_bytes = base.stat().st_size
     base_header = artifact.read_header(base)
-    out_bytes = sum(t.numel() * t.element_size() for n, t in artifact.load_tensors(base_header).items()
-                    if n != artifact.TOKEN_IDS)
+    out_bytes = sum(
+        t.numel() * t.element_size() for n, t in artifact.load_tensors(base_header).items() if n != artifact.TOKEN_IDS
+    )
     rows = []
     for scheme, params in installed(SCHEMES) + installed(WITH_RESIDUAL):
         out = quantize_file(base, scheme, params, workdir / f"ctx2k.{label(scheme, params).replace(' ', '-')}.kv")
         header = artifact.read_header(out)
         deq = median_time(lambda: quant.dequantize_tensors(header, verify_hashes=False))
         load_q = median_time(lambda: runtime.load_cache(session, header, verify_hashes=False))
-        rows.append({"scheme": label(scheme, params), "bytes": out.stat().st_size,
-                     "ratio": base_bytes / out.stat().st_size, "dequant_gbps": out_bytes / deq / 1e9,
-                     "dequant_ms": deq * 1e3, "load_ms": load_q * 1e3})
+        rows.append(
+            {
+                "scheme": label(scheme, params),
+                "bytes": out.stat().st_size,
+                "ratio": base_bytes / out.stat().st_size,
+                "dequant_gbps": out_bytes / deq / 1e9,
+                "dequant_ms": deq * 1e3,
+                "load_ms": load_q * 1e3,
+            }
+        )
     load_plain = median_time(lambda: runtime.load_cache(session, base_header, verify_hashes=False))
-    return {"tokens": len(ids), "float16_bytes": base_bytes, "load_unquantized_ms": load_plain * 1e3,
-            "layout": "2 layers x 8 KV heads x head_dim 128, float16", "rows": rows}
+    return {
+        "tokens": len(ids),
+        "float16_bytes": base_bytes,
+        "load_unquantized_ms": load_plain * 1e3,
+        "layout": "2 layers x 8 KV heads x head_dim 128, float16",
+        "rows": rows,
+    }
 
 
 # -- 3: quality on a trained model -------------------------------------------------------------------
@@ -144,8 +166,12 @@ def train_tokenizer(texts, vocab_size=1024):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
@@ -161,9 +187,19 @@ def train_model(workdir: Path, train_docs, seconds: float, seed: int = 0) -> tup
     for doc in train_docs:
         stream += tokenizer(doc)["input_ids"] + [eos]
     data = torch.tensor(stream)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                         tie_word_embeddings=True, eos_token_id=eos, pad_token_id=eos)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
     config.architectures = ["Qwen3ForCausalLM"]
     model = Qwen3ForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -175,7 +211,7 @@ def train_model(workdir: Path, train_docs, seconds: float, seed: int = 0) -> tup
         for group in opt.param_groups:
             group["lr"] = 3e-3 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         idx = torch.randint(0, len(data) - seq - 1, (batch,))
-        x = torch.stack([data[i:i + seq] for i in idx])
+        x = torch.stack([data[i : i + seq] for i in idx])
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
@@ -189,8 +225,13 @@ def train_model(workdir: Path, train_docs, seconds: float, seed: int = 0) -> tup
     out = workdir / "trained"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return out, {"steps": step, "tokens_seen": step * seq * batch, "corpus_tokens": len(stream),
-                 "final_loss": statistics.mean(losses[-50:]), "seconds": round(time.perf_counter() - start)}
+    return out, {
+        "steps": step,
+        "tokens_seen": step * seq * batch,
+        "corpus_tokens": len(stream),
+        "final_loss": statistics.mean(losses[-50:]),
+        "seconds": round(time.perf_counter() - start),
+    }
 
 
 def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int, schemes=None) -> list[dict]:
@@ -206,13 +247,15 @@ def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int, sc
         pending += tok(doc)["input_ids"] + [tok.eos_token_id]
         if len(pending) >= 400:
             cut = min(len(pending) - 8, 512)
-            cases.append((pending[:cut], pending[cut:cut + 8]))  # context, then the next 8 tokens as the question
+            cases.append((pending[:cut], pending[cut : cut + 8]))  # context, then the next 8 tokens as the question
             pending = []
         if len(cases) == contexts:
             break
     schemes = installed(schemes or SCHEMES + WITH_RESIDUAL)
-    stats = {label(s, p): {"match": 0, "exact": 0, "max_dlogit": 0.0, "kl": [], "tf_agree": 0, "flip_margins": []}
-             for s, p in schemes}
+    stats = {
+        label(s, p): {"match": 0, "exact": 0, "max_dlogit": 0.0, "kl": [], "tf_agree": 0, "flip_margins": []}
+        for s, p in schemes
+    }
     total, margins = 0, []
     for k, (ctx_ids, q_ids) in enumerate(cases):
         cache, _ = runtime.prefill(session, ctx_ids, progress=False)
@@ -238,30 +281,48 @@ def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int, sc
         log(f"  context {k + 1}/{len(cases)} ({len(ctx_ids)} tokens)")
     rows = []
     for name, s in stats.items():
-        rows.append({"scheme": name, "contexts": len(cases), "token_agreement": s["match"] / total,
-                     "exact_sequences": s["exact"], "teacher_forced_argmax": s["tf_agree"] / total,
-                     "max_abs_logit_diff": s["max_dlogit"], "mean_kl": statistics.mean(s["kl"]),
-                     "max_kl": max(s["kl"]),
-                     "largest_flipped_margin": max(s["flip_margins"], default=None)})
+        rows.append(
+            {
+                "scheme": name,
+                "contexts": len(cases),
+                "token_agreement": s["match"] / total,
+                "exact_sequences": s["exact"],
+                "teacher_forced_argmax": s["tf_agree"] / total,
+                "max_abs_logit_diff": s["max_dlogit"],
+                "mean_kl": statistics.mean(s["kl"]),
+                "max_kl": max(s["kl"]),
+                "largest_flipped_margin": max(s["flip_margins"], default=None),
+            }
+        )
     near = sum(m < 0.05 for m in margins)
-    return {"rows": rows, "steps": total, "reference_steps_with_margin_below_0.05": near,
-            "median_reference_margin": statistics.median(margins)}
+    return {
+        "rows": rows,
+        "steps": total,
+        "reference_steps_with_margin_below_0.05": near,
+        "median_reference_margin": statistics.median(margins),
+    }
 
 
 def print_quality(q: dict, n: int) -> None:
     """The quality table of :func:`quality` as markdown (what docs/quantization.md shows)."""
-    print(f"{q['rows'][0]['contexts'] if q['rows'] else 0} held-out contexts of 400-512 tokens, "
-          f"8-token questions, {n} greedy tokens; {q['steps']} reference steps, "
-          f"{q['reference_steps_with_margin_below_0.05']} of them near-ties (top-2 margin < 0.05), "
-          f"median margin {q['median_reference_margin']:.2f}\n")
-    print("| scheme | token agreement | exact sequences | teacher-forced argmax | largest margin flipped | "
-          "max abs logit diff | mean KL | max KL |")
+    print(
+        f"{q['rows'][0]['contexts'] if q['rows'] else 0} held-out contexts of 400-512 tokens, "
+        f"8-token questions, {n} greedy tokens; {q['steps']} reference steps, "
+        f"{q['reference_steps_with_margin_below_0.05']} of them near-ties (top-2 margin < 0.05), "
+        f"median margin {q['median_reference_margin']:.2f}\n"
+    )
+    print(
+        "| scheme | token agreement | exact sequences | teacher-forced argmax | largest margin flipped | "
+        "max abs logit diff | mean KL | max KL |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in q["rows"]:
         flipped = "-" if r["largest_flipped_margin"] is None else f"{r['largest_flipped_margin']:.3f}"
-        print(f"| {r['scheme']} | {100 * r['token_agreement']:.1f}% | {r['exact_sequences']}/{r['contexts']} | "
-              f"{100 * r['teacher_forced_argmax']:.1f}% | {flipped} | {r['max_abs_logit_diff']:.3f} | "
-              f"{r['mean_kl']:.2e} | {r['max_kl']:.2e} |")
+        print(
+            f"| {r['scheme']} | {100 * r['token_agreement']:.1f}% | {r['exact_sequences']}/{r['contexts']} | "
+            f"{100 * r['teacher_forced_argmax']:.1f}% | {flipped} | {r['max_abs_logit_diff']:.3f} | "
+            f"{r['mean_kl']:.2e} | {r['max_kl']:.2e} |"
+        )
 
 
 def main(argv=None) -> int:
@@ -274,7 +335,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvcdn-quant-bench-"))
@@ -297,8 +358,10 @@ def main(argv=None) -> int:
     for r in c["rows"]:
         print(f"| {r['scheme']} | {r['bytes']:,} | {r['ratio']:.2f}x | {r['dequant_gbps']:.2f} | {r['load_ms']:.1f} |")
     t = report["training"]
-    print(f"\n### Quality (trained model: {t['steps']} steps, {t['tokens_seen']:,} tokens seen, "
-          f"final loss {t['final_loss']:.2f}, {t['seconds']}s)\n")
+    print(
+        f"\n### Quality (trained model: {t['steps']} steps, {t['tokens_seen']:,} tokens seen, "
+        f"final loss {t['final_loss']:.2f}, {t['seconds']}s)\n"
+    )
     print_quality(report["quality"], args.n)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args(argv)
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
     from kvcdn_core.testing.smollm2 import smollm2_dir
 
     quiet_transformers()

@@ -27,9 +27,18 @@ import time
 from pathlib import Path
 
 QWEN3_06B = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
     attention_bias=False,
 )
 
@@ -39,7 +48,7 @@ def build_model(out: Path, vocab: int) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
     from kvcdn_core.tiny import train_tokenizer
 
     if (out / "config.json").exists():
@@ -68,16 +77,19 @@ def kvcdn(*args: str) -> str:
 
 def markdown_rows(rows: list[dict]) -> str:
     """The docs table: medians, with min-max of the TTFTs over the timed runs."""
-    lines = ["| tokens | scheme | prefill s | load s | load / plain read | TTFT cached s | TTFT pipelined s (min-max) "
-             "| limit s | pipelined / limit | speedup | speedup pipelined | artifact MB | first token |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| tokens | scheme | prefill s | load s | load / plain read | TTFT cached s | TTFT pipelined s (min-max) "
+        "| limit s | pipelined / limit | speedup | speedup pipelined | artifact MB | first token |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         low, _, high = r["spread"]["ttft_pipelined_s"]
         lines.append(
             f"| {r['tokens']} | {r['scheme']} | {r['prefill_s']:.2f} | {r['load_s']:.3f} | {r['load_read_ratio']:.2f}x "
             f"| {r['ttft_cached_s']:.3f} | {r['ttft_pipelined_s']:.3f} ({low:.3f}-{high:.3f}) | {r['ttft_limit_s']:.3f} "
             f"| {r['ttft_pipelined_s'] / r['ttft_limit_s']:.2f}x | {r['speedup_ttft']:.0f}x | {r['speedup_pipelined']:.0f}x "
-            f"| {r['artifact_bytes'] / 1e6:.1f} | {'same' if r['first_token_match'] else 'differs'} |")
+            f"| {r['artifact_bytes'] / 1e6:.1f} | {'same' if r['first_token_match'] else 'differs'} |"
+        )
     return "\n".join(lines)
 
 
@@ -86,13 +98,20 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--reps", default="3")
     parser.add_argument("--schemes", default="none,int8,int4")
-    parser.add_argument("--vocab", type=int, default=QWEN3_06B["vocab_size"],
-                        help="vocabulary size (the real one by default; smaller builds faster)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=QWEN3_06B["vocab_size"],
+        help="vocabulary size (the real one by default; smaller builds faster)",
+    )
     parser.add_argument("--workdir", default=None, help="where the model and the CSV go [default: a temp dir]")
     parser.add_argument("--threads", default=None, help="torch threads [default: the physical cores]")
-    parser.add_argument("--png", default=None,
-                        help="where the chart goes [default: the workdir; docs/img/qwen3-shaped-amortized-cost.png "
-                             "is the one docs/benchmarks.md shows]")
+    parser.add_argument(
+        "--png",
+        default=None,
+        help="where the chart goes [default: the workdir; docs/img/qwen3-shaped-amortized-cost.png "
+        "is the one docs/benchmarks.md shows]",
+    )
     args = parser.parse_args(argv)
 
     from kvcdn_core.benchmark import installed_schemes
@@ -108,13 +127,46 @@ def main(argv=None) -> int:
     csv_path = work / "qwen3-shaped-bench.csv"
     png = Path(args.png) if args.png else work / "qwen3-shaped-amortized-cost.png"
     threads = ["--threads", args.threads] if args.threads else []
-    data = json.loads(kvcdn("benchmark", "--model", str(model_dir), "--lengths", args.lengths, "--reps", args.reps,
-                            *threads, "--scheme", ",".join(schemes), "--dtype", "float32", "--device", "cpu",
-                            "--output", str(csv_path), "--format", "json", "-q"))
-    print(kvcdn("plot", "--csv-path", str(csv_path), "--out", str(png), "--max-n", "1000",
-                "--model", "Qwen3-0.6B-shaped, random weights, CPU float32"))
-    print(f"csv: {csv_path}\npng: {png}\npage cache: {data['page_cache']}\ncontext: {data['context']}\n"
-          f"threads: {data['threads']}; 1-minute load average {data['load_average']} (start, end)")
+    data = json.loads(
+        kvcdn(
+            "benchmark",
+            "--model",
+            str(model_dir),
+            "--lengths",
+            args.lengths,
+            "--reps",
+            args.reps,
+            *threads,
+            "--scheme",
+            ",".join(schemes),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--output",
+            str(csv_path),
+            "--format",
+            "json",
+            "-q",
+        )
+    )
+    print(
+        kvcdn(
+            "plot",
+            "--csv-path",
+            str(csv_path),
+            "--out",
+            str(png),
+            "--max-n",
+            "1000",
+            "--model",
+            "Qwen3-0.6B-shaped, random weights, CPU float32",
+        )
+    )
+    print(
+        f"csv: {csv_path}\npng: {png}\npage cache: {data['page_cache']}\ncontext: {data['context']}\n"
+        f"threads: {data['threads']}; 1-minute load average {data['load_average']} (start, end)"
+    )
     print(markdown_rows(data["rows"]))
     print(json.dumps(data, indent=1), file=sys.stderr)
     return 0

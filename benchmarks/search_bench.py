@@ -37,8 +37,13 @@ def build_model_dir(out: Path) -> Path:
 
     tok = train_tokenizer()
     tok.save_pretrained(out)
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": len(tok),
-              "hidden_size": 64, "num_hidden_layers": 2}
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+    }
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -70,8 +75,9 @@ def write_corpus(directory: Path, model_dir: Path, n: int, tokens: int, subdirs:
     # a busy disk). Search itself is unaffected.
     real_fsync, os.fsync = os.fsync, lambda fd: None
     try:
-        return _write_corpus(directory, model_dir, n, tokens, subdirs, seed, torch, AutoTokenizer, artifact,
-                             fingerprint)
+        return _write_corpus(
+            directory, model_dir, n, tokens, subdirs, seed, torch, AutoTokenizer, artifact, fingerprint
+        )
     finally:
         os.fsync = real_fsync
 
@@ -90,9 +96,15 @@ def _write_corpus(directory, model_dir, n, tokens, subdirs, seed, torch, AutoTok
         keep = tokens * j // variants
         other = docs[(i + 1) % len(docs)][1]
         body = (ids[:keep] + other[keep:])[:tokens] if j else ids[:tokens]
-        manifest = {"kvcdn_version": "bench", "created_at": "2026-01-01T00:00:00+00:00",
-                    "model": {"id": str(model_dir), "revision": None, "family": "qwen", **fp},
-                    "compute_dtype": "float32", "layers": [layer], "quantization": None, "reuse": "any_prefix"}
+        manifest = {
+            "kvcdn_version": "bench",
+            "created_at": "2026-01-01T00:00:00+00:00",
+            "model": {"id": str(model_dir), "revision": None, "family": "qwen", **fp},
+            "compute_dtype": "float32",
+            "layers": [layer],
+            "quantization": None,
+            "reuse": "any_prefix",
+        }
         tensors = {**small, artifact.TOKEN_IDS: torch.tensor(body, dtype=torch.long)}
         artifact.write_artifact(directory / f"d{i % subdirs:02d}" / f"a{i:05d}.kv", manifest, tensors)
     return docs[0][0] + "\n\nQ: Which ship was missing?\nA:"
@@ -160,12 +172,25 @@ def main(argv=None) -> int:
     warm_s = median_time(warm, args.reps)
     scan_s = median_time(lambda: search.scan(corpus), args.reps)
     entries = search.scan(corpus)
-    rank_s = median_time(lambda: search.rank(entries, found.fingerprint, found.query_ids, found.start_tokens),
-                         args.reps)
+    rank_s = median_time(
+        lambda: search.rank(entries, found.fingerprint, found.query_ids, found.start_tokens), args.reps
+    )
     index_mb = sum(p.stat().st_size for p in corpus.rglob(search.INDEX_NAME)) / 1e6
 
-    cmd = [sys.executable, "-m", "kvcdn_core", "search", "--model", str(model_dir), "--dir", str(corpus),
-           "--query", query, "--format", "json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvcdn_core",
+        "search",
+        "--model",
+        str(model_dir),
+        "--dir",
+        str(corpus),
+        "--query",
+        query,
+        "--format",
+        "json",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
     def cli():
@@ -186,8 +211,11 @@ def main(argv=None) -> int:
         ("  of which rank (prefix against every artifact)", ms(rank_s)),
         ("`kvcdn search` command, fresh process", ms(cli_s)),
         ("  bare `python -c pass` on this machine", ms(python_s)),
-        ("query / best match", f"{result['query_tokens']} tokens; prefix {best['prefix_tokens']} of "
-                               f"{best['artifact_tokens']}, {len(result['matches'])} matches"),
+        (
+            "query / best match",
+            f"{result['query_tokens']} tokens; prefix {best['prefix_tokens']} of "
+            f"{best['artifact_tokens']}, {len(result['matches'])} matches",
+        ),
     ]
     print("| measure | result |\n|---|---|")
     for name, value in rows:

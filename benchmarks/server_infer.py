@@ -53,8 +53,9 @@ def main(argv=None) -> int:
     path = random_artifact(session, args.tokens, work / f"server-{args.tokens}.kv")
     question = session.adapter.encode_continuation(session.tokenizer, QUESTION)
     cache, _ = runtime.load_cache(session, fmt.read_header(path))
-    engine = InferenceEngine(ModelPolicy([str(model_dir)]), concurrency=1, timeout=3600, max_models=1,
-                             cache_bytes=1 << 40, device="cpu")
+    engine = InferenceEngine(
+        ModelPolicy([str(model_dir)]), concurrency=1, timeout=3600, max_models=1, cache_bytes=1 << 40, device="cpu"
+    )
 
     @contextlib.contextmanager
     def fetch_path():
@@ -80,8 +81,10 @@ def main(argv=None) -> int:
             times[name].append(seconds)
     engine.shutdown()
     med = {name: statistics.median(values) for name, values in times.items()}
-    print(f"{args.tokens} tokens, question {len(question)} tokens + {args.n} generated; threads {threads}; "
-          f"{args.reps} reps after a warm-up")
+    print(
+        f"{args.tokens} tokens, question {len(question)} tokens + {args.n} generated; threads {threads}; "
+        f"{args.reps} reps after a warm-up"
+    )
     for name, values in times.items():
         print(f"{name:7s} min {min(values):.3f} s  median {med[name]:.3f} s  max {max(values):.3f} s")
     print(f"server / local: {med['server'] / med['local']:.2f}x (target: at most 1.2x)")

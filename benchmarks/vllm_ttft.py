@@ -44,8 +44,15 @@ def engine(model: str, connector: dict | None):
     kwargs = {}
     if connector:
         kwargs["kv_transfer_config"] = KVTransferConfig(kv_role="kv_both", **connector)
-    return LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True, enable_prefix_caching=False,
-               seed=0, **kwargs)
+    return LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        seed=0,
+        **kwargs,
+    )
 
 
 def close(llm) -> None:
@@ -81,38 +88,68 @@ def main() -> None:
         question = session.adapter.encode_continuation(session.tokenizer, " Question: what did the keeper write?")
         prompt = context_ids + question
         artifacts = work / "kvcdn"
-        runtime.save_cache(session, runtime.prefill(session, context_ids, progress=False)[0], context_ids,
-                           "", artifacts / "context.kv")
+        runtime.save_cache(
+            session, runtime.prefill(session, context_ids, progress=False)[0], context_ids, "", artifacts / "context.kv"
+        )
         del session
         gc.collect()
 
-        results = {"prompt_tokens": len(prompt), "reps": args.reps, "cpu_count": os.cpu_count(),
-                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+        results = {
+            "prompt_tokens": len(prompt),
+            "reps": args.reps,
+            "cpu_count": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        }
 
         llm = engine(str(model), None)
         times, out = ttft(llm, prompt, args.reps)
-        results["cold"] = {"first_s": times[0], "median_s": statistics.median(times), "times_s": times,
-                           "cached_tokens": 0}
+        results["cold"] = {
+            "first_s": times[0],
+            "median_s": statistics.median(times),
+            "times_s": times,
+            "cached_tokens": 0,
+        }
         close(llm)
 
-        llm = engine(str(model), {"kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn_vllm",
-                                  "kv_connector_extra_config": {"source": str(artifacts)}})
+        llm = engine(
+            str(model),
+            {
+                "kv_connector": "KvcdnConnector",
+                "kv_connector_module_path": "kvcdn_vllm",
+                "kv_connector_extra_config": {"source": str(artifacts)},
+            },
+        )
         times, out = ttft(llm, prompt, args.reps)
-        results["kvcdn"] = {"first_s": times[0], "median_s": statistics.median(times), "times_s": times,
-                            "cached_tokens": out.num_cached_tokens,
-                            "bytes_read": (artifacts / "context.kv").stat().st_size}
+        results["kvcdn"] = {
+            "first_s": times[0],
+            "median_s": statistics.median(times),
+            "times_s": times,
+            "cached_tokens": out.num_cached_tokens,
+            "bytes_read": (artifacts / "context.kv").stat().st_size,
+        }
         close(llm)
 
         example_dir = work / "example"
         example_dir.mkdir()
-        llm = engine(str(model), {"kv_connector": "ExampleConnector",
-                                  "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}})
+        llm = engine(
+            str(model),
+            {
+                "kv_connector": "ExampleConnector",
+                "kv_connector_extra_config": {"shared_storage_path": str(example_dir)},
+            },
+        )
         store_times, _ = ttft(llm, prompt, 1)  # the first request computes and stores
         written = dir_bytes(example_dir)
         times, out = ttft(llm, prompt, args.reps)
-        results["example_connector"] = {"first_s": times[0], "median_s": statistics.median(times), "times_s": times,
-                                        "cached_tokens": out.num_cached_tokens, "bytes_written": written,
-                                        "bytes_read": written, "storing_request_s": store_times[0]}
+        results["example_connector"] = {
+            "first_s": times[0],
+            "median_s": statistics.median(times),
+            "times_s": times,
+            "cached_tokens": out.num_cached_tokens,
+            "bytes_written": written,
+            "bytes_read": written,
+            "storing_request_s": store_times[0],
+        }
         close(llm)
     finally:
         shutil.rmtree(work, ignore_errors=True)

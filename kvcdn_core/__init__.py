@@ -1,7 +1,14 @@
 """kvcdn core: the plugin contract, the `.kv` artifact format and the transformers runtime.
 
-Importing this package must stay cheap: it never imports torch or transformers.
+This module is the public plugin API: a plugin imports what it needs from ``kvcdn_core`` and from
+nowhere else in core (``kvcdn_core.testing`` is the public test API). Names load lazily on first
+use, so importing this package stays cheap: it never imports torch or transformers.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 import pluggy
 
@@ -10,4 +17,86 @@ __version__ = "0.1.0"
 #: The marker plugins use to implement kvcdn hooks: ``@kvcdn_core.hookimpl``.
 hookimpl = pluggy.HookimplMarker("kvcdn")
 
-__all__ = ["__version__", "hookimpl"]
+#: Public name → the module that defines it (loaded on first access).
+_EXPORTS = {
+    # contracts
+    "ModelAdapter": "kvcdn_core.contracts.adapter",
+    "Quantizer": "kvcdn_core.contracts.quantizer",
+    "KEY": "kvcdn_core.contracts.quantizer",
+    "VALUE": "kvcdn_core.contracts.quantizer",
+    "role_of": "kvcdn_core.contracts.quantizer",
+    "StorageBackend": "kvcdn_core.contracts.storage",
+    "ObjectInfo": "kvcdn_core.contracts.storage",
+    "ObjectNotFound": "kvcdn_core.contracts.storage",
+    "safe_key": "kvcdn_core.contracts.storage",
+    "check_prefix": "kvcdn_core.contracts.storage",
+    # numerics shared by quantization schemes
+    "round_up_param": "kvcdn_core.numerics",
+    "round_down_param": "kvcdn_core.numerics",
+    "safe_reciprocal": "kvcdn_core.numerics",
+    # the artifact format: layer kinds and the token-id tensor
+    "FULL_ATTENTION": "kvcdn_core.artifact",
+    "SLIDING_WINDOW": "kvcdn_core.artifact",
+    "MLA_LATENT": "kvcdn_core.artifact",
+    "LINEAR_ATTENTION": "kvcdn_core.artifact",
+    "RECURRENT_STATE": "kvcdn_core.artifact",
+    "TOKEN_IDS": "kvcdn_core.artifact",
+    # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
+    "LinearAttentionLayers": "kvcdn_core.linear_attention",
+    "is_linear_attention": "kvcdn_core.linear_attention",
+    # models: files, fingerprint, tiny validation configs, the validation run
+    "resolve_model_dir": "kvcdn_core.model_files",
+    "fingerprint": "kvcdn_core.model_files",
+    "fingerprint_differences": "kvcdn_core.model_files",
+    "TINY_DECODER": "kvcdn_core.tiny",
+    "validate_tiny": "kvcdn_core.validation",
+    # quantized artifacts
+    "dequantize_tensors": "kvcdn_core.quant",
+    # lookup
+    "adapter_for": "kvcdn_core.registry",
+    "quantizer_for": "kvcdn_core.registry",
+    "open_storage": "kvcdn_core.registry",
+    # built-ins other plugins build on
+    "LocalStorage": "kvcdn_core.builtin.local_storage",
+    # errors (exit codes 2, 1, 2)
+    "KvcdnError": "kvcdn_core.errors",
+    "CheckFailed": "kvcdn_core.errors",
+    "ArtifactError": "kvcdn_core.errors",
+    # files, paths, progress and output
+    "atomic_open": "kvcdn_core.atomic",
+    "atomic_path": "kvcdn_core.atomic",
+    "atomic_write_stream": "kvcdn_core.atomic",
+    "write_json_atomic": "kvcdn_core.atomic",
+    "fsync_dir": "kvcdn_core.atomic",
+    "config_home": "kvcdn_core.paths",
+    "cache_home": "kvcdn_core.paths",
+    "data_home": "kvcdn_core.paths",
+    "ensure_kv_suffix": "kvcdn_core.paths",
+    "Progress": "kvcdn_core.progress",
+    "human_bytes": "kvcdn_core.progress",
+    "emit_json": "kvcdn_core.render",
+    "format_option": "kvcdn_core.commands.common",
+    "render": "kvcdn_core.render",
+    "print_table": "kvcdn_core.render",
+}
+
+#: Public modules: the `.kv` format (read, write, validate), model sessions (load, prefill, decode)
+#: and prefix search (index, rank, reuse).
+_MODULES = ("artifact", "runtime", "search")
+
+__all__ = ["__version__", "hookimpl", *_MODULES, *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"kvcdn_core.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcdn_core' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -18,9 +18,11 @@ import re
 import struct
 import sys
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvcdn_core import tensor_io
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
@@ -46,21 +48,8 @@ MAX_JSON_TOKENS = 200_000
 #: Most dimensions of a tensor.
 MAX_RANK = 16
 
-#: safetensors dtype name → (bytes per element, torch dtype name)
-DTYPES = {
-    "F64": (8, "float64"),
-    "F32": (4, "float32"),
-    "F16": (2, "float16"),
-    "BF16": (2, "bfloat16"),
-    "F8_E4M3": (1, "float8_e4m3fn"),
-    "F8_E5M2": (1, "float8_e5m2"),
-    "I64": (8, "int64"),
-    "I32": (4, "int32"),
-    "I16": (2, "int16"),
-    "I8": (1, "int8"),
-    "U8": (1, "uint8"),
-    "BOOL": (1, "bool"),
-}
+#: safetensors dtype name → (bytes per element, torch dtype name); defined with the tensor reader
+DTYPES = tensor_io.DTYPES
 TORCH_TO_ST = {torch_name: st for st, (_, torch_name) in DTYPES.items()}
 #: dtypes a cache is computed in (the manifest's ``compute_dtype``)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -78,8 +67,7 @@ LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, LINEAR_ATTENTION, REC
 #: Kinds whose cache can be cropped to any shorter prefix.
 CROPPABLE_KINDS = (FULL_ATTENTION, MLA_LATENT)
 
-REQUIRED_MANIFEST_KEYS = ("kvcdn_version", "created_at", "model", "compute_dtype", "token_count",
-                          "layers", "tensors")
+REQUIRED_MANIFEST_KEYS = ("kvcdn_version", "created_at", "model", "compute_dtype", "token_count", "layers", "tensors")
 
 
 @dataclasses.dataclass
@@ -97,11 +85,11 @@ class Header:
         return int(self.manifest["token_count"])
 
 
-def _fail(path, message: str) -> ArtifactError:
+def _fail(path: Any, message: str) -> ArtifactError:
     return ArtifactError(f"{path}: {message}")
 
 
-def read_header(path: str | os.PathLike) -> Header:
+def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and strictly validate the header of an artifact, without touching the tensor data.
 
     Every reader (CLI, hosted client, server) goes through here: any malformed input is an
@@ -114,12 +102,15 @@ def read_header(path: str | os.PathLike) -> Header:
             file_size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(8)
             if len(prefix) < 8:
-                raise _fail(path, f"not a kvcdn artifact: file is {file_size} bytes, too short for a safetensors header")
+                raise _fail(
+                    path, f"not a kvcdn artifact: file is {file_size} bytes, too short for a safetensors header"
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES:
                 if header_len < 1 << 32 and header_len <= file_size - 8:
-                    raise _fail(path, f"refused: header of {header_len} bytes is over the "
-                                      f"{MAX_HEADER_BYTES >> 20} MiB limit")
+                    raise _fail(
+                        path, f"refused: header of {header_len} bytes is over the {MAX_HEADER_BYTES >> 20} MiB limit"
+                    )
                 raise _fail(path, "not a kvcdn artifact: not a safetensors file (implausible header length)")
             if header_len > file_size - 8:
                 raise _fail(path, f"truncated: header says {header_len} bytes, file has {file_size - 8}")
@@ -148,7 +139,9 @@ def read_header(path: str | os.PathLike) -> Header:
     if not (version.isascii() and version.isdigit() and len(version) <= 9):
         raise _fail(path, f"corrupted: format version {version!r} is not a number")
     if int(version) > FORMAT_VERSION:
-        raise _fail(path, f"format version {int(version)} is newer than this kvcdn reads ({FORMAT_VERSION}); upgrade kvcdn")
+        raise _fail(
+            path, f"format version {int(version)} is newer than this kvcdn reads ({FORMAT_VERSION}); upgrade kvcdn"
+        )
     if int(version) < 1:
         raise _fail(path, f"unknown format version {int(version)}")
     manifest = _parse_json(path, meta.pop(META_MANIFEST, ""), "manifest")
@@ -159,7 +152,7 @@ def read_header(path: str | os.PathLike) -> Header:
     return result
 
 
-def check_file(path: str | os.PathLike) -> Header:
+def check_file(path: str | os.PathLike[str]) -> Header:
     """:func:`read_header` plus :func:`check_hashes` and the token ids: the whole file is what its
     manifest promises.
 
@@ -182,7 +175,7 @@ _JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def _parse_json(path, text: str, what: str) -> Any:
+def _parse_json(path: Any, text: str, what: str) -> Any:
     """``json.loads`` of untrusted text, after checking its nesting depth and token count.
 
     The scan runs before the parser and stops at the first limit passed, so a hostile document can
@@ -232,7 +225,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_constant(name: str):
+def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
@@ -251,7 +244,7 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _check_manifest_types(path, manifest: dict) -> None:
+def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
     """The manifest's structure, so that later code can index it without surprises."""
     missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in manifest]
     if missing:
@@ -261,7 +254,7 @@ def _check_manifest_types(path, manifest: dict) -> None:
         if not ok:
             raise _fail(path, f"corrupted: manifest {what}")
 
-    def optional(container: dict, key: str, kind) -> bool:
+    def optional(container: dict[str, Any], key: str, kind: Any) -> bool:
         return container.get(key) is None or isinstance(container[key], kind)
 
     expect(_is_label(manifest["kvcdn_version"]), "kvcdn_version is not a printable string")
@@ -272,8 +265,10 @@ def _check_manifest_types(path, manifest: dict) -> None:
     expect(_is_label(model.get("id")) and model["id"] != "", "model.id is not a non-empty printable string")
     for key in ("revision", "family", "architecture", "config_sha256", "tokenizer_sha256", "weights_sha256"):
         expect(model.get(key) is None or _is_label(model[key]), f"model.{key} is not a printable string")
-    expect(manifest["compute_dtype"] in COMPUTE_DTYPES,
-           f"compute_dtype {manifest['compute_dtype']!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    expect(
+        manifest["compute_dtype"] in COMPUTE_DTYPES,
+        f"compute_dtype {manifest['compute_dtype']!r} is not one of {', '.join(COMPUTE_DTYPES)}",
+    )
     expect(optional(manifest, "context", str), "context is not a string")
     expect(manifest.get("reuse") in (None, "any_prefix", "whole_prefix"), "reuse is not any_prefix or whole_prefix")
     quant = manifest.get("quantization")
@@ -283,45 +278,64 @@ def _check_manifest_types(path, manifest: dict) -> None:
     expect(isinstance(manifest["tensors"], dict), "tensors is not an object")
     for name, spec in manifest["tensors"].items():
         expect(_is_label(name), f"tensor name {name!r} is not printable")
-        expect(isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
-               and isinstance(spec.get("shape"), list) and all(_is_count(d) for d in spec["shape"]),
-               f"entry for tensor '{name}' lacks a dtype or a shape of non-negative integers")
-        expect(isinstance(spec.get("sha256"), str) and _SHA256.fullmatch(spec["sha256"]) is not None,
-               f"entry for tensor '{name}' lacks a sha256")
+        expect(
+            isinstance(spec, dict)
+            and isinstance(spec.get("dtype"), str)
+            and isinstance(spec.get("shape"), list)
+            and all(_is_count(d) for d in spec["shape"]),
+            f"entry for tensor '{name}' lacks a dtype or a shape of non-negative integers",
+        )
+        expect(
+            isinstance(spec.get("sha256"), str) and _SHA256.fullmatch(spec["sha256"]) is not None,
+            f"entry for tensor '{name}' lacks a sha256",
+        )
     expect(isinstance(manifest["layers"], list), "layers is not a list")
     for i, layer in enumerate(manifest["layers"]):
         expect(isinstance(layer, dict), f"layer {i} is not an object")
         expect(_is_count(layer.get("index")), f"layer {i} has no non-negative integer index")
         expect(layer.get("kind") in LAYER_KINDS, f"layer {i} has unknown kind {layer.get('kind')!r}")
         tensors = layer.get("tensors", {})
-        expect(isinstance(tensors, dict) and all(isinstance(v, str) for v in tensors.values()),
-               f"layer {i} tensors is not a map of names")
+        expect(
+            isinstance(tensors, dict) and all(isinstance(v, str) for v in tensors.values()),
+            f"layer {i} tensors is not a map of names",
+        )
         unknown = next((t for t in tensors.values() if t not in manifest["tensors"]), None)
         expect(unknown is None, f"layer {i} names unknown tensor '{unknown}'")
         if layer["kind"] == SLIDING_WINDOW:
-            expect(_is_count(layer.get("window")) and layer["window"] > 0
-                   and _is_count(layer.get("cumulative_length")),
-                   f"layer {i} lacks an integer window and cumulative_length")
+            expect(
+                _is_count(layer.get("window")) and layer["window"] > 0 and _is_count(layer.get("cumulative_length")),
+                f"layer {i} lacks an integer window and cumulative_length",
+            )
 
 
-def _check_quantization(expect, q: dict) -> None:
+def _check_quantization(expect: Callable[[bool, str], None], q: dict[str, Any]) -> None:
     """The quantization block's common structure (docs/quantization.md); its scheme checks the rest."""
-    expect(isinstance(q.get("scheme"), str) and isinstance(q.get("target_dtype"), str),
-           "quantization lacks a scheme or a target_dtype")
+    expect(
+        isinstance(q.get("scheme"), str) and isinstance(q.get("target_dtype"), str),
+        "quantization lacks a scheme or a target_dtype",
+    )
     expect(q.get("version") is None or _is_count(q["version"]), "quantization version is not an integer")
     expect(q.get("parameters") is None or isinstance(q["parameters"], dict), "quantization parameters is not an object")
     expect(isinstance(q.get("layers"), list), "quantization layers is not a list")
     for i, record in enumerate(q["layers"]):
-        expect(isinstance(record, dict) and _is_count(record.get("index")),
-               f"quantization layer {i} is not an object with an integer index")
+        expect(
+            isinstance(record, dict) and _is_count(record.get("index")),
+            f"quantization layer {i} is not an object with an integer index",
+        )
         tensors = record.get("tensors", {})
-        expect(isinstance(tensors, dict) and all(isinstance(t, dict) for t in tensors.values()),
-               f"quantization layer {i} tensors is not a map of objects")
+        expect(
+            isinstance(tensors, dict) and all(isinstance(t, dict) for t in tensors.values()),
+            f"quantization layer {i} tensors is not a map of objects",
+        )
         for role, t in tensors.items():
             if t.get("action") == "quantized":
-                expect(isinstance(t.get("parts"), list) and all(isinstance(p, str) for p in t["parts"])
-                       and isinstance(t.get("shape"), list) and all(_is_count(d) for d in t["shape"]),
-                       f"quantization layer {i} tensor '{role}' lacks parts or an integer shape")
+                expect(
+                    isinstance(t.get("parts"), list)
+                    and all(isinstance(p, str) for p in t["parts"])
+                    and isinstance(t.get("shape"), list)
+                    and all(_is_count(d) for d in t["shape"]),
+                    f"quantization layer {i} tensor '{role}' lacks parts or an integer shape",
+                )
 
 
 def _validate(h: Header) -> None:
@@ -336,8 +350,12 @@ def _validate(h: Header) -> None:
             raise _fail(path, f"corrupted: tensor '{name}' has unknown dtype {dtype!r}")
         if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(_is_count(d) for d in shape)):
             raise _fail(path, f"corrupted: tensor '{name}' has a shape that is not a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-                and offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
             raise _fail(path, f"corrupted: tensor '{name}' has data_offsets that are not [start, end] integers")
         need = math.prod(shape) * DTYPES[dtype][0]
         if offsets[1] - offsets[0] != need:
@@ -347,8 +365,11 @@ def _validate(h: Header) -> None:
     end = 0
     for start, stop, name in sorted(spans):
         if start != end:
-            raise _fail(path, f"corrupted: tensor '{name}' starts at byte {start} of the data, expected {end} "
-                              f"({'overlap' if start < end else 'gap'})")
+            raise _fail(
+                path,
+                f"corrupted: tensor '{name}' starts at byte {start} of the data, expected {end} "
+                f"({'overlap' if start < end else 'gap'})",
+            )
         end = stop
     actual = h.file_size - h.data_start
     if actual < end:
@@ -356,12 +377,15 @@ def _validate(h: Header) -> None:
     if actual > end:
         raise _fail(path, f"corrupted: {actual - end} unexpected trailing bytes")
     for name, spec in manifest["tensors"].items():
-        entry = h.entries.get(name)
-        if entry is None:
+        found = h.entries.get(name)
+        if found is None:
             raise _fail(path, f"corrupted: manifest names tensor '{name}', which the file lacks")
-        if entry["shape"] != spec["shape"] or entry["dtype"] != spec["dtype"]:
-            raise _fail(path, f"corrupted: tensor '{name}' is {entry['dtype']}{entry['shape']}, "
-                              f"the manifest says {spec['dtype']}{spec['shape']}")
+        if found["shape"] != spec["shape"] or found["dtype"] != spec["dtype"]:
+            raise _fail(
+                path,
+                f"corrupted: tensor '{name}' is {found['dtype']}{found['shape']}, "
+                f"the manifest says {spec['dtype']}{spec['shape']}",
+            )
     extra = next((name for name in h.entries if name not in manifest["tensors"]), None)
     if extra is not None:
         raise _fail(path, f"corrupted: tensor '{extra}' is in the file but not in the manifest")
@@ -372,11 +396,11 @@ def _validate(h: Header) -> None:
         raise _fail(path, f"corrupted: '{TOKEN_IDS}' has dtype {token_entry['dtype']}, expected I64 or I32")
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return read_header(path).manifest
 
 
-def read_token_ids(path: str | os.PathLike, header: Header | None = None) -> list[int]:
+def read_token_ids(path: str | os.PathLike[str], header: Header | None = None) -> list[int]:
     """The artifact's token ids, read without loading the cache tensors (no torch)."""
     h = header or read_header(path)
     entry = h.entries[TOKEN_IDS]
@@ -402,8 +426,9 @@ def check_hashes(header: Header) -> list[str]:
     return tensor_io.mismatched(header)
 
 
-def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True,
-                 direct: bool | None = None) -> dict[str, Any]:
+def load_tensors(
+    header: Header, device: str = "cpu", verify_hashes: bool = True, direct: bool | None = None
+) -> dict[str, Any]:
     """Read the whole data region once and return every tensor as a torch tensor.
 
     The tensors are views on one buffer laid out like the file, filled by one read (``O_DIRECT``
@@ -420,7 +445,7 @@ def load_tensors(header: Header, device: str = "cpu", verify_hashes: bool = True
     return tensors
 
 
-def tensor_bytes(t) -> memoryview:
+def tensor_bytes(t: Any) -> memoryview:
     """The raw little-endian bytes of a CPU tensor, as stored in the file."""
     import torch
 
@@ -430,7 +455,7 @@ def tensor_bytes(t) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def write_artifact(path: str | os.PathLike, manifest: dict[str, Any], tensors: dict[str, Any]) -> Path:
+def write_artifact(path: str | os.PathLike[str], manifest: dict[str, Any], tensors: dict[str, Any]) -> Path:
     """Write an artifact atomically: temporary file in the same directory, fsync, rename.
 
     ``tensors`` maps names to torch tensors and must include ``token_ids``. The manifest's

@@ -7,9 +7,12 @@ never leaves a half-written file under the target name, and a failed write leave
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import IO, Any
 
 
 @contextlib.contextmanager
@@ -62,3 +65,18 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def atomic_write_stream(target: Path, stream: IO[bytes], chunk: int = 1 << 20) -> int:
+    """Copy a binary stream to ``target`` through a temp file in the same directory; return bytes."""
+    with atomic_open(target) as out:
+        shutil.copyfileobj(stream, out, chunk)
+        written = out.tell()
+    return written
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON (indented, UTF-8, trailing newline) atomically."""
+    with atomic_open(path, text=True) as fh:
+        json.dump(data, fh, indent=2, ensure_ascii=False)
+        fh.write("\n")

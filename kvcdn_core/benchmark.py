@@ -19,8 +19,9 @@ import io
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.pagecache import evict, resident_fraction
@@ -28,15 +29,38 @@ from kvcdn_core.paths import command_dir, model_slug
 
 #: CSV columns, in the documented order: the compute group, then the per-scheme group.
 CSV_COLUMNS = (
-    "tokens", "prefill_s", "kv_attn_s", "kv_mb", "prefill_gflops", "speedup_compute",
-    "scheme", "load_s", "load_gbps", "ttft_cached_s", "speedup_ttft", "artifact_bytes",
+    "tokens",
+    "prefill_s",
+    "kv_attn_s",
+    "kv_mb",
+    "prefill_gflops",
+    "speedup_compute",
+    "scheme",
+    "load_s",
+    "load_gbps",
+    "ttft_cached_s",
+    "speedup_ttft",
+    "artifact_bytes",
     # added later, so after the first ones: the physical limits the cached path is held to
-    "plain_read_s", "load_read_ratio", "question_s", "ttft_pipelined_s", "ttft_limit_s",
-    "speedup_pipelined", "threads",
+    "plain_read_s",
+    "load_read_ratio",
+    "question_s",
+    "ttft_pipelined_s",
+    "ttft_limit_s",
+    "speedup_pipelined",
+    "threads",
 )
 #: Timed columns whose min and max are reported next to the median (``--format json``: ``spread``).
-TIMED = ("prefill_s", "kv_attn_s", "question_s", "plain_read_s", "load_s", "load_unverified_s",
-         "ttft_cached_s", "ttft_pipelined_s")
+TIMED = (
+    "prefill_s",
+    "kv_attn_s",
+    "question_s",
+    "plain_read_s",
+    "load_s",
+    "load_unverified_s",
+    "ttft_cached_s",
+    "ttft_pipelined_s",
+)
 DEFAULT_LENGTHS = (255, 485, 945, 1888, 3774)
 DEFAULT_REPS = 5
 #: A file counts as cold when at most this fraction of its pages is resident after a drop.
@@ -91,9 +115,12 @@ class BenchRow:
 
     def as_dict(self) -> dict[str, Any]:
         data = {name: getattr(self, name) for name in CSV_COLUMNS}
-        data.update(plain_read_gbps=round(self.plain_read_gbps, 4), load_unverified_s=self.load_unverified_s,
-                    first_token_match=self.first_token_match,
-                    spread={name: list(values) for name, values in self.spread.items()})
+        data.update(
+            plain_read_gbps=round(self.plain_read_gbps, 4),
+            load_unverified_s=self.load_unverified_s,
+            first_token_match=self.first_token_match,
+            spread={name: list(values) for name, values in self.spread.items()},
+        )
         return data
 
 
@@ -111,7 +138,7 @@ class BenchResult:
     max_resident_after_drop: float | None  # worst fraction of a file still cached after a drop
     context_source: str
     threads: int = 0  # torch intra-op threads the run used
-    load_average: tuple[float, float] | None = None  # 1-minute load average at the start and the end
+    load_average: tuple[float | None, float | None] | None = None  # 1-minute load average at the start and the end
 
 
 # -- the page cache -------------------------------------------------------------------------------
@@ -139,8 +166,7 @@ class PageCache:
             if _drop_system_caches():
                 self.method = "drop_caches"
             elif self.mode == "system":
-                raise KvcdnError("cannot write /proc/sys/vm/drop_caches (needs root on Linux); "
-                                 "use --page-cache file")
+                raise KvcdnError("cannot write /proc/sys/vm/drop_caches (needs root on Linux); use --page-cache file")
         if self.method != "drop_caches":
             self.method = "fadvise" if evict(path) else "none"
         resident = resident_fraction(path)
@@ -150,13 +176,18 @@ class PageCache:
     def describe(self) -> str:
         if self.method in (None, "none"):
             return "warm: the page cache was not dropped, loads may read from memory"
-        how = ("/proc/sys/vm/drop_caches (sync, then 1)" if self.method == "drop_caches"
-               else "posix_fadvise(DONTNEED) on the artifact")
+        how = (
+            "/proc/sys/vm/drop_caches (sync, then 1)"
+            if self.method == "drop_caches"
+            else "posix_fadvise(DONTNEED) on the artifact"
+        )
         if self.max_resident is None:
             return f"dropped before each load with {how} (residency not checkable here)"
         if self.max_resident > COLD_RESIDENCY:
-            return (f"NOT cold: after {how} up to {self.max_resident:.0%} of the file stayed "
-                    "in the page cache (a tmpfs or a file system that ignores the drop)")
+            return (
+                f"NOT cold: after {how} up to {self.max_resident:.0%} of the file stayed "
+                "in the page cache (a tmpfs or a file system that ignores the drop)"
+            )
         return f"dropped before each load with {how}; at most {self.max_resident:.0%} of the file stayed resident"
 
 
@@ -180,7 +211,7 @@ def plain_read(path: Path) -> int:
 
     size = os.path.getsize(path)
     buffer = np.empty(size, dtype=np.uint8)
-    view = memoryview(buffer)
+    view = memoryview(buffer.data)
     done = 0
     with open(path, "rb", buffering=0) as fh:
         while done < size:
@@ -221,9 +252,9 @@ def parse_schemes(text: str, installed: list[str]) -> list[str]:
 
 
 def installed_schemes() -> list[str]:
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import quantizer_classes
 
-    return sorted(get_host().quantizers())
+    return sorted(quantizer_classes())
 
 
 def check_lengths(session, lengths: list[int]) -> None:
@@ -244,8 +275,10 @@ def context_ids(session, text: str | None, longest: int) -> tuple[list[int], str
     if text is not None:
         ids = adapter.encode_context(tok, text)
         if len(ids) < longest:
-            raise KvcdnError(f"the context file has {len(ids)} tokens, --lengths needs {longest}; "
-                             "pass a longer file or smaller lengths")
+            raise KvcdnError(
+                f"the context file has {len(ids)} tokens, --lengths needs {longest}; "
+                "pass a longer file or smaller lengths"
+            )
         return ids, f"context file ({len(ids)} tokens)"
     from kvcdn_core.tiny import SAMPLE_TEXT
 
@@ -332,9 +365,19 @@ def count_matmul_flops(fn: Callable[[], Any]) -> tuple[float, Any]:
 # -- the benchmark --------------------------------------------------------------------------------
 
 
-def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, schemes: list[str],
-                  workdir: Path, question: str, page_cache: PageCache, context_source: str,
-                  progress: bool = True, threads: int | None = None) -> BenchResult:
+def run_benchmark(
+    session,
+    ids: list[int],
+    lengths: list[int],
+    reps: int,
+    schemes: list[str],
+    workdir: Path,
+    question: str,
+    page_cache: PageCache,
+    context_source: str,
+    progress: bool = True,
+    threads: int | None = None,
+) -> BenchResult:
     """Measure every length and scheme; artifacts are written under ``workdir`` and removed.
 
     ``threads``: torch intra-op threads (default: the physical cores), set before anything is timed.
@@ -362,8 +405,7 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
         out, cache = session.adapter.forward(session.model, runtime._ids_tensor(session, piece), cache)
         return int(torch.argmax(out[0, -1])), cache
 
-    with torch.inference_mode(), Progress(per_length * len(lengths), "benchmark", unit="runs",
-                                          enabled=progress) as bar:
+    with torch.inference_mode(), Progress(per_length * len(lengths), "benchmark", unit="runs", enabled=progress) as bar:
         tick = lambda: bar.update(1)  # noqa: E731
         for length in lengths:
             ctx = ids[:length]
@@ -384,13 +426,15 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
 
             def on_resident(piece):
                 """Time ``piece`` fed on a copy of the resident cache (the copy is not timed)."""
+
                 def run():
-                    resident = copy.deepcopy(cache)
+                    resident = copy.deepcopy(cache)  # noqa: F821 - the loop's cache, called within the iteration
                     _sync(device)
                     start = time.perf_counter()
                     forward(resident, piece)
                     _sync(device)
                     return time.perf_counter() - start
+
                 samples = [run() for _ in range(reps + 1)]  # the first is the warm-up
                 for _ in samples:
                     tick()
@@ -402,42 +446,74 @@ def run_benchmark(session, ids: list[int], lengths: list[int], reps: int, scheme
             # the artifact is saved from; a loaded unquantized artifact must give the same token.
             expected, _ = forward(copy.deepcopy(cache), question_ids)
 
-            base = runtime.save_cache(session, cache, ctx, runtime.decode(session, ctx),
-                                      workdir / f"bench-{length}-none.kv")
+            base = runtime.save_cache(
+                session, cache, ctx, runtime.decode(session, ctx), workdir / f"bench-{length}-none.kv"
+            )
             del cache
             header = fmt.read_header(base)
-            kv_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0]
-                           for name, e in header.entries.items() if name != fmt.TOKEN_IDS)
-            compute = dict(tokens=length, prefill_s=prefill[1], kv_attn_s=step[1],
-                           kv_mb=kv_bytes / 1e6, prefill_gflops=total_flops / 1e9 / prefill[1],
-                           speedup_compute=prefill[1] / step[1], question_s=question_time[1], threads=threads)
+            kv_bytes = sum(
+                e["data_offsets"][1] - e["data_offsets"][0]
+                for name, e in header.entries.items()
+                if name != fmt.TOKEN_IDS
+            )
+            compute = dict(
+                tokens=length,
+                prefill_s=prefill[1],
+                kv_attn_s=step[1],
+                kv_mb=kv_bytes / 1e6,
+                prefill_gflops=total_flops / 1e9 / prefill[1],
+                speedup_compute=prefill[1] / step[1],
+                question_s=question_time[1],
+                threads=threads,
+            )
             spread = {"prefill_s": prefill, "kv_attn_s": step, "question_s": question_time}
             for scheme in schemes:
                 path = base if scheme == "none" else quantize(base, scheme, workdir / f"bench-{length}-{scheme}.kv")
-                rows.append(_measure_load(session, path, scheme, question_ids, expected, reps,
-                                          page_cache, tick, forward, compute, spread))
+                rows.append(
+                    _measure_load(
+                        session, path, scheme, question_ids, expected, reps, page_cache, tick, forward, compute, spread
+                    )
+                )
                 if path != base:
                     path.unlink(missing_ok=True)
             base.unlink(missing_ok=True)
-    return BenchResult(rows, page_cache.describe(), page_cache.method or "none",
-                       page_cache.max_resident, context_source, threads, (load_start, _load_average()))
+    return BenchResult(
+        rows,
+        page_cache.describe(),
+        page_cache.method or "none",
+        page_cache.max_resident,
+        context_source,
+        threads,
+        (load_start, _load_average()),
+    )
 
 
 def _load_average() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
-def _measure_load(session, path: Path, scheme: str, question_ids, expected: int, reps: int,
-                  page_cache: PageCache, tick, forward, compute: dict, spread: dict) -> BenchRow:
+def _measure_load(
+    session,
+    path: Path,
+    scheme: str,
+    question_ids,
+    expected: int,
+    reps: int,
+    page_cache: PageCache,
+    tick,
+    forward,
+    compute: dict,
+    spread: dict,
+) -> BenchRow:
     """Per rep, each from a cold file: a plain read, the load + question (sequential and
     pipelined) and the load without hashes. Rep 0 is the warm-up."""
     from kvcdn_core import artifact as fmt
     from kvcdn_core import runtime
 
     size = path.stat().st_size
-    samples: dict[str, list[float]] = {name: [] for name in
-                                       ("plain_read_s", "load_s", "ttft_cached_s", "ttft_pipelined_s",
-                                        "load_unverified_s")}
+    samples: dict[str, list[float]] = {
+        name: [] for name in ("plain_read_s", "load_s", "ttft_cached_s", "ttft_pipelined_s", "load_unverified_s")
+    }
     tokens = []
 
     def cold(fn) -> tuple[float, float, Any]:
@@ -472,10 +548,17 @@ def _measure_load(session, path: Path, scheme: str, question_ids, expected: int,
     stats = {name: _stat(values) for name, values in samples.items() if values}
     med = {name: values[1] for name, values in stats.items()}
     return BenchRow(
-        **compute, scheme=scheme, load_s=med["load_s"], load_gbps=size / med["load_s"] / 1e9,
-        ttft_cached_s=med["ttft_cached_s"], speedup_ttft=compute["prefill_s"] / med["ttft_cached_s"],
-        artifact_bytes=size, plain_read_s=med["plain_read_s"], ttft_pipelined_s=med["ttft_pipelined_s"],
-        load_unverified_s=med["load_unverified_s"], first_token_match=all(t == expected for t in tokens),
+        **compute,
+        scheme=scheme,
+        load_s=med["load_s"],
+        load_gbps=size / med["load_s"] / 1e9,
+        ttft_cached_s=med["ttft_cached_s"],
+        speedup_ttft=compute["prefill_s"] / med["ttft_cached_s"],
+        artifact_bytes=size,
+        plain_read_s=med["plain_read_s"],
+        ttft_pipelined_s=med["ttft_pipelined_s"],
+        load_unverified_s=med["load_unverified_s"],
+        first_token_match=all(t == expected for t in tokens),
         spread={**spread, **stats},
     )
 
@@ -484,9 +567,10 @@ def quantize(source: Path, scheme: str, target: Path) -> Path:
     """Quantize an artifact with an installed quantizer (the same code path as ``kvcdn quant``)."""
     from kvcdn_core import artifact as fmt
     from kvcdn_core import quant
+    from kvcdn_core.registry import quantizer_for
 
     header = fmt.read_header(source)
-    quantizer = quant.get_quantizer_class(scheme)()
+    quantizer = quantizer_for(scheme)()
     result = quant.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer)
     return fmt.write_artifact(target, result.manifest, result.tensors)
 
@@ -509,24 +593,53 @@ def csv_text(rows: list[BenchRow]) -> str:
 
 def write_csv(rows: list[BenchRow], path: Path) -> Path:
     """Write the CSV atomically (temp file in the same directory, fsync, rename)."""
-    from kvcdn_core.storage import atomic_write_stream
+    from kvcdn_core.atomic import atomic_write_stream
 
     atomic_write_stream(Path(path), io.BytesIO(csv_text(rows).encode("utf-8")))
     return Path(path)
 
 
 def table(rows: list[BenchRow]) -> str:
-    head = ("tokens", "scheme", "prefill_s", "kv_attn_s", "load_s", "ttft_cached_s", "speedup_ttft",
-            "kv_MB", "file_MB", "load_GB/s", "read_GB/s", "first_tok", "load/read", "ttft_pipelined_s",
-            "limit_s", "speedup_pipelined")
+    head = (
+        "tokens",
+        "scheme",
+        "prefill_s",
+        "kv_attn_s",
+        "load_s",
+        "ttft_cached_s",
+        "speedup_ttft",
+        "kv_MB",
+        "file_MB",
+        "load_GB/s",
+        "read_GB/s",
+        "first_tok",
+        "load/read",
+        "ttft_pipelined_s",
+        "limit_s",
+        "speedup_pipelined",
+    )
     lines = [head]
     for r in rows:
-        lines.append((str(r.tokens), r.scheme, f"{r.prefill_s:.4f}", f"{r.kv_attn_s:.4f}", f"{r.load_s:.4f}",
-                      f"{r.ttft_cached_s:.4f}", _times(r.speedup_ttft), f"{r.kv_mb:.2f}",
-                      f"{r.artifact_bytes / 1e6:.2f}", f"{r.load_gbps:.2f}", f"{r.plain_read_gbps:.2f}",
-                      {True: "same", False: "DIFFERS", None: "-"}[r.first_token_match],
-                      f"{r.load_read_ratio:.2f}x", f"{r.ttft_pipelined_s:.4f}", f"{r.ttft_limit_s:.4f}",
-                      _times(r.speedup_pipelined)))
+        lines.append(
+            (
+                str(r.tokens),
+                r.scheme,
+                f"{r.prefill_s:.4f}",
+                f"{r.kv_attn_s:.4f}",
+                f"{r.load_s:.4f}",
+                f"{r.ttft_cached_s:.4f}",
+                _times(r.speedup_ttft),
+                f"{r.kv_mb:.2f}",
+                f"{r.artifact_bytes / 1e6:.2f}",
+                f"{r.load_gbps:.2f}",
+                f"{r.plain_read_gbps:.2f}",
+                {True: "same", False: "DIFFERS", None: "-"}[r.first_token_match],
+                f"{r.load_read_ratio:.2f}x",
+                f"{r.ttft_pipelined_s:.4f}",
+                f"{r.ttft_limit_s:.4f}",
+                _times(r.speedup_pipelined),
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 

@@ -13,7 +13,8 @@ import click
 
 import kvcdn_core
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.plugins import debug_enabled, get_host
+from kvcdn_core.plugins import debug_enabled
+from kvcdn_core.registry import register_commands
 
 
 class KvcdnGroup(click.Group):
@@ -55,7 +56,7 @@ def cli():
 
 
 def make_cli() -> click.Group:
-    get_host().register_commands(cli)
+    register_commands(cli)
     return cli
 
 
@@ -80,4 +81,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

@@ -47,9 +47,13 @@ def render() -> str:
     from kvcdn_core.cli import make_cli
 
     root = make_cli()
-    lines = ["# kvcdn command reference", "",
-             "Generated from the click definitions by `python -m kvcdn_core.clidoc`; do not edit by hand.",
-             "It lists the commands of core and of every plugin installed when it was generated.", ""]
+    lines = [
+        "# kvcdn command reference",
+        "",
+        "Generated from the click definitions by `python -m kvcdn_core.clidoc`; do not edit by hand.",
+        "It lists the commands of core and of every plugin installed when it was generated.",
+        "",
+    ]
     for name in sorted(root.commands):
         lines += _command_section(name, root.commands[name])
     return "\n".join(lines).rstrip() + "\n"

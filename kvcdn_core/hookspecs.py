@@ -16,9 +16,9 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import click
 
-    from kvcdn_core.adapter import ModelAdapter
-    from kvcdn_core.quant import Quantizer
-    from kvcdn_core.storage import StorageBackend
+    from kvcdn_core.contracts.adapter import ModelAdapter
+    from kvcdn_core.contracts.quantizer import Quantizer
+    from kvcdn_core.contracts.storage import StorageBackend
 
 hookspec = pluggy.HookspecMarker("kvcdn")
 
@@ -28,10 +28,10 @@ def kvcdn_register_model_adapters() -> list[type[ModelAdapter]]:
     """Return the model-adapter classes this plugin provides.
 
     Each class lists the ``config.json`` ``architectures`` it serves in ``architectures`` and a tiny
-    offline validation config for each in ``validation_configs``. When two adapters claim the same
-    architecture, the one registered last wins and ``kvcdn plugins`` shows both.
+    offline validation config for each in ``validation_configs``. When two plugins claim the same
+    architecture, core's built-ins win, then plugins by name; ``kvcdn plugins`` shows both claims.
 
-    :return: a list of :class:`kvcdn_core.adapter.ModelAdapter` subclasses.
+    :return: a list of :class:`kvcdn_core.ModelAdapter` subclasses.
     """
 
 
@@ -49,10 +49,11 @@ def kvcdn_adapt_unclaimed_architecture(architecture: str, config: dict) -> type[
 def kvcdn_register_quantizers() -> list[type[Quantizer]]:
     """Return the quantizer classes this plugin provides.
 
-    Each class has a unique ``scheme`` name (the value of ``kvcdn quant --scheme``) and declares
-    the layer kinds it supports.
+    Each class has a ``scheme`` name (the value of ``kvcdn quant --scheme``) and declares the layer
+    kinds it supports. A scheme two plugins claim goes to the first by precedence (built-ins, then
+    plugins by name).
 
-    :return: a list of :class:`kvcdn_core.quant.Quantizer` subclasses.
+    :return: a list of :class:`kvcdn_core.Quantizer` subclasses.
     """
 
 
@@ -60,9 +61,11 @@ def kvcdn_register_quantizers() -> list[type[Quantizer]]:
 def kvcdn_register_storage_backends() -> list[type[StorageBackend]]:
     """Return the storage-backend classes this plugin provides.
 
-    Each class names the URI schemes it serves in ``schemes`` (``file``, ``s3``, ``kvcdn``...).
+    Each class names the URI schemes it serves in ``schemes`` (``file``, ``s3``, ``kvcdn``...); the
+    registry calls its ``from_uri`` with the whole URI. A URI scheme two plugins claim goes to the
+    first by precedence (built-ins, then plugins by name).
 
-    :return: a list of :class:`kvcdn_core.storage.StorageBackend` subclasses.
+    :return: a list of :class:`kvcdn_core.StorageBackend` subclasses.
     """
 
 
@@ -70,7 +73,8 @@ def kvcdn_register_storage_backends() -> list[type[StorageBackend]]:
 def kvcdn_register_commands(cli: click.Group) -> None:
     """Add click commands to the ``kvcdn`` command group.
 
-    Called once at start-up for every loaded plugin. Keep the module that implements this cheap to
+    Called once at start-up for every loaded plugin. A command name two plugins add keeps the
+    first by precedence (built-ins, then plugins by name). Keep the module that implements this cheap to
     import: import torch, transformers and other heavy libraries inside the command functions.
 
     :param cli: the root ``kvcdn`` click group; call ``cli.add_command(...)``.

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 from kvcdn_core.errors import ArtifactError
 from kvcdn_core.tensor_io import TensorReader, as_tensor, hash_workers
@@ -23,8 +24,16 @@ from kvcdn_core.tensor_io import TensorReader, as_tensor, hash_workers
 class LayerStream:
     """The background load of one artifact into an (initially empty) cache's layers."""
 
-    def __init__(self, adapter, reader: TensorReader, cache, targets: list,
-                 convert: Callable[[str, Any], Any], device: str, verify_hashes: bool = True):
+    def __init__(
+        self,
+        adapter,
+        reader: TensorReader,
+        cache,
+        targets: list,
+        convert: Callable[[str, Any], Any],
+        device: str,
+        verify_hashes: bool = True,
+    ):
         self.adapter, self.reader, self.header, self.targets = adapter, reader, reader.header, targets
         self.layers = self.header.manifest["layers"]
         self.convert, self.device, self.verify = convert, device, verify_hashes
@@ -44,8 +53,9 @@ class LayerStream:
         if not 0 <= index < len(self.ready):
             return  # a layer the artifact does not have: the cache's own business
         self.ready[index].wait()
-        if self.errors[index] is not None:
-            raise self.errors[index]
+        error = self.errors[index]
+        if error is not None:
+            raise error
 
     def wait_all(self) -> None:
         for index in range(len(self.ready)):
@@ -72,10 +82,13 @@ class LayerStream:
             if self.verify:
                 bad = [name for name in names.values() if not self.reader.hash_matches(name)]
                 if bad:
-                    raise ArtifactError(f"{self.header.path}: corrupted: sha256 mismatch in layer {index} "
-                                        f"(tensor '{bad[0]}'); the cache was not used")
-            named = {local: self.convert(full, as_tensor(self.reader, full)).to(self.device)
-                     for local, full in names.items()}
+                    raise ArtifactError(
+                        f"{self.header.path}: corrupted: sha256 mismatch in layer {index} "
+                        f"(tensor '{bad[0]}'); the cache was not used"
+                    )
+            named = {
+                local: self.convert(full, as_tensor(self.reader, full)).to(self.device) for local, full in names.items()
+            }
             self.adapter.import_layer(entry, named, self.targets[index])
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the layer
             self.errors[index] = exc
@@ -138,13 +151,18 @@ _STREAMING_CLASSES: dict[type, type] = {}
 def _streaming_class(cls: type) -> type:
     """``cls`` with its type-only properties answered from the ungated layer list."""
     if cls not in _STREAMING_CLASSES:
+
         def type_only(fget):
             return property(lambda self: fget(SimpleNamespace(layers=_ungated(self.layers))))
 
-        overrides = {name: type_only(getattr(cls, name).fget) for name in _TYPE_ONLY_PROPERTIES
-                     if isinstance(getattr(cls, name, None), property)}
-        _STREAMING_CLASSES[cls] = type(cls.__name__, (cls,), {**overrides, "__module__": cls.__module__,
-                                                                "__qualname__": cls.__qualname__})
+        overrides = {
+            name: type_only(getattr(cls, name).fget)
+            for name in _TYPE_ONLY_PROPERTIES
+            if isinstance(getattr(cls, name, None), property)
+        }
+        _STREAMING_CLASSES[cls] = type(
+            cls.__name__, (cls,), {**overrides, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     return _STREAMING_CLASSES[cls]
 
 

@@ -5,10 +5,12 @@ keys and values. That state summarises the whole prefix, so the layer is recorde
 ``linear_attention`` and the artifact is reusable only as a whole prefix (``reuse: whole_prefix``);
 cropping it is refused. Families whose caches mix such layers with attention layers (Qwen3-Next,
 Qwen3.5, Jamba, Granite 4 hybrid, LFM2) put :class:`LinearAttentionLayers` before
-:class:`~kvcdn_core.adapter.ModelAdapter` in their bases.
+:class:`~kvcdn_core.contracts.adapter.ModelAdapter` in their bases.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError
@@ -21,7 +23,13 @@ def is_linear_attention(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
 
 
-class LinearAttentionLayers:
+if TYPE_CHECKING:  # a mixin of ModelAdapter subclasses: type-check it as one
+    from kvcdn_core.contracts.adapter import ModelAdapter as _MixinBase
+else:
+    _MixinBase = object
+
+
+class LinearAttentionLayers(_MixinBase):
     """Adapter mixin: export and import linear-attention layers; other layers go to the base adapter.
 
     A cache without linear-attention layers never reaches this code.
@@ -43,7 +51,6 @@ class LinearAttentionLayers:
             return super().import_layer(entry, named, layer)
         if entry["kind"] != fmt.LINEAR_ATTENTION:
             raise ArtifactError(
-                f"layer {entry['index']} is '{entry['kind']}' in the artifact but "
-                f"'{fmt.LINEAR_ATTENTION}' in the model"
+                f"layer {entry['index']} is '{entry['kind']}' in the artifact but '{fmt.LINEAR_ATTENTION}' in the model"
             )
         self.import_linear_state(entry, named, layer)

@@ -19,9 +19,17 @@ from kvcdn_core.paths import cache_home
 
 #: config.json keys that change with the writer, not with the model.
 VOLATILE_CONFIG_KEYS = {
-    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache",
-    "_attn_implementation_autoset", "_attn_implementation", "output_attentions",
-    "output_hidden_states", "return_dict",
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_commit_hash",
+    "use_cache",
+    "_attn_implementation_autoset",
+    "_attn_implementation",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
 METADATA_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken"]

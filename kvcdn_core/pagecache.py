@@ -66,8 +66,14 @@ def _libc():
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
             libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_long]
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
             libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         except (OSError, AttributeError):

@@ -47,9 +47,14 @@ class Cost:
 
     def as_dict(self, max_n: int) -> dict:
         n_star = self.n_star
-        return {"tokens": self.tokens, "scheme": self.scheme, "c_prefill": self.c_prefill,
-                "c_load": self.c_load, "n_star": None if math.isinf(n_star) else n_star,
-                "saving_at_max_n": self.saving(max_n)}
+        return {
+            "tokens": self.tokens,
+            "scheme": self.scheme,
+            "c_prefill": self.c_prefill,
+            "c_load": self.c_load,
+            "n_star": None if math.isinf(n_star) else n_star,
+            "saving_at_max_n": self.saving(max_n),
+        }
 
 
 def break_even(c_prefill: float, c_load: float) -> float:
@@ -78,8 +83,10 @@ def read_costs(path: str | Path) -> list[Cost]:
     columns = reader.fieldnames or []
     missing = [c for c in REQUIRED_COLUMNS if c not in columns]
     if missing:
-        raise KvcdnError(f"'{path}' is not a benchmark CSV: missing column(s) {', '.join(missing)} "
-                         f"(write one with `kvcdn benchmark`)")
+        raise KvcdnError(
+            f"'{path}' is not a benchmark CSV: missing column(s) {', '.join(missing)} "
+            f"(write one with `kvcdn benchmark`)"
+        )
     costs = []
     for line, row in enumerate(reader, start=2):
         values = {}
@@ -90,12 +97,20 @@ def read_costs(path: str | Path) -> list[Cost]:
             except ValueError:
                 raise KvcdnError(f"{path}: line {line}: {column} {raw!r} is not a number") from None
             if not math.isfinite(values[column]) or values[column] <= 0:
-                raise KvcdnError(f"{path}: line {line}: {column} must be a positive number of "
-                                 f"{'tokens' if column == 'tokens' else 'seconds'}, got {raw}")
+                raise KvcdnError(
+                    f"{path}: line {line}: {column} must be a positive number of "
+                    f"{'tokens' if column == 'tokens' else 'seconds'}, got {raw}"
+                )
         if values["tokens"] != int(values["tokens"]):
             raise KvcdnError(f"{path}: line {line}: tokens {row['tokens']!r} is not a whole number")
-        costs.append(Cost(int(values["tokens"]), (row.get("scheme") or "none").strip() or "none",
-                          values["prefill_s"], values["load_s"]))
+        costs.append(
+            Cost(
+                int(values["tokens"]),
+                (row.get("scheme") or "none").strip() or "none",
+                values["prefill_s"],
+                values["load_s"],
+            )
+        )
     if not costs:
         raise KvcdnError(f"'{path}' has a header but no rows")
     return sorted(costs, key=lambda c: (c.tokens, c.scheme != "none", c.scheme))
@@ -143,8 +158,16 @@ def table(costs: list[Cost], max_n: int) -> str:
     lines = [head]
     for c in costs:
         n_star = c.n_star
-        lines.append((str(c.tokens), c.scheme, f"{c.c_prefill:.4f}", f"{c.c_load:.4f}",
-                      "never" if math.isinf(n_star) else f"{n_star:.3f}", f"{c.saving(max_n):.1%}"))
+        lines.append(
+            (
+                str(c.tokens),
+                c.scheme,
+                f"{c.c_prefill:.4f}",
+                f"{c.c_load:.4f}",
+                "never" if math.isinf(n_star) else f"{n_star:.3f}",
+                f"{c.saving(max_n):.1%}",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
@@ -200,20 +223,38 @@ def render_figure(costs: list[Cost], max_n: int, title: str):
                 ax.plot(n, c.c_prefill / n + c.c_load, linestyle=style, color=color, lw=1.8)
                 if not math.isinf(c.n_star) and c.n_star <= max_n:
                     # N* is always above 1, often just above: do not let the axis clip the marker.
-                    ax.plot([c.n_star], [c.c_prefill], marker="o", ms=7, color=color,
-                            markeredgecolor="black", zorder=5, clip_on=False)
-            stars = ", ".join(n_star_text(c, max_n) + (f" ({c.scheme})" if len(schemes) > 1 else "")
-                              for c in group)
+                    ax.plot(
+                        [c.n_star],
+                        [c.c_prefill],
+                        marker="o",
+                        ms=7,
+                        color=color,
+                        markeredgecolor="black",
+                        zorder=5,
+                        clip_on=False,
+                    )
+            stars = ", ".join(n_star_text(c, max_n) + (f" ({c.scheme})" if len(schemes) > 1 else "") for c in group)
             handles.append(Line2D([], [], color=color, lw=1.8, label=f"{length} tokens: N* {stars}"))
-        handles.append(Line2D([], [], color="gray", lw=1.2, linestyle="--", alpha=0.8,
-                              label="no cache: C_prefill every call"))
+        handles.append(
+            Line2D([], [], color="gray", lw=1.2, linestyle="--", alpha=0.8, label="no cache: C_prefill every call")
+        )
         for scheme in schemes:
             style = styles[schemes.index(scheme) % len(styles)]
             label = "cached" if scheme == "none" else f"cached, {scheme}"
-            handles.append(Line2D([], [], color="gray", lw=1.8, linestyle=style,
-                                  label=f"{label}: C_prefill/N + C_load"))
-        handles.append(Line2D([], [], color="gray", marker="o", markeredgecolor="black", lw=0,
-                              label="break-even N* = C_prefill/(C_prefill - C_load); never: load >= prefill"))
+            handles.append(
+                Line2D([], [], color="gray", lw=1.8, linestyle=style, label=f"{label}: C_prefill/N + C_load")
+            )
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color="gray",
+                marker="o",
+                markeredgecolor="black",
+                lw=0,
+                label="break-even N* = C_prefill/(C_prefill - C_load); never: load >= prefill",
+            )
+        )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlim(1, max_n)
@@ -225,15 +266,14 @@ def render_figure(costs: list[Cost], max_n: int, title: str):
         ax.grid(True, which="both", alpha=0.25)
         rows = math.ceil(len(handles) / 2)
         legend_height = 0.035 * rows + 0.03
-        fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, framealpha=0.9,
-                   bbox_to_anchor=(0.5, 0.005))
+        fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, framealpha=0.9, bbox_to_anchor=(0.5, 0.005))
         fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.1 + legend_height)
     return fig
 
 
 def write_png(data: bytes, path: Path) -> Path:
     """Write atomically (temp file in the same directory, fsync, rename)."""
-    from kvcdn_core.storage import atomic_write_stream
+    from kvcdn_core.atomic import atomic_write_stream
 
     atomic_write_stream(Path(path), io.BytesIO(data))
     return Path(path)

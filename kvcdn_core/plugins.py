@@ -4,15 +4,21 @@ Each entry point names a module (or object) that implements ``kvcdn_*`` hooks. I
 pluggy under its qualified name ``group:name`` (pluggy silently ignores a second plugin with a name
 it already knows). A plugin that fails to import, implements a hook kvcdn does not know, or raises
 from a hook is reported on one stderr line and skipped; the rest keep working.
+
+Only :mod:`kvcdn_core.registry` asks the host for classes; commands and library code ask the registry.
+
+**Precedence.** When two plugins claim the same architecture, quantization scheme, URI scheme or
+command name, core's built-ins win, then plugins in the order of their names; the others' claims
+are ignored, reported once on stderr and shown by ``kvcdn plugins``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pluggy
@@ -23,10 +29,18 @@ GROUPS = ("kvcdn.models", "kvcdn.quantizers", "kvcdn.storage", "kvcdn.commands")
 
 #: Core's own parts, registered through the same hooks as any plugin: (group, name, module).
 BUILTINS = (
-    ("kvcdn.commands", "core", "kvcdn_core.commands"),
-    ("kvcdn.storage", "local", "kvcdn_core.storage"),
-    ("kvcdn.quantizers", "core-quantizers", "kvcdn_core.quantizers"),
+    ("kvcdn.commands", "core", "kvcdn_core.builtin.commands"),
+    ("kvcdn.storage", "local", "kvcdn_core.builtin.local_storage"),
+    ("kvcdn.quantizers", "core-quantizers", "kvcdn_core.builtin.quantizers"),
 )
+BUILTIN_NAMES = frozenset(name for _, name, _ in BUILTINS)
+
+#: What each registration hook's classes claim: hook → (kind shown to users, class attribute).
+CLAIMS = {
+    "kvcdn_register_model_adapters": ("architectures", "architectures"),
+    "kvcdn_register_quantizers": ("schemes", "scheme"),
+    "kvcdn_register_storage_backends": ("uri_schemes", "schemes"),
+}
 
 
 @dataclasses.dataclass
@@ -40,6 +54,10 @@ class PluginInfo:
     hooks: list[str] = dataclasses.field(default_factory=list)
     status: str = "loaded"  # loaded | failed | blocked
     error: str | None = None
+    #: kind (architectures, schemes, uri_schemes, commands) → the names this plugin claims.
+    provides: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: claims another plugin won under the precedence rule: ``"<kind> <name> (used: <plugin>)"``.
+    overridden: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,6 +77,11 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def precedence(name: str) -> tuple[int, str]:
+    """Sort key of a plugin's claims: built-ins first, then plugins by name."""
+    return (0 if name in BUILTIN_NAMES else 1, name)
+
+
 class PluginHost:
     """Discovers, registers and queries kvcdn plugins.
 
@@ -66,15 +89,18 @@ class PluginHost:
     in-process (see :mod:`kvcdn_core.testing`).
     """
 
-    def __init__(self, discover: bool = True, warn=None):
+    def __init__(self, discover: bool = True, warn: Callable[[str], None] | None = None):
+        import importlib
+
+        import kvcdn_core
+
         self.pm = pluggy.PluginManager("kvcdn")
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
         self._warn = warn or (lambda line: print(line, file=sys.stderr))
         self._blocked = disabled_names()
-        import kvcdn_core
-
-        for group, name, module in BUILTINS:
+        self._claims: dict[str, dict[str, type]] = {}
+        for group, name, module in BUILTINS:  # by name, like an entry point: core imports no built-in
             obj = importlib.import_module(module)
             self.register(obj, name, group, distribution="kvcdn", version=kvcdn_core.__version__)
         if discover:
@@ -84,30 +110,42 @@ class PluginHost:
     # -- discovery ---------------------------------------------------------------------------
 
     def _discover(self, group: str) -> None:
-        from stevedore import ExtensionManager
+        """Load a group's entry points with stevedore, except blocked ones, which are never imported.
 
-        def failed(_manager, entry_point, exc):
-            dist, version = _distribution_of(entry_point)
+        The standard library's entry points of the group carry their distribution (name, version),
+        which stevedore's cached entry points do not.
+        """
+        from importlib.metadata import entry_points
+
+        from stevedore import NamedExtensionManager
+
+        declared = {ep.name: ep for ep in entry_points(group=group)}
+
+        def failed(_manager: Any, entry_point: Any, exc: BaseException) -> None:
+            dist, version = _distribution_of(declared.get(entry_point.name))
             self._fail(entry_point.name, group, exc, dist, version, what="failed to load")
 
-        blocked = self._blocked
-
-        class _Manager(ExtensionManager):
-            def _load_one_plugin(self, ep, *args, **kwargs):
-                if _is_blocked(ep, blocked):
-                    return None
-                return super()._load_one_plugin(ep, *args, **kwargs)
-
-        manager = _Manager(group, on_load_failure_callback=failed)
-        for ep in manager.list_entry_points():
-            if _is_blocked(ep, blocked):
+        wanted = []
+        for name, ep in declared.items():
+            if self._is_blocked(ep):
                 dist, version = _distribution_of(ep)
-                info = self._info(ep.name, dist, version)
+                info = self._info(name, dist, version)
                 info.status = "blocked"
                 _add(info.groups, group)
+            else:
+                wanted.append(name)
+        manager = NamedExtensionManager(
+            group, names=wanted, on_load_failure_callback=failed, warn_on_missing_entrypoint=False
+        )
         for ext in manager.extensions:
-            dist, version = _distribution_of(ext.entry_point)
+            dist, version = _distribution_of(declared.get(ext.name))
             self.register(ext.plugin, ext.name, group, distribution=dist, version=version)
+
+    def _is_blocked(self, ep: Any) -> bool:
+        if not self._blocked:
+            return False
+        dist, _ = _distribution_of(ep)
+        return bool({ep.name, f"{ep.group}:{ep.name}", dist or ""} & self._blocked)
 
     def _info(self, name: str, dist: str | None, version: str | None) -> PluginInfo:
         info = self.infos.setdefault(name, PluginInfo(name=name))
@@ -115,7 +153,15 @@ class PluginHost:
         info.version = info.version or version
         return info
 
-    def _fail(self, name, group, exc, dist=None, version=None, what="failed") -> None:
+    def _fail(
+        self,
+        name: str,
+        group: str,
+        exc: BaseException,
+        dist: str | None = None,
+        version: str | None = None,
+        what: str = "failed",
+    ) -> None:
         info = self._info(name, dist, version)
         _add(info.groups, group)
         info.status = "failed"
@@ -123,12 +169,15 @@ class PluginHost:
         hint = "" if debug_enabled() else " (set KVCDN_DEBUG=1 for the traceback)"
         self._warn(f"warning: plugin '{name}' ({group}) {what}, skipped: {info.error}{hint}")
         if debug_enabled():
-            self._warn("".join(traceback.format_exception(exc)).rstrip())
+            self._warn("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
 
     # -- registration ------------------------------------------------------------------------
 
-    def register(self, obj: Any, name: str, group: str, distribution=None, version=None) -> None:
+    def register(
+        self, obj: Any, name: str, group: str, distribution: str | None = None, version: str | None = None
+    ) -> None:
         """Register ``obj`` (a module or object with hook implementations) as plugin ``name``."""
+        self._claims.clear()
         info = self._info(name, distribution, version)
         _add(info.groups, group)
         if info.status == "failed":
@@ -140,13 +189,13 @@ class PluginHost:
         except Exception as exc:  # pluggy validation: bad hookimpl signature
             self._fail(name, group, exc, what="is invalid")
             return
-        unknown = [
-            caller.name for caller in (self.pm.get_hookcallers(obj) or []) if caller.spec is None
-        ]
+        unknown = [caller.name for caller in (self.pm.get_hookcallers(obj) or []) if caller.spec is None]
         if unknown:
             self.pm.unregister(obj)
             self._fail(
-                name, group, pluggy.PluginValidationError(obj, f"unknown hook {', '.join(unknown)}"),
+                name,
+                group,
+                pluggy.PluginValidationError(obj, f"unknown hook {', '.join(unknown)}"),
                 what="implements an unknown hook",
             )
             return
@@ -155,12 +204,17 @@ class PluginHost:
 
     # -- hook calls, isolated per plugin ---------------------------------------------------
 
-    def call_each(self, hook_name: str, **kwargs) -> list[tuple[str, Any]]:
-        """Call one hook on each plugin separately, so that one failing plugin cannot break the rest."""
+    def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call one hook on each plugin separately, in precedence order, so that one failing plugin
+        cannot break the rest: ``[(plugin name, result)]``."""
+        return self._call_each(hook_name, lambda _name: kwargs)
+
+    def _call_each(self, hook_name: str, kwargs_for: Callable[[str], dict[str, Any]]) -> list[tuple[str, Any]]:
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
         results = []
-        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            qualified = impl.plugin_name
-            group, _, name = qualified.partition(":")
+        for impl in sorted(impls, key=lambda i: precedence(i.plugin_name.partition(":")[2])):
+            group, _, name = impl.plugin_name.partition(":")
+            kwargs = kwargs_for(name)
             try:
                 result = impl.function(**{k: kwargs[k] for k in impl.argnames})
             except Exception as exc:
@@ -170,18 +224,40 @@ class PluginHost:
             results.append((name, result))
         return results
 
-    def _classes(self, hook_name: str, key: str) -> dict[str, type]:
+    def _classes(self, hook_name: str) -> dict[str, type]:
+        """Claimed name → class for one registration hook; the first claim by precedence wins."""
+        if hook_name in self._claims:
+            return self._claims[hook_name]
+        kind, attribute = CLAIMS[hook_name]
         found: dict[str, type] = {}
-        for name, classes in reversed(self.call_each(hook_name)):  # pluggy calls LIFO
+        owner: dict[str, str] = {}
+        for name, classes in self.call_each(hook_name):
             try:  # a plugin returning something else than classes naming their key is skipped
-                claims = {value: cls for cls in (classes or []) for value in _as_tuple(getattr(cls, key))}
-                if not all(isinstance(cls, type) and isinstance(v, str) for v, cls in claims.items()):
+                claims = [(value, cls) for cls in (classes or []) for value in _as_tuple(getattr(cls, attribute))]
+                if not all(isinstance(cls, type) and isinstance(v, str) for v, cls in claims):
                     raise TypeError(f"{hook_name} must return a list of classes")
             except Exception as exc:
                 self._drop(name, exc, f"returned an invalid result from {hook_name}")
                 continue
-            found.update(claims)
+            info = self.infos[name]
+            for value, cls in claims:
+                _add(info.provides.setdefault(kind, []), value)
+                if value in found and owner[value] != name:
+                    self._overridden(name, kind, value, owner[value])
+                    continue
+                found.setdefault(value, cls)
+                owner.setdefault(value, name)
+        self._claims[hook_name] = found
         return found
+
+    def _overridden(self, name: str, kind: str, value: str, winner: str) -> None:
+        line = f"{kind.rstrip('s').replace('_', ' ')} {value} (used: {winner})"
+        info = self.infos[name]
+        if line not in info.overridden:
+            info.overridden.append(line)
+            self._warn(
+                f"warning: plugin '{name}' and plugin '{winner}' both claim {line.partition(' (')[0]}; using '{winner}'"
+            )
 
     def _drop(self, name: str, exc: BaseException, what: str) -> None:
         for plugin_name, plugin in self.pm.list_name_plugin():
@@ -193,25 +269,48 @@ class PluginHost:
 
     def model_adapters(self) -> dict[str, type]:
         """Architecture name (``config.json`` ``architectures``) → adapter class."""
-        return self._classes("kvcdn_register_model_adapters", "architectures")
+        return self._classes("kvcdn_register_model_adapters")
 
     def quantizers(self) -> dict[str, type]:
         """Scheme name → quantizer class."""
-        return self._classes("kvcdn_register_quantizers", "scheme")
+        return self._classes("kvcdn_register_quantizers")
 
     def storage_backends(self) -> dict[str, type]:
         """URI scheme → storage backend class."""
-        return self._classes("kvcdn_register_storage_backends", "schemes")
+        return self._classes("kvcdn_register_storage_backends")
 
-    def register_commands(self, cli) -> None:
-        self.call_each("kvcdn_register_commands", cli=cli)
+    def claims(self) -> None:
+        """Ask every registration hook once, so ``infos`` shows what each plugin provides."""
+        for hook_name in CLAIMS:
+            self._classes(hook_name)
 
-    def families(self) -> dict[str, type]:
-        """Adapter family name → adapter class, for messages and ``kvcdn validate``."""
-        return {cls.family: cls for cls in self.model_adapters().values()}
+    def register_commands(self, cli: Any) -> None:
+        """Add every plugin's commands to ``cli``; a command name keeps its first owner by precedence.
+
+        Each plugin adds its commands to a group of its own first, so that what it claims is known
+        and a second claim of a name cannot replace the first one.
+        """
+        import click
+
+        owners: dict[str, str] = {}
+        groups: dict[str, click.Group] = {}
+
+        def own_group(name: str) -> dict[str, Any]:
+            groups[name] = click.Group(cli.name)
+            return {"cli": groups[name]}
+
+        for name, _ in self._call_each("kvcdn_register_commands", own_group):
+            info = self.infos[name]
+            for command_name, command in groups[name].commands.items():
+                _add(info.provides.setdefault("commands", []), command_name)
+                if command_name in owners:
+                    self._overridden(name, "commands", command_name, owners[command_name])
+                    continue
+                owners[command_name] = name
+                cli.add_command(command, command_name)
 
 
-def _as_tuple(value) -> tuple:
+def _as_tuple(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
@@ -220,36 +319,19 @@ def _add(items: list[str], item: str) -> None:
         items.append(item)
 
 
-def _is_blocked(ep, blocked: set[str]) -> bool:
-    if not blocked:
-        return False
-    dist, _ = _distribution_of(ep)
-    return bool({ep.name, f"{ep.group}:{ep.name}", dist or ""} & blocked)
-
-
-_OWNERS: dict[tuple[str, str, str], tuple[str, str]] | None = None
-
-
-def _distribution_of(ep) -> tuple[str | None, str | None]:
-    """The distribution (name, version) that ships an entry point."""
+def _distribution_of(ep: Any) -> tuple[str | None, str | None]:
+    """The distribution (name, version) that ships an entry point, from the entry point itself."""
     dist = getattr(ep, "dist", None)
-    if dist is not None:
-        return dist.metadata["Name"], dist.version
-    global _OWNERS
-    if _OWNERS is None:  # stevedore's cached entry points carry no distribution: look it up once
-        _OWNERS = {}
-        for d in importlib.metadata.distributions():
-            for e in d.entry_points:
-                if e.group in GROUPS:
-                    _OWNERS[(e.group, e.name, e.value)] = (d.metadata["Name"], d.version)
-    return _OWNERS.get((ep.group, ep.name, ep.value), (None, None))
+    if dist is None:
+        return None, None
+    return dist.metadata["Name"], dist.version
 
 
 _HOST: PluginHost | None = None
 
 
 def get_host() -> PluginHost:
-    """The process-wide plugin host, created on first use."""
+    """The process-wide plugin host, created on first use (ask :mod:`kvcdn_core.registry` instead)."""
     global _HOST
     if _HOST is None:
         _HOST = PluginHost()

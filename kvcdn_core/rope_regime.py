@@ -16,6 +16,9 @@ sequence length, so cached keys are exactly what a full prefill computes. Two do
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from kvcdn_core.errors import KvcdnError
 
 _IDS_ATTR = "_kvcdn_short_regime_ids"
@@ -32,15 +35,20 @@ def length_dependent_rope(config) -> tuple[str, int] | None:
     for p in candidates:
         kind = p.get("rope_type")
         if kind == "longrope":
-            limit = p.get("original_max_position_embeddings") or getattr(
-                cfg, "original_max_position_embeddings", None) or cfg.max_position_embeddings
+            limit = (
+                p.get("original_max_position_embeddings")
+                or getattr(cfg, "original_max_position_embeddings", None)
+                or cfg.max_position_embeddings
+            )
             return kind, int(limit)
         if kind == "dynamic":
             return kind, int(cfg.max_position_embeddings)
     return None
 
 
-def guarded_forward(adapter, model, input_ids, cache, run):
+def guarded_forward(
+    adapter: Any, model: Any, input_ids: Any, cache: Any, run: Callable[[Any, Any, Any], tuple[Any, Any]]
+) -> tuple[Any, Any]:
     """``run(model, input_ids, cache)`` made exact (or refused) for length-dependent RoPE."""
     regime = length_dependent_rope(model.config)
     if regime is None:

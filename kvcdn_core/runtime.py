@@ -13,11 +13,10 @@ from typing import Any
 import kvcdn_core
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.model_files import (architecture_of, fingerprint, fingerprint_differences, read_config,
-                                    resolve_model_dir)
-from kvcdn_core.plugins import get_host
+from kvcdn_core.manifest import COMPUTE_DTYPES, Manifest, ModelInfo
+from kvcdn_core.model_files import architecture_of, fingerprint, fingerprint_differences, read_config, resolve_model_dir
 from kvcdn_core.progress import Progress
-
+from kvcdn_core.registry import adapter_for
 from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
 
 
@@ -57,59 +56,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def adapter_for(architecture: str, config: dict | None = None):
-    """The adapter class that claims an architecture, or a clear error naming what to install.
-
-    With ``config``, an architecture no family claims is offered to the
-    ``kvcdn_adapt_unclaimed_architecture`` hook (the guarded generic adapter), which serves it, refuses
-    it with a reason, or passes.
-    """
-    host = get_host()
-    adapters = host.model_adapters()
-    cls = adapters.get(architecture)
-    if cls is None and config is not None:
-        for _name, offer in host.call_each("kvcdn_adapt_unclaimed_architecture",
-                                           architecture=architecture, config=config):
-            if isinstance(offer, str):
-                raise KvcdnError(offer)
-            if isinstance(offer, type):
-                return offer
-    if cls is None:
-        families = sorted(host.families())
-        installed = ", ".join(families) if families else "none"
-        guess = _guess_extra(architecture)
-        raise KvcdnError(
-            f"no installed kvcdn model plugin serves architecture '{architecture}' "
-            f"(installed families: {installed}); install one, e.g. pip install 'kvcdn[{guess}]'"
-        )
-    return cls
-
-
-_EXTRA_HINTS = {
-    # more specific prefixes first: the first match wins
-    "gptoss": "gptoss", "granitemoehybrid": "hybrid", "jamba": "hybrid", "lfm2": "hybrid",
-    "smollm": "llama", "arcee": "llama", "cohere": "cohere", "minimax": "minimax", "exaone": "exaone",
-    "ernie": "ernie", "hunyuan": "hunyuan", "seedoss": "seed-oss", "dots": "dots", "helium": "helium",
-    "nemotron": "nemotron",
-    "qwen": "qwen", "llama": "llama", "yi": "llama", "mistral": "mistral", "mixtral": "mistral",
-    "phi": "phi", "gemma": "gemma", "deepseek": "deepseek", "gpt": "gpt", "bloom": "gpt",
-    "falcon": "gpt", "glm": "glm", "olmo": "olmo-granite", "granite": "olmo-granite",
-    "stablelm": "olmo-granite", "starcoder": "olmo-granite", "mamba": "ssm",
-}
-
-
-def _guess_extra(architecture: str) -> str:
-    lower = architecture.lower()
-    if "mamba" in lower:
-        return "ssm"
-    for key, extra in _EXTRA_HINTS.items():
-        if lower.startswith(key):
-            return extra
-    return "all"
-
-
-def load_session(model_ref: str, revision: str | None = None, device: str = "auto",
-                 dtype: str = "auto", adapter_cls=None) -> Session:
+def load_session(
+    model_ref: str, revision: str | None = None, device: str = "auto", dtype: str = "auto", adapter_cls=None
+) -> Session:
     """Load a model through the adapter that claims it (or ``adapter_cls``, for contract tests)."""
     model_dir = resolve_model_dir(model_ref, revision)
     config = read_config(model_dir)
@@ -124,8 +73,27 @@ def load_session(model_ref: str, revision: str | None = None, device: str = "aut
         raise KvcdnError(f"cannot load model '{model_ref}': {type(exc).__name__}: {exc}") from None
     local = Path(model_ref).expanduser()
     ref = str(local.resolve()) if local.is_dir() else model_ref
-    return Session(adapter, model, tokenizer, ref, revision, model_dir, fingerprint(model_dir),
-                   device, dtype)
+    return Session(adapter, model, tokenizer, ref, revision, model_dir, fingerprint(model_dir), device, dtype)
+
+
+def session_for_artifact(
+    manifest: Manifest | None,
+    model: str | None = None,
+    revision: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> Session:
+    """The session to continue an artifact: the model its manifest names, at its compute dtype.
+
+    ``model`` overrides the named model (then only ``revision`` picks its revision); ``dtype`` other
+    than ``auto`` overrides the compute dtype. Without a manifest, ``model`` or the default model.
+    """
+    named = manifest.model if manifest else ModelInfo()
+    if dtype == "auto" and manifest and manifest.compute_dtype in COMPUTE_DTYPES:
+        dtype = manifest.compute_dtype
+    if model is None and revision is None:
+        revision = named.revision
+    return load_session(model or named.id or DEFAULT_MODEL, revision, device, dtype)
 
 
 def _ids_tensor(session: Session, ids: list[int]):
@@ -134,8 +102,14 @@ def _ids_tensor(session: Session, ids: list[int]):
     return torch.tensor([ids], dtype=torch.long, device=session.device)
 
 
-def prefill(session: Session, ids: list[int], chunk: int = DEFAULT_CHUNK, progress: bool = True,
-            cache=None, label: str = "prefill"):
+def prefill(
+    session: Session,
+    ids: list[int],
+    chunk: int = DEFAULT_CHUNK,
+    progress: bool = True,
+    cache=None,
+    label: str = "prefill",
+):
     """Run ``ids`` through the model in chunks; return ``(cache, logits of the last token)``."""
     import torch
 
@@ -145,7 +119,7 @@ def prefill(session: Session, ids: list[int], chunk: int = DEFAULT_CHUNK, progre
     logits = None
     with torch.inference_mode(), Progress(len(ids), label, enabled=progress) as bar:
         for start in range(0, len(ids), chunk):
-            piece = ids[start:start + chunk]
+            piece = ids[start : start + chunk]
             out, cache = session.adapter.forward(session.model, _ids_tensor(session, piece), cache)
             logits = out[0, -1].float()
             bar.update(len(piece))
@@ -190,12 +164,20 @@ def decode(session: Session, ids: list[int]) -> str:
 
 
 def build_manifest(session: Session, layers: list[dict], context: str) -> dict:
-    return model_manifest(session.model_ref, session.revision, session.adapter.family, session.fingerprint,
-                          session.dtype, layers, context)
+    return model_manifest(
+        session.model_ref, session.revision, session.adapter.family, session.fingerprint, session.dtype, layers, context
+    )
 
 
-def model_manifest(model_ref: str, revision: str | None, family: str | None, fingerprint: dict, dtype: str,
-                   layers: list[dict], context: str | None) -> dict:
+def model_manifest(
+    model_ref: str,
+    revision: str | None,
+    family: str | None,
+    fingerprint: dict,
+    dtype: str,
+    layers: list[dict],
+    context: str | None,
+) -> dict:
     """The manifest of an unquantized cache, for writers without a :class:`Session` (serving engines)."""
     return {
         "kvcdn_version": kvcdn_core.__version__,
@@ -223,8 +205,9 @@ def save_cache(session: Session, cache, ids: list[int], context: str, path: Path
     return fmt.write_artifact(path, manifest, tensors)
 
 
-def generate(session: Session, context: str, path: Path, chunk: int = DEFAULT_CHUNK,
-             progress: bool = True) -> tuple[Path, list[int]]:
+def generate(
+    session: Session, context: str, path: Path, chunk: int = DEFAULT_CHUNK, progress: bool = True
+) -> tuple[Path, list[int]]:
     """Prefill a document and save its cache as an artifact."""
     ids = session.adapter.encode_context(session.tokenizer, context)
     cache, _ = prefill(session, ids, chunk=chunk, progress=progress)
@@ -233,14 +216,15 @@ def generate(session: Session, context: str, path: Path, chunk: int = DEFAULT_CH
 
 def check_model(session: Session, manifest: dict, force: bool = False) -> None:
     """Refuse an artifact made with another model (by fingerprint), unless ``force``."""
-    want = manifest.get("model", {})
-    problems = [f"{part} differs" for part in fingerprint_differences(want, session.fingerprint)]
+    typed = Manifest.from_dict(manifest)
+    want = typed.model
+    problems = [f"{part} differs" for part in fingerprint_differences(dataclasses.asdict(want), session.fingerprint)]
     if problems and not force:
         raise ArtifactError(
-            f"artifact was made with model '{want.get('id')}' ({want.get('architecture')}), "
+            f"artifact was made with model '{want.id}' ({want.architecture}), "
             f"not the loaded '{session.model_ref}': {', '.join(problems)}; pass --force to use it anyway"
         )
-    dtype = manifest.get("compute_dtype")
+    dtype = typed.compute_dtype
     if dtype != session.dtype and not force:
         raise ArtifactError(
             f"artifact was computed in {dtype}, the model is loaded in {session.dtype}; "
@@ -248,8 +232,9 @@ def check_model(session: Session, manifest: dict, force: bool = False) -> None:
         )
 
 
-def load_cache(session: Session, header: fmt.Header, force: bool = False, verify_hashes: bool = True,
-               stream: bool = False):
+def load_cache(
+    session: Session, header: fmt.Header, force: bool = False, verify_hashes: bool = True, stream: bool = False
+):
     """Load an artifact's cache into tensors for the session's model; return ``(cache, token ids)``.
 
     With ``stream`` the cache comes back at once and fills layer by layer in the background
@@ -284,8 +269,12 @@ def _converter(session: Session, manifest: dict):
     import torch
 
     target, computed = getattr(torch, session.dtype), getattr(torch, manifest["compute_dtype"])
-    kept = {name for layer in manifest["layers"] if layer["kind"] in (fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
-            for name in layer.get("tensors", {}).values()}
+    kept = {
+        name
+        for layer in manifest["layers"]
+        if layer["kind"] in (fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
+        for name in layer.get("tensors", {}).values()
+    }
 
     def convert(name: str, t):
         if t.is_floating_point() and t.dtype != target and (name not in kept or t.dtype == computed):
@@ -308,7 +297,8 @@ def _stream_cache(session: Session, header: fmt.Header, convert, verify_hashes: 
     cache = session.adapter.new_cache(session.model)
     targets = session.adapter.cache_layers(cache)
     if len(targets) != len(header.manifest["layers"]):
-        raise ArtifactError(f"artifact has {len(header.manifest['layers'])} cache layers, "
-                            f"the loaded model has {len(targets)}")
+        raise ArtifactError(
+            f"artifact has {len(header.manifest['layers'])} cache layers, the loaded model has {len(targets)}"
+        )
     LayerStream(session.adapter, reader, cache, targets, convert, session.device, verify_hashes)
     return cache, ids

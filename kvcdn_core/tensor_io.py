@@ -22,10 +22,27 @@ import hashlib
 import mmap
 import os
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any
 
 from kvcdn_core.errors import ArtifactError
+
+#: safetensors dtype name → (bytes per element, torch dtype name)
+DTYPES = {
+    "F64": (8, "float64"),
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "I64": (8, "int64"),
+    "I32": (4, "int32"),
+    "I16": (2, "int16"),
+    "I8": (1, "int8"),
+    "U8": (1, "uint8"),
+    "BOOL": (1, "bool"),
+}
 
 #: Alignment of direct reads (offsets, lengths and the buffer).
 BLOCK = 4096
@@ -150,7 +167,7 @@ class TensorReader:
                     break  # the last block is partial: the file ends inside it
                 raise ArtifactError(f"{self.path}: truncated while reading tensor data")
             offset += n
-        self._have[begin // BLOCK:stop // BLOCK] = b"\x01" * (stop // BLOCK - begin // BLOCK)
+        self._have[begin // BLOCK : stop // BLOCK] = b"\x01" * (stop // BLOCK - begin // BLOCK)
         return stop
 
     def _pread(self, offset: int, stop: int) -> int:
@@ -207,8 +224,6 @@ def _read_hashing(reader: TensorReader, names: list[str]) -> list[str]:
 def as_tensor(reader: TensorReader, name: str) -> Any:
     """A torch tensor viewing a tensor's bytes in the reader's buffer (no copy)."""
     import torch
-
-    from kvcdn_core.artifact import DTYPES
 
     entry = reader.header.entries[name]
     width, torch_name = DTYPES[entry["dtype"]]

@@ -44,8 +44,10 @@ def train_tokenizer(bos: bool = False, vocab_size: int = TOKENIZER_VOCAB):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS, BOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[EOS, BOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([SAMPLE_TEXT] * 4, trainer)
     if bos:
@@ -69,8 +71,16 @@ DEFAULT_VARIANT = "default"
 
 #: The tiny decoder shape most family configs start from: 2 layers, hidden 64, 4 query heads on 2
 #: key-value heads of width 16, untied output embedding (tied, a random model repeats one token).
-TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)
+TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 def config_variants(adapter_cls, architecture: str) -> dict[str, dict]:
@@ -92,12 +102,18 @@ def config_variants(adapter_cls, architecture: str) -> dict[str, dict]:
     return variants
 
 
-def build_tiny_model(adapter_cls, architecture: str, out_dir: str | Path, seed: int = 0,
-                     init_std: float = 0.3, variant: str | None = None) -> Path:
+def build_tiny_model(
+    adapter_cls,
+    architecture: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    init_std: float = 0.3,
+    variant: str | None = None,
+) -> Path:
     """Build one tiny config of ``architecture`` (the first variant by default) and save it."""
     import torch
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
     out = Path(out_dir)
@@ -121,8 +137,10 @@ def build_tiny_model(adapter_cls, architecture: str, out_dir: str | Path, seed: 
     tokenizer.save_pretrained(out)
     return out
 
-def teach_tiny_model(model_dir: Path, out_dir: Path, text: str = SAMPLE_TEXT, steps: int = 120,
-                     lr: float = 3e-3) -> float:
+
+def teach_tiny_model(
+    model_dir: Path, out_dir: Path, text: str = SAMPLE_TEXT, steps: int = 120, lr: float = 3e-3
+) -> float:
     """Train a saved tiny model on ``text`` (whole, or in windows of its position limit); save it.
 
     Random weights decode through near-ties that any lossy cache may flip; a few seconds of training
@@ -135,7 +153,7 @@ def teach_tiny_model(model_dir: Path, out_dir: Path, text: str = SAMPLE_TEXT, st
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([tok(text)["input_ids"]])
-    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
+    limit = int(getattr(model.config, "n_positions", 0) or getattr(model.config, "max_position_embeddings", 4096))
     windows = [ids[:, :limit], ids[:, -limit:]] if ids.shape[1] > limit else [ids]
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -149,19 +167,20 @@ def teach_tiny_model(model_dir: Path, out_dir: Path, text: str = SAMPLE_TEXT, st
     model.eval()
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
+    assert loss is not None, "no training step ran"
     return float(loss.detach())
 
 
 def main(argv=None) -> int:
     import argparse
 
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import adapter_classes
 
     parser = argparse.ArgumentParser(prog="python -m kvcdn_core.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("architecture", help="e.g. Qwen3ForCausalLM")
     parser.add_argument("out_dir")
     args = parser.parse_args(argv)
-    adapters = get_host().model_adapters()
+    adapters = adapter_classes()
     if args.architecture not in adapters:
         print(f"error: no installed adapter serves {args.architecture}", file=sys.stderr)
         return 2

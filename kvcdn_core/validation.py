@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
@@ -54,8 +55,9 @@ class ValidationRun:
     question_ids: list[int] = dataclasses.field(default_factory=list)
     reference_ids: list[int] | None = None
 
-    def result(self, phase: str, passed: bool, detail: str, first_divergence: int | None = None,
-               seconds: float = 0.0) -> PhaseResult:
+    def result(
+        self, phase: str, passed: bool, detail: str, first_divergence: int | None = None, seconds: float = 0.0
+    ) -> PhaseResult:
         return PhaseResult(self.architecture, phase, passed, detail, first_divergence, seconds)
 
 
@@ -96,6 +98,7 @@ def compare_roundtrip(session, header) -> tuple[bool, str]:
 
 # -- phases -------------------------------------------------------------------------------------
 
+
 def phase_roundtrip(run: ValidationRun) -> PhaseResult:
     """Generate the artifact (chunked prefill, save) and check that every tensor reloads bitwise."""
     session = run.session
@@ -133,8 +136,12 @@ def phase_cache(run: ValidationRun) -> PhaseResult:
         return run.result("cache", False, "skipped: an earlier phase failed")
     ids, _, _ = cached(run.session, run.header, run.question_ids, run.n)
     res = VerifyResult(run.n, len(run.context_ids), len(run.question_ids), run.reference_ids, ids, "", "")
-    return run.result("cache", res.passed, f"token match {res.matches}/{run.n}, {res.context_tokens} context tokens",
-                      res.first_divergence)
+    return run.result(
+        "cache",
+        res.passed,
+        f"token match {res.matches}/{run.n}, {res.context_tokens} context tokens",
+        res.first_divergence,
+    )
 
 
 #: (name, function) run in order; a later phase may rely on what an earlier one left on the run.
@@ -145,7 +152,7 @@ PHASES: list[tuple[str, Callable[[ValidationRun], PhaseResult]]] = [
 ]
 
 # The quantized path (issue 4): int8, checked on every family's real cache; see kvcdn_core.quant.
-from kvcdn_core.quant import validation_phase as _quant_phase  # noqa: E402
+from kvcdn_core.quant_validation import validation_phase as _quant_phase  # noqa: E402
 
 PHASES.append(("quant:int8", _quant_phase("int8")))
 
@@ -166,15 +173,23 @@ def run_phases(run: ValidationRun, phases=None) -> list[PhaseResult]:
     return results
 
 
-def run_validation(session, architecture: str, workdir: Path, n: int = 16,
-                   context: str | None = None, min_distinct: int = 0,
-                   question: str = DEFAULT_QUESTION, require_context_effect: bool = False,
-                   phases: tuple[str, ...] | None = None) -> tuple[ValidationRun, list[PhaseResult]]:
+def run_validation(
+    session,
+    architecture: str,
+    workdir: Path,
+    n: int = 16,
+    context: str | None = None,
+    min_distinct: int = 0,
+    question: str = DEFAULT_QUESTION,
+    require_context_effect: bool = False,
+    phases: tuple[str, ...] | None = None,
+) -> tuple[ValidationRun, list[PhaseResult]]:
     """The phases of :data:`PHASES` (all, or those named in ``phases``) for a loaded model, on a
     context longer than its windows."""
     context = context or long_context(context_length_for(session), session.tokenizer)
-    run = ValidationRun(session, architecture, Path(workdir), n, context, question, min_distinct,
-                        require_context_effect)
+    run = ValidationRun(
+        session, architecture, Path(workdir), n, context, question, min_distinct, require_context_effect
+    )
     chosen = [(name, fn) for name, fn in PHASES if phases is None or name in phases]
     return run, run_phases(run, chosen)
 
@@ -197,8 +212,9 @@ def tiny_options(n: int) -> dict:
     return dict(min_distinct=min(TINY_MIN_DISTINCT, n), question=TINY_QUESTION, require_context_effect=True)
 
 
-def validate_tiny(adapter_cls, architecture: str, workdir: Path, n: int = 16,
-                  phases: tuple[str, ...] | None = None) -> list[PhaseResult]:
+def validate_tiny(
+    adapter_cls, architecture: str, workdir: Path, n: int = 16, phases: tuple[str, ...] | None = None
+) -> list[PhaseResult]:
     """Build every tiny variant of ``architecture`` and validate each offline.
 
     Phases of a variant other than ``default`` are named ``phase[variant]``.

@@ -41,12 +41,16 @@ class VerifyResult:
 
     def as_dict(self) -> dict:
         return {
-            "n": self.n, "context_tokens": self.context_tokens,
-            "question_tokens": self.question_tokens, "matches": self.matches,
+            "n": self.n,
+            "context_tokens": self.context_tokens,
+            "question_tokens": self.question_tokens,
+            "matches": self.matches,
             "first_divergence": self.first_divergence,
             "status": "PASS" if self.passed else "MISMATCH",
-            "reference_ids": self.reference_ids, "cached_ids": self.cached_ids,
-            "reference_text": self.reference_text, "cached_text": self.cached_text,
+            "reference_ids": self.reference_ids,
+            "cached_ids": self.cached_ids,
+            "reference_text": self.reference_text,
+            "cached_text": self.cached_text,
         }
 
 
@@ -68,8 +72,13 @@ def run_verify(session, header, question: str, n: int, force: bool = False) -> V
     cached_ids, _, context_ids = cached(session, header, question_ids, n, force=force)
     reference_ids, _ = reference(session, context_ids, question_ids, n)
     return VerifyResult(
-        n, len(context_ids), len(question_ids), reference_ids, cached_ids,
-        runtime.decode(session, reference_ids), runtime.decode(session, cached_ids),
+        n,
+        len(context_ids),
+        len(question_ids),
+        reference_ids,
+        cached_ids,
+        runtime.decode(session, reference_ids),
+        runtime.decode(session, cached_ids),
     )
 
 

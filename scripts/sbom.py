@@ -33,8 +33,9 @@ def main(out: str, root: str) -> None:
         licence = d.metadata.get("License-Expression") or d.metadata.get("License") or ""
         comp = {"type": "library", "bom-ref": ref, "name": d.metadata["Name"], "version": d.version, "purl": ref}
         if licence and len(licence) < 100:
-            comp["licenses"] = [{"expression": licence}] if "License-Expression" in d.metadata else [
-                {"license": {"name": licence}}]
+            comp["licenses"] = (
+                [{"expression": licence}] if "License-Expression" in d.metadata else [{"license": {"name": licence}}]
+            )
         components.append(comp)
         requires = []
         for req in d.requires or []:
@@ -46,12 +47,18 @@ def main(out: str, root: str) -> None:
         dependencies.append({"ref": ref, "dependsOn": sorted(set(requires))})
     root_dist = dists[norm(root)]
     bom = {
-        "bomFormat": "CycloneDX", "specVersion": "1.5", "version": 1,
+        "bomFormat": "CycloneDX",
+        "specVersion": "1.5",
+        "version": 1,
         "serialNumber": f"urn:uuid:{uuid.uuid4()}",
         "metadata": {
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "component": {"type": "application", "name": root_dist.metadata["Name"], "version": root_dist.version,
-                          "bom-ref": f"pkg:pypi/{norm(root)}@{root_dist.version}"},
+            "component": {
+                "type": "application",
+                "name": root_dist.metadata["Name"],
+                "version": root_dist.version,
+                "bom-ref": f"pkg:pypi/{norm(root)}@{root_dist.version}",
+            },
         },
         "components": components,
         "dependencies": dependencies,

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests.support helpers, whatever the runner
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 #: Tests under these directories start hosted services (kvcdn serve, the OIDC issuer, moto's S3
@@ -60,8 +63,13 @@ def run_kvcdn():
 
     def run(*args, env=None, check=None):
         full_env = {**os.environ, **(env or {})}
-        proc = subprocess.run([sys.executable, "-m", "kvcdn_core", *map(str, args)],
-                              capture_output=True, text=True, env=full_env, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcdn_core", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=300,
+        )
         if check is not None:
             assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
         return proc.returncode, proc.stdout, proc.stderr

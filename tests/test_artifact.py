@@ -15,12 +15,18 @@ from kvcdn_core.errors import ArtifactError, KvcdnError
 def _write(path, n_tokens=5, **manifest_extra):
     import torch
 
-    manifest = {"kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00+00:00",
-                "model": {"id": "m", "architecture": "X"}, "compute_dtype": "float32",
-                "context": "abc", "quantization": None,
-                "layers": [{"index": 0, "kind": "full_attention",
-                            "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}],
-                **manifest_extra}
+    manifest = {
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-01-01T00:00:00+00:00",
+        "model": {"id": "m", "architecture": "X"},
+        "compute_dtype": "float32",
+        "context": "abc",
+        "quantization": None,
+        "layers": [
+            {"index": 0, "kind": "full_attention", "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
+        ],
+        **manifest_extra,
+    }
     g = torch.Generator().manual_seed(0)
     tensors = {
         "layers.0.key": torch.randn(1, 2, n_tokens, 4, generator=g),
@@ -106,11 +112,11 @@ def test_corrupted_header_and_foreign_files_are_refused(tmp_path):
 def _rewrite_metadata(path, **changes):
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     header["__metadata__"].update(changes)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
 
 
 def test_newer_format_version_and_manifest_mismatch_are_refused(tmp_path):
@@ -171,12 +177,17 @@ def test_artifacts_follow_the_umask(tmp_path):
     assert (path.stat().st_mode & 0o777) == 0o644
 
 
-@pytest.mark.parametrize("change", [
-    {"layers": 5}, {"token_count": "abc"}, {"model": []},
-    {"layers": [{"index": 0, "tensors": {}}]},
-    {"tensors": {"layers.0.key": {"dtype": "F32"}}},
-    {"tensors": {"layers.0.key": {"dtype": "F32", "shape": ["1", 2]}}},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"layers": 5},
+        {"token_count": "abc"},
+        {"model": []},
+        {"layers": [{"index": 0, "tensors": {}}]},
+        {"tensors": {"layers.0.key": {"dtype": "F32"}}},
+        {"tensors": {"layers.0.key": {"dtype": "F32", "shape": ["1", 2]}}},
+    ],
+)
 def test_malformed_manifests_are_refused_as_corrupted(tmp_path, change):
     path = tmp_path / "a.kv"
     _write(path)
@@ -192,10 +203,10 @@ def test_metadata_that_is_not_a_map_is_refused(tmp_path):
     _write(path)
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     header["__metadata__"] = [1]
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
     with pytest.raises(ArtifactError, match="not a kvcdn artifact"):
         fmt.read_header(path)

@@ -24,15 +24,36 @@ from tests.support import kvfiles
 DEEP = "@@deep@@"
 #: the inputs are at most a few hundred KiB; a read may take a few times that
 PEAK_LIMIT = 8 << 20
-FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow],
-                database=None)
+FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow], database=None)
 
-json_scalars = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70)
-                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
-                | st.sampled_from(["F32", "I64", "U8", "float32", "float64", "full_attention",
-                                   "sliding_window", "token_ids", "layers.0.key", "", "1", "kvcdn-kv"]))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(
+        [
+            "F32",
+            "I64",
+            "U8",
+            "float32",
+            "float64",
+            "full_attention",
+            "sliding_window",
+            "token_ids",
+            "layers.0.key",
+            "",
+            "1",
+            "kvcdn-kv",
+        ]
+    )
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def _containers(value, path=()):
@@ -66,11 +87,11 @@ def mutated_files(draw) -> bytes:
         elif op == "deep":
             container[key] = DEEP  # replaced by `nested` in the serialized text
         elif op == "number":
-            container[key] = draw(st.sampled_from([-1, 0, 1, 2 ** 63, 2 ** 64 + 1, 1.5, True, 10 ** 30]))
+            container[key] = draw(st.sampled_from([-1, 0, 1, 2**63, 2**64 + 1, 1.5, True, 10**30]))
         else:
             container[key] = draw(json_values)
     if draw(st.booleans()):
-        parts.data = parts.data[:draw(st.integers(0, len(parts.data)))] + draw(st.binary(max_size=16))
+        parts.data = parts.data[: draw(st.integers(0, len(parts.data)))] + draw(st.binary(max_size=16))
     manifest_text = json.dumps(parts.manifest).replace(f'"{DEEP}"', nested)
     if draw(st.integers(0, 9)) == 0:
         manifest_text = draw(st.sampled_from(["", "[", "{}", "null", '{"a": NaN}', "[" * 5000 + "]" * 5000]))
@@ -82,9 +103,11 @@ def mutated_files(draw) -> bytes:
     return bytes(data)
 
 
-random_files = (st.binary(max_size=512)
-                | st.builds(lambda n, body: struct.pack("<Q", n) + body,
-                            st.integers(0, 600) | st.integers(0, 2 ** 64 - 1), st.binary(max_size=512)))
+random_files = st.binary(max_size=512) | st.builds(
+    lambda n, body: struct.pack("<Q", n) + body,
+    st.integers(0, 600) | st.integers(0, 2**64 - 1),
+    st.binary(max_size=512),
+)
 
 
 def _read(data: bytes, cli=None):

@@ -39,11 +39,13 @@ def test_hostile_files_are_refused_with_one_line_and_bounded_memory(tmp_path, ca
 
 
 def test_padding_and_nesting_are_refused_by_the_limits_not_by_the_parser(tmp_path):
-    cases = {"metadata_20mib_padding": "over the 8 MiB limit",
-             "metadata_padding_under_the_cap": "more than 200000 JSON tokens",
-             "manifest_50k_deep": "nests deeper than 32 levels",
-             "header_50k_deep": "nests deeper than 32 levels",
-             "header_50k_deep_objects": "nests deeper than 32 levels"}
+    cases = {
+        "metadata_20mib_padding": "over the 8 MiB limit",
+        "metadata_padding_under_the_cap": "more than 200000 JSON tokens",
+        "manifest_50k_deep": "nests deeper than 32 levels",
+        "header_50k_deep": "nests deeper than 32 levels",
+        "header_50k_deep_objects": "nests deeper than 32 levels",
+    }
     for case, reason in cases.items():
         path = tmp_path / f"{case}.kv"
         path.write_bytes(kvfiles.HOSTILE[case]())
@@ -78,9 +80,21 @@ def test_negative_token_ids_are_refused(tmp_path):
             read(path)
 
 
-@pytest.mark.parametrize("case", ["format_version_list", "manifest_50k_deep", "float_offsets", "string_shape",
-                                  "negative_dims", "overlapping_offsets", "reversed_offsets",
-                                  "metadata_20mib_padding", "lone_surrogate", "compute_dtype_float64"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "format_version_list",
+        "manifest_50k_deep",
+        "float_offsets",
+        "string_shape",
+        "negative_dims",
+        "overlapping_offsets",
+        "reversed_offsets",
+        "metadata_20mib_padding",
+        "lone_surrogate",
+        "compute_dtype_float64",
+    ],
+)
 def test_inspect_exits_2_with_one_line(tmp_path, run_kvcdn, case):
     path = tmp_path / f"{case}.kv"
     path.write_bytes(kvfiles.HOSTILE[case]())

@@ -11,11 +11,28 @@ import pytest
 from kvcdn_core import benchmark as bench
 from kvcdn_core.plot import png_size
 
-EXPECTED_COLUMNS = ["tokens", "prefill_s", "kv_attn_s", "kv_mb", "prefill_gflops", "speedup_compute",
-                    "scheme", "load_s", "load_gbps", "ttft_cached_s", "speedup_ttft", "artifact_bytes",
-                    # added after the first twelve, which keep their places for older readers
-                    "plain_read_s", "load_read_ratio", "question_s", "ttft_pipelined_s", "ttft_limit_s",
-                    "speedup_pipelined", "threads"]
+EXPECTED_COLUMNS = [
+    "tokens",
+    "prefill_s",
+    "kv_attn_s",
+    "kv_mb",
+    "prefill_gflops",
+    "speedup_compute",
+    "scheme",
+    "load_s",
+    "load_gbps",
+    "ttft_cached_s",
+    "speedup_ttft",
+    "artifact_bytes",
+    # added after the first twelve, which keep their places for older readers
+    "plain_read_s",
+    "load_read_ratio",
+    "question_s",
+    "ttft_pipelined_s",
+    "ttft_limit_s",
+    "speedup_pipelined",
+    "threads",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +43,30 @@ def bench_run(qwen3_dir, tmp_path_factory):
     from kvcdn_core.cli import make_cli
 
     out = tmp_path_factory.mktemp("bench") / "tiny-bench.csv"
-    result = CliRunner().invoke(make_cli(), ["benchmark", "--model", str(qwen3_dir), "--lengths", "64,32",
-                                             "--reps", "2", "--threads", "1", "--scheme", "none,int8",
-                                             "--page-cache", "file",
-                                             "--output", str(out), "--format", "json", "-q"],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        make_cli(),
+        [
+            "benchmark",
+            "--model",
+            str(qwen3_dir),
+            "--lengths",
+            "64,32",
+            "--reps",
+            "2",
+            "--threads",
+            "1",
+            "--scheme",
+            "none,int8",
+            "--page-cache",
+            "file",
+            "--output",
+            str(out),
+            "--format",
+            "json",
+            "-q",
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.stderr
     return out, json.loads(result.stdout)
 
@@ -113,24 +149,52 @@ def test_benchmark_then_plot_with_defaults(cli, qwen3_dir, tmp_path):
 
 
 def test_context_file_and_its_length(cli, qwen3_dir, context_file, tmp_path):
-    result = cli("benchmark", "--model", qwen3_dir, "--lengths", "2000", "--context-file", context_file,
-                 "--output", tmp_path / "b.csv")
+    result = cli(
+        "benchmark",
+        "--model",
+        qwen3_dir,
+        "--lengths",
+        "2000",
+        "--context-file",
+        context_file,
+        "--output",
+        tmp_path / "b.csv",
+    )
     assert result.exit_code == 2
     assert "--lengths needs 2000" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "b.csv").exists()
 
-    result = cli("benchmark", "--model", qwen3_dir, "--lengths", "24", "--reps", "1", "--context-file", context_file,
-                 "--page-cache", "keep", "--output", tmp_path / "b.csv", "--format", "json", "-q")
+    result = cli(
+        "benchmark",
+        "--model",
+        qwen3_dir,
+        "--lengths",
+        "24",
+        "--reps",
+        "1",
+        "--context-file",
+        context_file,
+        "--page-cache",
+        "keep",
+        "--output",
+        tmp_path / "b.csv",
+        "--format",
+        "json",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["context"].startswith("context file")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--scheme", "none,int7"], "unknown quantization scheme(s) int7; installed: none, "),
-    (["--lengths", "a,b"], "--lengths must be comma-separated token counts"),
-    (["--lengths", "0,32"], "--lengths must be positive"),
-    (["--lengths", "999999"], "the model's context is"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scheme", "none,int7"], "unknown quantization scheme(s) int7; installed: none, "),
+        (["--lengths", "a,b"], "--lengths must be comma-separated token counts"),
+        (["--lengths", "0,32"], "--lengths must be positive"),
+        (["--lengths", "999999"], "the model's context is"),
+    ],
+)
 def test_refusals(cli, qwen3_dir, tmp_path, args, message):
     result = cli("benchmark", "--model", qwen3_dir, "--output", tmp_path / "b.csv", *args)
     assert result.exit_code == 2

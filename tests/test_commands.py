@@ -29,8 +29,20 @@ def test_generate_then_verify_passes(cli, qwen3_dir, context_file, tmp_path):
 
 
 def test_verify_generates_when_the_artifact_does_not_exist(cli, qwen3_dir, context_file, tmp_path):
-    result = cli("verify", "--model", qwen3_dir, "--context-file", context_file, "--n", "8", "--format", "json",
-                 "--kv-path", tmp_path / "new", "-q")
+    result = cli(
+        "verify",
+        "--model",
+        qwen3_dir,
+        "--context-file",
+        context_file,
+        "--n",
+        "8",
+        "--format",
+        "json",
+        "--kv-path",
+        tmp_path / "new",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["status"] == "PASS" and data["matches"] == 8 and data["first_divergence"] is None
@@ -45,7 +57,9 @@ def test_default_output_goes_to_the_xdg_data_dir(cli, qwen3_dir, context_file, t
     expected_dir = os.path.join(os.environ["XDG_DATA_HOME"], "kvcdn", "generate")
     assert os.path.dirname(path) == expected_dir
     name = os.path.basename(path)
-    assert name.startswith("generate-") and name.endswith(f"-{qwen3_dir.name}.kv")  # a local model: its directory's name
+    assert name.startswith("generate-") and name.endswith(
+        f"-{qwen3_dir.name}.kv"
+    )  # a local model: its directory's name
 
 
 def test_tampered_artifact_fails_loudly(cli, qwen3_artifact, tmp_path):
@@ -93,8 +107,7 @@ def test_diag_reports_per_step_logit_agreement(cli, qwen3_artifact):
 def test_continue_matches_a_full_prefill(cli, qwen3_artifact, qwen3_dir):
     from kvcdn_core import runtime, verify
 
-    result = cli("continue", "--kv-path", qwen3_artifact, "--question", " And then?", "--n", "12",
-                 "--format", "json")
+    result = cli("continue", "--kv-path", qwen3_artifact, "--question", " And then?", "--n", "12", "--format", "json")
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="float32")
@@ -147,8 +160,10 @@ def test_unreachable_hub_is_explained(cli, context_file, monkeypatch):
     result = cli("generate", "--model", "no-such-org/no-such-model", "--context-file", context_file)
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1
-    assert "model 'no-such-org/no-such-model' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" \
+    assert (
+        "model 'no-such-org/no-such-model' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
         in result.stderr
+    )
     assert "local model directory" in result.stderr
 
 
@@ -156,8 +171,21 @@ def test_unreachable_hub_says_offline_not_a_library_error(context_file, tmp_path
     """Online mode with no route to the hub (a laptop on a plane); a subprocess: the hub's URL is read at import."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))  # nothing listens on port 9
-    result = subprocess.run([sys.executable, "-m", "kvcdn_core", "generate", "--model", "no-such-org/no-such-model",
-                             "--context-file", str(context_file)], capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcdn_core",
+            "generate",
+            "--model",
+            "no-such-org/no-such-model",
+            "--context-file",
+            str(context_file),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 2, result.stderr
     assert "the Hugging Face hub is unreachable (offline?)" in result.stderr
     assert "ConnectError" not in result.stderr and "Errno" not in result.stderr
@@ -165,8 +193,9 @@ def test_unreachable_hub_says_offline_not_a_library_error(context_file, tmp_path
 
 def test_other_weights_with_the_same_config_are_refused(cli, qwen3_artifact, tmp_path):
     """A fine-tune keeps its base config and tokenizer; its cache still differs."""
-    from kvcdn_core.tiny import build_tiny_model
     from kvcdn_model_qwen import QwenAdapter
+
+    from kvcdn_core.tiny import build_tiny_model
 
     other = build_tiny_model(QwenAdapter, "Qwen3ForCausalLM", tmp_path / "other-seed", seed=7)
     assert fmt.read_manifest(qwen3_artifact)["model"]["weights_sha256"]
@@ -184,9 +213,11 @@ def test_output_path_problems_are_reported_before_any_model_work(cli, qwen3_dir,
 
 
 def test_usage_errors_are_one_line(run_kvcdn):
-    for args, message in ((["verify", "--n", "0"], "Invalid value for '--n'"),
-                          (["nosuch"], "No such command 'nosuch'"),
-                          (["generate"], "Missing option '--context-file'")):
+    for args, message in (
+        (["verify", "--n", "0"], "Invalid value for '--n'"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["generate"], "Missing option '--context-file'"),
+    ):
         code, _, err = run_kvcdn(*args)
         assert code == 2
         assert err.strip().splitlines() == [err.strip()] and err.startswith("error: ") and message in err
@@ -249,7 +280,13 @@ def test_a_local_model_path_makes_a_plain_file_name():
 
 def test_serve_refuses_a_missing_local_model(tmp_path):
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
-    result = subprocess.run([sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--models", "./missing"],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--models", "./missing"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --models: model directory './missing' does not exist"

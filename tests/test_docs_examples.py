@@ -54,8 +54,16 @@ def bash_blocks(path: Path) -> list[Block]:
 
 def copy_checkout(dest: Path) -> None:
     """The checkout's tracked and untracked-but-not-ignored files, as a fresh clone would have them."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = ROOT / name
         if source.is_file():
@@ -67,21 +75,26 @@ def script_for(path: Path, blocks: list[Block]) -> str:
     parts = ["set -eo pipefail"]
     for block in blocks:
         if block.skip_reason is None:
-            parts.append(f"echo \"### docs-test: {path.name}:{block.line} at $(date +%s.%N)\" >&2")
+            parts.append(f'echo "### docs-test: {path.name}:{block.line} at $(date +%s.%N)" >&2')
             parts.append(block.text)
     # Whatever a block started, it must also stop (a few seconds' grace for a graceful shutdown).
     parts.append('for _ in $(seq 50); do [ -z "$(jobs -pr)" ] && break; sleep 0.2; done')
-    parts.append('left=$(jobs -pr); if [ -n "$left" ]; then '
-                 'echo "### docs-test: still running at the end: pids $left" >&2; kill $left; exit 97; fi')
+    parts.append(
+        'left=$(jobs -pr); if [ -n "$left" ]; then '
+        'echo "### docs-test: still running at the end: pids $left" >&2; kill $left; exit 97; fi'
+    )
     return "\n".join(parts) + "\n"
 
 
 def clean_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVCDN_", "XDG_", "HF_", "PYTEST_", "COV_"))}
-    env.update(HOME=str(home), HF_HUB_OFFLINE="1", HF_HOME=str(home / "hf"),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-               OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCDN_", "XDG_", "HF_", "PYTEST_", "COV_"))}
+    env.update(
+        HOME=str(home),
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(home / "hf"),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+    )
     return env
 
 
@@ -105,9 +118,15 @@ def test_examples_run_as_pasted(doc, tmp_path, capsys):
     home.mkdir()
     copy_checkout(checkout)
     started = time.monotonic()
-    process = subprocess.Popen(["bash", "-c", script_for(doc, blocks)], cwd=checkout, env=clean_env(home),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        ["bash", "-c", script_for(doc, blocks)],
+        cwd=checkout,
+        env=clean_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=FILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -131,11 +150,17 @@ def test_examples_run_as_pasted(doc, tmp_path, capsys):
 
 def test_block_extraction_and_skip_marker(tmp_path):
     doc = tmp_path / "x.md"
-    doc.write_text("text\n```bash\necho one\n```\n<!-- docs-test: skip (needs a GPU) -->\n```bash\necho two\n"
-                   "```\n```text\nnot run\n```\n```bash\necho three\n```\n", encoding="utf-8")
+    doc.write_text(
+        "text\n```bash\necho one\n```\n<!-- docs-test: skip (needs a GPU) -->\n```bash\necho two\n"
+        "```\n```text\nnot run\n```\n```bash\necho three\n```\n",
+        encoding="utf-8",
+    )
     blocks = bash_blocks(doc)
     assert [(b.line, b.text, b.skip_reason) for b in blocks] == [
-        (2, "echo one\n", None), (6, "echo two\n", "needs a GPU"), (12, "echo three\n", None)]
+        (2, "echo one\n", None),
+        (6, "echo two\n", "needs a GPU"),
+        (12, "echo three\n", None),
+    ]
     script = script_for(doc, blocks)
     assert "echo one" in script and "echo three" in script and "echo two" not in script
 
@@ -147,5 +172,6 @@ def test_every_skip_marker_sits_on_a_bash_block():
         for i, line in enumerate(lines):
             if "docs-test:" in line:
                 assert SKIP.match(line.strip()), f"{doc.name}:{i + 1}: malformed marker {line!r}"
-                assert i + 1 < len(lines) and lines[i + 1].strip() == "```bash", \
+                assert i + 1 < len(lines) and lines[i + 1].strip() == "```bash", (
                     f"{doc.name}:{i + 1}: the skip marker is not directly above a ```bash fence"
+                )

@@ -12,13 +12,15 @@ import pytest
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime, tensor_io
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.layer_stream import GatedLayers, LayerStream
+from kvcdn_core.layer_stream import GatedLayers
 from kvcdn_core.tiny import SAMPLE_TEXT
 
 QUESTION = " And what comes next?"
 N_NEW = 8
-FAMILIES = [("kvcdn_model_qwen", "QwenAdapter", "Qwen3ForCausalLM"),
-            ("kvcdn_model_gemma", "GemmaAdapter", "Gemma3ForCausalLM")]  # layers 0 and 2 slide
+FAMILIES = [
+    ("kvcdn_model_qwen", "QwenAdapter", "Qwen3ForCausalLM"),
+    ("kvcdn_model_gemma", "GemmaAdapter", "Gemma3ForCausalLM"),
+]  # layers 0 and 2 slide
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[arch for *_, arch in FAMILIES])
@@ -49,8 +51,9 @@ def test_loaded_cache_continues_exactly_like_a_full_prefill(case, stream, direct
     session, path, ids, question, expected = case
     if direct is not None:
         original = tensor_io.TensorReader.__init__
-        monkeypatch.setattr(tensor_io.TensorReader, "__init__",
-                            lambda self, header, _direct=None: original(self, header, direct))
+        monkeypatch.setattr(
+            tensor_io.TensorReader, "__init__", lambda self, header, _direct=None: original(self, header, direct)
+        )
     cache, loaded_ids = runtime.load_cache(session, fmt.read_header(path), stream=stream)
     assert isinstance(cache.layers, GatedLayers) is stream
     assert loaded_ids == ids
@@ -83,8 +86,10 @@ def test_the_model_starts_before_the_last_layer_is_read(case, monkeypatch):
     first would leave the loader held."""
     session, path, _, question, expected = case
     layers = fmt.read_header(path).manifest["layers"]
-    firsts = {kind: next(i for i, layer in enumerate(layers) if layer["kind"] == kind)
-              for kind in {layer["kind"] for layer in layers}}
+    firsts = {
+        kind: next(i for i, layer in enumerate(layers) if layer["kind"] == kind)
+        for kind in {layer["kind"] for layer in layers}
+    }
     assert max(firsts.values()) < len(layers) - 1  # something is left to overlap
     first_layer = [name for i in range(max(firsts.values()) + 1) for name in layers[i]["tensors"].values()]
     layer_zero_runs = threading.Event()
@@ -125,8 +130,9 @@ def test_a_corrupted_layer_fails_loudly_and_is_never_used(case, tmp_path, direct
     session, path, _, question, _ = case
     bad, last = _corrupt_last_layer(path, tmp_path)
     original = tensor_io.TensorReader.__init__
-    monkeypatch.setattr(tensor_io.TensorReader, "__init__",
-                        lambda self, header, _direct=None: original(self, header, direct))
+    monkeypatch.setattr(
+        tensor_io.TensorReader, "__init__", lambda self, header, _direct=None: original(self, header, direct)
+    )
     with pytest.raises(ArtifactError, match="sha256 mismatch"):
         runtime.load_cache(session, fmt.read_header(bad))
     cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=True)
@@ -146,7 +152,7 @@ def test_a_truncated_file_fails_the_streamed_load(case, tmp_path):
     session, path, _, question, _ = case
     header = fmt.read_header(path)
     short = tmp_path / "short.kv"
-    short.write_bytes(path.read_bytes()[:header.file_size - 4096])
+    short.write_bytes(path.read_bytes()[: header.file_size - 4096])
     cut = fmt.Header(short, header.manifest, header.entries, header.data_start, header.file_size)
     cache, _ = runtime.load_cache(session, cut, stream=True)
     with pytest.raises(ArtifactError, match="truncated"):
@@ -163,7 +169,7 @@ def test_a_streamed_cache_copies_and_crops_like_a_plain_one(case):
 
 
 def test_adapters_that_reshape_the_cache_load_whole(case):
-    from kvcdn_core.adapter import ModelAdapter
+    from kvcdn_core import ModelAdapter
 
     session, path, *_ = case
     layers = fmt.read_header(path).manifest["layers"]

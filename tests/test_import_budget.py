@@ -20,13 +20,22 @@ print("HEAVY=" + ",".join(heavy), file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["plugins"], ["plugins", "--format", "json"],
-                                  ["inspect", "ARTIFACT"], ["inspect", "ARTIFACT", "--check"],
-                                  ["verify", "--help"], ["generate", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["--version"],
+        ["plugins"],
+        ["plugins", "--format", "json"],
+        ["inspect", "ARTIFACT"],
+        ["inspect", "ARTIFACT", "--check"],
+        ["verify", "--help"],
+        ["generate", "--help"],
+    ],
+)
 def test_light_commands_do_not_import_torch(args, qwen3_artifact):
     args = [str(qwen3_artifact) if a == "ARTIFACT" else a for a in args]
-    proc = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True, timeout=120)
     heavy = [line for line in proc.stderr.splitlines() if line.startswith("HEAVY=")]
     assert heavy == ["HEAVY="], proc.stderr
 
@@ -40,7 +49,10 @@ def test_version_output():
 
 
 def test_inspect_json_is_machine_readable(qwen3_artifact):
-    proc = subprocess.run([sys.executable, "-m", "kvcdn_core", "inspect", str(qwen3_artifact), "--format", "json"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcdn_core", "inspect", str(qwen3_artifact), "--format", "json"],
+        capture_output=True,
+        text=True,
+    )
     data = json.loads(proc.stdout)
     assert data["manifest"]["model"]["architecture"] == "Qwen3ForCausalLM"

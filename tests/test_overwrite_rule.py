@@ -19,10 +19,12 @@ def refused(result, path, before: bytes) -> None:
 @pytest.fixture
 def occupied(tmp_path):
     """An existing file where a command is about to write."""
+
     def make(name: str) -> tuple:
         path = tmp_path / name
         path.write_bytes(b"precious")
         return path, b"precious"
+
     return make
 
 

@@ -12,14 +12,20 @@ import pytest
 
 from kvcdn_core import plot
 
-HEADER = ("tokens,prefill_s,kv_attn_s,kv_mb,prefill_gflops,speedup_compute,"
-          "scheme,load_s,load_gbps,ttft_cached_s,speedup_ttft,artifact_bytes\n")
+HEADER = (
+    "tokens,prefill_s,kv_attn_s,kv_mb,prefill_gflops,speedup_compute,"
+    "scheme,load_s,load_gbps,ttft_cached_s,speedup_ttft,artifact_bytes\n"
+)
 
 
 def write_csv(path, rows):
-    path.write_text(HEADER + "".join(
-        f"{tokens},{prefill},0.01,10,5,{prefill / 0.01},{scheme},{load},1.0,{load + 0.01},{prefill / (load + 0.01)},1000\n"
-        for tokens, scheme, prefill, load in rows))
+    path.write_text(
+        HEADER
+        + "".join(
+            f"{tokens},{prefill},0.01,10,5,{prefill / 0.01},{scheme},{load},1.0,{load + 0.01},{prefill / (load + 0.01)},1000\n"
+            for tokens, scheme, prefill, load in rows
+        )
+    )
     return path
 
 
@@ -35,8 +41,10 @@ def test_break_even_arithmetic():
 
 
 def test_plot_png_and_table(cli, tmp_path):
-    csv_path = write_csv(tmp_path / "b.csv", [(512, "none", 10.0, 2.0), (2048, "none", 40.0, 0.5),
-                                              (2048, "int8", 40.0, 0.3), (64, "none", 0.1, 0.2)])
+    csv_path = write_csv(
+        tmp_path / "b.csv",
+        [(512, "none", 10.0, 2.0), (2048, "none", 40.0, 0.5), (2048, "int8", 40.0, 0.3), (64, "none", 0.1, 0.2)],
+    )
     out = tmp_path / "chart.png"
     result = cli("plot", "--csv-path", csv_path, "--out", out, "--max-n", "100", "--model", "Qwen/Qwen3-0.6B")
     assert result.exit_code == 0, result.stderr
@@ -69,15 +77,18 @@ def test_defaults_pick_the_newest_csv_and_a_timestamped_png(cli, tmp_path):
     assert stamp.isdigit() and rest == "m_a-amortized-cost.png"
 
 
-@pytest.mark.parametrize("content, message", [
-    ("a,b\n1,2\n", "not a benchmark CSV: missing column(s) tokens, prefill_s, load_s"),
-    (HEADER, "has a header but no rows"),
-    (HEADER + "512,abc,0,0,0,0,none,1,0,0,0,0\n", "line 2: prefill_s 'abc' is not a number"),
-    (HEADER + "512,0,0,0,0,0,none,1,0,0,0,0\n", "line 2: prefill_s must be a positive number of seconds"),
-    (HEADER + "512,2,0,0,0,0,none,-1,0,0,0,0\n", "line 2: load_s must be a positive number of seconds"),
-    (HEADER + "-5,2,0,0,0,0,none,1,0,0,0,0\n", "tokens must be a positive number of tokens"),
-    ("", "missing column(s)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("a,b\n1,2\n", "not a benchmark CSV: missing column(s) tokens, prefill_s, load_s"),
+        (HEADER, "has a header but no rows"),
+        (HEADER + "512,abc,0,0,0,0,none,1,0,0,0,0\n", "line 2: prefill_s 'abc' is not a number"),
+        (HEADER + "512,0,0,0,0,0,none,1,0,0,0,0\n", "line 2: prefill_s must be a positive number of seconds"),
+        (HEADER + "512,2,0,0,0,0,none,-1,0,0,0,0\n", "line 2: load_s must be a positive number of seconds"),
+        (HEADER + "-5,2,0,0,0,0,none,1,0,0,0,0\n", "tokens must be a positive number of tokens"),
+        ("", "missing column(s)"),
+    ],
+)
 def test_invalid_csvs_are_refused(cli, tmp_path, content, message):
     path = tmp_path / "bad.csv"
     path.write_text(content)
@@ -116,10 +127,15 @@ def test_plot_needs_no_torch_and_no_display(tmp_path):
 
 def clustered_costs():
     """Break-evens that cluster near N=1 (what a fast disk gives), and one that never comes."""
-    return [plot.Cost(256, "none", 0.10, 0.020), plot.Cost(256, "int8", 0.10, 0.018),
-            plot.Cost(512, "none", 0.105, 0.021), plot.Cost(512, "int8", 0.105, 0.02),
-            plot.Cost(1024, "none", 0.11, 0.02), plot.Cost(1024, "int8", 0.11, 0.2),
-            plot.Cost(64, "none", 0.002, 0.0015)]
+    return [
+        plot.Cost(256, "none", 0.10, 0.020),
+        plot.Cost(256, "int8", 0.10, 0.018),
+        plot.Cost(512, "none", 0.105, 0.021),
+        plot.Cost(512, "int8", 0.105, 0.02),
+        plot.Cost(1024, "none", 0.11, 0.02),
+        plot.Cost(1024, "int8", 0.11, 0.2),
+        plot.Cost(64, "none", 0.002, 0.0015),
+    ]
 
 
 def test_no_label_can_overlap_a_curve_and_never_is_shown():
@@ -143,8 +159,16 @@ def test_n_star_beyond_the_axis_is_said():
 
 def test_title_names_the_model_from_the_option_the_csv_or_the_file(cli, tmp_path):
     def titled(csv_path, *args):
-        result = cli("plot", "--csv-path", csv_path, "--out", tmp_path / f"{csv_path.stem}{len(args)}.png",
-                     "--format", "json", *args)
+        result = cli(
+            "plot",
+            "--csv-path",
+            csv_path,
+            "--out",
+            tmp_path / f"{csv_path.stem}{len(args)}.png",
+            "--format",
+            "json",
+            *args,
+        )
         assert result.exit_code == 0, result.stderr
         return json.loads(result.stdout)["title"]
 
@@ -152,7 +176,7 @@ def test_title_names_the_model_from_the_option_the_csv_or_the_file(cli, tmp_path
     named = write_csv(tmp_path / "1700000000000-Qwen_Qwen3-0.6B-bench.csv", [(128, "none", 0.2, 0.05)])
     column = tmp_path / "column.csv"
     column.write_text("tokens,prefill_s,load_s,model\n128,0.2,0.05,Qwen/Qwen3-0.6B\n")
-    assert titled(plain).endswith("\nbench.csv")                      # at least which data it is
+    assert titled(plain).endswith("\nbench.csv")  # at least which data it is
     assert titled(plain, "--model", "./tiny-qwen3").endswith("\n./tiny-qwen3")
     assert titled(named).endswith("\nQwen_Qwen3-0.6B")
     assert titled(column).endswith("\nQwen/Qwen3-0.6B")

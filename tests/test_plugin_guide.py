@@ -1,77 +1,207 @@
-"""The plugin guide's model-family example installs and works, from the guide's own text.
-
-The pyproject and module are cut from docs/plugin-guide.md, built and installed with pip into a
-scratch directory (not this environment: the installed plugin set must not change for other tests),
-then `kvcdn plugins`, `kvcdn validate --family helium` and the guide's contract test run with that
-directory on the path.
-"""
+"""docs/plugin-guide.md: every hook and contract method is documented with its signature, and each
+example plugin, cut from the guide and installed as its own package (into a scratch directory, so
+this environment's plugin set never changes), does what the guide says: the model family validates
+and passes the adapter contract, the storage and quantizer examples pass their contract suites."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-GUIDE = ROOT / "docs" / "plugin-guide.md"
+from kvcdn_core import hookspecs
+from kvcdn_core.contracts.adapter import ModelAdapter
+from kvcdn_core.contracts.quantizer import Quantizer
+from kvcdn_core.contracts.storage import StorageBackend
+from tests.support import plugin_examples
+
+GUIDE = plugin_examples.GUIDE
+TEXT = GUIDE.read_text(encoding="utf-8")
 
 
-def fenced(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", GUIDE.read_text(encoding="utf-8"), re.M | re.S)
+def signature(function, name: str) -> str:
+    """``name(a, b, c=None)``: how the guide writes a signature (no self, defaults as Python)."""
+    params = list(inspect.signature(function).parameters.values())
+    if params and params[0].name in ("self", "cls"):
+        params = params[1:]
+    shown = []
+    for p in params:
+        text = p.name
+        if p.default is not p.empty:
+            text += "=" + ('""' if p.default == "" else repr(p.default))
+        shown.append(text)
+    return f"{name}({', '.join(shown)})"
 
 
-def guide_file(language: str, first_line: str) -> str:
-    """The block of ``language`` whose first line is the comment ``first_line`` (its path)."""
-    found = [b for b in fenced(language) if b.splitlines()[0] == first_line]
-    assert len(found) == 1, f"the guide has no single {language} block starting {first_line!r}"
-    return found[0]
+def contract_members(cls: type) -> list[tuple[str, str]]:
+    """(name, documented form) of every public method and property a contract class defines."""
+    found = []
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, property):
+            found.append((name, name))
+        elif isinstance(value, (classmethod, staticmethod)) or inspect.isfunction(value):
+            found.append((name, signature(getattr(value, "__func__", value), name)))
+    return found
+
+
+HOOKS = [name for name in dir(hookspecs) if name.startswith("kvcdn_")]
+MEMBERS = [
+    (cls.__name__, name, form)
+    for cls in (ModelAdapter, Quantizer, StorageBackend)
+    for name, form in contract_members(cls)
+]
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_is_documented_with_its_signature(hook):
+    assert getattr(hookspecs, hook).__doc__.strip()
+    assert f"`{signature(getattr(hookspecs, hook), hook)}`" in TEXT, f"{hook} missing from {GUIDE.name}"
+
+
+@pytest.mark.parametrize("owner,name,form", MEMBERS, ids=[f"{o}.{n}" for o, n, _ in MEMBERS])
+def test_every_contract_method_is_documented_with_its_signature(owner, name, form):
+    assert f"`{form}`" in TEXT, f"{owner}.{form} missing from {GUIDE.name}"
+
+
+def test_the_member_list_is_not_empty():
+    assert len(MEMBERS) > 30 and ("StorageBackend", "open_read", "open_read(key)") in MEMBERS
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site")
+    files = {}
+    for project in (plugin_examples.STORAGE, plugin_examples.QUANTIZER):
+        files[project] = plugin_examples.install(project, target, tmp_path_factory.mktemp("build"))
+    return target, files
+
+
+def with_site(site: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def run_python(code: str, site: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = with_site(site)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "project,module",
+    [(plugin_examples.STORAGE, "kvcdn_storage_sqlite.py"), (plugin_examples.QUANTIZER, "kvcdn_quant_bf16.py")],
+)
+def test_examples_are_complete_and_short(installed, project, module):
+    _, files = installed
+    assert set(files[project]) == {"pyproject.toml", module}
+    assert len(files[project][module].splitlines()) < 60
+
+
+@pytest.mark.slow
+def test_the_storage_example_passes_the_storage_contract(installed, tmp_path):
+    site, _ = installed
+    result = run_python(
+        f"""
+        import itertools, kvcdn_storage_sqlite
+        from kvcdn_core.registry import open_storage
+        from kvcdn_core.testing import assert_storage_contract
+
+        assert kvcdn_storage_sqlite.__file__.startswith({str(site)!r}), kvcdn_storage_sqlite.__file__
+        store = open_storage("sqlite://{tmp_path}/first.db")
+        assert type(store).__name__ == "SqliteStorage"
+        numbers = itertools.count()
+        assert_storage_contract(lambda: open_storage(f"sqlite://{tmp_path}/{{next(numbers)}}.db"))
+        print("contract passed")
+        """,
+        site,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "contract passed" in result.stdout and "warning" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path):
+    site, _ = installed
+    result = run_python(
+        """
+        from kvcdn_core.registry import quantizer_for
+        from kvcdn_core.testing import assert_quantizer_contract
+
+        cls = quantizer_for("bf16-round")
+        assert cls.__module__ == "kvcdn_quant_bf16"
+        assert_quantizer_contract(cls)
+        print("contract passed")
+        """,
+        site,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "contract passed" in result.stdout
+
+
+@pytest.mark.slow
+def test_installed_examples_show_in_kvcdn_plugins(installed, tmp_path):
+    site, _ = installed
+    result = run_python("from kvcdn_core.cli import main; main(['plugins', '--format', 'json'])", site, tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert rows["sqlite"]["distribution"] == "kvcdn-storage-sqlite" and rows["sqlite"]["version"] == "0.1.0"
+    assert rows["sqlite"]["provides"] == {"uri_schemes": ["sqlite"]}
+    assert rows["bf16"]["provides"] == {"schemes": ["bf16-round"]}
 
 
 @pytest.mark.slow
 def test_guide_model_family_example_installs_and_validates(tmp_path):
-    project = tmp_path / "kvcdn-model-helium"
-    (project / "kvcdn_model_helium").mkdir(parents=True)
-    (project / "pyproject.toml").write_text(guide_file("toml", "# kvcdn-model-helium/pyproject.toml"))
-    (project / "kvcdn_model_helium" / "__init__.py").write_text(
-        guide_file("python", "# kvcdn-model-helium/kvcdn_model_helium/__init__.py"))
-    contract = next(b for b in fenced("python") if "assert_adapter_contract(" in b)
-    (tmp_path / "test_helium_contract.py").write_text(contract)
-
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(project)], check=True, capture_output=True, text=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-           "HF_HUB_OFFLINE": "1"}
+    plugin_examples.install(plugin_examples.FAMILY, site, tmp_path / "build")
+    contract = next(b for b in plugin_examples.fenced("python") if "assert_adapter_contract(" in b)
+    (tmp_path / "test_helium_contract.py").write_text(contract)
+    env = with_site(site)
     kvcdn = [sys.executable, "-m", "kvcdn_core"]
 
     plugins = subprocess.run([*kvcdn, "plugins", "--format", "json"], env=env, capture_output=True, text=True)
     assert plugins.returncode == 0, plugins.stderr
-    helium = [p for p in json.loads(plugins.stdout) if p.get("distribution") == "kvcdn-model-helium"]
+    helium = [p for p in json.loads(plugins.stdout) if p.get("distribution") == plugin_examples.FAMILY]
     assert helium and helium[0]["status"] == "loaded", plugins.stdout
-    assert helium[0]["version"] == "0.1.0"
+    assert helium[0]["version"] == "0.1.0" and helium[0]["provides"] == {"architectures": ["HeliumForCausalLM"]}
 
-    validate = subprocess.run([*kvcdn, "validate", "--family", "helium", "--format", "json"], env=env,
-                              capture_output=True, text=True)
+    validate = subprocess.run(
+        [*kvcdn, "validate", "--family", "helium", "--format", "json"], env=env, capture_output=True, text=True
+    )
     assert validate.returncode == 0, validate.stdout + validate.stderr
-    assert "HeliumForCausalLM" in validate.stdout
+    assert "HeliumForCausalLM" in validate.stdout and "kvcdn-model-helium>=0.1" in validate.stdout
 
-    contract_run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                   str(tmp_path / "test_helium_contract.py")], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True)
+    contract_run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_helium_contract.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert contract_run.returncode == 0, contract_run.stdout[-3000:] + contract_run.stderr[-2000:]
     assert "1 passed" in contract_run.stdout
 
 
 def test_guide_architectures_exist_in_transformers():
     """Every architecture the guide's examples name is a class of the installed transformers."""
+    import re
+
     import transformers
 
-    named = set(re.findall(r'"(\w+ForCausalLM)"', "\n".join(fenced("python"))))
+    named = set(re.findall(r'"(\w+ForCausalLM)"', "\n".join(plugin_examples.fenced("python"))))
     assert named, "the guide names no architecture"
     for architecture in named:
         assert hasattr(transformers, architecture), f"transformers has no {architecture}"

@@ -26,16 +26,28 @@ def _fake_distribution(root, name, group, module, source):
 def plugin_dir(tmp_path):
     root = tmp_path / "site"
     root.mkdir()
-    _fake_distribution(root, "broken-plugin", "kvcdn.models", "broken_plugin_mod",
-                       "import a_module_that_does_not_exist\n")
-    _fake_distribution(root, "odd-plugin", "kvcdn.commands", "odd_plugin_mod", """
+    _fake_distribution(
+        root, "broken-plugin", "kvcdn.models", "broken_plugin_mod", "import a_module_that_does_not_exist\n"
+    )
+    _fake_distribution(
+        root,
+        "odd-plugin",
+        "kvcdn.commands",
+        "odd_plugin_mod",
+        """
         from kvcdn_core import hookimpl
 
         @hookimpl
         def kvcdn_register_gadgets():
             return []
-        """)
-    _fake_distribution(root, "hello-plugin", "kvcdn.commands", "hello_plugin_mod", """
+        """,
+    )
+    _fake_distribution(
+        root,
+        "hello-plugin",
+        "kvcdn.commands",
+        "hello_plugin_mod",
+        """
         import click
         from kvcdn_core import hookimpl
 
@@ -46,7 +58,8 @@ def plugin_dir(tmp_path):
         @hookimpl
         def kvcdn_register_commands(cli):
             cli.add_command(hello)
-        """)
+        """,
+    )
     return root
 
 
@@ -97,8 +110,8 @@ def test_plugins_table(run_kvcdn):
 
 
 def test_in_process_registration_and_last_adapter_wins(kvcdn_host):
-    from kvcdn_core.adapter import ModelAdapter
-    from kvcdn_core.runtime import adapter_for
+    from kvcdn_core import ModelAdapter
+    from kvcdn_core.registry import adapter_for
 
     class ToyAdapter(ModelAdapter):
         family = "toy"
@@ -124,21 +137,10 @@ def test_a_plugin_raising_in_a_hook_is_isolated(kvcdn_host, capsys):
 
 def test_unclaimed_architecture_names_the_extra(kvcdn_host):
     from kvcdn_core.errors import KvcdnError
-    from kvcdn_core.runtime import adapter_for
+    from kvcdn_core.registry import adapter_for
 
     with pytest.raises(KvcdnError, match=r"pip install 'kvcdn\[gemma\]'"):
         adapter_for("Gemma2ForCausalLM")
-
-
-def test_every_hook_is_documented():
-    from kvcdn_core import hookspecs
-
-    hooks = [name for name in dir(hookspecs) if name.startswith("kvcdn_")]
-    assert hooks
-    docs = open(__file__.replace("tests/test_plugins.py", "docs/plugin-guide.md"), encoding="utf-8").read()
-    for name in hooks:
-        assert getattr(hookspecs, name).__doc__.strip(), name
-        assert f"`{name}" in docs, f"{name} missing from docs/plugin-guide.md"
 
 
 def test_builtin_parts_register_through_the_hooks():
@@ -158,3 +160,89 @@ def test_a_plugin_returning_garbage_is_isolated(kvcdn_host, capsys, result):
     assert kvcdn_host.model_adapters()["Qwen3ForCausalLM"] is QwenAdapter
     assert kvcdn_host.infos["bad"].status == "failed"
     assert "invalid result" in capsys.readouterr().err
+
+
+def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, capsys):
+    from kvcdn_core import LocalStorage, ModelAdapter
+    from kvcdn_core.registry import adapter_for, open_storage
+
+    class First(ModelAdapter):
+        family = "first"
+        architectures = ("DupForCausalLM",)
+
+    class Second(ModelAdapter):
+        family = "second"
+        architectures = ("DupForCausalLM", "OnlySecondForCausalLM")
+
+    class Hijack(LocalStorage):
+        schemes = ("file",)
+
+    # Registered in the "wrong" order: precedence is by name, not by registration.
+    kvcdn_host.register(
+        types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [Second])),
+        "zeta",
+        "kvcdn.models",
+    )
+    kvcdn_host.register(
+        types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [First])),
+        "alpha",
+        "kvcdn.models",
+    )
+    kvcdn_host.register(
+        types.SimpleNamespace(kvcdn_register_storage_backends=kvcdn_core.hookimpl(lambda: [Hijack])),
+        "aaa-storage",
+        "kvcdn.storage",
+    )
+    assert adapter_for("DupForCausalLM") is First
+    assert adapter_for("OnlySecondForCausalLM") is Second
+    assert type(open_storage("/tmp")) is LocalStorage  # a built-in wins over any plugin
+    err = capsys.readouterr().err
+    assert "plugin 'zeta' and plugin 'alpha' both claim architecture DupForCausalLM; using 'alpha'" in err
+    assert "plugin 'aaa-storage' and plugin 'local' both claim uri scheme file; using 'local'" in err
+    assert kvcdn_host.infos["zeta"].overridden == ["architecture DupForCausalLM (used: alpha)"]
+    assert kvcdn_host.infos["zeta"].provides == {"architectures": ["DupForCausalLM", "OnlySecondForCausalLM"]}
+    adapter_for("DupForCausalLM")
+    assert capsys.readouterr().err == ""  # reported once
+
+
+def test_duplicate_commands_keep_the_first_owner(plugin_dir, run_kvcdn):
+    _fake_distribution(
+        plugin_dir,
+        "verify-hijack",
+        "kvcdn.commands",
+        "verify_hijack_mod",
+        """
+        import click
+        from kvcdn_core import hookimpl
+
+        @click.command("verify")
+        def verify():
+            click.echo("hijacked")
+
+        @hookimpl
+        def kvcdn_register_commands(cli):
+            cli.add_command(verify)
+        """,
+    )
+    env = {"PYTHONPATH": str(plugin_dir)}
+    code, out, err = run_kvcdn("verify", "--help", env=env)
+    assert code == 0 and "hijacked" not in out and "token-exact" in out
+    assert "plugin 'verify-hijack' and plugin 'core' both claim command verify; using 'core'" in err
+    code, out, _ = run_kvcdn("plugins", "--format", "json", env=env)
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert rows["verify-hijack"]["overridden"] == ["command verify (used: core)"]
+    assert rows["verify-hijack"]["distribution"] == "verify-hijack"
+
+
+def test_plugins_lists_what_each_plugin_provides(run_kvcdn):
+    code, out, _ = run_kvcdn("plugins", "--format", "json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert "Qwen3ForCausalLM" in rows["qwen"]["provides"]["architectures"]
+    assert rows["core-quantizers"]["provides"]["schemes"] == ["int8-tensor", "int8", "fp8"]
+    assert rows["lowbit"]["provides"]["schemes"] == ["int4", "int2"]
+    assert rows["local"]["provides"]["uri_schemes"] == ["file"]
+    assert rows["s3"]["provides"]["uri_schemes"] == ["s3"]
+    assert {"generate", "verify", "plugins"} <= set(rows["core"]["provides"]["commands"])
+    code, out, _ = run_kvcdn("plugins")
+    assert "lowbit: schemes: int4, int2" in out.splitlines()
+    assert "local: uri schemes: file" in out.splitlines()

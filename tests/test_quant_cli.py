@@ -8,14 +8,13 @@ import hashlib
 import json
 
 import pytest
-
-from kvcdn_core.tiny import teach_tiny_model
 import torch
+from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact, quant, runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.tiny import SAMPLE_TEXT
-from kvcdn_model_qwen import QwenAdapter
+from kvcdn_core.registry import quantizer_for
+from kvcdn_core.tiny import SAMPLE_TEXT, teach_tiny_model
 
 pytestmark = pytest.mark.slow  # trains a tiny model per test (teach_tiny_model)
 
@@ -69,8 +68,21 @@ def test_int8_verify_is_token_exact(adapter_cls, architecture, tiny_model, tmp_p
     model_dir = memorize(tiny_model(adapter_cls, architecture), tmp_path / "model")
     ctx = tmp_path / "ctx.txt"
     ctx.write_text(MEMO_CONTEXT, encoding="utf-8")
-    result = cli("quant", "--context-file", ctx, "--model", model_dir, "--verify", "--n", 16, "-q",
-                 "--question", MEMO_QUESTION, "--format", "json")
+    result = cli(
+        "quant",
+        "--context-file",
+        ctx,
+        "--model",
+        model_dir,
+        "--verify",
+        "--n",
+        16,
+        "-q",
+        "--question",
+        MEMO_QUESTION,
+        "--format",
+        "json",
+    )
     assert result.exit_code == 0, result.output + result.stderr
     event = json.loads(result.stdout)
     assert event["verification"] == "Match" and event["mismatch_indices"] == []
@@ -92,9 +104,23 @@ def test_quant_input_defaults_stats_and_event(doc, cli):
     assert out.is_file() and sha(doc) == before, "the input is never modified"
     assert "compression" in result.output and "key   error: max" in result.output
     event = json.loads((doc.parent / "doc.q8.kv.quant-event.json").read_text())
-    for key in ("input", "output", "model", "scheme", "target_dtype", "storage_dtype", "tokens", "layers",
-                "original_bytes", "quantized_bytes", "compression_ratio", "max_error", "verification",
-                "mismatch_indices", "timestamp"):
+    for key in (
+        "input",
+        "output",
+        "model",
+        "scheme",
+        "target_dtype",
+        "storage_dtype",
+        "tokens",
+        "layers",
+        "original_bytes",
+        "quantized_bytes",
+        "compression_ratio",
+        "max_error",
+        "verification",
+        "mismatch_indices",
+        "timestamp",
+    ):
         assert key in event, key
     assert event["verification"] == "Skipped" and event["scheme"] == "int8"
     assert event["original_bytes"] == doc.stat().st_size and event["quantized_bytes"] == out.stat().st_size
@@ -148,8 +174,24 @@ def test_quantized_artifact_loads_in_verify_and_continue(doc, cli):
 
 def test_mismatch_exits_1_and_still_writes_the_event(doc, cli):
     out = doc.parent / "crushed.kv"
-    result = cli("quant", "--input", doc, "--scheme", "int2", "--residual", "0", "--group-size", "64",
-                 "-o", out, "--verify", "--n", 16, "--question", MEMO_QUESTION)
+    result = cli(
+        "quant",
+        "--input",
+        doc,
+        "--scheme",
+        "int2",
+        "--residual",
+        "0",
+        "--group-size",
+        "64",
+        "-o",
+        out,
+        "--verify",
+        "--n",
+        16,
+        "--question",
+        MEMO_QUESTION,
+    )
     assert result.exit_code == 1, result.output + result.stderr
     assert "diverges from the full prefill" in result.stderr and "Traceback" not in result.stderr
     event = json.loads((doc.parent / "crushed.kv.quant-event.json").read_text())
@@ -158,16 +200,19 @@ def test_mismatch_exits_1_and_still_writes_the_event(doc, cli):
     assert out.is_file()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--target-dtype", "U8"], "U8 is not supported: unsigned"),
-    (["--target-dtype", "I4"], "use --scheme int4"),
-    (["--target-dtype", "FP4"], "no kvcdn scheme stores 4-bit floats"),
-    (["--target-dtype", "FP1"], "no 1-bit float"),
-    (["--target-dtype", "FP8", "--scheme", "int8"], "contradicts --scheme int8"),
-    (["--scheme", "int3"], "no installed quantizer provides scheme 'int3'"),
-    (["--group-size", "32"], "takes no parameter group_size"),
-    (["--scheme", "int4", "--group-size", "0"], "group_size must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--target-dtype", "U8"], "U8 is not supported: unsigned"),
+        (["--target-dtype", "I4"], "use --scheme int4"),
+        (["--target-dtype", "FP4"], "no kvcdn scheme stores 4-bit floats"),
+        (["--target-dtype", "FP1"], "no 1-bit float"),
+        (["--target-dtype", "FP8", "--scheme", "int8"], "contradicts --scheme int8"),
+        (["--scheme", "int3"], "no installed quantizer provides scheme 'int3'"),
+        (["--group-size", "32"], "takes no parameter group_size"),
+        (["--scheme", "int4", "--group-size", "0"], "group_size must be a positive integer"),
+    ],
+)
 def test_refusals_say_why(doc, cli, args, message):
     result = cli("quant", "--input", doc, *args)
     assert result.exit_code == 2, result.output
@@ -231,15 +276,25 @@ def _fake_artifact(path, kinds):
     layers, tensors = [], {}
     gen = torch.Generator().manual_seed(0)
     for i, kind in enumerate(kinds):
-        names = {"latent": (1, 1, 40, 32), "rotary_key": (1, 1, 40, 8)} if kind == artifact.MLA_LATENT else \
-            {"state": (1, 8, 16)} if kind == artifact.RECURRENT_STATE else \
-            {"key": (1, 2, 40, 16), "value": (1, 2, 40, 16)}
+        names = (
+            {"latent": (1, 1, 40, 32), "rotary_key": (1, 1, 40, 8)}
+            if kind == artifact.MLA_LATENT
+            else {"state": (1, 8, 16)}
+            if kind == artifact.RECURRENT_STATE
+            else {"key": (1, 2, 40, 16), "value": (1, 2, 40, 16)}
+        )
         layers.append({"index": i, "kind": kind, "tensors": {k: f"layers.{i}.{k}" for k in names}})
         for k, shape in names.items():
             tensors[f"layers.{i}.{k}"] = torch.randn(shape, generator=gen)
     tensors[artifact.TOKEN_IDS] = torch.arange(40)
-    manifest = {"kvcdn_version": "0", "created_at": "now", "model": {"id": "fake"}, "compute_dtype": "float32",
-                "layers": layers, "quantization": None}
+    manifest = {
+        "kvcdn_version": "0",
+        "created_at": "now",
+        "model": {"id": "fake"},
+        "compute_dtype": "float32",
+        "layers": layers,
+        "quantization": None,
+    }
     return artifact.write_artifact(path, manifest, tensors)
 
 
@@ -247,10 +302,13 @@ def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):
     path = _fake_artifact(tmp_path / "mix.kv", [artifact.FULL_ATTENTION, artifact.MLA_LATENT, artifact.RECURRENT_STATE])
     header = artifact.read_header(path)
     plain = artifact.load_tensors(header)
-    result = quant.quantize_cache(header.manifest, plain, quant.get_quantizer_class("fp8")())
+    result = quant.quantize_cache(header.manifest, plain, quantizer_for("fp8")())
     actions = [(r["kind"], r["action"]) for r in result.manifest["quantization"]["layers"]]
-    assert actions == [("full_attention", "quantized"), ("mla_latent", "full_precision"),
-                       ("recurrent_state", "full_precision")]
+    assert actions == [
+        ("full_attention", "quantized"),
+        ("mla_latent", "full_precision"),
+        ("recurrent_state", "full_precision"),
+    ]
     assert "does not support mla_latent" in result.manifest["quantization"]["layers"][1]["reason"]
     out = artifact.write_artifact(tmp_path / "mix.fp8.kv", result.manifest, result.tensors)
     deq = quant.dequantize_tensors(artifact.read_header(out))
@@ -258,8 +316,12 @@ def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):
     for name in ("layers.1.latent", "layers.1.rotary_key", "layers.2.state"):
         assert torch.equal(deq[name], plain[name]), name
     # int8 handles the MLA latent (per channel); recurrent state stays full precision
-    result = quant.quantize_cache(header.manifest, plain, quant.get_quantizer_class("int8")())
-    assert [r["action"] for r in result.manifest["quantization"]["layers"]] == ["quantized", "quantized", "full_precision"]
+    result = quant.quantize_cache(header.manifest, plain, quantizer_for("int8")())
+    assert [r["action"] for r in result.manifest["quantization"]["layers"]] == [
+        "quantized",
+        "quantized",
+        "full_precision",
+    ]
 
 
 def test_corrupted_quantized_artifacts_are_refused(doc, cli, tmp_path):

@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcdn_core import quant
+from kvcdn_core import KEY, VALUE, quant, role_of
+from kvcdn_core.builtin.quantizers import Fp8Quantizer, Int8Quantizer, Int8TensorQuantizer
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.quantizers import Fp8Quantizer, Int8Quantizer, Int8TensorQuantizer
 
 CORE = [Int8TensorQuantizer, Int8Quantizer, Fp8Quantizer]
 PROFILE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,7 +70,7 @@ def _make(cls, draw_params):
 
 @pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
 @PROFILE
-@given(x=cache_tensors(), role=st.sampled_from([quant.KEY, quant.VALUE]), data=st.data())
+@given(x=cache_tensors(), role=st.sampled_from([KEY, VALUE]), data=st.data())
 def test_round_trip_within_bound(cls, x, role, data):
     q = _make(cls, data)
     parts, record = q.quantize(role, x)
@@ -95,7 +95,7 @@ def test_zeros_and_constants_are_exact_or_near(cls):
     q = cls(**({"residual": 0} if "residual" in cls.default_params else {}))
     for value in (0.0, 1.0, -3.5, 1000.0):
         x = torch.full((1, 2, 33, 8), value)
-        for role in (quant.KEY, quant.VALUE):
+        for role in (KEY, VALUE):
             y = q.dequantize(*q.quantize(role, x))
             assert torch.allclose(y, x, rtol=1e-3, atol=0), (cls.scheme, value, role)
 
@@ -105,7 +105,7 @@ def test_bound_is_tight_enough_to_mean_something(cls):
     """On ordinary data the observed error is a sizeable part of the bound (the bound is not vacuous)."""
     x = torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(0))
     q = cls(**({"residual": 0} if "residual" in cls.default_params else {}))
-    for role in (quant.KEY, quant.VALUE):
+    for role in (KEY, VALUE):
         err = (x - q.dequantize(*q.quantize(role, x))).abs()
         bound = q.error_bound(role, x)
         assert (err <= bound).all()
@@ -118,30 +118,30 @@ def test_per_channel_int8_beats_one_scale_on_outlier_channels():
     x[..., 5] *= 200  # a rotary-style outlier channel
     per_tensor = Int8TensorQuantizer()
     per_channel = Int8Quantizer()
-    e_t = (x - per_tensor.dequantize(*per_tensor.quantize(quant.KEY, x))).abs()
-    e_c = (x - per_channel.dequantize(*per_channel.quantize(quant.KEY, x))).abs()
+    e_t = (x - per_tensor.dequantize(*per_tensor.quantize(KEY, x))).abs()
+    e_c = (x - per_channel.dequantize(*per_channel.quantize(KEY, x))).abs()
     normal = [c for c in range(32) if c != 5]
     assert float(e_c[..., normal].mean()) * 50 < float(e_t[..., normal].mean())
 
 
 def test_storage_dtypes_and_shapes():
     x = torch.randn(1, 2, 10, 16)
-    parts, record = Int8Quantizer().quantize(quant.KEY, x)
+    parts, record = Int8Quantizer().quantize(KEY, x)
     assert parts[""].dtype == torch.int8 and parts["scale"].shape == (1, 2, 1, 16)
-    parts, _ = Int8Quantizer().quantize(quant.VALUE, x)
+    parts, _ = Int8Quantizer().quantize(VALUE, x)
     assert parts["scale"].shape == (1, 2, 10, 1) and parts["scale"].dtype == torch.float16
-    parts, record = Fp8Quantizer().quantize(quant.KEY, x)
+    parts, record = Fp8Quantizer().quantize(KEY, x)
     assert parts[""].dtype == torch.float8_e4m3fn and record["granularity"] == "per_token"
-    parts, _ = Int8TensorQuantizer().quantize(quant.KEY, x)
+    parts, _ = Int8TensorQuantizer().quantize(KEY, x)
     assert parts["scale"].numel() == 1
 
 
 def test_huge_values_fall_back_to_float32_scales():
     x = torch.randn(1, 1, 8, 8) * 1e7
-    parts, _ = Int8Quantizer().quantize(quant.VALUE, x)
+    parts, _ = Int8Quantizer().quantize(VALUE, x)
     assert parts["scale"].dtype == torch.float32
-    y = Int8Quantizer().dequantize(*Int8Quantizer().quantize(quant.VALUE, x))
-    assert ((x - y).abs() <= Int8Quantizer().error_bound(quant.VALUE, x)).all()
+    y = Int8Quantizer().dequantize(*Int8Quantizer().quantize(VALUE, x))
+    assert ((x - y).abs() <= Int8Quantizer().error_bound(VALUE, x)).all()
 
 
 def test_bad_parameters_are_refused():
@@ -152,25 +152,42 @@ def test_bad_parameters_are_refused():
         type("R", (Int8Quantizer,), {"default_params": {"residual": 0}})(residual=-1)
 
 
-@pytest.mark.parametrize("requested,target,implied", [
-    ("F32", "F32", None), ("f16", "F16", None), ("bfloat16", "BF16", None), ("float32", "F32", None),
-    ("I8", None, "int8"), ("int8", None, "int8"), ("FP8", None, "fp8"), ("f8_e4m3", None, "fp8"),
-])
+@pytest.mark.parametrize(
+    "requested,target,implied",
+    [
+        ("F32", "F32", None),
+        ("f16", "F16", None),
+        ("bfloat16", "BF16", None),
+        ("float32", "F32", None),
+        ("I8", None, "int8"),
+        ("int8", None, "int8"),
+        ("FP8", None, "fp8"),
+        ("f8_e4m3", None, "fp8"),
+    ],
+)
 def test_target_dtype_accepted(requested, target, implied):
     assert quant.normalize_target_dtype(requested) == (target, implied)
 
 
-@pytest.mark.parametrize("requested,why", [
-    ("U8", "signed"), ("I4", "storage format"), ("U4", "storage format"), ("FP4", "int4"),
-    ("FP1", "1-bit"), ("F64", "F32"), ("Q3", "unknown target dtype"),
-])
+@pytest.mark.parametrize(
+    "requested,why",
+    [
+        ("U8", "signed"),
+        ("I4", "storage format"),
+        ("U4", "storage format"),
+        ("FP4", "int4"),
+        ("FP1", "1-bit"),
+        ("F64", "F32"),
+        ("Q3", "unknown target dtype"),
+    ],
+)
 def test_target_dtype_refused_with_reason(requested, why):
     with pytest.raises(KvcdnError, match=why):
         quant.normalize_target_dtype(requested)
 
 
 def test_role_of_names():
-    assert quant.role_of("key") == quant.KEY
-    assert quant.role_of("value") == quant.VALUE
-    assert quant.role_of("latent") == quant.KEY
-    assert quant.role_of("rotary_key") == quant.KEY
+    assert role_of("key") == KEY
+    assert role_of("value") == VALUE
+    assert role_of("latent") == KEY
+    assert role_of("rotary_key") == KEY

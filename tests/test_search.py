@@ -14,12 +14,13 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact, runtime, search
 from kvcdn_core.cli import make_cli
 from kvcdn_core.model_files import fingerprint
+from kvcdn_core.search import index as search_index
 from kvcdn_core.tiny import SAMPLE_TEXT
-from kvcdn_model_qwen import QwenAdapter
 
 ARCH = "Qwen3ForCausalLM"
 PARAS = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
@@ -62,9 +63,14 @@ def write_fake(path, model_dir, ids, kinds=("full_attention",), model_id=None, f
         tensors[f"layers.{i}.key"] = torch.zeros(1, 1, 1, 1)
         tensors[f"layers.{i}.value"] = torch.zeros(1, 1, 1, 1)
     tensors[artifact.TOKEN_IDS] = torch.tensor(ids, dtype=torch.long)
-    manifest = {"kvcdn_version": "test", "created_at": "2026-01-01T00:00:00+00:00",
-                "model": {"id": model_id or str(model_dir), "revision": None, "family": "qwen", **fp},
-                "compute_dtype": "float32", "layers": layers, "quantization": None}
+    manifest = {
+        "kvcdn_version": "test",
+        "created_at": "2026-01-01T00:00:00+00:00",
+        "model": {"id": model_id or str(model_dir), "revision": None, "family": "qwen", **fp},
+        "compute_dtype": "float32",
+        "layers": layers,
+        "quantization": None,
+    }
     if context is not None:
         manifest["context"] = context
     manifest["reuse"] = artifact.reuse_mode(manifest)
@@ -80,26 +86,38 @@ def test_ranking_orders_by_usable_then_prefix_then_fraction(tmp_path, model_dir,
     q = hf_tok(query)["input_ids"]
     other = next(t for t in range(10, 300) if t not in q[40:80])
     d = tmp_path / "arts"
-    write_fake(d / "exact50.kv", model_dir, q[:50])                          # prefix 50, fraction 1
-    write_fake(d / "longer50.kv", model_dir, q[:50] + [other] * 30)          # prefix 50, fraction 50/80
-    write_fake(d / "sub" / "p60.kv", model_dir, q[:60] + [other])            # prefix 60 (in a subdirectory)
+    write_fake(d / "exact50.kv", model_dir, q[:50])  # prefix 50, fraction 1
+    write_fake(d / "longer50.kv", model_dir, q[:50] + [other] * 30)  # prefix 50, fraction 50/80
+    write_fake(d / "sub" / "p60.kv", model_dir, q[:60] + [other])  # prefix 60 (in a subdirectory)
     write_fake(d / "sw70.kv", model_dir, q[:70] + [other], kinds=("sliding_window",))  # whole-prefix: unusable
     write_fake(d / "sw40.kv", model_dir, q[:40], kinds=("sliding_window",))  # whole prefix of the query: usable
     write_fake(d / "unrelated.kv", model_dir, [other] * 20)
     found = search.search(d, query, str(model_dir), warn=pytest.fail)
     got = [(m.path.name, m.prefix_tokens, m.usable_tokens) for m in found.ranking.matches]
-    assert got == [("p60.kv", 60, 60), ("exact50.kv", 50, 50), ("longer50.kv", 50, 50),
-                   ("sw40.kv", 40, 40), ("sw70.kv", 70, 0)]
+    assert got == [
+        ("p60.kv", 60, 60),
+        ("exact50.kv", 50, 50),
+        ("longer50.kv", 50, 50),
+        ("sw40.kv", 40, 40),
+        ("sw70.kv", 70, 0),
+    ]
     assert found.query_ids == q and found.ranking.same_model == 6
     assert found.ranking.best_usable.path.name == "p60.kv"
 
-    result = run_cli("search", "--model", str(model_dir), "--dir", str(d), "--query", query,
-                     "--format", "json", "--limit", "2")
+    result = run_cli(
+        "search", "--model", str(model_dir), "--dir", str(d), "--query", query, "--format", "json", "--limit", "2"
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     assert [m["path"].rsplit("/", 1)[1] for m in out["matches"]] == ["p60.kv", "exact50.kv"]
-    assert out["matches"][0] == {**out["matches"][0], "prefix_tokens": 60, "artifact_tokens": 61,
-                                 "usable_tokens": 60, "reuse": "any_prefix", "model": str(model_dir)}
+    assert out["matches"][0] == {
+        **out["matches"][0],
+        "prefix_tokens": 60,
+        "artifact_tokens": 61,
+        "usable_tokens": 60,
+        "reuse": "any_prefix",
+        "model": str(model_dir),
+    }
     table = run_cli("search", "--model", str(model_dir), "--dir", str(d), "--query", query)
     assert table.exit_code == 0
     lines = table.output.splitlines()
@@ -162,8 +180,10 @@ def test_query_tokenizer_equals_transformers(tmp_path, model_dir, bos_model_dir,
         light, hf = search.QueryTokenizer(d), AutoTokenizer.from_pretrained(d)
         for text in texts:
             for special in (True, False):
-                assert light(text, add_special_tokens=special)["input_ids"] == \
-                    hf(text, add_special_tokens=special)["input_ids"], (case, text, special)
+                assert (
+                    light(text, add_special_tokens=special)["input_ids"]
+                    == hf(text, add_special_tokens=special)["input_ids"]
+                ), (case, text, special)
         assert light.decode(hf(texts[0])["input_ids"]) == hf.decode(hf(texts[0])["input_ids"])
 
 
@@ -214,8 +234,9 @@ def test_unreadable_files_warn_once_each(tmp_path, model_dir, hf_tok):
         assert len(warnings) == 2, warnings
         assert any("garbage.kv" in w and "not a kvcdn artifact" in w for w in warnings)
         assert any("truncated.kv" in w and "truncated" in w for w in warnings)
-    result = CliRunner().invoke(make_cli(), ["search", "--model", str(model_dir), "--dir", str(tmp_path),
-                                             "--query", PARAS[0]])
+    result = CliRunner().invoke(
+        make_cli(), ["search", "--model", str(model_dir), "--dir", str(tmp_path), "--query", PARAS[0]]
+    )
     assert result.exit_code == 0
     assert result.output.count("warning: skipping") == 2 and "Traceback" not in result.output
 
@@ -223,10 +244,10 @@ def test_unreadable_files_warn_once_each(tmp_path, model_dir, hf_tok):
 def test_index_reused_and_rebuilt_on_change(tmp_path, model_dir, hf_tok, monkeypatch):
     q = hf_tok(PARAS[0] + PARAS[1])["input_ids"]
     for i in range(4):
-        write_fake(tmp_path / f"a{i}.kv", model_dir, q[:20 + 10 * i])
+        write_fake(tmp_path / f"a{i}.kv", model_dir, q[: 20 + 10 * i])
     reads = []
-    real = search._entry_from_file
-    monkeypatch.setattr(search, "_entry_from_file", lambda p, st: reads.append(p.name) or real(p, st))
+    real = search_index._entry_from_file
+    monkeypatch.setattr(search_index, "_entry_from_file", lambda p, st: reads.append(p.name) or real(p, st))
     first = search.scan(tmp_path)
     assert sorted(reads) == ["a0.kv", "a1.kv", "a2.kv", "a3.kv"]
     index = tmp_path / search.INDEX_NAME
@@ -257,7 +278,7 @@ def test_read_only_directory_indexes_into_the_user_cache(tmp_path, model_dir, hf
     d = tmp_path / "shared"
     write_fake(d / "a.kv", model_dir, hf_tok(PARAS[0])["input_ids"])
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(search.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(search_index.os, "access", lambda path, mode: False)
     assert search.index_path(d).parent == tmp_path / "cache" / "kvcdn" / "search-index"
     assert len(search.scan(d)) == 1
     assert not (d / search.INDEX_NAME).exists() and search.index_path(d).is_file()
@@ -293,13 +314,23 @@ def test_bos_model_continue_reuses_the_saved_context(tmp_path, bos_model_dir):
     runtime.generate(session, PARAS[0], tmp_path / "arts" / "ctx.kv", progress=False)
     prompt = PARAS[0] + "\n\nQ: What did the keeper note?\nA:"
     (tmp_path / "prompt.txt").write_text(prompt)
-    result = run_cli("continue", "--dir", str(tmp_path / "arts"), "--prompt-file", str(tmp_path / "prompt.txt"),
-                     "--n", "8", "--format", "json", "-q")
+    result = run_cli(
+        "continue",
+        "--dir",
+        str(tmp_path / "arts"),
+        "--prompt-file",
+        str(tmp_path / "prompt.txt"),
+        "--n",
+        "8",
+        "--format",
+        "json",
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     ids = session.adapter.encode_context(session.tokenizer, prompt)
     ctx = artifact.read_token_ids(tmp_path / "arts" / "ctx.kv")
-    assert ids[0] == session.tokenizer.bos_token_id and ids[:len(ctx)] == ctx
+    assert ids[0] == session.tokenizer.bos_token_id and ids[: len(ctx)] == ctx
     assert out["reused_tokens"] == len(ctx) and out["prompt_tokens"] == len(ids)
     reference, _ = runtime.greedy(session, session.adapter.new_cache(session.model), ids, 8)
     assert out["token_ids"] == reference

@@ -8,12 +8,12 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact, runtime, search
 from kvcdn_core.cli import make_cli
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.tiny import SAMPLE_TEXT
-from kvcdn_model_qwen import QwenAdapter
 
 PARAS = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
 QUESTION = "\n\nQ: What did the keeper write down?\nA:"
@@ -24,9 +24,13 @@ class SlidingQwen(QwenAdapter):
     """Qwen2 whose every layer is a 24-token sliding window."""
 
     validation_configs = {
-        "Qwen2ForCausalLM": dict(QwenAdapter.validation_configs["Qwen2ForCausalLM"], use_sliding_window=True,
-                                 sliding_window=24, max_window_layers=0,
-                                 layer_types=["sliding_attention", "sliding_attention"]),
+        "Qwen2ForCausalLM": dict(
+            QwenAdapter.validation_configs["Qwen2ForCausalLM"],
+            use_sliding_window=True,
+            sliding_window=24,
+            max_window_layers=0,
+            layer_types=["sliding_attention", "sliding_attention"],
+        ),
     }
 
 
@@ -83,8 +87,16 @@ def test_continue_cli_reports_reuse_and_keeps_kv_path_mode(full, tmp_path):
     prompt = PARAS[0] + QUESTION
     (tmp_path / "prompt.txt").write_text(prompt)
     runner = CliRunner()
-    args = ["continue", "--dir", str(tmp_path / "arts"), "--prompt-file", str(tmp_path / "prompt.txt"),
-            "--n", str(N), "-q"]
+    args = [
+        "continue",
+        "--dir",
+        str(tmp_path / "arts"),
+        "--prompt-file",
+        str(tmp_path / "prompt.txt"),
+        "--n",
+        str(N),
+        "-q",
+    ]
     result = runner.invoke(make_cli(), args + ["--format", "json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
@@ -95,12 +107,25 @@ def test_continue_cli_reports_reuse_and_keeps_kv_path_mode(full, tmp_path):
     assert table.exit_code == 0
     assert f"reused {out['reused_tokens']} of {len(ids)} prompt tokens from " in table.output
 
-    old = runner.invoke(make_cli(), ["continue", "--kv-path", str(tmp_path / "arts" / "long.kv"), "--n", "4",
-                                     "--question", "Q:", "--format", "json"])
+    old = runner.invoke(
+        make_cli(),
+        [
+            "continue",
+            "--kv-path",
+            str(tmp_path / "arts" / "long.kv"),
+            "--n",
+            "4",
+            "--question",
+            "Q:",
+            "--format",
+            "json",
+        ],
+    )
     assert old.exit_code == 0, old.output
     long_ids = artifact.read_token_ids(tmp_path / "arts" / "long.kv")
     assert json.loads(old.output)["token_ids"] == reference(
-        full, long_ids + full.adapter.encode_continuation(full.tokenizer, "Q:"), 4)
+        full, long_ids + full.adapter.encode_continuation(full.tokenizer, "Q:"), 4
+    )
     both = runner.invoke(make_cli(), args + ["--kv-path", "x.kv"])
     assert both.exit_code == 2 and "two modes" in both.output
 
@@ -125,14 +150,15 @@ def test_tree_gives_n_distinct_exact_candidates(full, tmp_path):
         assert c.first_token_logprob == pytest.approx(float(ref_logprobs[c.token_ids[0]]), abs=1e-4)
         # each branch continues exactly as a full prefill of prompt + its first token would
         assert c.token_ids[1:] == reference(full, ids + [c.token_ids[0]], 5)
-    assert [c.first_token_logprob for c in candidates] == sorted((c.first_token_logprob for c in candidates),
-                                                                 reverse=True)
+    assert [c.first_token_logprob for c in candidates] == sorted(
+        (c.first_token_logprob for c in candidates), reverse=True
+    )
 
 
 def test_tree_branches_share_the_prefix_cache(full):
     cache, _ = runtime.prefill(full, encode(full, PARAS[0]), progress=False)
     before = [layer.keys.data_ptr() for layer in cache.layers]
-    search.share_across_batch(cache, 3)
+    full.adapter.share_across_batch(cache, 3)
     assert [layer.keys.data_ptr() for layer in cache.layers] == before  # views, not copies
     assert all(layer.keys.shape[0] == 3 and layer.keys.stride(0) == 0 for layer in cache.layers)
 
@@ -188,10 +214,10 @@ def test_crop_refuses_sliding_layers(sliding, tmp_path):
 @pytest.mark.slow
 def test_tree_and_reuse_on_a_recurrent_model(tiny_model, tmp_path):
     """Mamba: whole-prefix reuse, and branches copied per row (recurrent states update in place)."""
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import adapter_classes
 
     pytest.importorskip("kvcdn_model_ssm", reason="the ssm family plugin (plugins/kvcdn-model-ssm) is not installed")
-    adapter_cls = get_host().model_adapters()["MambaForCausalLM"]
+    adapter_cls = adapter_classes()["MambaForCausalLM"]
     session = runtime.load_session(str(tiny_model(adapter_cls, "MambaForCausalLM")), device="cpu", dtype="float32")
     runtime.generate(session, PARAS[0], tmp_path / "prefix.kv", progress=False)
     runtime.generate(session, PARAS[0] + "\n\n" + PARAS[1], tmp_path / "longer.kv", progress=False)
@@ -199,7 +225,9 @@ def test_tree_and_reuse_on_a_recurrent_model(tiny_model, tmp_path):
     ids = encode(session, prompt)
     found, pre, tokens = continue_from(session, tmp_path, prompt)
     assert [(m.path.name, m.usable_tokens) for m in found.ranking.matches] == [
-        ("prefix.kv", len(encode(session, PARAS[0]))), ("longer.kv", 0)]
+        ("prefix.kv", len(encode(session, PARAS[0]))),
+        ("longer.kv", 0),
+    ]
     assert pre.path.name == "prefix.kv" and tokens == reference(session, ids)
     candidates = search.tree(session, search.prefill_reusing(session, found.ranking, found.query_ids), 3, 4)
     assert len({c.token_ids[0] for c in candidates}) == 3

@@ -56,15 +56,17 @@ def artifact(smol, workdir, kvcdn):
 
 
 def test_verify_is_token_exact_for_32_tokens(smol, artifact, kvcdn):
-    out = kvcdn("verify", "--model", smol, "--kv-path", artifact, "--question", QUESTION, "--n", 32,
-                "--format", "json", "-q")
+    out = kvcdn(
+        "verify", "--model", smol, "--kv-path", artifact, "--question", QUESTION, "--n", 32, "--format", "json", "-q"
+    )
     assert out["matches"] == 32 and out["status"] == "PASS", out
     assert len(set(out["reference_ids"])) > 8  # a real answer, not a repeated token
 
 
 def test_diag_agrees_at_every_step(smol, artifact, kvcdn):
-    out = kvcdn("diag", "--model", smol, "--kv-path", artifact, "--question", QUESTION, "--n", 32,
-                "--format", "json", "-q")
+    out = kvcdn(
+        "diag", "--model", smol, "--kv-path", artifact, "--question", QUESTION, "--n", 32, "--format", "json", "-q"
+    )
     assert out["status"] == "PASS" and out["argmax_agree"] == 32, out
     assert max(step["kl_divergence"] for step in out["steps"]) < 1e-6
 
@@ -79,8 +81,20 @@ def test_continue_dir_reuses_a_cropped_prefix_exactly(smol, artifact, workdir, k
     prompt = shared + "Engineers measure twice.\n\nQ: What did the keeper write?\nA:"
     prompt_file = workdir / "prompt.txt"
     prompt_file.write_text(prompt, encoding="utf-8")
-    out = kvcdn("continue", "--model", smol, "--dir", artifact.parent, "--prompt-file", prompt_file,
-                "--n", 24, "--format", "json", "-q")
+    out = kvcdn(
+        "continue",
+        "--model",
+        smol,
+        "--dir",
+        artifact.parent,
+        "--prompt-file",
+        prompt_file,
+        "--n",
+        24,
+        "--format",
+        "json",
+        "-q",
+    )
     session = runtime.load_session(str(smol), device="cpu", dtype="float32")
     prompt_ids = session.adapter.encode_context(session.tokenizer, prompt)
     artifact_tokens = kvcdn("inspect", artifact, "--format", "json")["manifest"]["token_count"]
@@ -91,7 +105,22 @@ def test_continue_dir_reuses_a_cropped_prefix_exactly(smol, artifact, workdir, k
 
 def test_int8_quant_verify(smol, artifact, workdir, kvcdn):
     shutil.copy(artifact, workdir / "q.kv")
-    out = kvcdn("quant", "--input", workdir / "q.kv", "--scheme", "int8", "--verify", "--n", 32,
-                "--model", smol, "--question", QUESTION, "--format", "json", "-q")
+    out = kvcdn(
+        "quant",
+        "--input",
+        workdir / "q.kv",
+        "--scheme",
+        "int8",
+        "--verify",
+        "--n",
+        32,
+        "--model",
+        smol,
+        "--question",
+        QUESTION,
+        "--format",
+        "json",
+        "-q",
+    )
     assert out["verification"] == "Match", out["verify"]
     assert out["verify"]["reference_matches"] == 32 and out["verify"]["unquantized_matches"] == 32

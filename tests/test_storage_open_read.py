@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.storage import LocalStorage, StorageBackend
+from kvcdn_core import KvcdnError, LocalStorage, StorageBackend
 
 
 class CopyOnly(StorageBackend):

@@ -11,7 +11,7 @@ def test_upload_download_delete_by_the_printed_id_and_by_the_name(cli, qwen3_art
     printed = uploaded.stdout.strip()
     assert printed == "local1.kv"
 
-    by_name = cli("download", "local1", "--from", store)           # the --name given to upload
+    by_name = cli("download", "local1", "--from", store)  # the --name given to upload
     assert by_name.exit_code == 0, by_name.stderr
     assert (tmp_path / "local1.kv").read_bytes() == qwen3_artifact.read_bytes()
     by_id = cli("download", printed, "--from", store, "--output", tmp_path / "copy.kv")  # the printed id

@@ -48,6 +48,21 @@ def test_generated_table_parses_back(discovered_host):
     """What `kvcdn validate --format markdown` prints is what this test reads."""
     from kvcdn_core.commands.validate import ArchReport, render_markdown
 
-    reports = [ArchReport(cls.family, cls.extra_name(), arch, "tiny")
-               for arch, cls in discovered_host.model_adapters().items()]
+    reports = [
+        ArchReport(cls.family, cls.install_requirement(), arch, "tiny")
+        for arch, cls in discovered_host.model_adapters().items()
+    ]
     assert table_rows(render_markdown(reports)) == installed_rows(discovered_host)
+
+
+def test_a_third_party_family_names_its_own_pip_requirement():
+    from kvcdn_core import ModelAdapter
+    from kvcdn_core.commands.validate import ArchReport, render_markdown
+
+    class Olmo3Adapter(ModelAdapter):
+        family = "olmo3"
+        architectures = ("Olmo3ForCausalLM",)
+        requirement = "kvcdn-model-olmo3>=0.2"
+
+    text = render_markdown([ArchReport("olmo3", Olmo3Adapter.install_requirement(), "Olmo3ForCausalLM", "tiny")])
+    assert "`pip install 'kvcdn-model-olmo3>=0.2'`" in text and "kvcdn[olmo3]" not in text

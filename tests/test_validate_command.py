@@ -8,13 +8,21 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter, hookimpl
 
-SLIDING_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
-                     use_sliding_window=True, sliding_window=16, max_window_layers=0,
-                     layer_types=["sliding_attention", "sliding_attention"])
+SLIDING_QWEN2 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    use_sliding_window=True,
+    sliding_window=16,
+    max_window_layers=0,
+    layer_types=["sliding_attention", "sliding_attention"],
+)
 
 
 class WindowAdapter(ModelAdapter):
@@ -60,7 +68,11 @@ def test_passing_family_as_json(window_host):
     data = json.loads(result.stdout)
     assert data["passed"] is True
     (arch,) = data["architectures"]
-    assert (arch["family"], arch["architecture"], arch["extra"]) == ("testwindow", "Qwen2ForCausalLM", "testwindow")
+    assert (arch["family"], arch["architecture"], arch["requirement"]) == (
+        "testwindow",
+        "Qwen2ForCausalLM",
+        "kvcdn[testwindow]",
+    )
     # the core phases first; quantizers may append their own
     assert [p["phase"] for p in arch["phases"]][:3] == ["roundtrip", "reference", "cache"]
     assert all(p["passed"] and p["seconds"] > 0 for p in arch["phases"])
@@ -107,5 +119,7 @@ def test_markdown_is_the_support_table(window_host):
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("| Architecture | Family | Install |")
-    assert lines[2] == ("| `Qwen2ForCausalLM` | testwindow | `pip install 'kvcdn[testwindow]'` | "
-                        "2 sliding_window(16) | sliding_window | 4q/2kv×16 | PASS |")
+    assert lines[2] == (
+        "| `Qwen2ForCausalLM` | testwindow | `pip install 'kvcdn[testwindow]'` | "
+        "2 sliding_window(16) | sliding_window | 4q/2kv×16 | PASS |"
+    )

@@ -15,10 +15,15 @@ def config(architecture: str, **kwargs):
 
 
 def test_exercised_names_layer_kinds_features_and_shape():
-    cfg = config("Qwen3MoeForCausalLM", num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                 num_experts=4, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-                                  "original_max_position_embeddings": 64})
+    cfg = config(
+        "Qwen3MoeForCausalLM",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64},
+    )
     layers = [{"kind": fmt.SLIDING_WINDOW, "window": 16}, {"kind": fmt.FULL_ATTENTION}]
     proven = exercised(cfg, layers)
     assert proven["layer_kinds"] == [fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW]
@@ -27,8 +32,9 @@ def test_exercised_names_layer_kinds_features_and_shape():
 
 
 def test_plain_config_proves_no_feature():
-    cfg = config("LlamaForCausalLM", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                 tie_word_embeddings=False)
+    cfg = config(
+        "LlamaForCausalLM", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False
+    )
     proven = exercised(cfg, [{"kind": fmt.FULL_ATTENTION}] * 2)
     assert proven["features"] == [] and proven["shape"] == {"heads": 4, "kv_heads": 4, "head_dim": 16}
 
@@ -43,8 +49,10 @@ def test_validate_json_reports_each_shape(run_kvcdn):
     code, out, err = run_kvcdn("validate", "--family", "deepseek", "--format", "json", "-q")
     assert code == 0, err
     rows = json.loads(out)["architectures"]
-    assert {(r["architecture"], r["variant"]) for r in rows} >= {("DeepseekV3ForCausalLM", "default"),
-                                                                   ("DeepseekV3ForCausalLM", "8q-kv2")}
+    assert {(r["architecture"], r["variant"]) for r in rows} >= {
+        ("DeepseekV3ForCausalLM", "default"),
+        ("DeepseekV3ForCausalLM", "8q-kv2"),
+    }
     for row in rows:
         assert row["passed"] and row["layer_kinds"] == [fmt.MLA_LATENT]
         assert {"mla", "moe"} <= set(row["features"])

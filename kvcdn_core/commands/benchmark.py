@@ -4,37 +4,84 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import (check_new_output, emit_json, force_output_option, format_option,
-                                        model_options, read_text_file)
+from kvcdn_core.commands.common import (
+    check_new_output,
+    force_output_option,
+    format_option,
+    model_options,
+    read_text_file,
+)
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 
 @click.command("benchmark")
 @model_options(from_artifact=False)
-@click.option("--lengths", default="255,485,945,1888,3774", show_default=True,
-              help="Context lengths in tokens, comma-separated.")
-@click.option("--reps", type=click.IntRange(1), default=5, show_default=True,
-              help="Timed runs per measurement, after one discarded warm-up; medians are reported "
-                   "(min and max too with --format json).")
-@click.option("--threads", type=click.IntRange(1), default=None,
-              help="Torch threads for every timed run [default: the physical cores]; printed with the results.")
-@click.option("--context-file", default=None,
-              help="UTF-8 document to cut the contexts from [default: a synthetic text, said in the output].")
-@click.option("--scheme", "schemes", default="none", show_default=True,
-              help="Comma-separated artifact schemes: none and any installed quantizer (e.g. none,int8).")
-@click.option("--question", default=DEFAULT_QUESTION,
-              help=f"Text fed after the cached context for the time to first token [default: {DEFAULT_QUESTION!r}].")
-@click.option("--page-cache", type=click.Choice(["file", "auto", "system", "keep"]), default="file",
-              show_default=True,
-              help="How loads are made cold: file = fadvise(DONTNEED) on the artifact only (checked with "
-                   "mincore); system = drop the whole host's page cache (root; affects other processes); "
-                   "auto = system where permitted, else file; keep = do not drop (warm loads).")
-@click.option("--output", "-o", default=None,
-              help="CSV path [default: $XDG_DATA_HOME/kvcdn/benchmark/<ms>-<model>-bench.csv].")
+@click.option(
+    "--lengths", default="255,485,945,1888,3774", show_default=True, help="Context lengths in tokens, comma-separated."
+)
+@click.option(
+    "--reps",
+    type=click.IntRange(1),
+    default=5,
+    show_default=True,
+    help="Timed runs per measurement, after one discarded warm-up; medians are reported "
+    "(min and max too with --format json).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1),
+    default=None,
+    help="Torch threads for every timed run [default: the physical cores]; printed with the results.",
+)
+@click.option(
+    "--context-file",
+    default=None,
+    help="UTF-8 document to cut the contexts from [default: a synthetic text, said in the output].",
+)
+@click.option(
+    "--scheme",
+    "schemes",
+    default="none",
+    show_default=True,
+    help="Comma-separated artifact schemes: none and any installed quantizer (e.g. none,int8).",
+)
+@click.option(
+    "--question",
+    default=DEFAULT_QUESTION,
+    help=f"Text fed after the cached context for the time to first token [default: {DEFAULT_QUESTION!r}].",
+)
+@click.option(
+    "--page-cache",
+    type=click.Choice(["file", "auto", "system", "keep"]),
+    default="file",
+    show_default=True,
+    help="How loads are made cold: file = fadvise(DONTNEED) on the artifact only (checked with "
+    "mincore); system = drop the whole host's page cache (root; affects other processes); "
+    "auto = system where permitted, else file; keep = do not drop (warm loads).",
+)
+@click.option(
+    "--output", "-o", default=None, help="CSV path [default: $XDG_DATA_HOME/kvcdn/benchmark/<ms>-<model>-bench.csv]."
+)
 @force_output_option
 @format_option
-def command(model, revision, device, dtype, quiet, lengths, reps, threads, context_file, schemes, question,
-            page_cache, output, force, fmt):
+def command(
+    model,
+    revision,
+    device,
+    dtype,
+    quiet,
+    lengths,
+    reps,
+    threads,
+    context_file,
+    schemes,
+    question,
+    page_cache,
+    output,
+    force,
+    fmt,
+):
     """Measure prefill against a cached continuation for several context lengths.
 
     For each length: the full prefill (prefill_s), one decode step on the resident cache
@@ -62,29 +109,57 @@ def command(model, revision, device, dtype, quiet, lengths, reps, threads, conte
     if text is None and not quiet and fmt != "json":
         click.echo(f"context: {source}", err=True)
     with bench.scratch_dir(path.parent) as work:
-        result = bench.run_benchmark(session, ids, wanted, reps, scheme_list, work, question,
-                                     bench.PageCache(page_cache), source, progress=not quiet, threads=threads)
+        result = bench.run_benchmark(
+            session,
+            ids,
+            wanted,
+            reps,
+            scheme_list,
+            work,
+            question,
+            bench.PageCache(page_cache),
+            source,
+            progress=not quiet,
+            threads=threads,
+        )
     bench.write_csv(result.rows, path)
     broken = [r for r in result.rows if r.scheme == "none" and r.first_token_match is False]
     if fmt == "json":
-        emit_json({
-            "csv": str(path), "model": session.model_ref, "device": session.device, "dtype": session.dtype,
-            "reps": reps, "threads": result.threads, "load_average": result.load_average,
-            "context": result.context_source, "page_cache": result.page_cache,
-            "page_cache_method": result.page_cache_method,
-            "max_resident_after_drop": result.max_resident_after_drop,
-            "rows": [row.as_dict() for row in result.rows],
-        })
+        emit_json(
+            {
+                "csv": str(path),
+                "model": session.model_ref,
+                "device": session.device,
+                "dtype": session.dtype,
+                "reps": reps,
+                "threads": result.threads,
+                "load_average": result.load_average,
+                "context": result.context_source,
+                "page_cache": result.page_cache,
+                "page_cache_method": result.page_cache_method,
+                "max_resident_after_drop": result.max_resident_after_drop,
+                "rows": [row.as_dict() for row in result.rows],
+            }
+        )
     else:
         click.echo(bench.table(result.rows))
-        click.echo(f"model: {session.model_ref} ({session.device}, {session.dtype}); "
-                   f"medians of {reps} run(s) after one discarded warm-up")
+        click.echo(
+            f"model: {session.model_ref} ({session.device}, {session.dtype}); "
+            f"medians of {reps} run(s) after one discarded warm-up"
+        )
         start_load, end_load = result.load_average or (None, None)
-        busy = f"; 1-minute load average {start_load} at the start, {end_load} at the end" if start_load is not None else ""
+        busy = (
+            f"; 1-minute load average {start_load} at the start, {end_load} at the end"
+            if start_load is not None
+            else ""
+        )
         click.echo(f"threads: {result.threads}{busy}")
         click.echo(f"context: {result.context_source}")
         click.echo(f"page cache: {result.page_cache}")
         click.echo(f"wrote {path}")
     for row in broken:
-        click.echo(f"warning: at {row.tokens} tokens the loaded artifact's first token differs from the "
-                   "resident cache's; run `kvcdn verify`", err=True)
+        click.echo(
+            f"warning: at {row.tokens} tokens the loaded artifact's first token differs from the "
+            "resident cache's; run `kvcdn verify`",
+            err=True,
+        )

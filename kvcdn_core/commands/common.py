@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -22,14 +21,24 @@ def model_options(from_artifact: bool = True):
 
     def decorate(f):
         options = [
-            click.option("--model", "model", default=None,
-                         help=f"Hugging Face id or local directory [default: {default_help}]"),
+            click.option(
+                "--model", "model", default=None, help=f"Hugging Face id or local directory [default: {default_help}]"
+            ),
             click.option("--revision", default=None, help="Model revision (branch, tag or commit) on the hub."),
-            click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto",
-                         show_default=True, help="Where to run the model."),
-            click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                         default="auto", show_default=True,
-                         help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA."),
+            click.option(
+                "--device",
+                type=click.Choice(["auto", "cpu", "cuda", "mps"]),
+                default="auto",
+                show_default=True,
+                help="Where to run the model.",
+            ),
+            click.option(
+                "--dtype",
+                type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                default="auto",
+                show_default=True,
+                help="Compute dtype; auto is float32 on CPU, bfloat16 on CUDA.",
+            ),
             click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
         ]
         for option in reversed(options):
@@ -39,10 +48,17 @@ def model_options(from_artifact: bool = True):
     return decorate
 
 
-format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-                             show_default=True, help="Output for people (table) or tools (json).")
-force_option = click.option("--force", is_flag=True,
-                            help="Use an artifact even if it was made with another model or dtype.")
+format_option = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="Output for people (table) or tools (json).",
+)
+force_option = click.option(
+    "--force", is_flag=True, help="Use an artifact even if it was made with another model or dtype."
+)
 
 force_output_option = click.option("--force", is_flag=True, help="Replace an existing output file.")
 
@@ -79,20 +95,10 @@ def artifact_path(explicit: str | None, command: str, model: str, for_writing: b
     return path
 
 
-def emit_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, ensure_ascii=False))
-
-
 def open_artifact(path: Path, model: str | None, revision: str | None, device: str, dtype: str):
     """Read an artifact's header and load the model it names (or ``model``): ``(session, header)``."""
     from kvcdn_core import artifact, runtime
+    from kvcdn_core.manifest import Manifest
 
     header = artifact.read_header(path)
-    named = header.manifest.get("model", {})
-    session = runtime.load_session(
-        model or named.get("id") or runtime.DEFAULT_MODEL,
-        revision if revision is not None else (named.get("revision") if not model else None),
-        device,
-        dtype if dtype != "auto" else header.manifest.get("compute_dtype", "auto"),
-    )
-    return session, header
+    return runtime.session_for_artifact(Manifest.from_dict(header.manifest), model, revision, device, dtype), header

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import (emit_json, force_option, format_option, model_options, open_artifact,
-                                        read_text_file)
+from kvcdn_core.commands.common import force_option, format_option, model_options, open_artifact, read_text_file
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.paths import ensure_kv_suffix
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
 
 @click.command("continue")
 @model_options()
 @click.option("--kv-path", default=None, help="Artifact to continue from (with --question).")
-@click.option("--question", default=None, help=f"Text fed after the artifact's context [default: {DEFAULT_QUESTION!r}].")
-@click.option("--dir", "directory", default=None,
-              help="Search this directory for the artifact sharing the longest prefix with --prompt-file "
-                   "[default: $XDG_DATA_HOME/kvcdn].")
+@click.option(
+    "--question", default=None, help=f"Text fed after the artifact's context [default: {DEFAULT_QUESTION!r}]."
+)
+@click.option(
+    "--dir",
+    "directory",
+    default=None,
+    help="Search this directory for the artifact sharing the longest prefix with --prompt-file "
+    "[default: $XDG_DATA_HOME/kvcdn].",
+)
 @click.option("--prompt-file", default=None, help="UTF-8 file with the whole prompt (with --dir).")
 @click.option("--n", "n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate.")
 @force_option
@@ -55,28 +61,42 @@ def _continue_artifact(model, revision, device, dtype, kv_path, question, n, for
     ids, _ = runtime.greedy(session, cache, question_ids, n)
     text = runtime.decode(session, ids)
     if fmt == "json":
-        emit_json({"path": str(header.path), "model": session.model_ref, "reused_tokens": len(context_ids),
-                   "question_tokens": len(question_ids), "token_ids": ids, "text": text})
+        emit_json(
+            {
+                "path": str(header.path),
+                "model": session.model_ref,
+                "reused_tokens": len(context_ids),
+                "question_tokens": len(question_ids),
+                "token_ids": ids,
+                "text": text,
+            }
+        )
     else:
         click.echo(text)
 
 
 def _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_file, n, force, fmt):
     from kvcdn_core import runtime, search
-    from kvcdn_core.commands.search import load_for, reuse_line, warn
-
     from kvcdn_core.paths import data_home
+    from kvcdn_core.render import warn
 
     prompt = read_text_file(prompt_file, "prompt file")
     directory = directory or str(data_home())
     found = search.search(directory, prompt, model, revision, warn=warn)
-    session, found = load_for(found, revision, device, dtype)
-    pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)
+    session, found = search.session_for_search(found, revision, device, dtype)
+    pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force, warn=warn)
     ids = search.greedy_from(session, pre.cache, pre.logits, n)
     text = runtime.decode(session, ids)
     if fmt == "json":
-        emit_json({**pre.as_dict(), "model": session.model_ref, "prompt_tokens": pre.query_tokens,
-                   "token_ids": ids, "text": text})
+        emit_json(
+            {
+                **pre.as_dict(),
+                "model": session.model_ref,
+                "prompt_tokens": pre.query_tokens,
+                "token_ids": ids,
+                "text": text,
+            }
+        )
     else:
-        click.echo(reuse_line(pre, "prompt"), err=True)
+        click.echo(pre.summary("prompt"), err=True)
         click.echo(text)

@@ -6,18 +6,30 @@ import time
 
 import click
 
-from kvcdn_core.commands.common import (artifact_path, check_new_output, emit_json, force_output_option, format_option,
-                                        model_options, read_text_file)
+from kvcdn_core.commands.common import (
+    artifact_path,
+    check_new_output,
+    force_output_option,
+    format_option,
+    model_options,
+    read_text_file,
+)
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL
 
 
 @click.command("generate")
 @model_options(from_artifact=False)
 @click.option("--context-file", required=True, help="UTF-8 text file with the document to cache.")
-@click.option("--output", "-o", default=None,
-              help="Artifact path [default: $XDG_DATA_HOME/kvcdn/generate/generate-<ms>-<model>.kv].")
-@click.option("--chunk-size", type=click.IntRange(1), default=DEFAULT_CHUNK, show_default=True,
-              help="Tokens per prefill step.")
+@click.option(
+    "--output",
+    "-o",
+    default=None,
+    help="Artifact path [default: $XDG_DATA_HOME/kvcdn/generate/generate-<ms>-<model>.kv].",
+)
+@click.option(
+    "--chunk-size", type=click.IntRange(1), default=DEFAULT_CHUNK, show_default=True, help="Tokens per prefill step."
+)
 @force_output_option
 @format_option
 def command(model, revision, device, dtype, quiet, context_file, output, chunk_size, force, fmt):
@@ -34,8 +46,16 @@ def command(model, revision, device, dtype, quiet, context_file, output, chunk_s
     seconds = time.perf_counter() - start
     size = path.stat().st_size
     if fmt == "json":
-        emit_json({"path": str(path), "model": session.model_ref, "tokens": len(ids),
-                   "bytes": size, "seconds": round(seconds, 4), "dtype": session.dtype})
+        emit_json(
+            {
+                "path": str(path),
+                "model": session.model_ref,
+                "tokens": len(ids),
+                "bytes": size,
+                "seconds": round(seconds, 4),
+                "dtype": session.dtype,
+            }
+        )
     else:
         click.echo(f"wrote {path}")
         click.echo(f"  {len(ids)} tokens, {size / 1e6:.2f} MB, {session.dtype}, {seconds:.2f}s prefill+save")

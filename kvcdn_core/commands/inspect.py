@@ -6,9 +6,10 @@ import collections
 
 import click
 
-from kvcdn_core.commands.common import emit_json, format_option
+from kvcdn_core.commands.common import format_option
 from kvcdn_core.errors import CheckFailed
 from kvcdn_core.paths import ensure_kv_suffix
+from kvcdn_core.render import emit_json
 
 
 @click.command("inspect")
@@ -32,8 +33,10 @@ def command(path, check, fmt):
         kinds = collections.Counter(layer["kind"] for layer in m["layers"])
         data_bytes = header.file_size - header.data_start
         click.echo(f"path:          {header.path}")
-        click.echo(f"format:        {artifact.FORMAT_NAME} v{artifact.FORMAT_VERSION}, "
-                   f"written by kvcdn {m['kvcdn_version']} at {m['created_at']}")
+        click.echo(
+            f"format:        {artifact.FORMAT_NAME} v{artifact.FORMAT_VERSION}, "
+            f"written by kvcdn {m['kvcdn_version']} at {m['created_at']}"
+        )
         click.echo(f"model:         {model.get('id')}" + (f" @ {model['revision']}" if model.get("revision") else ""))
         click.echo(f"architecture:  {model.get('architecture')} (family {model.get('family')})")
         click.echo(f"config sha256: {model.get('config_sha256')}")
@@ -45,13 +48,17 @@ def command(path, check, fmt):
         click.echo(f"layers:        {len(m['layers'])} ({', '.join(f'{n} {k}' for k, n in kinds.items())})")
         for layer in m["layers"]:
             if layer["kind"] == artifact.SLIDING_WINDOW:
-                click.echo(f"  layer {layer['index']}: sliding window {layer['window']}, "
-                           f"cumulative length {layer['cumulative_length']}")
+                click.echo(
+                    f"  layer {layer['index']}: sliding window {layer['window']}, "
+                    f"cumulative length {layer['cumulative_length']}"
+                )
         click.echo(f"tensors:       {len(m['tensors'])}, {data_bytes / 1e6:.2f} MB of data")
         context = m.get("context") or ""
         preview = context[:120].replace("\n", " ")
         click.echo(f"context:       {len(context)} chars: {preview!r}{'...' if len(context) > 120 else ''}")
         if check:
-            click.echo(f"check:         {'OK, every tensor matches its sha256' if not bad else 'FAILED: ' + ', '.join(bad)}")
+            click.echo(
+                f"check:         {'OK, every tensor matches its sha256' if not bad else 'FAILED: ' + ', '.join(bad)}"
+            )
     if bad:
         raise CheckFailed(f"{len(bad)} tensor(s) do not match their sha256: {', '.join(bad[:5])}")

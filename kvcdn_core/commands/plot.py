@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import check_new_output, emit_json, force_output_option, format_option
+from kvcdn_core.commands.common import check_new_output, force_output_option, format_option
+from kvcdn_core.render import emit_json
 
 
 @click.command("plot")
-@click.option("--csv-path", default=None,
-              help="Benchmark CSV [default: the newest one in $XDG_DATA_HOME/kvcdn/benchmark/].")
-@click.option("--model", default=None,
-              help="Model name for the title and file name; also picks the newest CSV of that model.")
-@click.option("--out", "out", default=None,
-              help="PNG path [default: $XDG_DATA_HOME/kvcdn/plot/<ms>-<model>-amortized-cost.png].")
-@click.option("--max-n", type=int, default=1000, show_default=True,
-              help="Largest reuse count on the x axis (at least 2).")
+@click.option(
+    "--csv-path", default=None, help="Benchmark CSV [default: the newest one in $XDG_DATA_HOME/kvcdn/benchmark/]."
+)
+@click.option(
+    "--model", default=None, help="Model name for the title and file name; also picks the newest CSV of that model."
+)
+@click.option(
+    "--out", "out", default=None, help="PNG path [default: $XDG_DATA_HOME/kvcdn/plot/<ms>-<model>-amortized-cost.png]."
+)
+@click.option(
+    "--max-n", type=int, default=1000, show_default=True, help="Largest reuse count on the x axis (at least 2)."
+)
 @force_output_option
 @format_option
 def command(csv_path, model, out, max_n, force, fmt):
@@ -37,8 +42,15 @@ def command(csv_path, model, out, max_n, force, fmt):
     check_new_output(path, force, "--out")
     plot.write_png(plot.render_png(costs, max_n, title), path)
     if fmt == "json":
-        emit_json({"csv": str(source), "png": str(path), "title": title, "max_n": max_n,
-                   "rows": [c.as_dict(max_n) for c in costs]})
+        emit_json(
+            {
+                "csv": str(source),
+                "png": str(path),
+                "title": title,
+                "max_n": max_n,
+                "rows": [c.as_dict(max_n) for c in costs],
+            }
+        )
     else:
         click.echo(plot.table(costs, max_n))
         click.echo(f"read {source}")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import emit_json, force_option, format_option, model_options, read_text_file
+from kvcdn_core.commands.common import force_option, format_option, model_options, read_text_file
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.render import emit_json, print_table, warn
 
 
 def query_text(query: str | None, query_file: str | None, what: str = "query") -> str:
@@ -22,45 +23,33 @@ def query_text(query: str | None, query_file: str | None, what: str = "query") -
     return query
 
 
-def warn(message: str) -> None:
-    click.echo(f"warning: {message}", err=True)
-
-
-def reuse_line(pre, what: str = "query") -> str:
-    if pre.path is None:
-        return (f"no saved artifact has a usable prefix of the {what}; "
-                f"prefilled all {pre.query_tokens} tokens from scratch")
-    return (f"reused {pre.reused_tokens} of {pre.query_tokens} {what} tokens from {pre.path}; "
-            f"prefilled {pre.prefilled_tokens}")
-
-
-def load_for(found, revision, device, dtype):
-    """The model of a search, in the best artifact's compute dtype unless --dtype says otherwise."""
-    from kvcdn_core import runtime
-
-    best = found.ranking.best_usable
-    if dtype == "auto" and best is not None and best.entry.compute_dtype in ("float32", "bfloat16", "float16"):
-        dtype = best.entry.compute_dtype
-    session = runtime.load_session(found.model_ref, revision, device, dtype)
-    return session, found.retokenized(session.tokenizer, session.fingerprint)
-
-
 @click.command("search")
 @model_options()
-@click.option("--dir", "directory", default=None,
-              help="Directory searched recursively for .kv artifacts [default: $XDG_DATA_HOME/kvcdn, "
-                   "where generate writes by default].")
+@click.option(
+    "--dir",
+    "directory",
+    default=None,
+    help="Directory searched recursively for .kv artifacts [default: $XDG_DATA_HOME/kvcdn, "
+    "where generate writes by default].",
+)
 @click.option("--query", default=None, help="Text whose longest saved token prefix is wanted.")
 @click.option("--query-file", default=None, help="Read the query from a UTF-8 file instead.")
 @click.option("--limit", type=click.IntRange(1), default=10, show_default=True, help="Rows to show.")
-@click.option("--tree", "tree_n", type=click.IntRange(1, 256), default=None,
-              help="Also continue the query from the best artifact with N distinct candidates.")
-@click.option("--tree-tokens", type=click.IntRange(1), default=32, show_default=True,
-              help="Tokens per --tree candidate.")
+@click.option(
+    "--tree",
+    "tree_n",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Also continue the query from the best artifact with N distinct candidates.",
+)
+@click.option(
+    "--tree-tokens", type=click.IntRange(1), default=32, show_default=True, help="Tokens per --tree candidate."
+)
 @force_option
 @format_option
-def command(model, revision, device, dtype, quiet, directory, query, query_file, limit, tree_n, tree_tokens,
-            force, fmt):
+def command(
+    model, revision, device, dtype, quiet, directory, query, query_file, limit, tree_n, tree_tokens, force, fmt
+):
     """Rank the artifacts under DIR by the token prefix they share with the query.
 
     Reads only artifact headers and token ids, kept in a .kvcdn-index file per directory, and the
@@ -74,15 +63,21 @@ def command(model, revision, device, dtype, quiet, directory, query, query_file,
     text = query_text(query, query_file)
     found = search.search(directory, text, model, revision, warn=warn)
     out = {
-        "directory": directory, "model": found.model_ref, "query_tokens": len(found.query_ids),
-        "start_tokens": found.start_tokens, "tokenizer": getattr(found.tokenizer, "kind", "transformers"),
-        "artifacts_scanned": found.ranking.same_model, "skipped_other_models": found.ranking.foreign,
+        "directory": directory,
+        "model": found.model_ref,
+        "query_tokens": len(found.query_ids),
+        "start_tokens": found.start_tokens,
+        "tokenizer": getattr(found.tokenizer, "kind", "transformers"),
+        "artifacts_scanned": found.ranking.same_model,
+        "skipped_other_models": found.ranking.foreign,
         "matches": [m.as_dict() for m in found.ranking.matches[:limit]],
     }
     pre = candidates = None
     if tree_n:
-        session, found = load_for(found, revision, device, dtype)
-        pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)
+        session, found = search.session_for_search(found, revision, device, dtype)
+        pre = search.prefill_reusing(
+            session, found.ranking, found.query_ids, progress=not quiet, force=force, warn=warn
+        )
         candidates = search.tree(session, pre, tree_n, tree_tokens)
         out["tree"] = {**pre.as_dict(), "candidates": [c.as_dict() for c in candidates]}
     if fmt == "json":
@@ -90,7 +85,7 @@ def command(model, revision, device, dtype, quiet, directory, query, query_file,
         return
     _print_table(found, out, limit)
     if candidates is not None:
-        click.echo(reuse_line(pre))
+        click.echo(pre.summary())
         for i, c in enumerate(candidates, 1):
             click.echo(f"[{i}] logprob {c.first_token_logprob:8.4f}  {c.text!r}")
 
@@ -98,18 +93,22 @@ def command(model, revision, device, dtype, quiet, directory, query, query_file,
 def _print_table(found, out, limit) -> None:
     r = found.ranking
     skipped = f", skipped {r.foreign} of other models" if r.foreign else ""
-    summary = (f"query: {len(found.query_ids)} tokens; {r.same_model} artifact(s) of {found.model_ref} "
-               f"searched{skipped}")
+    summary = f"query: {len(found.query_ids)} tokens; {r.same_model} artifact(s) of {found.model_ref} searched{skipped}"
     if not r.matches:
         click.echo(f"no match: no artifact under {out['directory']} shares a token prefix with the query ({summary})")
         return
     rows = [("PATH", "PREFIX", "TOKENS", "USABLE", "REUSE", "MODEL")]
     for m in out["matches"]:
-        rows.append((m["path"], str(m["prefix_tokens"]), str(m["artifact_tokens"]), str(m["usable_tokens"]),
-                     m["reuse"], str(m["model"])))
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(cell.rjust(w) if 0 < i < 4 else cell.ljust(w)
-                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        rows.append(
+            (
+                m["path"],
+                str(m["prefix_tokens"]),
+                str(m["artifact_tokens"]),
+                str(m["usable_tokens"]),
+                m["reuse"],
+                str(m["model"]),
+            )
+        )
+    print_table(rows, right=(1, 2, 3))
     more = len(r.matches) - len(out["matches"])
     click.echo(summary + (f"; {more} more match(es), see --limit" if more > 0 else ""))

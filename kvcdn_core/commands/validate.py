@@ -15,8 +15,9 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import emit_json, read_text_file
+from kvcdn_core.commands.common import read_text_file
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.render import emit_json, table_lines
 
 
 @dataclasses.dataclass
@@ -24,7 +25,7 @@ class ArchReport:
     """One architecture's validation: who serves it, its cache layers, and each phase's result."""
 
     family: str
-    extra: str
+    requirement: str  # what to pip install for this family
     architecture: str
     source: str  # "tiny" or the model id
     phases: list = dataclasses.field(default_factory=list)  # PhaseResult
@@ -46,11 +47,18 @@ class ArchReport:
 
     def as_dict(self) -> dict:
         return {
-            "family": self.family, "extra": self.extra, "architecture": self.architecture,
-            "variant": self.variant, "source": self.source, "passed": self.passed,
-            "layers": self.layer_summary(), "layer_kinds": self.proven.get("layer_kinds", []),
-            "features": self.proven.get("features", []), "shape": self.proven.get("shape", {}),
-            "seconds": round(self.seconds, 3), "phases": [p.as_dict() for p in self.phases],
+            "family": self.family,
+            "requirement": self.requirement,
+            "architecture": self.architecture,
+            "variant": self.variant,
+            "source": self.source,
+            "passed": self.passed,
+            "layers": self.layer_summary(),
+            "layer_kinds": self.proven.get("layer_kinds", []),
+            "features": self.proven.get("features", []),
+            "shape": self.proven.get("shape", {}),
+            "seconds": round(self.seconds, 3),
+            "phases": [p.as_dict() for p in self.phases],
         }
 
 
@@ -67,10 +75,10 @@ def summarize_layers(layers: list[dict]) -> str:
 
 def installed_adapters() -> dict[str, dict[str, type]]:
     """family → architecture → adapter class, for every installed model plugin."""
-    from kvcdn_core.plugins import get_host
+    from kvcdn_core.registry import adapter_classes
 
     by_family: dict[str, dict[str, type]] = {}
-    for arch, cls in get_host().model_adapters().items():
+    for arch, cls in adapter_classes().items():
         by_family.setdefault(cls.family, {})[arch] = cls
     return by_family
 
@@ -82,8 +90,7 @@ def _failed(run_arch: str, phase: str, exc: BaseException):
     return PhaseResult(run_arch, phase, False, text.splitlines()[0] if text else type(exc).__name__)
 
 
-def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None,
-                 **options) -> None:
+def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None, **options) -> None:
     """Run every validation phase on a loaded session and fill ``report``."""
     from kvcdn_core.validation import exercised, run_validation
 
@@ -101,11 +108,13 @@ def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> li
     if arch not in (cls.validation_configs or {}):
         from kvcdn_core.validation import PhaseResult
 
-        report = ArchReport(family, cls.extra_name(), arch, "tiny")
+        report = ArchReport(family, cls.install_requirement(), arch, "tiny")
         report.phases.append(PhaseResult(arch, "load", False, "the adapter ships no tiny validation config"))
         return [report]
-    return [validate_tiny_variant(family, arch, cls, variant, workdir / variant, n)
-            for variant in config_variants(cls, arch)]
+    return [
+        validate_tiny_variant(family, arch, cls, variant, workdir / variant, n)
+        for variant in config_variants(cls, arch)
+    ]
 
 
 def validate_tiny_variant(family: str, arch: str, cls, variant: str, workdir: Path, n: int) -> ArchReport:
@@ -113,7 +122,7 @@ def validate_tiny_variant(family: str, arch: str, cls, variant: str, workdir: Pa
     from kvcdn_core.tiny import build_tiny_model
     from kvcdn_core.validation import tiny_options
 
-    report = ArchReport(family, cls.extra_name(), arch, "tiny", variant=variant)
+    report = ArchReport(family, cls.install_requirement(), arch, "tiny", variant=variant)
     start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -127,20 +136,22 @@ def validate_tiny_variant(family: str, arch: str, cls, variant: str, workdir: Pa
     return report
 
 
-def validate_model(model: str, revision, device: str, dtype: str, workdir: Path, n: int,
-                   context: str | None) -> ArchReport:
+def validate_model(
+    model: str, revision, device: str, dtype: str, workdir: Path, n: int, context: str | None
+) -> ArchReport:
     from kvcdn_core import runtime
 
     start = time.perf_counter()
     session = runtime.load_session(model, revision, device, dtype)  # refusals exit 2 here
     arch = session.fingerprint.get("architecture") or type(session.model).__name__
-    report = ArchReport(session.adapter.family, session.adapter.extra_name(), arch, model)
+    report = ArchReport(session.adapter.family, session.adapter.install_requirement(), arch, model)
     validate_one(session, report, workdir, n, context)
     report.seconds = time.perf_counter() - start
     return report
 
 
 # -- output -------------------------------------------------------------------------------------
+
 
 def phase_names(reports: list[ArchReport]) -> list[str]:
     names: list[str] = []
@@ -165,10 +176,10 @@ def render_table(reports: list[ArchReport]) -> str:
     rows = [["FAMILY", "ARCHITECTURE", *[n.upper() for n in names], "LAYERS", "TOTAL"]]
     for r in reports:
         by_name = {p.phase: p for p in r.phases}
-        rows.append([r.family, r.label, *[_cell(by_name.get(n)) for n in names],
-                     r.layer_summary(), f"{r.seconds:.1f}s"])
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        rows.append(
+            [r.family, r.label, *[_cell(by_name.get(n)) for n in names], r.layer_summary(), f"{r.seconds:.1f}s"]
+        )
+    lines = table_lines(rows)
     failures = [(r, p) for r in reports for p in r.phases if not p.passed]
     for r, p in failures:
         where = "" if p.first_divergence is None else f" (first divergence at token {p.first_divergence})"
@@ -194,8 +205,10 @@ def render_markdown(reports: list[ArchReport]) -> str:
     by_arch: dict[tuple[str, str], list[ArchReport]] = {}
     for r in reports:
         by_arch.setdefault((r.family, r.architecture), []).append(r)
-    lines = ["| Architecture | Family | Install | Cache layers (tiny config) | Proven | Shapes | `kvcdn validate` |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| Architecture | Family | Install | Cache layers (tiny config) | Proven | Shapes | `kvcdn validate` |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for (family, arch), group in sorted(by_arch.items()):
         first = group[0]
         features = sorted({f for r in group for f in r.proven.get("features", [])})
@@ -203,26 +216,51 @@ def render_markdown(reports: list[ArchReport]) -> str:
         status = "PASS" if all(r.passed for r in group) else "FAIL"
         if len(group) > 1:
             status += f" ({len(group)} shapes)"
-        lines.append(f"| `{arch}` | {family} | `pip install 'kvcdn[{first.extra}]'` | "
-                     f"{first.layer_summary()} | {', '.join(features) or '-'} | {', '.join(shapes)} | {status} |")
+        lines.append(
+            f"| `{arch}` | {family} | `pip install '{first.requirement}'` | "
+            f"{first.layer_summary()} | {', '.join(features) or '-'} | {', '.join(shapes)} | {status} |"
+        )
     return "\n".join(lines)
 
 
 @click.command("validate")
 @click.option("--family", default=None, help="Validate only this installed family's tiny configs.")
-@click.option("--model", default=None,
-              help="Validate one real model (Hugging Face id or local directory) instead of the tiny configs.")
+@click.option(
+    "--model",
+    default=None,
+    help="Validate one real model (Hugging Face id or local directory) instead of the tiny configs.",
+)
 @click.option("--revision", default=None, help="Model revision (with --model).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
-              help="Where to run --model (tiny configs always run on the CPU in float32).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="Compute dtype for --model; auto is float32 on CPU, bfloat16 on CUDA.")
-@click.option("--context-file", default=None,
-              help="Context for --model [default: sample text longer than twice its sliding window].")
-@click.option("--n", "n", type=click.IntRange(1), default=16, show_default=True,
-              help="Tokens to decode greedily on both paths.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
-              show_default=True, help="table for people, json for tools, markdown for the README support table.")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda", "mps"]),
+    default="auto",
+    show_default=True,
+    help="Where to run --model (tiny configs always run on the CPU in float32).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Compute dtype for --model; auto is float32 on CPU, bfloat16 on CUDA.",
+)
+@click.option(
+    "--context-file",
+    default=None,
+    help="Context for --model [default: sample text longer than twice its sliding window].",
+)
+@click.option(
+    "--n", "n", type=click.IntRange(1), default=16, show_default=True, help="Tokens to decode greedily on both paths."
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "markdown"]),
+    default="table",
+    show_default=True,
+    help="table for people, json for tools, markdown for the README support table.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def command(family, model, revision, device, dtype, context_file, n, fmt, quiet):
     """Check that every installed architecture (or one model) continues token-exact from its cache.

@@ -7,9 +7,16 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import (artifact_path, emit_json, force_option, format_option,
-                                        model_options, open_artifact, read_text_file)
+from kvcdn_core.commands.common import (
+    artifact_path,
+    force_option,
+    format_option,
+    model_options,
+    open_artifact,
+    read_text_file,
+)
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 
@@ -51,18 +58,27 @@ def on_terminal() -> bool:
 
 
 def check_options(f):
-    for option in reversed([
-        model_options(),
-        click.option("--kv-path", default=None,
-                     help="Artifact to check; generated from --context-file when it does not exist."),
-        click.option("--context-file", default=None, help="Document to generate the artifact from."),
-        click.option("--question", default=DEFAULT_QUESTION,
-                     help=f"Text fed after the context on both paths [default: {DEFAULT_QUESTION!r}]."),
-        click.option("--n", "n", type=click.IntRange(1), default=32, show_default=True,
-                     help="Tokens to decode greedily."),
-        force_option,
-        format_option,
-    ]):
+    for option in reversed(
+        [
+            model_options(),
+            click.option(
+                "--kv-path",
+                default=None,
+                help="Artifact to check; generated from --context-file when it does not exist.",
+            ),
+            click.option("--context-file", default=None, help="Document to generate the artifact from."),
+            click.option(
+                "--question",
+                default=DEFAULT_QUESTION,
+                help=f"Text fed after the context on both paths [default: {DEFAULT_QUESTION!r}].",
+            ),
+            click.option(
+                "--n", "n", type=click.IntRange(1), default=32, show_default=True, help="Tokens to decode greedily."
+            ),
+            force_option,
+            format_option,
+        ]
+    ):
         f = option(f)
     return f
 
@@ -79,13 +95,18 @@ def command(model, revision, device, dtype, quiet, kv_path, context_file, questi
     from kvcdn_core.verify import run_verify
 
     session, header = prepare("verify", model, revision, device, dtype, quiet, kv_path, context_file)
-    announce(quiet, f"decoding {n} tokens twice: from the artifact, and after a full prefill of its "
-                  f"{header.token_count} context tokens ...")
+    announce(
+        quiet,
+        f"decoding {n} tokens twice: from the artifact, and after a full prefill of its "
+        f"{header.token_count} context tokens ...",
+    )
     result = run_verify(session, header, question, n, force=force)
     if fmt == "json":
         emit_json({"path": str(header.path), "model": session.model_ref, **result.as_dict()})
     else:
-        click.echo(f"artifact: {header.path} ({result.context_tokens} context + {result.question_tokens} question tokens)")
+        click.echo(
+            f"artifact: {header.path} ({result.context_tokens} context + {result.question_tokens} question tokens)"
+        )
         click.echo(f"reference (full prefill): {result.reference_text!r}")
         click.echo(f"cached (artifact):        {result.cached_text!r}")
         status = "PASS" if result.passed else "MISMATCH"
@@ -94,7 +115,9 @@ def command(model, revision, device, dtype, quiet, kv_path, context_file, questi
         if first is None:
             click.echo("first divergence: none")
         else:
-            click.echo(f"first divergence: index {first} (reference {result.reference_ids[first]}, "
-                       f"cached {result.cached_ids[first]})")
+            click.echo(
+                f"first divergence: index {first} (reference {result.reference_ids[first]}, "
+                f"cached {result.cached_ids[first]})"
+            )
     if not result.passed:
         raise CheckFailed(f"cached continuation diverges from the full prefill at token {result.first_divergence}")

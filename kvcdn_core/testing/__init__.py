@@ -1,4 +1,8 @@
-"""Helpers for testing kvcdn plugins: in-process registration and the model-adapter contract.
+"""Helpers for testing kvcdn plugins: in-process registration and the contract suites.
+
+- :func:`assert_adapter_contract` for model adapters,
+- :func:`assert_quantizer_contract` for quantization schemes,
+- :func:`assert_storage_contract` for storage backends.
 
 The pytest fixtures in :mod:`kvcdn_core.testing.fixtures` load automatically wherever kvcdn is
 installed (a ``pytest11`` entry point). A family plugin's test suite is typically::
@@ -32,4 +36,7 @@ def assert_adapter_contract(adapter_cls, architecture: str, workdir: Path, n: in
     assert not failed, "; ".join(f"{r.phase}: {r.detail}" for r in failed)
 
 
-__all__ = ["assert_adapter_contract"]
+from kvcdn_core.testing.quantizer import assert_quantizer_contract  # noqa: E402
+from kvcdn_core.testing.storage import assert_storage_contract  # noqa: E402
+
+__all__ = ["assert_adapter_contract", "assert_quantizer_contract", "assert_storage_contract"]

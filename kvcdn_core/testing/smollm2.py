@@ -56,7 +56,7 @@ def convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvcdn_core.adapter import quiet_transformers
+    from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

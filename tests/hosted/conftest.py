@@ -94,8 +94,9 @@ def hosted_model(qwen3_dir):
 def local_server(tmp_path_factory, oidc_issuer, hosted_model):
     """``kvcdn serve`` with the embedded defaults (local storage), the test issuer and the tiny model."""
     env = {"KVCDN_ISSUER_URL": oidc_issuer.url, "KVCDN_JWT_LEEWAY": "0", **QUOTA_ENV}
-    with services.kvcdn_server(tmp_path_factory.mktemp("server-home"),
-                               ["--models", str(hosted_model), "--infer-concurrency", "2"], env) as server:
+    with services.kvcdn_server(
+        tmp_path_factory.mktemp("server-home"), ["--models", str(hosted_model), "--infer-concurrency", "2"], env
+    ) as server:
         yield server
 
 
@@ -103,13 +104,22 @@ def local_server(tmp_path_factory, oidc_issuer, hosted_model):
 def s3_replicas(tmp_path_factory, moto_s3, postgres_server, oidc_issuer, hosted_model):
     """Two ``kvcdn serve`` replicas on one PostgreSQL database and one bucket, sharing their secrets
     through the environment."""
-    env = {**moto_s3.env, "KVCDN_ISSUER_URL": oidc_issuer.url, "KVCDN_S3_PART_SIZE": str(5 << 20),
-           "KVCDN_DATABASE_URL": postgres_server.new_database("replicas"),
-           "KVCDN_API_KEY_SEED": "s3-replica-seed-" + "0" * 32, "KVCDN_ADMIN_SECRET": "s3-admin-" + "1" * 32,
-           "KVCDN_URL_SIGNING_KEY": "s3-url-key-" + "2" * 32, "KVCDN_ORGS_REFRESH": "0.2", **QUOTA_ENV}
+    env = {
+        **moto_s3.env,
+        "KVCDN_ISSUER_URL": oidc_issuer.url,
+        "KVCDN_S3_PART_SIZE": str(5 << 20),
+        "KVCDN_DATABASE_URL": postgres_server.new_database("replicas"),
+        "KVCDN_API_KEY_SEED": "s3-replica-seed-" + "0" * 32,
+        "KVCDN_ADMIN_SECRET": "s3-admin-" + "1" * 32,
+        "KVCDN_URL_SIGNING_KEY": "s3-url-key-" + "2" * 32,
+        "KVCDN_ORGS_REFRESH": "0.2",
+        **QUOTA_ENV,
+    }
     args = ["--storage", f"s3://{S3_BUCKET}/replicated", "--models", str(hosted_model)]
-    with services.kvcdn_server(tmp_path_factory.mktemp("replica-a"), args, env) as a, \
-            services.kvcdn_server(tmp_path_factory.mktemp("replica-b"), args, env) as b:
+    with (
+        services.kvcdn_server(tmp_path_factory.mktemp("replica-a"), args, env) as a,
+        services.kvcdn_server(tmp_path_factory.mktemp("replica-b"), args, env) as b,
+    ):
         yield a, b, env["KVCDN_ADMIN_SECRET"]
 
 

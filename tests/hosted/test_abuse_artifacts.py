@@ -15,9 +15,20 @@ from tests.support.hosted import API, bearer, confirm, mint_key, put_bytes, uplo
 
 #: the cases that reached 500, a stuck upload or a later crash before (issue 13, item 5), plus
 #: the padding of item 2 under the size cap, and a tensor whose bytes fail its sha256
-CASES = ["format_version_list", "manifest_not_a_string", "manifest_50k_deep", "float_offsets",
-         "string_shape", "negative_dims", "overlapping_offsets", "reversed_offsets",
-         "metadata_padding_under_the_cap", "lone_surrogate", "compute_dtype_float64", "hash_mismatch"]
+CASES = [
+    "format_version_list",
+    "manifest_not_a_string",
+    "manifest_50k_deep",
+    "float_offsets",
+    "string_shape",
+    "negative_dims",
+    "overlapping_offsets",
+    "reversed_offsets",
+    "metadata_padding_under_the_cap",
+    "lone_surrogate",
+    "compute_dtype_float64",
+    "hash_mismatch",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +62,11 @@ def _hostile(case: str) -> bytes:
 def _send(server, key: str, data: bytes) -> str:
     import hashlib
 
-    r = httpx.post(f"{server.url}{API}/artifacts/upload-url", headers=bearer(key),
-                   json={"name": "hostile.kv", "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    r = httpx.post(
+        f"{server.url}{API}/artifacts/upload-url",
+        headers=bearer(key),
+        json={"name": "hostile.kv", "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+    )
     assert r.status_code == 200, r.text
     plan = r.json()
     put_bytes(plan, data)

@@ -51,13 +51,16 @@ def _token() -> str:
     return jwt.encode({"sub": "x"}, key, algorithm="RS256", headers={"kid": "k1", "typ": "at+jwt"})
 
 
-@pytest.mark.parametrize("jwks_uri", [
-    "http://localhost:{port}/jwks",          # same machine, another host name
-    "https://keys.example.test/jwks",        # another host
-    "file:///etc/passwd",                    # another scheme
-    "ftp://127.0.0.1:{port}/jwks",           # another scheme on the issuer's host
-    "//127.0.0.1:{port}/jwks",               # no scheme
-])
+@pytest.mark.parametrize(
+    "jwks_uri",
+    [
+        "http://localhost:{port}/jwks",  # same machine, another host name
+        "https://keys.example.test/jwks",  # another host
+        "file:///etc/passwd",  # another scheme
+        "ftp://127.0.0.1:{port}/jwks",  # another scheme on the issuer's host
+        "//127.0.0.1:{port}/jwks",  # no scheme
+    ],
+)
 def test_jwks_uri_off_the_issuer_host_is_never_fetched(discovery, jwks_uri):
     issuer, requests = discovery(jwks_uri)
     verifier = JwtVerifier(issuer, "kvcdn-cli", ["RS256"])

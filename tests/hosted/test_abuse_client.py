@@ -48,15 +48,29 @@ WEIRD = {
     "list --format ids: items that are lists": ({("GET", A): {"artifacts": [[1], [2]]}}, ["list", "--format", "ids"]),
     "whoami: a list": ({("GET", "/api/v1/whoami"): [1, 2]}, ["whoami"]),
     "quota: limits of the wrong types": ({("GET", "/api/v1/quota"): {"limits": [1], "usage": "x"}}, ["quota"]),
-    "download: a url that is an object": ({("POST", A): {"download_url": {"x": 1}, "size_bytes": 5}},
-                                          ["download", "abc", "-o", "{tmp}/x.kv"]),
-    "download: a size that is not a number": ({("POST", A): {"download_url": "/x", "size_bytes": "big"}},
-                                              ["download", "abc", "-o", "{tmp}/x.kv"]),
-    "download: a sha256 that is a number": ({("POST", A): {"download_url": "/x", "size_bytes": 8, "sha256": 5},
-                                             ("GET", "/x"): b"12345678"}, ["download", "abc", "-o", "{tmp}/x.kv"], 1),
+    "download: a url that is an object": (
+        {("POST", A): {"download_url": {"x": 1}, "size_bytes": 5}},
+        ["download", "abc", "-o", "{tmp}/x.kv"],
+    ),
+    "download: a size that is not a number": (
+        {("POST", A): {"download_url": "/x", "size_bytes": "big"}},
+        ["download", "abc", "-o", "{tmp}/x.kv"],
+    ),
+    "download: a sha256 that is a number": (
+        {("POST", A): {"download_url": "/x", "size_bytes": 8, "sha256": 5}, ("GET", "/x"): b"12345678"},
+        ["download", "abc", "-o", "{tmp}/x.kv"],
+        1,
+    ),
     "upload: a grant that is a list": ({("POST", A): []}, ["upload", "{kv}", "--name", "n"]),
-    "upload: parts without numbers": ({("POST", A): {"artifact_id": "a", "multipart": {
-        "part_size": 8, "parts": [{"part_number": "one", "url": "/p"}]}}}, ["upload", "{kv}", "--name", "n"]),
+    "upload: parts without numbers": (
+        {
+            ("POST", A): {
+                "artifact_id": "a",
+                "multipart": {"part_size": 8, "parts": [{"part_number": "one", "url": "/p"}]},
+            }
+        },
+        ["upload", "{kv}", "--name", "n"],
+    ),
     "infer: an answer that is a string": ({("POST", A): "tokens"}, ["infer", "abc", "--question", "q", "--n", "1"]),
 }
 
@@ -94,15 +108,25 @@ def test_concurrent_refreshes_keep_the_rotated_refresh_token(oidc_issuer, tmp_pa
     os.chmod(home / "kvcdn" / "credentials.json", 0o600)
 
     start_at = time.time() + 3.0  # all processes are imported and waiting by then
-    script = ("import sys, time\n"
-              "from kvcdn_hosted.client import resolve_credential\n"
-              "from kvcdn_hosted.config import load_settings\n"
-              "settings = load_settings()\n"
-              "time.sleep(max(0.0, float(sys.argv[1]) - time.time()))\n"
-              "print(resolve_credential(settings).token)\n")
+    script = (
+        "import sys, time\n"
+        "from kvcdn_hosted.client import resolve_credential\n"
+        "from kvcdn_hosted.config import load_settings\n"
+        "settings = load_settings()\n"
+        "time.sleep(max(0.0, float(sys.argv[1]) - time.time()))\n"
+        "print(resolve_credential(settings).token)\n"
+    )
     env = {**os.environ, "XDG_CONFIG_HOME": str(home), "KVCDN_ISSUER_URL": oidc_issuer.url}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(start_at)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(6)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(start_at)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(6)
+    ]
     results = [p.communicate(timeout=60) for p in procs]
     for proc, (out, err) in zip(procs, results):
         assert proc.returncode == 0 and out.strip(), err
@@ -115,8 +139,7 @@ def test_concurrent_refreshes_keep_the_rotated_refresh_token(oidc_issuer, tmp_pa
     assert again["access_token"]
 
 
-def test_downloads_follow_the_umask_and_credentials_stay_private(local_server, org_key, tmp_path, cli,
-                                                                 monkeypatch):
+def test_downloads_follow_the_umask_and_credentials_stay_private(local_server, org_key, tmp_path, cli, monkeypatch):
     from tests.support.hosted import upload
 
     key = org_key("perm")
@@ -146,6 +169,7 @@ def test_admin_warns_before_sending_its_secret_over_plain_http(local_server, cli
     assert remote.exit_code == 0, remote.stderr
     assert remote.stderr.strip().splitlines() == [
         f"warning: sending the admin secret over plain http to http://0.0.0.0:{port}; "
-        "use https for anything but a loopback address"]
+        "use https for anything but a loopback address"
+    ]
     local = cli("admin", "mint-api-key", "warned-org", "--api-url", local_server.url)
     assert local.exit_code == 0 and local.stderr == ""

@@ -26,7 +26,7 @@ QUESTION = " What did the keeper write during the storm?"
 @pytest.fixture
 def forward_calls(monkeypatch):
     """Slow every forward pass of every model adapter to STEP seconds; record when each ran."""
-    from kvcdn_core.adapter import ModelAdapter
+    from kvcdn_core import ModelAdapter
 
     calls: list[float] = []
     real = ModelAdapter.forward
@@ -53,8 +53,12 @@ def serve(monkeypatch, tmp_path, hosted_model):
     running = []
 
     def start(**env):
-        for name, value in {"KVCDN_MODELS": str(hosted_model), "KVCDN_INFER_DEVICE": "cpu",
-                            "KVCDN_API_KEY_ORGS": "acme,beta", **env}.items():
+        for name, value in {
+            "KVCDN_MODELS": str(hosted_model),
+            "KVCDN_INFER_DEVICE": "cpu",
+            "KVCDN_API_KEY_ORGS": "acme,beta",
+            **env,
+        }.items():
             monkeypatch.setenv(name, str(value))
         sock = bind_socket("127.0.0.1", 0)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -76,8 +80,11 @@ def serve(monkeypatch, tmp_path, hosted_model):
 
 
 def _upload(url: str, key: str, path) -> str:
-    r = httpx.post(f"{url}{API}/artifacts/upload-url", headers=bearer(key),
-                   json={"name": path.name, "size_bytes": path.stat().st_size, "sha256": sha256_of(path)})
+    r = httpx.post(
+        f"{url}{API}/artifacts/upload-url",
+        headers=bearer(key),
+        json={"name": path.name, "size_bytes": path.stat().st_size, "sha256": sha256_of(path)},
+    )
     assert r.status_code == 200, r.text
     plan = r.json()
     assert httpx.put(plan["url"], content=path.read_bytes()).status_code == 200
@@ -87,8 +94,12 @@ def _upload(url: str, key: str, path) -> str:
 
 
 def _infer(url, key, artifact_id, n, question=QUESTION, timeout=60.0):
-    return httpx.post(f"{url}{API}/artifacts/{artifact_id}/infer", headers=bearer(key),
-                      json={"question": question, "n": n}, timeout=timeout)
+    return httpx.post(
+        f"{url}{API}/artifacts/{artifact_id}/infer",
+        headers=bearer(key),
+        json={"question": question, "n": n},
+        timeout=timeout,
+    )
 
 
 def _wait(condition, limit: float) -> float:
@@ -166,8 +177,11 @@ def test_limits_are_in_tokens_and_refused_before_any_model_work(serve, forward_c
     from kvcdn_core import artifact
 
     tokens = artifact.read_header(qwen3_artifact).token_count
-    url, app, keys = serve(KVCDN_INFER_MAX_QUESTION_TOKENS="8", KVCDN_INFER_MAX_NEW_TOKENS="16",
-                           KVCDN_INFER_MAX_CONTEXT_TOKENS=str(tokens - 1))
+    url, app, keys = serve(
+        KVCDN_INFER_MAX_QUESTION_TOKENS="8",
+        KVCDN_INFER_MAX_NEW_TOKENS="16",
+        KVCDN_INFER_MAX_CONTEXT_TOKENS=str(tokens - 1),
+    )
     artifact_id = _upload(url, keys["acme"], qwen3_artifact)
     r = _infer(url, keys["acme"], artifact_id, 17)
     assert r.status_code == 422 and r.json()["error"] == "too_many_tokens", r.text
@@ -245,13 +259,13 @@ def test_a_quantization_block_that_trips_the_loader_is_422_not_500(serve, qwen3_
     assert cli("quant", "--input", qwen3_artifact, "--scheme", "int8", "-o", quantized).exit_code == 0
     raw = quantized.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     manifest = json.loads(header["__metadata__"][artifact.META_MANIFEST])
     record = manifest["quantization"]["layers"][0]["tensors"]["key"]
     record.update(empty=True, quantized_tokens="many")  # a TypeError deep in the dequantizer
     header["__metadata__"][artifact.META_MANIFEST] = json.dumps(manifest)
     broken = tmp_path / "broken.kv"
-    broken.write_bytes(frame(json.dumps(header).encode(), raw[8 + n:]))
+    broken.write_bytes(frame(json.dumps(header).encode(), raw[8 + n :]))
     artifact.check_file(broken)  # structurally valid, every hash right
     url, app, keys = serve()
     artifact_id = _upload(url, keys["acme"], broken)

@@ -25,8 +25,7 @@ def issuer(oidc_issuer):  # the session issuer of tests/hosted/conftest.py
 @pytest.fixture(scope="module")
 def server(issuer, tmp_path_factory):
     """A server with the default JWT leeway: the refresh test's access tokens live only 1 s."""
-    with services.kvcdn_server(tmp_path_factory.mktemp("serve-login"),
-                               env={"KVCDN_ISSUER_URL": issuer.url}) as running:
+    with services.kvcdn_server(tmp_path_factory.mktemp("serve-login"), env={"KVCDN_ISSUER_URL": issuer.url}) as running:
         yield running
 
 
@@ -34,13 +33,19 @@ def server(issuer, tmp_path_factory):
 def env(tmp_path, issuer, server):
     """The environment of one user's shell: own config dir, the endpoint and issuer, no telemetry."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVCDN_")}
-    return {**base, "XDG_CONFIG_HOME": str(tmp_path / "config"), "KVCDN_API_URL": server.url,
-            "KVCDN_ISSUER_URL": issuer.url, "KVCDN_TELEMETRY": "0"}
+    return {
+        **base,
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "KVCDN_API_URL": server.url,
+        "KVCDN_ISSUER_URL": issuer.url,
+        "KVCDN_TELEMETRY": "0",
+    }
 
 
 def kvcdn(env, *args):
-    proc = subprocess.run([*kvcdn_cmd(), *map(str, args)], env=env, capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [*kvcdn_cmd(), *map(str, args)], env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     return proc
 
 
@@ -87,8 +92,10 @@ def test_device_flow_login_refresh_and_logout(env, issuer, server, tmp_path, qwe
     after = kvcdn(env, "whoami")
     assert after.returncode == 2 and "kvcdn login" in after.stderr and "Traceback" not in after.stderr
     # logout revoked the refresh token at the issuer
-    reuse = httpx.post(f"{issuer.url}/token", data={"grant_type": "refresh_token", "refresh_token": old_refresh,
-                                                     "client_id": services.CLIENT_ID})
+    reuse = httpx.post(
+        f"{issuer.url}/token",
+        data={"grant_type": "refresh_token", "refresh_token": old_refresh, "client_id": services.CLIENT_ID},
+    )
     assert reuse.status_code == 400 and reuse.json()["error"] == "invalid_grant"
 
 

@@ -31,8 +31,9 @@ def telemetry_sink():
 @pytest.fixture(scope="module")
 def telemetry_server(tmp_path_factory, telemetry_sink):
     """A server that forwards telemetry to a local collector (the only thing it is used for)."""
-    with services.kvcdn_server(tmp_path_factory.mktemp("serve-telemetry"),
-                               env={"KVCDN_TELEMETRY_URL": telemetry_sink.url}) as server:
+    with services.kvcdn_server(
+        tmp_path_factory.mktemp("serve-telemetry"), env={"KVCDN_TELEMETRY_URL": telemetry_sink.url}
+    ) as server:
         yield server
 
 
@@ -95,8 +96,21 @@ def mint(kv, server, prefix, secret=None):
 
 
 def local_continue(cli, artifact, n):
-    out = cli("continue", "--kv-path", artifact, "--question", QUESTION, "--n", n, "--device", "cpu",
-              "--dtype", "float32", "--format", "json")
+    out = cli(
+        "continue",
+        "--kv-path",
+        artifact,
+        "--question",
+        QUESTION,
+        "--n",
+        n,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--format",
+        "json",
+    )
     assert out.exit_code == 0, out.output
     return json.loads(out.stdout)["token_ids"]
 
@@ -121,14 +135,18 @@ def test_two_tenant_workflow(endpoint, kv, cli, qwen3_artifact, tmp_path, monkey
     assert sorted(os.listdir(out.parent)) == ["copy.kv"]
 
     n = 6
-    answer = json.loads(ok(kv(server, "infer", artifact_id, "--question", QUESTION, "--n", n,
-                              "--format", "json", key=acme)))
+    answer = json.loads(
+        ok(kv(server, "infer", artifact_id, "--question", QUESTION, "--n", n, "--format", "json", key=acme))
+    )
     assert answer["tokens"] == local_continue(cli, qwen3_artifact, n) and answer["token_count"] == n
 
     # the other tenant sees nothing of it, even knowing the id
     assert ok(kv(server, "list", "--format", "ids", key=globex)).split() == []
-    for args in (["download", artifact_id, "--output", tmp_path / "stolen.kv"],
-                 ["infer", artifact_id, "--question", "x"], ["delete", artifact_id, "--yes"]):
+    for args in (
+        ["download", artifact_id, "--output", tmp_path / "stolen.kv"],
+        ["infer", artifact_id, "--question", "x"],
+        ["delete", artifact_id, "--yes"],
+    ):
         assert "404" in failed(kv(server, *args, key=globex)), args
     assert not (tmp_path / "stolen.kv").exists()
 
@@ -140,8 +158,7 @@ def test_two_tenant_workflow(endpoint, kv, cli, qwen3_artifact, tmp_path, monkey
     assert acme not in ok(kv(server, "whoami", key=acme))  # the table form never shows it
 
     # a public artifact: the other tenant (and no credential at all) may download it
-    public_id = ok(kv(server, "upload", qwen3_artifact, "--name", "pub", "--visibility", "public",
-                      key=acme)).strip()
+    public_id = ok(kv(server, "upload", qwen3_artifact, "--name", "pub", "--visibility", "public", key=acme)).strip()
     ok(kv(server, "download", public_id, "--output", tmp_path / "pub-b.kv", key=globex))
     ok(kv(server, "download", public_id, "--output", tmp_path / "pub-anon.kv"))
     assert (tmp_path / "pub-anon.kv").read_bytes() == data
@@ -168,12 +185,20 @@ def test_multipart_upload_to_s3(kv, s3_replicas, tmp_path, monkeypatch):
     monkeypatch.setattr(transfer, "put_bytes", counting_put)
 
     tokens = 4
-    tensors = {"token_ids": torch.arange(tokens, dtype=torch.int64),
-               "layers.0.key": torch.randn(1, 2, tokens, 96 * 1024), "layers.0.value": torch.randn(1, 2, tokens, 96 * 1024)}
-    manifest = {"kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00Z",
-                "model": {"id": "tiny/none", "architecture": "Qwen3ForCausalLM"}, "compute_dtype": "float32",
-                "layers": [{"index": 0, "kind": "full_attention",
-                            "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}]}
+    tensors = {
+        "token_ids": torch.arange(tokens, dtype=torch.int64),
+        "layers.0.key": torch.randn(1, 2, tokens, 96 * 1024),
+        "layers.0.value": torch.randn(1, 2, tokens, 96 * 1024),
+    }
+    manifest = {
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-01-01T00:00:00Z",
+        "model": {"id": "tiny/none", "architecture": "Qwen3ForCausalLM"},
+        "compute_dtype": "float32",
+        "layers": [
+            {"index": 0, "kind": "full_attention", "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
+        ],
+    }
     big = artifact.write_artifact(tmp_path / "big.kv", manifest, tensors)
     assert big.stat().st_size > 6 * 1024 * 1024
     a, b, secret = s3_replicas  # uploaded through one replica, downloaded through the other
@@ -203,7 +228,7 @@ def test_to_and_from_s3_directly(moto_s3, cli, qwen3_artifact, tmp_path, monkeyp
 
 def test_hosted_storage_backend(kv, local_server, qwen3_artifact, tmp_path, monkeypatch):
     """The endpoint through kvcdn's storage interface: ``open_storage`` and ``--to kvcdn+http://``."""
-    from kvcdn_core.storage import open_storage
+    from kvcdn_core.registry import open_storage
 
     key = mint(kv, local_server, "backend")
     monkeypatch.setenv("KVCDN_API_KEY", key)
@@ -274,8 +299,13 @@ def test_download_stopped_half_way_leaves_no_file(signal_name, kv, local_server,
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCDN_")}
     env.update(KVCDN_API_URL=proxy.url, KVCDN_API_KEY=key, KVCDN_TELEMETRY="0")
-    proc = subprocess.Popen([*kvcdn_cmd(), "download", artifact_id, "--output", out / "stop.kv"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*kvcdn_cmd(), "download", artifact_id, "--output", out / "stop.kv"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proxy.half_sent.wait(60), "the download never started"
         deadline = time.monotonic() + 10

@@ -37,6 +37,7 @@ def test_no_request_gets_a_server_error(fuzzed_server, credentials, mode):
     assert len(operations) >= 15
     errors, exercised = [], 0
     for operation in operations:
+
         @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(mode))
         def call(case):

@@ -18,15 +18,17 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from tests.support import services
-from tests.support.hosted import (API, bearer, confirm, mint_key, put_bytes, request_upload, sha256_of,
-                                  upload)
+from tests.support.hosted import API, bearer, confirm, mint_key, put_bytes, request_upload, sha256_of, upload
 
 
 def stored(server) -> set[str]:
     """Artifact-related files in the server's storage (org records excluded)."""
     root = server.data_dir / "objects"
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
-            and not p.relative_to(root).as_posix().startswith("orgs/")}
+    return {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and not p.relative_to(root).as_posix().startswith("orgs/")
+    }
 
 
 def error_of(r: httpx.Response) -> str:
@@ -41,14 +43,24 @@ def hkdf_key(seed: bytes, info: str) -> str:
 
 # -- basics, secrets and keys -----------------------------------------------------------------------
 
+
 def test_health_and_openapi_document_every_route(local_server):
     assert httpx.get(f"{local_server.url}/health").json()["status"] == "ok"
     paths = httpx.get(f"{local_server.url}/openapi.json").json()["paths"]
-    for route in ("/api/v1/whoami", "/api/v1/api-keys/verify", "/api/v1/quota", "/api/v1/admin/api-keys",
-                  "/api/v1/artifacts/upload-url", "/api/v1/artifacts/{artifact_id}/confirm-upload",
-                  "/api/v1/artifacts", "/api/v1/artifacts/{artifact_id}",
-                  "/api/v1/artifacts/{artifact_id}/download-url", "/api/v1/artifacts/{artifact_id}/infer",
-                  "/api/v1/orgs/{org}/projects/{project}/artifacts/{artifact_id}/infer", "/api/v1/telemetry"):
+    for route in (
+        "/api/v1/whoami",
+        "/api/v1/api-keys/verify",
+        "/api/v1/quota",
+        "/api/v1/admin/api-keys",
+        "/api/v1/artifacts/upload-url",
+        "/api/v1/artifacts/{artifact_id}/confirm-upload",
+        "/api/v1/artifacts",
+        "/api/v1/artifacts/{artifact_id}",
+        "/api/v1/artifacts/{artifact_id}/download-url",
+        "/api/v1/artifacts/{artifact_id}/infer",
+        "/api/v1/orgs/{org}/projects/{project}/artifacts/{artifact_id}/infer",
+        "/api/v1/telemetry",
+    ):
         assert route in paths, route
 
 
@@ -67,8 +79,15 @@ def test_api_key_is_the_documented_hkdf_and_verifies(local_server, new_org):
     seed = (local_server.data_dir / "api-key-seed").read_text().strip().encode()
     assert key == hkdf_key(seed, f"kvcdn/api-key/v1/{slug}")
     who = httpx.get(f"{local_server.url}{API}/whoami", headers=bearer(key)).json()
-    assert who == {"customer_id": f"org:{slug}", "org": slug, "project": "default", "method": "api_key",
-                   "subject": None, "issuer": None, "email": None}
+    assert who == {
+        "customer_id": f"org:{slug}",
+        "org": slug,
+        "project": "default",
+        "method": "api_key",
+        "subject": None,
+        "issuer": None,
+        "email": None,
+    }
     r = httpx.post(f"{local_server.url}{API}/api-keys/verify", json={"api_key": key})
     assert r.json() == {"customer_id": f"org:{slug}", "org": slug, "method": "api_key"}
     bad = key[:-1] + ("0" if key[-1] != "0" else "1")
@@ -77,12 +96,19 @@ def test_api_key_is_the_documented_hkdf_and_verifies(local_server, new_org):
 
 
 def test_admin_route_needs_the_secret(local_server):
-    for headers in ({}, {"X-Kvcdn-Admin-Secret": "wrong"}, {"Authorization": "Bearer wrong"},
-                    {"Authorization": f"Basic {local_server.admin_secret()}"}):
+    for headers in (
+        {},
+        {"X-Kvcdn-Admin-Secret": "wrong"},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {local_server.admin_secret()}"},
+    ):
         r = httpx.post(f"{local_server.url}{API}/admin/api-keys", json={"org_slug": "x"}, headers=headers)
         assert r.status_code == 403 and error_of(r) == "forbidden"
-    r = httpx.post(f"{local_server.url}{API}/admin/api-keys", json={"org_slug": "../Bad"},
-                   headers={"X-Kvcdn-Admin-Secret": local_server.admin_secret()})
+    r = httpx.post(
+        f"{local_server.url}{API}/admin/api-keys",
+        json={"org_slug": "../Bad"},
+        headers={"X-Kvcdn-Admin-Secret": local_server.admin_secret()},
+    )
     assert r.status_code == 422 and error_of(r) == "validation_error"
 
 
@@ -102,21 +128,32 @@ def test_rotation_changes_one_org_only(local_server, new_org):
     assert r.status_code == 404
 
 
-@pytest.mark.parametrize("method,route", [
-    ("GET", "/whoami"), ("GET", "/quota"), ("GET", "/artifacts"), ("POST", "/artifacts/upload-url"),
-    ("POST", "/artifacts/00000000-0000-4000-8000-000000000000/confirm-upload"),
-    ("DELETE", "/artifacts/00000000-0000-4000-8000-000000000000"),
-    ("POST", "/artifacts/00000000-0000-4000-8000-000000000000/infer"),
-])
+@pytest.mark.parametrize(
+    "method,route",
+    [
+        ("GET", "/whoami"),
+        ("GET", "/quota"),
+        ("GET", "/artifacts"),
+        ("POST", "/artifacts/upload-url"),
+        ("POST", "/artifacts/00000000-0000-4000-8000-000000000000/confirm-upload"),
+        ("DELETE", "/artifacts/00000000-0000-4000-8000-000000000000"),
+        ("POST", "/artifacts/00000000-0000-4000-8000-000000000000/infer"),
+    ],
+)
 def test_routes_refuse_missing_or_malformed_credentials(local_server, method, route):
-    for headers in ({}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer kv_" + "0" * 64},
-                    {"Authorization": "Bearer not-a-jwt"}):
+    for headers in (
+        {},
+        {"Authorization": "Basic abc"},
+        {"Authorization": "Bearer kv_" + "0" * 64},
+        {"Authorization": "Bearer not-a-jwt"},
+    ):
         r = httpx.request(method, f"{local_server.url}{API}{route}", headers=headers, json={})
         assert r.status_code == 401, (headers, r.text)
         assert error_of(r) == "unauthorized" and r.headers["www-authenticate"] == "Bearer"
 
 
 # -- OIDC tokens ---------------------------------------------------------------------------------------
+
 
 def _b64(data: dict) -> str:
     return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
@@ -135,14 +172,30 @@ def test_token_from_the_auth_code_pkce_flow_is_accepted(local_server, oidc_issue
     verifier = secrets.token_urlsafe(48)
     challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
     redirect = f"http://127.0.0.1:{services.free_port()}/callback"
-    authorize = httpx.URL(f"{oidc_issuer.url}/auth", params={
-        "client_id": "kvcdn-cli", "response_type": "code", "redirect_uri": redirect, "state": "s1",
-        "scope": "openid email kvcdn", "code_challenge": challenge, "code_challenge_method": "S256"})
+    authorize = httpx.URL(
+        f"{oidc_issuer.url}/auth",
+        params={
+            "client_id": "kvcdn-cli",
+            "response_type": "code",
+            "redirect_uri": redirect,
+            "state": "s1",
+            "scope": "openid email kvcdn",
+            "code_challenge": challenge,
+            "code_challenge_method": "S256",
+        },
+    )
     back = httpx.URL(services.browser_authorize(str(authorize), "bob"))
     assert back.params["state"] == "s1"
-    token = httpx.post(f"{oidc_issuer.url}/token", data={
-        "grant_type": "authorization_code", "code": back.params["code"], "redirect_uri": redirect,
-        "client_id": "kvcdn-cli", "code_verifier": verifier}).json()["access_token"]
+    token = httpx.post(
+        f"{oidc_issuer.url}/token",
+        data={
+            "grant_type": "authorization_code",
+            "code": back.params["code"],
+            "redirect_uri": redirect,
+            "client_id": "kvcdn-cli",
+            "code_verifier": verifier,
+        },
+    ).json()["access_token"]
     who = httpx.get(f"{local_server.url}{API}/whoami", headers=bearer(token)).json()
     assert who["subject"] == "bob" and who["method"] == "oidc"
 
@@ -152,21 +205,31 @@ def test_forged_and_foreign_tokens_are_refused(local_server, oidc_issuer, other_
     header = jwt.get_unverified_header(alice_token)
     own_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     jwks = httpx.get(f"{oidc_issuer.url}/jwks").json()["keys"]
-    public_pem = jwt.PyJWK(jwks[0]).key.public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_pem = jwt.PyJWK(jwks[0]).key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     signing_input = f"{_b64({'alg': 'HS256', 'typ': 'JWT', 'kid': header['kid']})}.{_b64(claims)}"
-    hs_with_public_key = signing_input + "." + base64.urlsafe_b64encode(
-        hmac.new(public_pem, signing_input.encode(), "sha256").digest()).rstrip(b"=").decode()
+    hs_with_public_key = (
+        signing_input
+        + "."
+        + base64.urlsafe_b64encode(hmac.new(public_pem, signing_input.encode(), "sha256").digest())
+        .rstrip(b"=")
+        .decode()
+    )
     forged = {
         "alg none": f"{_b64({'alg': 'none', 'typ': 'JWT', 'kid': header['kid']})}.{_b64(claims)}.",
         "alg none, no kid": f"{_b64({'alg': 'none'})}.{_b64(claims)}.",
         "HS256 keyed with the public key": hs_with_public_key,
         "unknown kid": jwt.encode(claims, own_key, algorithm="RS256", headers={"kid": "not-in-jwks"}),
         "right kid, wrong key": jwt.encode(claims, own_key, algorithm="RS256", headers={"kid": header["kid"]}),
-        "tampered claims": alice_token.split(".")[0] + "." + _b64({**claims, "sub": "bob"}) + "."
-                           + alice_token.split(".")[2],
-        "wrong audience": services.device_flow_token(oidc_issuer.url, "alice",
-                                                     resource=services.OTHER_RESOURCE)["access_token"],
+        "tampered claims": alice_token.split(".")[0]
+        + "."
+        + _b64({**claims, "sub": "bob"})
+        + "."
+        + alice_token.split(".")[2],
+        "wrong audience": services.device_flow_token(oidc_issuer.url, "alice", resource=services.OTHER_RESOURCE)[
+            "access_token"
+        ],
         "wrong issuer": services.device_flow_token(other_issuer.url, "alice")["access_token"],
     }
     for what, token in forged.items():
@@ -185,11 +248,17 @@ def test_expired_token_is_refused(local_server, oidc_issuer):
 
 # -- uploads, downloads, listing ----------------------------------------------------------------------
 
+
 def test_upload_list_download_delete_round_trip(local_server, org_key, qwen3_artifact):
     key = org_key("flow")
     before = stored(local_server)
-    art = upload(local_server.url, key, qwen3_artifact, name="sample.kv",
-                 manifest={"architecture": "Qwen3ForCausalLM", "layers": 2})
+    art = upload(
+        local_server.url,
+        key,
+        qwen3_artifact,
+        name="sample.kv",
+        manifest={"architecture": "Qwen3ForCausalLM", "layers": 2},
+    )
     assert art["status"] == "ready" and art["sha256"] == sha256_of(qwen3_artifact)
     assert art["manifest"]["architecture"] == "Qwen3ForCausalLM" and art["manifest"]["layers"] == 2
     from kvcdn_core.artifact import read_manifest
@@ -217,8 +286,9 @@ def test_pagination(local_server, org_key, small_kv):
     ids = sorted(upload(local_server.url, key, small_kv, name=f"n{i}.kv")["artifact_id"] for i in range(3))
     first = httpx.get(f"{local_server.url}{API}/artifacts", params={"limit": 2}, headers=bearer(key)).json()
     assert [a["artifact_id"] for a in first["artifacts"]] == ids[:2] and first["next_cursor"]
-    second = httpx.get(f"{local_server.url}{API}/artifacts", params={"limit": 2, "cursor": first["next_cursor"]},
-                       headers=bearer(key)).json()
+    second = httpx.get(
+        f"{local_server.url}{API}/artifacts", params={"limit": 2, "cursor": first["next_cursor"]}, headers=bearer(key)
+    ).json()
     assert [a["artifact_id"] for a in second["artifacts"]] == ids[2:] and second["next_cursor"] is None
     for params in ({"limit": 0}, {"limit": 501}, {"cursor": "../x"}):
         r = httpx.get(f"{local_server.url}{API}/artifacts", params=params, headers=bearer(key))
@@ -232,16 +302,19 @@ def test_public_artifact_downloads_without_credentials(local_server, org_key, sm
     assert r.status_code == 200 and httpx.get(r.json()["download_url"]).content == small_kv.read_bytes()
     anonymous = httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}").json()
     assert anonymous["visibility"] == "public" and "customer_id" not in anonymous  # the owner stays private
-    assert "customer_id" not in httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}",
-                                          headers=bearer(other)).json()
+    assert (
+        "customer_id"
+        not in httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}", headers=bearer(other)).json()
+    )
     mine = httpx.get(f"{local_server.url}{API}/artifacts/{art['artifact_id']}", headers=bearer(owner)).json()
     assert mine["customer_id"].startswith("org:pub-")
     # Readable by all, but only the owner deletes it.
     r = httpx.delete(f"{local_server.url}{API}/artifacts/{art['artifact_id']}", headers=bearer(other))
     assert r.status_code == 404
     # A credential that does not verify is refused, not treated as anonymous.
-    r = httpx.post(f"{local_server.url}{API}/artifacts/{art['artifact_id']}/download-url",
-                   headers=bearer("kv_" + "f" * 64))
+    r = httpx.post(
+        f"{local_server.url}{API}/artifacts/{art['artifact_id']}/download-url", headers=bearer("kv_" + "f" * 64)
+    )
     assert r.status_code == 401
 
 
@@ -309,8 +382,9 @@ def test_signed_urls_refuse_tampering_and_expiry(local_server, org_key, small_kv
     assert httpx.put(url, content=data).status_code == 200
 
 
-@pytest.mark.parametrize("name", ["a/b.kv", "../up.kv", "..", "bad\x00name", "tab\tname",
-                                  "back\\slash", " lead", "", "x" * 256, "del\x7f"])
+@pytest.mark.parametrize(
+    "name", ["a/b.kv", "../up.kv", "..", "bad\x00name", "tab\tname", "back\\slash", " lead", "", "x" * 256, "del\x7f"]
+)
 def test_bad_names_are_refused(local_server, org_key, small_kv, name):
     key = org_key("names")
     before = stored(local_server)
@@ -322,8 +396,11 @@ def test_bad_names_are_refused(local_server, org_key, small_kv, name):
 def test_oversized_bodies_are_refused(local_server, org_key, small_kv):
     key = org_key("big")
     before = stored(local_server)
-    r = httpx.post(f"{local_server.url}{API}/artifacts/upload-url", headers=bearer(key),
-                   content=b'{"name": "' + b"x" * (70 * 1024) + b'"}')
+    r = httpx.post(
+        f"{local_server.url}{API}/artifacts/upload-url",
+        headers=bearer(key),
+        content=b'{"name": "' + b"x" * (70 * 1024) + b'"}',
+    )
     assert r.status_code == 413 and error_of(r) == "payload_too_large"
 
     def chunked():
@@ -336,8 +413,9 @@ def test_oversized_bodies_are_refused(local_server, org_key, small_kv):
     assert r.status_code == 413
     r = request_upload(local_server.url, key, small_kv, size=(60 << 30))
     assert r.status_code == 413 and error_of(r) == "payload_too_large"
-    r = httpx.post(f"{local_server.url}{API}/telemetry",
-                   json={"event": "command", "kvcdn_version": "0.1.0", "command": "x" * 9000})
+    r = httpx.post(
+        f"{local_server.url}{API}/telemetry", json={"event": "command", "kvcdn_version": "0.1.0", "command": "x" * 9000}
+    )
     assert r.status_code == 413
     # A blob body longer than signed: refused while streaming, nothing kept.
     plan = request_upload(local_server.url, key, small_kv).json()
@@ -359,13 +437,19 @@ def test_oversized_bodies_are_refused(local_server, org_key, small_kv):
 
 def test_invalid_json_and_unknown_fields(local_server, org_key):
     key = org_key("json")
-    r = httpx.post(f"{local_server.url}{API}/artifacts/upload-url", headers={**bearer(key), "content-type":
-                   "application/json"}, content=b"{nope")
+    r = httpx.post(
+        f"{local_server.url}{API}/artifacts/upload-url",
+        headers={**bearer(key), "content-type": "application/json"},
+        content=b"{nope",
+    )
     assert r.status_code == 400 and error_of(r) == "invalid_json"
     r = httpx.post(f"{local_server.url}{API}/artifacts/upload-url", headers=bearer(key), json=[1, 2])
     assert r.status_code == 400
-    r = httpx.post(f"{local_server.url}{API}/artifacts/upload-url", headers=bearer(key),
-                   json={"name": "a.kv", "size_bytes": 1, "sha256": "0" * 64, "owner": "org:someone-else"})
+    r = httpx.post(
+        f"{local_server.url}{API}/artifacts/upload-url",
+        headers=bearer(key),
+        json={"name": "a.kv", "size_bytes": 1, "sha256": "0" * 64, "owner": "org:someone-else"},
+    )
     assert r.status_code == 422 and error_of(r) == "validation_error"
 
 
@@ -425,8 +509,12 @@ def test_quota_at_upload_url(local_server, org_key, small_kv):
     q = httpx.get(f"{local_server.url}{API}/quota", headers=bearer(key)).json()
     assert q["limits"]["artifacts"] == 3 and q["usage"]["pending_artifacts"] == 3
     for p in plans:
-        assert httpx.delete(f"{local_server.url}{API}/artifacts/{p.json()['artifact_id']}",
-                            headers=bearer(key)).status_code == 204
+        assert (
+            httpx.delete(
+                f"{local_server.url}{API}/artifacts/{p.json()['artifact_id']}", headers=bearer(key)
+            ).status_code
+            == 204
+        )
     r = request_upload(local_server.url, key, small_kv, size=(8 << 20) + 1)
     assert r.status_code == 403 and error_of(r) == "quota_exceeded"
     assert stored(local_server) == before
@@ -453,8 +541,9 @@ def test_quota_holds_under_concurrent_upload_url_requests(local_server, org_key,
 def test_older_clients_org_and_project(local_server, new_org, small_kv):
     slug = new_org("legacy")
     key = mint_key(local_server.url, local_server.admin_secret(), slug)
-    ok = httpx.get(f"{local_server.url}{API}/whoami", headers={**bearer(key), "X-Kvcdn-Org": slug,
-                                                              "X-Kvcdn-Project": "whatever"})
+    ok = httpx.get(
+        f"{local_server.url}{API}/whoami", headers={**bearer(key), "X-Kvcdn-Org": slug, "X-Kvcdn-Project": "whatever"}
+    )
     assert ok.status_code == 200 and ok.json()["project"] == "default"
     r = httpx.get(f"{local_server.url}{API}/artifacts", params={"org": "someone-else"}, headers=bearer(key))
     assert r.status_code == 403 and error_of(r) == "forbidden"
@@ -463,8 +552,14 @@ def test_older_clients_org_and_project(local_server, new_org, small_kv):
 
 
 def test_telemetry_is_schema_checked(local_server):
-    event = {"event": "command", "kvcdn_version": "0.1.0", "command": "upload", "ok": True,
-             "duration_ms": 12.5, "props": {"size_bucket": "1MB"}}
+    event = {
+        "event": "command",
+        "kvcdn_version": "0.1.0",
+        "command": "upload",
+        "ok": True,
+        "duration_ms": 12.5,
+        "props": {"size_bucket": "1MB"},
+    }
     r = httpx.post(f"{local_server.url}{API}/telemetry", json=event)
     assert r.status_code == 204 and r.content == b""
     deadline = time.time() + 5
@@ -472,7 +567,11 @@ def test_telemetry_is_schema_checked(local_server):
         time.sleep(0.05)
     line = next(line for line in local_server.log if '"telemetry"' in line)
     assert json.loads(line)["telemetry"]["command"] == "upload"
-    for bad in ({**event, "secret": "x"}, {"event": "Bad Event", "kvcdn_version": "0.1.0"},
-                {"kvcdn_version": "0.1.0"}, {**event, "props": {f"k{i}": i for i in range(21)}}):
+    for bad in (
+        {**event, "secret": "x"},
+        {"event": "Bad Event", "kvcdn_version": "0.1.0"},
+        {"kvcdn_version": "0.1.0"},
+        {**event, "props": {f"k{i}": i for i in range(21)}},
+    ):
         r = httpx.post(f"{local_server.url}{API}/telemetry", json=bad)
         assert r.status_code == 422, bad

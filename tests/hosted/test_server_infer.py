@@ -14,8 +14,9 @@ QUESTION = " What did the keeper write during the storm?"
 
 
 def local_continue(cli, artifact, question: str, n: int) -> list[int]:
-    result = cli("continue", "--kv-path", artifact, "--question", question, "--n", n, "--format", "json",
-                 "--device", "cpu")
+    result = cli(
+        "continue", "--kv-path", artifact, "--question", question, "--n", n, "--format", "json", "--device", "cpu"
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)["token_ids"]
 
@@ -24,16 +25,24 @@ def test_infer_equals_local_continue(local_server, org_key, alice_token, qwen3_a
     expected = local_continue(cli, qwen3_artifact, QUESTION, 24)
     for token in (org_key("infer"), alice_token):
         art = upload(local_server.url, token, qwen3_artifact)
-        r = httpx.post(f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer", headers=bearer(token),
-                       json={"question": QUESTION, "n": 24}, timeout=120)
+        r = httpx.post(
+            f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer",
+            headers=bearer(token),
+            json={"question": QUESTION, "n": 24},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["tokens"] == expected and body["token_count"] == 24
         assert body["reused_tokens"] == art["manifest"]["tokens"] and body["artifact_id"] == art["artifact_id"]
         assert body["text"]
     # The route of older clients gives the same answer; its org/project never pick the tenant.
-    r = httpx.post(f"{local_server.url}{API}/orgs/legacy/projects/p/artifacts/{art['artifact_id']}/infer",
-                   headers=bearer(alice_token), json={"question": QUESTION, "n": 24}, timeout=120)
+    r = httpx.post(
+        f"{local_server.url}{API}/orgs/legacy/projects/p/artifacts/{art['artifact_id']}/infer",
+        headers=bearer(alice_token),
+        json={"question": QUESTION, "n": 24},
+        timeout=120,
+    )
     assert r.status_code == 200 and r.json()["tokens"] == expected
 
 
@@ -41,8 +50,13 @@ def test_infer_input_limits(local_server, org_key, qwen3_artifact):
     key = org_key("limits")
     art = upload(local_server.url, key, qwen3_artifact)
     url = f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer"
-    for body in ({"question": "x", "n": 0}, {"question": "x", "n": 257}, {"question": "", "n": 1},
-                 {"question": "x"}, {"question": "x", "n": 1, "model": "/etc"}):
+    for body in (
+        {"question": "x", "n": 0},
+        {"question": "x", "n": 257},
+        {"question": "", "n": 1},
+        {"question": "x"},
+        {"question": "x", "n": 1, "model": "/etc"},
+    ):
         r = httpx.post(url, headers=bearer(key), json=body)
         assert r.status_code == 422 and r.json()["error"] == "validation_error", body
 
@@ -85,12 +99,18 @@ def test_concurrent_requests_are_exact_or_refused(local_server, org_key, qwen3_a
 def test_model_outside_the_allow_list_is_refused(local_server, org_key, tmp_path):
     key = org_key("model")
     art = upload(local_server.url, key, write_synthetic_kv(tmp_path / "foreign.kv", model_id="/etc"))
-    r = httpx.post(f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer", headers=bearer(key),
-                   json={"question": "x", "n": 1})
+    r = httpx.post(
+        f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer",
+        headers=bearer(key),
+        json={"question": "x", "n": 1},
+    )
     assert r.status_code == 422 and r.json()["error"] == "model_not_available"
     art = upload(local_server.url, key, write_synthetic_kv(tmp_path / "hub.kv", model_id="example/not-cached"))
-    r = httpx.post(f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer", headers=bearer(key),
-                   json={"question": "x", "n": 1})
+    r = httpx.post(
+        f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer",
+        headers=bearer(key),
+        json={"question": "x", "n": 1},
+    )
     assert r.status_code == 422 and r.json()["error"] == "model_not_available"
 
 
@@ -98,7 +118,11 @@ def test_artifact_that_does_not_fit_its_model_is_422(local_server, org_key, host
     """A synthetic artifact naming the allowed model but with the wrong fingerprint."""
     key = org_key("mismatch")
     art = upload(local_server.url, key, write_synthetic_kv(tmp_path / "wrong.kv", model_id=str(hosted_model)))
-    r = httpx.post(f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer", headers=bearer(key),
-                   json={"question": "x", "n": 1}, timeout=120)
+    r = httpx.post(
+        f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer",
+        headers=bearer(key),
+        json={"question": "x", "n": 1},
+        timeout=120,
+    )
     assert r.status_code == 422 and r.json()["error"] == "artifact_incompatible", r.text
     assert str(hosted_model) not in r.json()["message"] or "<path>" in r.json()["message"]

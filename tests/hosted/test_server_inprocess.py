@@ -34,8 +34,11 @@ def make_app(monkeypatch, tmp_path):
 
 
 def _start(client, key, path):
-    r = client.post(f"{API}/artifacts/upload-url", headers=bearer(key),
-                    json={"name": "a.kv", "size_bytes": path.stat().st_size, "sha256": sha256_of(path)})
+    r = client.post(
+        f"{API}/artifacts/upload-url",
+        headers=bearer(key),
+        json={"name": "a.kv", "size_bytes": path.stat().st_size, "sha256": sha256_of(path)},
+    )
     assert r.status_code == 200, r.text
     plan = r.json()
     # TestClient speaks to the app directly: use the path and query of the signed URL.
@@ -46,8 +49,7 @@ def _start(client, key, path):
 def _files(tmp_path):
     """The objects in storage (PUT temp files are hidden names)."""
     root = tmp_path / "objects"
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
-                  and not p.name.startswith("."))
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
 def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv):
@@ -90,12 +92,13 @@ def test_a_failed_confirm_fails_the_upload_and_gives_its_quota_back(make_app, tm
 
 
 def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_model):
-    app, client, key = make_app(KVCDN_MODELS=str(hosted_model), KVCDN_INFER_TIMEOUT="0.001",
-                                KVCDN_INFER_CONCURRENCY=1)
+    app, client, key = make_app(KVCDN_MODELS=str(hosted_model), KVCDN_INFER_TIMEOUT="0.001", KVCDN_INFER_CONCURRENCY=1)
     plan, put_url = _start(client, key, qwen3_artifact)
     client.put(put_url, content=qwen3_artifact.read_bytes())
     assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
-    r = client.post(f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 64})
+    r = client.post(
+        f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 64}
+    )
     assert r.status_code == 504 and r.json()["error"] == "timeout"
     # Its slot stays taken until the computation really ends: meanwhile a second request is 429.
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 1})
@@ -125,8 +128,15 @@ def test_secrets_files_are_private_and_env_overrides(monkeypatch, tmp_path):
         load_config(storage=str(tmp_path / "o"))
 
 
-@pytest.mark.parametrize("url,ok", [("https://id.example.com", True), ("http://127.0.0.1:9000", True),
-                                    ("http://id.example.com", False), ("ftp://x", False)])
+@pytest.mark.parametrize(
+    "url,ok",
+    [
+        ("https://id.example.com", True),
+        ("http://127.0.0.1:9000", True),
+        ("http://id.example.com", False),
+        ("ftp://x", False),
+    ],
+)
 def test_issuer_must_be_https_unless_loopback(url, ok):
     from kvcdn_server.config import check_issuer_url
 
@@ -142,8 +152,7 @@ def test_hkdf_matches_rfc5869_test_vector():
 
     # RFC 5869 A.3: SHA-256, zero-length salt and info.
     okm = hkdf_sha256(bytes.fromhex("0b" * 22), b"", 42)
-    assert okm.hex() == ("8da4e775a563c18f715f802a063c5a31b8a11f5c5ee1879ec3454e5f3c738d2d"
-                         "9d201395faa4b61a96c8")
+    assert okm.hex() == ("8da4e775a563c18f715f802a063c5a31b8a11f5c5ee1879ec3454e5f3c738d2d9d201395faa4b61a96c8")
 
 
 def test_telemetry_is_forwarded_with_the_secret(make_app):
@@ -166,8 +175,10 @@ def test_telemetry_is_forwarded_with_the_secret(make_app):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        _app, client, _key = make_app(KVCDN_TELEMETRY_URL=f"http://127.0.0.1:{server.server_port}/ingest",
-                                      KVCDN_TELEMETRY_SECRET="telemetry-secret")
+        _app, client, _key = make_app(
+            KVCDN_TELEMETRY_URL=f"http://127.0.0.1:{server.server_port}/ingest",
+            KVCDN_TELEMETRY_SECRET="telemetry-secret",
+        )
         event = {"event": "command", "kvcdn_version": "0.1.0", "command": "list", "ok": True}
         assert client.post(f"{API}/telemetry", json=event).status_code == 204
         deadline = time.time() + 5
@@ -178,19 +189,23 @@ def test_telemetry_is_forwarded_with_the_secret(make_app):
         server.shutdown()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--issuer-url", "http://id.example.com"], "must use https"),
-    (["--storage", "nosuch://bucket"], "no storage backend for 'nosuch://'"),
-    (["--storage", "s3://"], "needs a bucket"),
-    (["--database", "mysql://db/kvcdn"], "database URL must be postgresql://"),
-    (["--database", "postgresql://nobody@127.0.0.1:1/kvcdn"], "cannot open the database"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--issuer-url", "http://id.example.com"], "must use https"),
+        (["--storage", "nosuch://bucket"], "no storage backend for 'nosuch://'"),
+        (["--storage", "s3://"], "needs a bucket"),
+        (["--database", "mysql://db/kvcdn"], "database URL must be postgresql://"),
+        (["--database", "postgresql://nobody@127.0.0.1:1/kvcdn"], "cannot open the database"),
+    ],
+)
 def test_bad_configuration_is_one_line_exit_2(args, message):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", *args],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -297,15 +312,20 @@ def tiny_issuer():
         state["hits"] += 1
         if state["down"]:
             return 503, {}
-        return 200, ({"issuer": base + "/", "jwks_uri": base + "/jwks"} if path.startswith("/.well-known")
-                     else {"keys": [jwk]})
+        return 200, (
+            {"issuer": base + "/", "jwks_uri": base + "/jwks"} if path.startswith("/.well-known") else {"keys": [jwk]}
+        )
 
     with json_server(answer) as (base, _seen):
         issuer = base + "/"
 
         def token(iss: str = issuer) -> str:
-            return jwt.encode({"sub": "alice", "iss": iss, "aud": "kvcdn-cli", "exp": int(time.time()) + 300},
-                              key, algorithm="RS256", headers={"kid": "k1", "typ": "at+jwt"})
+            return jwt.encode(
+                {"sub": "alice", "iss": iss, "aud": "kvcdn-cli", "exp": int(time.time()) + 300},
+                key,
+                algorithm="RS256",
+                headers={"kid": "k1", "typ": "at+jwt"},
+            )
 
         yield issuer, token, state
 
@@ -358,9 +378,13 @@ def test_serve_on_a_busy_port_is_one_line_exit_2(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
-        proc = subprocess.run([sys.executable, "-m", "kvcdn_core", "serve", "--port", str(port),
-                               "--storage", str(tmp_path / "o")], capture_output=True, text=True, timeout=60,
-                              env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcdn_core", "serve", "--port", str(port), "--storage", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: port {port} on 127.0.0.1 is in use (pick another with --port)"]
 
@@ -372,9 +396,13 @@ def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
     import sys
 
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "KVCDN_ADMIN_SECRET": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--storage",
-                             str(tmp_path / "o")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--storage", str(tmp_path / "o")],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         lines = []
         for line in proc.stderr:
@@ -424,8 +452,9 @@ def test_loading_an_artifact_and_its_model_cannot_deadlock(monkeypatch):
     import kvcdn_server.inference as inference
 
     monkeypatch.setattr(inference, "LOAD_LOCK_STRIPES", 1)  # every key on the same stripe
-    engine = inference.InferenceEngine(inference.ModelPolicy([]),
-                                       inference.InferLimits(slots=1, timeout=5.0, cache_bytes=1 << 20, device="cpu"))
+    engine = inference.InferenceEngine(
+        inference.ModelPolicy([]), inference.InferLimits(slots=1, timeout=5.0, cache_bytes=1 << 20, device="cpu")
+    )
     try:
         with engine._stripe(engine._artifact_locks, ("t", "1", "sha")):
             model_lock = engine._stripe(engine._model_locks, "m")
@@ -447,10 +476,11 @@ def test_replicas_racing_for_the_last_slot_exactly_one_gets_it(database_url, tmp
 
     monkeypatch.setenv("KVCDN_QUOTA_ARTIFACTS", "3")
     config = load_config(storage=str(tmp_path / "objects"), database=database_url)
-    from kvcdn_core.storage import LocalStorage
+    from kvcdn_core import LocalStorage
 
-    replicas = [ArtifactStore(open_database(database_url), LocalStorage(tmp_path / "objects"), config)
-                for _ in range(2)]
+    replicas = [
+        ArtifactStore(open_database(database_url), LocalStorage(tmp_path / "objects"), config) for _ in range(2)
+    ]
     for _ in range(2):
         replicas[0].begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
     start = threading.Barrier(8, timeout=30)
@@ -467,5 +497,3 @@ def test_replicas_racing_for_the_last_slot_exactly_one_gets_it(database_url, tmp
         statuses = sorted(pool.map(reserve, range(8)))
     assert statuses == [200] + [403] * 7
     assert replicas[1].usage("org:acme")["pending_artifacts"] == 3 == replicas[0].reserved("org:acme")[0]
-
-

@@ -9,13 +9,17 @@ import boto3
 import httpx
 
 from tests.hosted.conftest import S3_BUCKET
-from tests.support.hosted import (API, bearer, confirm, mint_key, put_bytes, request_upload, upload,
-                                  write_synthetic_kv)
+from tests.support.hosted import API, bearer, confirm, mint_key, put_bytes, request_upload, upload, write_synthetic_kv
 
 
 def bucket_keys(moto_s3) -> list[str]:
-    client = boto3.client("s3", endpoint_url=moto_s3.endpoint, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_s3.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     return sorted(o["Key"] for o in client.list_objects_v2(Bucket=S3_BUCKET).get("Contents", []))
 
 
@@ -33,17 +37,33 @@ def test_replicas_share_one_bucket(s3_replicas, moto_s3, new_org, qwen3_artifact
     d = httpx.post(f"{b.url}{API}/artifacts/{art['artifact_id']}/download-url", headers=bearer(key)).json()
     assert "X-Amz-Signature=" in d["download_url"]
     assert hashlib.sha256(httpx.get(d["download_url"]).content).hexdigest() == art["sha256"]
-    r = httpx.post(f"{b.url}{API}/artifacts/{art['artifact_id']}/infer", headers=bearer(key),
-                   json={"question": " Who kept the ledger?", "n": 8}, timeout=120)
+    r = httpx.post(
+        f"{b.url}{API}/artifacts/{art['artifact_id']}/infer",
+        headers=bearer(key),
+        json={"question": " Who kept the ledger?", "n": 8},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
-    local = cli("continue", "--kv-path", qwen3_artifact, "--question", " Who kept the ledger?", "--n", 8,
-                "--format", "json", "--device", "cpu")
+    local = cli(
+        "continue",
+        "--kv-path",
+        qwen3_artifact,
+        "--question",
+        " Who kept the ledger?",
+        "--n",
+        8,
+        "--format",
+        "json",
+        "--device",
+        "cpu",
+    )
     import json
 
     assert r.json()["tokens"] == json.loads(local.stdout)["token_ids"]
     # A key rotated on one replica stops working on the other.
-    new = httpx.post(f"{a.url}{API}/admin/api-keys/rotate", json={"org_slug": slug},
-                     headers={"X-Kvcdn-Admin-Secret": admin}).json()["api_key"]
+    new = httpx.post(
+        f"{a.url}{API}/admin/api-keys/rotate", json={"org_slug": slug}, headers={"X-Kvcdn-Admin-Secret": admin}
+    ).json()["api_key"]
     import time
 
     deadline = time.monotonic() + 10  # KVCDN_ORGS_REFRESH=0.2 in the fixture; slack for a busy machine
@@ -78,9 +98,11 @@ def test_s3_isolation_and_refusals_store_nothing(s3_replicas, moto_s3, new_org, 
     owner, intruder = (mint_key(a.url, admin, new_org("s3iso")) for _ in range(2))
     art = upload(a.url, owner, small_kv)
     for server in (a, b):
-        for method, route in [("GET", f"/artifacts/{art['artifact_id']}"),
-                              ("POST", f"/artifacts/{art['artifact_id']}/download-url"),
-                              ("DELETE", f"/artifacts/{art['artifact_id']}")]:
+        for method, route in [
+            ("GET", f"/artifacts/{art['artifact_id']}"),
+            ("POST", f"/artifacts/{art['artifact_id']}/download-url"),
+            ("DELETE", f"/artifacts/{art['artifact_id']}"),
+        ]:
             assert httpx.request(method, f"{server.url}{API}{route}", headers=bearer(intruder)).status_code == 404
     before = bucket_keys(moto_s3)
     junk = tmp_path / "junk.kv"
@@ -112,13 +134,18 @@ def test_the_collector_aborts_multipart_uploads_no_open_upload_owns(moto_s3, mon
     client, store = TestClient(app), app.state.store
     key = derive_key(config.api_key_seed, "acme")
     size = 6 << 20
-    plan = client.post(f"{API}/artifacts/upload-url", headers=bearer(key),
-                       json={"name": "big.kv", "size_bytes": size, "sha256": "0" * 64}).json()
+    plan = client.post(
+        f"{API}/artifacts/upload-url",
+        headers=bearer(key),
+        json={"name": "big.kv", "size_bytes": size, "sha256": "0" * 64},
+    ).json()
     assert plan["multipart"] is not None
     stray = "22222222-2222-4222-8222-222222222222"
     store.storage.start_multipart(f"uploads/{stray}", size, 60)
-    assert {k for k, _ in store.storage.list_multipart("uploads/")} == {f"uploads/{plan['artifact_id']}",
-                                                                        f"uploads/{stray}"}
+    assert {k for k, _ in store.storage.list_multipart("uploads/")} == {
+        f"uploads/{plan['artifact_id']}",
+        f"uploads/{stray}",
+    }
     assert store.collect()["multipart"] == 1
     assert [k for k, _ in store.storage.list_multipart("uploads/")] == [f"uploads/{plan['artifact_id']}"]
     # Deleting the open upload aborts its multipart upload too.

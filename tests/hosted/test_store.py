@@ -8,14 +8,12 @@ what was not is gone, and the quota counts exactly what is stored.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 import sqlalchemy as sa
 
 from tests.support import services
@@ -42,12 +40,16 @@ def db(database_url: str) -> sa.Engine:
 def rows(database_url: str) -> dict[str, tuple[str, int]]:
     """``id → (status, size)`` of every artifact row."""
     with db(database_url).connect() as c:
-        return {r.id: (r.status, r.size_bytes) for r in c.execute(sa.text("SELECT id, status, size_bytes FROM artifacts"))}
+        return {
+            r.id: (r.status, r.size_bytes) for r in c.execute(sa.text("SELECT id, status, size_bytes FROM artifacts"))
+        }
 
 
 def reserved(database_url: str) -> dict[str, tuple[int, int]]:
     with db(database_url).connect() as c:
-        return {r.tenant: (r.artifacts, r.bytes) for r in c.execute(sa.text("SELECT tenant, artifacts, bytes FROM usage"))}
+        return {
+            r.tenant: (r.artifacts, r.bytes) for r in c.execute(sa.text("SELECT tenant, artifacts, bytes FROM usage"))
+        }
 
 
 def download(base: str, token: str, artifact_id: str) -> bytes:
@@ -61,8 +63,11 @@ def download(base: str, token: str, artifact_id: str) -> bytes:
 def listed(base: str, token: str) -> set[str]:
     ids, cursor = set(), None
     while True:
-        r = httpx.get(f"{base}{API}/artifacts", params={"limit": 100, **({"cursor": cursor} if cursor else {})},
-                      headers=bearer(token))
+        r = httpx.get(
+            f"{base}{API}/artifacts",
+            params={"limit": 100, **({"cursor": cursor} if cursor else {})},
+            headers=bearer(token),
+        )
         assert r.status_code == 200, r.text
         ids |= {a["artifact_id"] for a in r.json()["artifacts"]}
         cursor = r.json()["next_cursor"]
@@ -107,19 +112,24 @@ def test_many_threads_many_uploads_lose_nothing(database_url, tmp_path):
             mine = {a for a, (k, _) in done.items() if k == key}
             assert listed(server.url, key) == mine
             usage = httpx.get(f"{server.url}{API}/quota", headers=bearer(key)).json()["usage"]
-            assert usage == {"artifacts": 100, "storage_bytes": sum(done[a][1].stat().st_size for a in mine),
-                             "pending_artifacts": 0, "pending_bytes": 0}
+            assert usage == {
+                "artifacts": 100,
+                "storage_bytes": sum(done[a][1].stat().st_size for a in mine),
+                "pending_artifacts": 0,
+                "pending_bytes": 0,
+            }
     assert objects(home, "artifacts") == set(done)
     assert objects(home, "uploads") == set()
     assert sorted(reserved(database_url).values()) == sorted(
-        (100, sum(p.stat().st_size for k, p in done.values() if k == key)) for key in keys)
+        (100, sum(p.stat().st_size for k, p in done.values() if k == key)) for key in keys
+    )
 
 
 def _slow_body(total: int, started: threading.Event, data: bytes | None = None, chunk: int = 65536):
     """``total`` bytes (of ``data``, else zeros) in chunks 50 ms apart; ``started`` after the first."""
     data = data if data is not None else bytes(total)
     for offset in range(0, total, chunk):
-        yield data[offset:offset + chunk]
+        yield data[offset : offset + chunk]
         started.set()
         time.sleep(0.05)
 
@@ -162,8 +172,9 @@ def test_killed_mid_put_and_mid_confirm_loses_nothing_and_reclaims_the_rest(data
         server.process.wait()
     with serve(home, database_url) as server:
         deadline = time.monotonic() + 30
-        while {rows(database_url)[a][0] for a in (killed_put, killed_confirm)} != {"failed"} or \
-                list((home / "kvcdn" / "server" / "objects" / "uploads").glob(".put-*")):
+        while {rows(database_url)[a][0] for a in (killed_put, killed_confirm)} != {"failed"} or list(
+            (home / "kvcdn" / "server" / "objects" / "uploads").glob(".put-*")
+        ):
             assert time.monotonic() < deadline, rows(database_url)
             time.sleep(0.1)
         for artifact_id, path in confirmed.items():
@@ -239,8 +250,13 @@ def test_parallel_puts_on_one_signed_url_one_writes_the_disk_stays_within_the_qu
             started = threading.Event()
             barrier.wait()
             try:
-                answers.append(httpx.put(plan["url"], content=_slow_body(size, started, artifact.read_bytes()),
-                                         headers={"Content-Length": str(size)}).status_code)
+                answers.append(
+                    httpx.put(
+                        plan["url"],
+                        content=_slow_body(size, started, artifact.read_bytes()),
+                        headers={"Content-Length": str(size)},
+                    ).status_code
+                )
             except httpx.HTTPError:
                 answers.append(0)
 

@@ -15,8 +15,9 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def mint_key(base_url: str, admin_secret: str, slug: str) -> str:
-    r = httpx.post(f"{base_url}{API}/admin/api-keys", json={"org_slug": slug},
-                   headers={"X-Kvcdn-Admin-Secret": admin_secret})
+    r = httpx.post(
+        f"{base_url}{API}/admin/api-keys", json={"org_slug": slug}, headers={"X-Kvcdn-Admin-Secret": admin_secret}
+    )
     assert r.status_code == 200, r.text
     return r.json()["api_key"]
 
@@ -25,10 +26,22 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def request_upload(base_url: str, token: str, path: Path, name: str | None = None, visibility: str = "private",
-                   manifest: dict | None = None, sha256: str | None = None, size: int | None = None) -> httpx.Response:
-    body = {"name": name if name is not None else Path(path).name, "size_bytes": size if size is not None else Path(path).stat().st_size,
-            "sha256": sha256 or sha256_of(path), "visibility": visibility}
+def request_upload(
+    base_url: str,
+    token: str,
+    path: Path,
+    name: str | None = None,
+    visibility: str = "private",
+    manifest: dict | None = None,
+    sha256: str | None = None,
+    size: int | None = None,
+) -> httpx.Response:
+    body = {
+        "name": name if name is not None else Path(path).name,
+        "size_bytes": size if size is not None else Path(path).stat().st_size,
+        "sha256": sha256 or sha256_of(path),
+        "visibility": visibility,
+    }
     if manifest is not None:
         body["manifest"] = manifest
     return httpx.post(f"{base_url}{API}/artifacts/upload-url", json=body, headers=bearer(token))
@@ -44,15 +57,16 @@ def put_bytes(plan: dict, data: bytes) -> dict | None:
     mp = plan["multipart"]
     for part in mp["parts"]:
         start = (part["part_number"] - 1) * mp["part_size"]
-        r = httpx.put(part["url"], content=data[start:start + part["size"]], timeout=60)
+        r = httpx.put(part["url"], content=data[start : start + part["size"]], timeout=60)
         assert r.status_code == 200, r.text
         parts.append({"part_number": part["part_number"], "etag": r.headers["ETag"]})
     return {"parts": parts}
 
 
 def confirm(base_url: str, token: str, artifact_id: str, body: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{base_url}{API}/artifacts/{artifact_id}/confirm-upload", json=body or {},
-                      headers=bearer(token), timeout=60)
+    return httpx.post(
+        f"{base_url}{API}/artifacts/{artifact_id}/confirm-upload", json=body or {}, headers=bearer(token), timeout=60
+    )
 
 
 def upload(base_url: str, token: str, path: Path, **kwargs) -> dict:
@@ -66,8 +80,9 @@ def upload(base_url: str, token: str, path: Path, **kwargs) -> dict:
     return done.json()
 
 
-def write_synthetic_kv(path: Path, tokens: int = 8, width: int = 8, model_id: str = "example/not-allowed",
-                       seed: int = 0) -> Path:
+def write_synthetic_kv(
+    path: Path, tokens: int = 8, width: int = 8, model_id: str = "example/not-allowed", seed: int = 0
+) -> Path:
     """A complete `.kv` (2 full-attention layers) written by core's writer, of any size."""
     import torch
 
@@ -81,7 +96,12 @@ def write_synthetic_kv(path: Path, tokens: int = 8, width: int = 8, model_id: st
         tensors[k] = torch.randn(1, 2, tokens, width, generator=g)
         tensors[v] = torch.randn(1, 2, tokens, width, generator=g)
         layers.append({"index": i, "kind": "full_attention", "tensors": {"key": k, "value": v}})
-    manifest = {"kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00Z",
-                "model": {"id": model_id, "architecture": "Qwen3ForCausalLM", "family": "qwen"},
-                "compute_dtype": "float32", "layers": layers, "quantization": None}
+    manifest = {
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-01-01T00:00:00Z",
+        "model": {"id": model_id, "architecture": "Qwen3ForCausalLM", "family": "qwen"},
+        "compute_dtype": "float32",
+        "layers": layers,
+        "quantization": None,
+    }
     return artifact.write_artifact(path, manifest, tensors)

@@ -38,8 +38,14 @@ def kvcdn_cmd() -> list[str]:
 
 
 def _login(args: list[str], env: dict[str, str], play_browser, timeout: float) -> CliRun:
-    proc = subprocess.Popen([*kvcdn_cmd(), "login", "--no-browser", *args], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [*kvcdn_cmd(), "login", "--no-browser", *args],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     err_lines: list[str] = []
     browser_error: list[BaseException] = []
 
@@ -104,14 +110,16 @@ class _CodeBrowser(_DeviceBrowser):
                 raise AssertionError(f"browser login did not reach the loopback: {done.url} {done.text[:200]}")
 
 
-def kvcdn_login_device(env: dict[str, str], username: str = "alice", args: list[str] = (),
-                       timeout: float = 60.0) -> CliRun:
+def kvcdn_login_device(
+    env: dict[str, str], username: str = "alice", args: list[str] = (), timeout: float = 60.0
+) -> CliRun:
     """``kvcdn login`` through the device flow, approved in a scripted browser."""
     return _login(list(args), env, _DeviceBrowser(username, ACCOUNTS[username]), timeout)
 
 
-def kvcdn_login_browser(env: dict[str, str], username: str = "alice", args: list[str] = (),
-                        timeout: float = 60.0) -> CliRun:
+def kvcdn_login_browser(
+    env: dict[str, str], username: str = "alice", args: list[str] = (), timeout: float = 60.0
+) -> CliRun:
     """``kvcdn login --flow browser`` (auth code + PKCE), signed in by a scripted browser."""
     return _login(["--flow", "browser", *args], env, _CodeBrowser(username, ACCOUNTS[username]), timeout)
 
@@ -176,8 +184,11 @@ class CuttingProxy:
             def _forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("content-length", "connection", "transfer-encoding")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("content-length", "connection", "transfer-encoding")
+                }
                 with httpx.Client(timeout=60) as client:
                     upstream = client.request(self.command, proxy.upstream + self.path, headers=headers, content=body)
                 data = upstream.content

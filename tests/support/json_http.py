@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any
 
 #: ``answer(method, path, url) -> (status, body)``; the body is JSON-encoded unless it is bytes
 Answer = Callable[[str, str, str], "tuple[int, Any]"]

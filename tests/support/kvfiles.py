@@ -27,14 +27,15 @@ class Parts:
     manifest: dict = field(default_factory=dict)
     data: bytes = b""
 
-    def copy(self) -> "Parts":
+    def copy(self) -> Parts:
         return copy.deepcopy(self)
 
     def to_bytes(self, manifest_text: str | None = None, header_text: str | None = None) -> bytes:
         """The file; ``manifest_text`` / ``header_text`` replace the serialized JSON as given."""
         meta = dict(self.metadata)
-        meta[artifact.META_MANIFEST] = (manifest_text if manifest_text is not None
-                                        else json.dumps(self.manifest, sort_keys=True))
+        meta[artifact.META_MANIFEST] = (
+            manifest_text if manifest_text is not None else json.dumps(self.manifest, sort_keys=True)
+        )
         if header_text is None:
             header_text = json.dumps({"__metadata__": meta, **self.entries})
         return frame(header_text.encode("utf-8", "surrogatepass"), self.data)
@@ -53,8 +54,9 @@ def valid_parts(model_id: str = "example/tiny", tokens: int = TOKENS) -> Parts:
         "layers.0.value": ("F32", [1, 1, tokens, 2], struct.pack(f"<{2 * tokens}f", *range(-2 * tokens, 0))),
         artifact.TOKEN_IDS: ("I64", [tokens], struct.pack(f"<{tokens}q", *range(100, 100 + tokens))),
     }
-    parts = Parts(metadata={artifact.META_FORMAT: artifact.FORMAT_NAME,
-                            artifact.META_VERSION: str(artifact.FORMAT_VERSION)})
+    parts = Parts(
+        metadata={artifact.META_FORMAT: artifact.FORMAT_NAME, artifact.META_VERSION: str(artifact.FORMAT_VERSION)}
+    )
     table, offset, data = {}, 0, bytearray()
     for name, (dtype, shape, raw) in tensors.items():
         parts.entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
@@ -63,12 +65,17 @@ def valid_parts(model_id: str = "example/tiny", tokens: int = TOKENS) -> Parts:
         data += raw
     parts.data = bytes(data)
     parts.manifest = {
-        "kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00+00:00",
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-01-01T00:00:00+00:00",
         "model": {"id": model_id, "architecture": "Qwen3ForCausalLM", "family": "qwen"},
-        "compute_dtype": "float32", "token_count": tokens, "context": "abcd", "reuse": "any_prefix",
+        "compute_dtype": "float32",
+        "token_count": tokens,
+        "context": "abcd",
+        "reuse": "any_prefix",
         "quantization": None,
-        "layers": [{"index": 0, "kind": "full_attention",
-                    "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}],
+        "layers": [
+            {"index": 0, "kind": "full_attention", "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
+        ],
         "tensors": table,
     }
     return parts
@@ -154,9 +161,14 @@ HOSTILE: dict[str, callable] = {
     "format_version_int": lambda: _changed(lambda p: _set(p.metadata, artifact.META_VERSION, 1)),
     "format_version_float": lambda: _changed(lambda p: _set(p.metadata, artifact.META_VERSION, "1.0")),
     "format_name_list": lambda: _changed(lambda p: _set(p.metadata, artifact.META_FORMAT, ["kvcdn-kv"])),
-    "manifest_not_a_string": lambda: valid_parts().to_bytes(header_text=json.dumps(
-        {"__metadata__": {**valid_parts().metadata, artifact.META_MANIFEST: valid_parts().manifest},
-         **valid_parts().entries})),
+    "manifest_not_a_string": lambda: valid_parts().to_bytes(
+        header_text=json.dumps(
+            {
+                "__metadata__": {**valid_parts().metadata, artifact.META_MANIFEST: valid_parts().manifest},
+                **valid_parts().entries,
+            }
+        )
+    ),
     "manifest_a_list": lambda: valid_parts().to_bytes(manifest_text="[1, 2]"),
     "manifest_50k_deep": lambda: valid_parts().to_bytes(manifest_text=_deep(50_000)),
     "header_50k_deep": lambda: _header_with('"x": ' + _deep(50_000)),
@@ -164,13 +176,16 @@ HOSTILE: dict[str, callable] = {
     "metadata_20mib_padding": lambda: _padding(20 << 20),
     "metadata_padding_under_the_cap": lambda: _padding(7 << 20),
     "unknown_metadata_key": lambda: _changed(lambda p: _set(p.metadata, "note", "hi")),
-    "float_offsets": lambda: _changed(lambda p: _set(_key_entry(p), "data_offsets",
-                                                      [float(o) for o in _key_entry(p)["data_offsets"]])),
-    "bool_offset": lambda: _changed(lambda p: _set(_key_entry(p), "data_offsets",
-                                                    [False, _key_entry(p)["data_offsets"][1]])),
+    "float_offsets": lambda: _changed(
+        lambda p: _set(_key_entry(p), "data_offsets", [float(o) for o in _key_entry(p)["data_offsets"]])
+    ),
+    "bool_offset": lambda: _changed(
+        lambda p: _set(_key_entry(p), "data_offsets", [False, _key_entry(p)["data_offsets"][1]])
+    ),
     "negative_offsets": lambda: _changed(lambda p: _set(_key_entry(p), "data_offsets", [-32, 0])),
-    "three_offsets": lambda: _changed(lambda p: _set(_key_entry(p), "data_offsets",
-                                                      [*_key_entry(p)["data_offsets"], 0])),
+    "three_offsets": lambda: _changed(
+        lambda p: _set(_key_entry(p), "data_offsets", [*_key_entry(p)["data_offsets"], 0])
+    ),
     "overlapping_offsets": lambda: _changed(_overlap),
     "reversed_offsets": lambda: _changed(_reversed),
     "gap_between_tensors": lambda: _changed(_gap),
@@ -182,33 +197,54 @@ HOSTILE: dict[str, callable] = {
     "unknown_dtype": lambda: _changed(lambda p: _set(_key_entry(p), "dtype", "Q4_K")),
     "dtype_not_a_string": lambda: _changed(lambda p: _set(_key_entry(p), "dtype", ["F32"])),
     "tensor_missing_from_file": lambda: _changed(
-        lambda p: _set(p.manifest["tensors"], "layers.1.key", p.manifest["tensors"]["layers.0.key"])),
+        lambda p: _set(p.manifest["tensors"], "layers.1.key", p.manifest["tensors"]["layers.0.key"])
+    ),
     "tensor_missing_from_manifest": lambda: _changed(_extra_tensor),
     "manifest_disagrees_on_dtype": lambda: _changed(
-        lambda p: _set(p.manifest["tensors"]["layers.0.key"], "dtype", "I32")),
+        lambda p: _set(p.manifest["tensors"]["layers.0.key"], "dtype", "I32")
+    ),
     "token_ids_wrong_length": lambda: _changed(lambda p: _set(p.manifest, "token_count", TOKENS + 1)),
-    "token_ids_float": lambda: _changed(lambda p: (_set(p.entries[artifact.TOKEN_IDS], "dtype", "F64"),
-                                                   _set(p.manifest["tensors"][artifact.TOKEN_IDS], "dtype", "F64"))),
+    "token_ids_float": lambda: _changed(
+        lambda p: (
+            _set(p.entries[artifact.TOKEN_IDS], "dtype", "F64"),
+            _set(p.manifest["tensors"][artifact.TOKEN_IDS], "dtype", "F64"),
+        )
+    ),
     "token_count_bool": lambda: _changed(lambda p: _set(p.manifest, "token_count", True)),
     "compute_dtype_float64": lambda: _changed(lambda p: _set(p.manifest, "compute_dtype", "float64")),
     "model_id_not_a_string": lambda: _changed(lambda p: _set(p.manifest["model"], "id", ["x"])),
     "layer_names_unknown_tensor": lambda: _changed(
-        lambda p: _set(p.manifest["layers"][0]["tensors"], "key", "nowhere")),
+        lambda p: _set(p.manifest["layers"][0]["tensors"], "key", "nowhere")
+    ),
     "layer_index_float": lambda: _changed(lambda p: _set(p.manifest["layers"][0], "index", 0.0)),
     "quantization_without_layers": lambda: _changed(
-        lambda p: _set(p.manifest, "quantization", {"scheme": "int8", "target_dtype": "F32"})),
-    "quantization_parameters_a_list": lambda: _changed(lambda p: _set(p.manifest, "quantization", {
-        "scheme": "int8", "target_dtype": "F32", "parameters": [1], "layers": []})),
-    "quantized_tensor_without_parts": lambda: _changed(lambda p: _set(p.manifest, "quantization", {
-        "scheme": "int8", "target_dtype": "F32", "layers": [
-            {"index": 0, "tensors": {"key": {"action": "quantized", "parts": None, "shape": [1]}}}]})),
+        lambda p: _set(p.manifest, "quantization", {"scheme": "int8", "target_dtype": "F32"})
+    ),
+    "quantization_parameters_a_list": lambda: _changed(
+        lambda p: _set(
+            p.manifest, "quantization", {"scheme": "int8", "target_dtype": "F32", "parameters": [1], "layers": []}
+        )
+    ),
+    "quantized_tensor_without_parts": lambda: _changed(
+        lambda p: _set(
+            p.manifest,
+            "quantization",
+            {
+                "scheme": "int8",
+                "target_dtype": "F32",
+                "layers": [{"index": 0, "tensors": {"key": {"action": "quantized", "parts": None, "shape": [1]}}}],
+            },
+        )
+    ),
     "sha256_missing": lambda: _changed(lambda p: p.manifest["tensors"]["layers.0.key"].pop("sha256")),
-    "nan_offset": lambda: valid_parts().to_bytes(header_text=_header_text(valid_parts()).replace(
-        '"data_offsets": [0, 32]', '"data_offsets": [0, NaN]')),
+    "nan_offset": lambda: valid_parts().to_bytes(
+        header_text=_header_text(valid_parts()).replace('"data_offsets": [0, 32]', '"data_offsets": [0, NaN]')
+    ),
     "duplicate_key": lambda: _header_with('"token_ids": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}'),
     "model_id_with_terminal_escape": lambda: _changed(lambda p: _set(p.manifest["model"], "id", "x\x1b[2Jy")),
     "architecture_with_bidi_override": lambda: _changed(
-        lambda p: _set(p.manifest["model"], "architecture", "Qwen\u202eLMsuaC")),
+        lambda p: _set(p.manifest["model"], "architecture", "Qwen\u202eLMsuaC")
+    ),
     "lone_surrogate": lambda: _changed(lambda p: _set(p.manifest["model"], "id", "x\ud800y")),
     "header_not_json": lambda: frame(b"{not json at all}", b""),
     "header_not_utf8": lambda: frame(b'{"\xff": 1}', b""),

@@ -37,8 +37,8 @@ REPO = SUPPORT.parent.parent
 
 CLIENT_ID = "kvcdn-cli"
 DEFAULT_RESOURCE = "https://api.kvcdn.test/"
-SHORT_RESOURCE = "https://short.kvcdn.test/"   # access tokens live 1 s
-OTHER_RESOURCE = "https://other.kvcdn.test/"   # audience "other-api"
+SHORT_RESOURCE = "https://short.kvcdn.test/"  # access tokens live 1 s
+OTHER_RESOURCE = "https://other.kvcdn.test/"  # audience "other-api"
 ACCOUNTS = {"alice": "alice-password", "bob": "bob-password"}
 
 
@@ -85,8 +85,13 @@ def oidc_issuer(timeout: float = 30.0) -> Iterator[Issuer]:
     problem = issuer_available()
     if problem:
         raise RuntimeError(f"cannot start the OIDC test issuer: {problem}")
-    proc = subprocess.Popen(["node", "issuer.mjs", "--port", "0"], cwd=ISSUER_DIR, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["node", "issuer.mjs", "--port", "0"],
+        cwd=ISSUER_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log: list[str] = []
     try:
         deadline = time.monotonic() + timeout
@@ -139,9 +144,14 @@ def browser_login(client: httpx.Client, response: httpx.Response, username: str,
     raise AssertionError("never reached the login form")
 
 
-def device_flow_token(issuer_url: str, username: str = "alice", password: str | None = None,
-                      resource: str | None = None, scope: str = "openid email kvcdn",
-                      client_id: str = CLIENT_ID) -> dict:
+def device_flow_token(
+    issuer_url: str,
+    username: str = "alice",
+    password: str | None = None,
+    resource: str | None = None,
+    scope: str = "openid email kvcdn",
+    client_id: str = CLIENT_ID,
+) -> dict:
     """Run the whole device flow against the issuer and return the token response (a dict).
 
     Plays both parts: the CLI (device authorization, token polling) and the person who opens the
@@ -166,8 +176,11 @@ def device_flow_token(issuer_url: str, username: str = "alice", password: str | 
     with httpx.Client(base_url=issuer_url, timeout=10) as cli:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            data = {"client_id": client_id, "device_code": device["device_code"],
-                    "grant_type": "urn:ietf:params:oauth:grant-type:device_code"}
+            data = {
+                "client_id": client_id,
+                "device_code": device["device_code"],
+                "grant_type": "urn:ietf:params:oauth:grant-type:device_code",
+            }
             if resource:
                 data["resource"] = resource
             token = cli.post("/token", data=data)
@@ -180,8 +193,9 @@ def device_flow_token(issuer_url: str, username: str = "alice", password: str | 
     raise AssertionError("device flow did not finish in time")
 
 
-def browser_authorize(authorize_url: str, username: str = "alice", password: str | None = None,
-                      deliver: bool = False) -> str:
+def browser_authorize(
+    authorize_url: str, username: str = "alice", password: str | None = None, deliver: bool = False
+) -> str:
     """Play the browser of an authorization-code (+PKCE) login that starts at ``authorize_url``.
 
     Signs in on the issuer's page and returns the URL the issuer redirects to (the client's
@@ -195,8 +209,9 @@ def browser_authorize(authorize_url: str, username: str = "alice", password: str
             location = response.headers.get("location")
             if location is None:
                 if 'name="password"' not in response.text:
-                    raise AssertionError(f"issuer page {response.url} answered {response.status_code}: "
-                                         f"{response.text[:300]}")
+                    raise AssertionError(
+                        f"issuer page {response.url} answered {response.status_code}: {response.text[:300]}"
+                    )
                 action, fields = _form_action(response.text, str(response.url))
                 fields.update(login=username, password=password)
                 response = browser.post(action, data=fields)
@@ -229,14 +244,23 @@ def moto_s3(bucket: str | None = "kvcdn-test") -> Iterator[MotoS3]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    env = {"KVCDN_S3_ENDPOINT_URL": endpoint, "KVCDN_S3_REGION": "us-east-1",
-           "KVCDN_S3_ACCESS_KEY_ID": "testing", "KVCDN_S3_SECRET_ACCESS_KEY": "testing"}
+    env = {
+        "KVCDN_S3_ENDPOINT_URL": endpoint,
+        "KVCDN_S3_REGION": "us-east-1",
+        "KVCDN_S3_ACCESS_KEY_ID": "testing",
+        "KVCDN_S3_SECRET_ACCESS_KEY": "testing",
+    }
     try:
         if bucket:
             import boto3
 
-            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                         aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+            boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name="us-east-1",
+                aws_access_key_id="testing",
+                aws_secret_access_key="testing",
+            ).create_bucket(Bucket=bucket)
         yield MotoS3(endpoint, server, env)
     finally:
         server.stop()
@@ -293,16 +317,40 @@ def postgres(timeout: float = 60.0) -> Iterator[Postgres]:
         as_user = ["runuser", "-u", "postgres", "--"]
     data, log = directory / "data", directory / "server.log"
     port = free_port()
-    subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
-                    "--no-sync", "-E", "UTF8"], check=True, capture_output=True, timeout=timeout)
+    subprocess.run(
+        [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"],
+        check=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     options = f"-c listen_addresses=127.0.0.1 -p {port} -k {directory} -c fsync=off -c max_connections=200"
-    subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w",
-                    "-t", str(int(timeout)), "start"], check=True, capture_output=True, timeout=timeout + 10)
+    subprocess.run(
+        [
+            *as_user,
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(log),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            str(int(timeout)),
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=timeout + 10,
+    )
     try:
         yield Postgres(port, directory)
     finally:
-        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],
-                       capture_output=True, timeout=timeout)
+        subprocess.run(
+            [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],
+            capture_output=True,
+            timeout=timeout,
+        )
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -323,14 +371,22 @@ def kvcdn_executable() -> list[str]:
 
 
 @contextlib.contextmanager
-def kvcdn_server(data_home: Path, args: list[str] = (), env: dict[str, str] | None = None,
-                 timeout: float = 60.0) -> Iterator[KvcdnServer]:
+def kvcdn_server(
+    data_home: Path, args: list[str] = (), env: dict[str, str] | None = None, timeout: float = 60.0
+) -> Iterator[KvcdnServer]:
     """``kvcdn serve`` on a free loopback port with XDG_DATA_HOME=``data_home``; waits for /health."""
     port = free_port()
     full_env = dict(os.environ)
     # Inference on the CPU, like the local `kvcdn continue --device cpu` the tests compare with.
-    full_env.update({"XDG_DATA_HOME": str(data_home), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                     "TOKENIZERS_PARALLELISM": "false", "KVCDN_INFER_DEVICE": "cpu"})
+    full_env.update(
+        {
+            "XDG_DATA_HOME": str(data_home),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "KVCDN_INFER_DEVICE": "cpu",
+        }
+    )
     full_env.update(env or {})
     cmd = [*kvcdn_executable(), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

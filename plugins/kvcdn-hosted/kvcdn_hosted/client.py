@@ -12,8 +12,7 @@ import random
 import time
 from typing import Any
 
-from kvcdn_core.errors import KvcdnError
-
+from kvcdn_core import KvcdnError
 from kvcdn_hosted import credentials, oidc
 from kvcdn_hosted.apikey import validate_api_key
 from kvcdn_hosted.config import Settings
@@ -52,8 +51,9 @@ def resolve_credential(settings: Settings, http=None) -> Credential | None:
         return None  # a session of another issuer is no credential for this one
     if oidc.needs_refresh(session):
         session = _refreshed(session, http)
-    return Credential("oidc", session["access_token"], f"login session ({session['issuer']})",
-                      session.get("expires_at"))
+    return Credential(
+        "oidc", session["access_token"], f"login session ({session['issuer']})", session.get("expires_at")
+    )
 
 
 def _refreshed(session: dict[str, Any], http=None) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def backoff_delay(attempt: int, retry_after: str | None = None) -> float:
             return min(max(float(retry_after), 0.0), BACKOFF_MAX_S)
         except ValueError:
             pass
-    return min(BACKOFF_BASE_S * (2 ** attempt), BACKOFF_MAX_S) * (0.5 + random.random() / 2)
+    return min(BACKOFF_BASE_S * (2**attempt), BACKOFF_MAX_S) * (0.5 + random.random() / 2)
 
 
 def server_message(response) -> str:
@@ -118,8 +118,9 @@ class HostedClient:
 
         self.settings = settings
         self.api_url = settings.require_api_url()
-        self.http = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), follow_redirects=False,
-                                 headers={"User-Agent": _user_agent()})
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(60.0, connect=10.0), follow_redirects=False, headers={"User-Agent": _user_agent()}
+        )
         self.credential = credential
         if auth and credential is None:
             self.credential = resolve_credential(settings, self.http)
@@ -152,17 +153,32 @@ class HostedClient:
             _warned_plain_http.add(self.api_url)
             import click
 
-            click.echo(f"warning: sending your credential over plain http to {self.api_url}; "
-                       "use https for anything but a loopback address", err=True)
+            click.echo(
+                f"warning: sending your credential over plain http to {self.api_url}; "
+                "use https for anything but a loopback address",
+                err=True,
+            )
 
     def require_credential(self, what: str) -> Credential:
         if self.credential is None:
             raise KvcdnError(f"{what}: not logged in; {LOGIN_HINT}")
         return self.credential
 
-    def request(self, method: str, path: str, *, what: str, auth: bool = True, json: Any = None,
-                params: dict | None = None, headers: dict | None = None, ok=(200, 201, 204),
-                attempts: int = ATTEMPTS, timeout: float | None = None, idempotent: bool | None = None):
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        what: str,
+        auth: bool = True,
+        json: Any = None,
+        params: dict | None = None,
+        headers: dict | None = None,
+        ok=(200, 201, 204),
+        attempts: int = ATTEMPTS,
+        timeout: float | None = None,
+        idempotent: bool | None = None,
+    ):
         """Send with retries on transient failures; raise a one-line error on a final failure.
 
         A request that is not idempotent (a POST unless the caller says otherwise) is sent again
@@ -231,7 +247,6 @@ def insecure_remote(url: str) -> bool:
 
 def _user_agent() -> str:
     import kvcdn_core
-
     from kvcdn_hosted import __version__
 
     return f"kvcdn/{kvcdn_core.__version__} kvcdn-hosted/{__version__}"

@@ -17,27 +17,40 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import emit_json
-from kvcdn_core.errors import CheckFailed, KvcdnError
-
+from kvcdn_core import CheckFailed, KvcdnError, emit_json, print_table
 from kvcdn_hosted import wire
-
 
 # -- shared options and plumbing -----------------------------------------------------------------
 
+
 def endpoint_options(f):
-    f = click.option("--api-key", "api_key", default=None, metavar="KEY",
-                     help="Org API key (kv_...) [env KVCDN_API_KEY]; wins over a login session.")(f)
-    f = click.option("--api-url", "api_url", default=None, metavar="URL",
-                     help="Hosted endpoint [env KVCDN_API_URL, config api_url].")(f)
+    f = click.option(
+        "--api-key",
+        "api_key",
+        default=None,
+        metavar="KEY",
+        help="Org API key (kv_...) [env KVCDN_API_KEY]; wins over a login session.",
+    )(f)
+    f = click.option(
+        "--api-url", "api_url", default=None, metavar="URL", help="Hosted endpoint [env KVCDN_API_URL, config api_url]."
+    )(f)
     return f
 
 
 def issuer_options(f):
-    f = click.option("--client-id", "client_id", default=None,
-                     help="OIDC client id [env KVCDN_CLIENT_ID, config client_id, default kvcdn-cli].")(f)
-    f = click.option("--issuer-url", "issuer_url", default=None, metavar="URL",
-                     help="OIDC issuer [env KVCDN_ISSUER_URL, config issuer_url].")(f)
+    f = click.option(
+        "--client-id",
+        "client_id",
+        default=None,
+        help="OIDC client id [env KVCDN_CLIENT_ID, config client_id, default kvcdn-cli].",
+    )(f)
+    f = click.option(
+        "--issuer-url",
+        "issuer_url",
+        default=None,
+        metavar="URL",
+        help="OIDC issuer [env KVCDN_ISSUER_URL, config issuer_url].",
+    )(f)
     return f
 
 
@@ -73,8 +86,11 @@ def hosted_command(name: str):
                 # expect: one line and exit 2, not a traceback (KVCDN_DEBUG=1 shows where).
                 if os.environ.get("KVCDN_DEBUG"):
                     raise
-                click.echo(f"error: {name}: unexpected data in the server's answer "
-                           f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", err=True)
+                click.echo(
+                    f"error: {name}: unexpected data in the server's answer "
+                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
+                    err=True,
+                )
                 _telemetry(kwargs, name, started, False)
                 raise click.exceptions.Exit(2) from None
             _telemetry(kwargs, name, started, True)
@@ -108,7 +124,7 @@ def _backend(uri: str | None, settings, quiet: bool):
 
     if uri is None:
         return True, _hosted(settings, quiet)
-    from kvcdn_core.storage import open_storage
+    from kvcdn_core import open_storage
 
     backend = open_storage(uri)
     if isinstance(backend, HostedStorage):
@@ -118,16 +134,13 @@ def _backend(uri: str | None, settings, quiet: bool):
 
 
 def _human_bytes(n) -> str:
-    from kvcdn_core.progress import human_bytes
+    from kvcdn_core import human_bytes
 
     return human_bytes(float(n or 0))
 
 
 def _table(rows: list[tuple]) -> None:
-    rows = [tuple("" if c is None else str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print_table(rows)
 
 
 def _check_upload_source(path: str) -> tuple[Path, dict]:
@@ -146,13 +159,25 @@ def _check_upload_source(path: str) -> tuple[Path, dict]:
 
 # -- login, logout, api-key -------------------------------------------------------------------------
 
+
 @click.command("login")
 @issuer_options
 @click.option("--no-browser", is_flag=True, help="Only print the URL and code; do not open a browser.")
-@click.option("--flow", type=click.Choice(["auto", "device", "browser"]), default="auto", show_default=True,
-              help="auto: the device flow when the issuer offers it, else browser (auth code + PKCE).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300, show_default=True,
-              help="Seconds to wait for the browser redirect (browser flow).")
+@click.option(
+    "--flow",
+    type=click.Choice(["auto", "device", "browser"]),
+    default="auto",
+    show_default=True,
+    help="auto: the device flow when the issuer offers it, else browser (auth code + PKCE).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=300,
+    show_default=True,
+    help="Seconds to wait for the browser redirect (browser flow).",
+)
 @hosted_command("login")
 def login(issuer_url, client_id, no_browser, flow, timeout_s):
     """Log in with your identity provider (OIDC) and store the session privately."""
@@ -175,12 +200,26 @@ def login(issuer_url, client_id, no_browser, flow, timeout_s):
         if flow == "device" and not use_device:
             raise KvcdnError(f"the issuer {issuer} does not offer the device flow; use --flow browser")
         if use_device:
-            tokens = oidc.device_login(http, meta, settings.client_id, scope=settings.oidc_scope, resource=resource, say=say,
-                                       open_browser=opener)
+            tokens = oidc.device_login(
+                http,
+                meta,
+                settings.client_id,
+                scope=settings.oidc_scope,
+                resource=resource,
+                say=say,
+                open_browser=opener,
+            )
         else:
-            tokens = oidc.pkce_login(http, meta, settings.client_id, scope=settings.oidc_scope, resource=resource,
-                                     timeout_s=timeout_s,
-                                     say=say, open_browser=opener)
+            tokens = oidc.pkce_login(
+                http,
+                meta,
+                settings.client_id,
+                scope=settings.oidc_scope,
+                resource=resource,
+                timeout_s=timeout_s,
+                say=say,
+                open_browser=opener,
+            )
     session = oidc.session_from_tokens(tokens, meta, issuer, settings.client_id, resource)
     credentials.update(session=session)
     click.echo(f"logged in to {issuer}; session stored in {credentials.credentials_path()}")
@@ -243,8 +282,10 @@ def api_key_verify(api_url, api_key, fmt):
     with HostedClient(settings, credential=credential) as client:
         response = client.request("POST", wire.VERIFY_API_KEY, what="api-key verify", ok=(200, 401))
     if response.status_code == 401:  # the check ran and the key failed it: exit 1
-        raise CheckFailed(f"the server at {settings.api_url} rejects the API key {mask(credential.token)} "
-                          f"from {credential.source}; ask your org admin for a valid key")
+        raise CheckFailed(
+            f"the server at {settings.api_url} rejects the API key {mask(credential.token)} "
+            f"from {credential.source}; ask your org admin for a valid key"
+        )
     try:
         info = response.json()
     except ValueError:
@@ -252,7 +293,9 @@ def api_key_verify(api_url, api_key, fmt):
     if fmt == "json":
         emit_json(info)
     else:
-        click.echo(f"valid API key for org {info.get('org')} (customer {info.get('customer_id')}), from {credential.source}")
+        click.echo(
+            f"valid API key for org {info.get('org')} (customer {info.get('customer_id')}), from {credential.source}"
+        )
 
 
 @api_key_group.command("clear")
@@ -268,12 +311,18 @@ def api_key_clear():
 
 # -- artifacts --------------------------------------------------------------------------------------
 
+
 @click.command("upload")
 @click.argument("artifact_path", metavar="ARTIFACT.kv")
 @click.option("--name", required=True, help="Name to list the artifact under.")
 @click.option("--visibility", type=click.Choice(["private", "public"]), default="private", show_default=True)
-@click.option("--to", "to_uri", default=None, metavar="URI",
-              help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].")
+@click.option(
+    "--to",
+    "to_uri",
+    default=None,
+    metavar="URI",
+    help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].",
+)
 @click.option("--force", is_flag=True, help="Replace an object of the same name in a --to store.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @endpoint_options
@@ -294,8 +343,13 @@ def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key
         if not force and backend.exists(key):
             raise KvcdnError(f"'{key}' exists in {to_uri}; pass --force to replace it or --name to choose another")
         backend.put_file(key, source)
-        record = {"artifact_id": key, "name": name, "size_bytes": source.stat().st_size,
-                  "sha256": sha256_file(source), "storage": to_uri}
+        record = {
+            "artifact_id": key,
+            "name": name,
+            "size_bytes": source.stat().st_size,
+            "sha256": sha256_file(source),
+            "storage": to_uri,
+        }
         artifact_id = key
     if fmt == "json":
         emit_json(record)
@@ -316,8 +370,9 @@ def list_cmd(fmt, long_, from_uri, api_url, api_key):
     if hosted:
         items = backend.artifacts()
     else:
-        items = [{"artifact_id": o.key, "name": o.key, "size_bytes": o.size}
-                 for o in backend.list() if o.key.endswith(".kv")]
+        items = [
+            {"artifact_id": o.key, "name": o.key, "size_bytes": o.size} for o in backend.list() if o.key.endswith(".kv")
+        ]
     if fmt == "json":
         emit_json(items)
     elif fmt == "ids":
@@ -332,9 +387,15 @@ def list_cmd(fmt, long_, from_uri, api_url, api_key):
         rows = [tuple(head)]
         for a in items:
             m = a.get("manifest") or {}
-            row = [a.get("artifact_id"), a.get("name"), _human_bytes(a.get("size_bytes")),
-                   m.get("token_count", m.get("tokens")),
-                   m.get("model_id"), a.get("visibility"), a.get("created_at")]
+            row = [
+                a.get("artifact_id"),
+                a.get("name"),
+                _human_bytes(a.get("size_bytes")),
+                m.get("token_count", m.get("tokens")),
+                m.get("model_id"),
+                a.get("visibility"),
+                a.get("created_at"),
+            ]
             if long_:
                 row += [m.get("architecture"), m.get("dtype"), m.get("quantization") or "none", a.get("sha256")]
             rows.append(tuple("-" if v is None else v for v in row))
@@ -363,7 +424,7 @@ def _default_download_name(artifact_id: str, record: dict | None) -> str:
 @hosted_command("download")
 def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
     """Download an artifact, check its sha256 and .kv header, and write it atomically."""
-    from kvcdn_core.paths import ensure_kv_suffix
+    from kvcdn_core import ensure_kv_suffix
 
     settings = settings_from(locals())
     hosted, backend = _backend(from_uri, settings, quiet)
@@ -471,8 +532,7 @@ def infer(artifact_id, question, n, org, project, fmt, api_url, api_key):
     """Continue from an uploaded artifact on the server (no prefill on either side)."""
     settings = settings_from(locals())
     backend = _hosted(settings)
-    result = backend.infer(artifact_id, question, n, org or settings.default_org,
-                           project or settings.default_project)
+    result = backend.infer(artifact_id, question, n, org or settings.default_org, project or settings.default_project)
     if fmt == "json":
         emit_json(result)
     else:
@@ -481,9 +541,16 @@ def infer(artifact_id, question, n, org, project, fmt, api_url, api_key):
 
 # -- identity and quota -----------------------------------------------------------------------------
 
+
 @click.command("whoami")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
-              help="json includes access_token, the credential in use (for curl); table never shows it.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="json includes access_token, the credential in use (for curl); table never shows it.",
+)
 @endpoint_options
 @hosted_command("whoami")
 def whoami(fmt, api_url, api_key):
@@ -496,12 +563,21 @@ def whoami(fmt, api_url, api_key):
         info = client.json("GET", wire.WHOAMI, what="whoami")
     info = dict(info or {})
     if fmt == "json":
-        info.update(access_token=credential.token, credential=credential.method,
-                    credential_source=credential.source, api_url=settings.api_url)
+        info.update(
+            access_token=credential.token,
+            credential=credential.method,
+            credential_source=credential.source,
+            api_url=settings.api_url,
+        )
         emit_json(info)
         return
-    rows = [("endpoint", settings.api_url), ("customer", info.get("customer_id")), ("org", info.get("org")),
-            ("method", info.get("method") or credential.method), ("credential", credential.source)]
+    rows = [
+        ("endpoint", settings.api_url),
+        ("customer", info.get("customer_id")),
+        ("org", info.get("org")),
+        ("method", info.get("method") or credential.method),
+        ("credential", credential.source),
+    ]
     if credential.expires_at:
         left = int(credential.expires_at - time.time())
         rows.append(("expires in", f"{left} s"))
@@ -561,10 +637,18 @@ def mint_api_key(org, fmt, api_url):
     settings = settings_from(locals())
     with HostedClient(settings, auth=False) as client:
         if insecure_remote(client.api_url):
-            click.echo(f"warning: sending the admin secret over plain http to {client.api_url}; "
-                       "use https for anything but a loopback address", err=True)
-        info = client.json("POST", wire.ADMIN_API_KEYS, what="admin mint-api-key", json={"org_slug": org},
-                           headers={"X-Kvcdn-Admin-Secret": secret})
+            click.echo(
+                f"warning: sending the admin secret over plain http to {client.api_url}; "
+                "use https for anything but a loopback address",
+                err=True,
+            )
+        info = client.json(
+            "POST",
+            wire.ADMIN_API_KEYS,
+            what="admin mint-api-key",
+            json={"org_slug": org},
+            headers={"X-Kvcdn-Admin-Secret": secret},
+        )
     if fmt == "json":
         emit_json(info)
     else:

@@ -12,8 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import config_home
+from kvcdn_core import KvcdnError, config_home
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,15 +56,17 @@ class Settings:
         if not self.api_url:
             raise KvcdnError(
                 "no hosted endpoint configured: pass --api-url URL, set KVCDN_API_URL, or add "
-                f"api_url = \"https://...\" to {config_path()} (for a local server: kvcdn serve, "
-                "then KVCDN_API_URL=http://127.0.0.1:8080)")
+                f'api_url = "https://..." to {config_path()} (for a local server: kvcdn serve, '
+                "then KVCDN_API_URL=http://127.0.0.1:8080)"
+            )
         return self.api_url
 
     def require_issuer_url(self) -> str:
         if not self.issuer_url:
             raise KvcdnError(
                 "no OIDC issuer configured: pass --issuer-url URL, set KVCDN_ISSUER_URL, or add "
-                f"issuer_url = \"https://...\" to {config_path()}; or use an API key: kvcdn api-key set KEY")
+                f'issuer_url = "https://..." to {config_path()}; or use an API key: kvcdn api-key set KEY'
+            )
         return self.issuer_url
 
 
@@ -99,8 +100,10 @@ def read_config_file(path: Path | None = None) -> dict[str, str]:
         if key not in ENV:
             if (str(path), key) not in _WARNED:  # settings are read more than once per command
                 _WARNED.add((str(path), key))
-                print(f"warning: config file {path}: unknown setting '{key}' ignored "
-                      f"(known: {', '.join(ENV)})", file=sys.stderr)
+                print(
+                    f"warning: config file {path}: unknown setting '{key}' ignored (known: {', '.join(ENV)})",
+                    file=sys.stderr,
+                )
             continue
         if not isinstance(value, str):
             raise KvcdnError(f"config file {path}: '{key}' must be a string, got {type(value).__name__}")

@@ -17,9 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core.atomic import atomic_open
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import config_home
+from kvcdn_core import KvcdnError, atomic_open, config_home
 
 FILE_NAME = "credentials.json"
 _held = threading.local()

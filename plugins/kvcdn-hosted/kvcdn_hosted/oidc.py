@@ -16,10 +16,11 @@ import hashlib
 import secrets
 import time
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Callable
+from typing import Any
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError
 
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 DEFAULT_SCOPE = "openid offline_access"
@@ -70,14 +71,22 @@ def _base_params(client_id: str, scope: str, resource: str | None) -> dict[str, 
     return params
 
 
-def device_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEFAULT_SCOPE,
-                 resource: str | None = None, say: Callable[[str], None] = print,
-                 open_browser: Callable[[str], Any] | None = None,
-                 sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+def device_login(
+    http,
+    meta: dict[str, Any],
+    client_id: str,
+    *,
+    scope: str = DEFAULT_SCOPE,
+    resource: str | None = None,
+    say: Callable[[str], None] = print,
+    open_browser: Callable[[str], Any] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
     """Run the device authorization grant; return the token response."""
-    response = http.post(meta["device_authorization_endpoint"], data=_base_params(client_id, scope, resource),
-                         timeout=HTTP_TIMEOUT)
+    response = http.post(
+        meta["device_authorization_endpoint"], data=_base_params(client_id, scope, resource), timeout=HTTP_TIMEOUT
+    )
     data = _json(response, "device authorization request")
     if response.status_code != 200:
         raise _oauth_error(data, "the issuer refused the device authorization request", response.status_code)
@@ -102,8 +111,11 @@ def device_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEF
             sleep(max(0.0, deadline - clock()))
             raise KvcdnError("the login code expired before it was approved; run kvcdn login again")
         sleep(interval)
-        response = http.post(meta["token_endpoint"], timeout=HTTP_TIMEOUT, data={
-            "grant_type": DEVICE_GRANT, "device_code": data["device_code"], "client_id": client_id})
+        response = http.post(
+            meta["token_endpoint"],
+            timeout=HTTP_TIMEOUT,
+            data={"grant_type": DEVICE_GRANT, "device_code": data["device_code"], "client_id": client_id},
+        )
         tokens = _json(response, "device token request")
         if response.status_code == 200:
             return tokens
@@ -136,8 +148,11 @@ class _Callback(BaseHTTPRequestHandler):
         query = dict(urllib.parse.parse_qsl(parsed.query))
         self.server.callback_result = query  # type: ignore[attr-defined]
         ok = "code" in query and "error" not in query
-        body = ("Login complete: you can close this window and return to the terminal." if ok
-                else "Login failed: return to the terminal for details.").encode()
+        body = (
+            "Login complete: you can close this window and return to the terminal."
+            if ok
+            else "Login failed: return to the terminal for details."
+        ).encode()
         self.send_response(200 if ok else 400)
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
@@ -148,10 +163,17 @@ class _Callback(BaseHTTPRequestHandler):
         pass
 
 
-def pkce_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEFAULT_SCOPE,
-               resource: str | None = None, timeout_s: float = 300.0,
-               say: Callable[[str], None] = print,
-               open_browser: Callable[[str], Any] | None = None) -> dict[str, Any]:
+def pkce_login(
+    http,
+    meta: dict[str, Any],
+    client_id: str,
+    *,
+    scope: str = DEFAULT_SCOPE,
+    resource: str | None = None,
+    timeout_s: float = 300.0,
+    say: Callable[[str], None] = print,
+    open_browser: Callable[[str], Any] | None = None,
+) -> dict[str, Any]:
     """Authorization code + PKCE on a loopback redirect; return the token response."""
     if not meta.get("authorization_endpoint"):
         raise KvcdnError("the issuer offers neither the device flow nor an authorization endpoint")
@@ -164,8 +186,13 @@ def pkce_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEFAU
     server.callback_result = None  # type: ignore[attr-defined]
     redirect_uri = f"http://127.0.0.1:{server.server_address[1]}/callback"
     params = _base_params(client_id, scope, resource)
-    params.update(response_type="code", redirect_uri=redirect_uri, state=state,
-                  code_challenge=challenge, code_challenge_method="S256")
+    params.update(
+        response_type="code",
+        redirect_uri=redirect_uri,
+        state=state,
+        code_challenge=challenge,
+        code_challenge_method="S256",
+    )
     if "offline_access" in scope.split():
         params["prompt"] = "consent"  # OIDC Core §11: a refresh token is granted only with consent
     separator = "&" if "?" in meta["authorization_endpoint"] else "?"
@@ -196,8 +223,13 @@ def pkce_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEFAU
         raise KvcdnError(f"login aborted: the redirect comes from issuer '{query['iss']}', not ours (RFC 9207)")
     if not query.get("code"):
         raise KvcdnError("login failed: the redirect carries no authorization code")
-    data = {"grant_type": "authorization_code", "code": query["code"], "redirect_uri": redirect_uri,
-            "client_id": client_id, "code_verifier": verifier}
+    data = {
+        "grant_type": "authorization_code",
+        "code": query["code"],
+        "redirect_uri": redirect_uri,
+        "client_id": client_id,
+        "code_verifier": verifier,
+    }
     if resource:
         data["resource"] = resource
     response = http.post(meta["token_endpoint"], data=data, timeout=HTTP_TIMEOUT)
@@ -207,8 +239,14 @@ def pkce_login(http, meta: dict[str, Any], client_id: str, *, scope: str = DEFAU
     return tokens
 
 
-def session_from_tokens(tokens: dict[str, Any], meta: dict[str, Any], issuer: str, client_id: str,
-                        resource: str | None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+def session_from_tokens(
+    tokens: dict[str, Any],
+    meta: dict[str, Any],
+    issuer: str,
+    client_id: str,
+    resource: str | None,
+    previous: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """What is stored for a login: tokens plus where and how to refresh them."""
     if not tokens.get("access_token"):
         raise KvcdnError("the issuer's token response has no access_token")
@@ -239,8 +277,7 @@ def refresh(http, session: dict[str, Any]) -> dict[str, Any]:
 
     if not session.get("refresh_token"):
         raise KvcdnError("your login session expired and has no refresh token: run kvcdn login")
-    data = {"grant_type": "refresh_token", "refresh_token": session["refresh_token"],
-            "client_id": session["client_id"]}
+    data = {"grant_type": "refresh_token", "refresh_token": session["refresh_token"], "client_id": session["client_id"]}
     if session.get("resource"):
         data["resource"] = session["resource"]
     try:
@@ -251,8 +288,9 @@ def refresh(http, session: dict[str, Any]) -> dict[str, Any]:
     if response.status_code != 200:
         error = tokens.get("error") or f"HTTP {response.status_code}"
         raise KvcdnError(f"your login session could not be refreshed ({error}): run kvcdn login")
-    return session_from_tokens(tokens, {}, session["issuer"], session["client_id"], session.get("resource"),
-                               previous=session)
+    return session_from_tokens(
+        tokens, {}, session["issuer"], session["client_id"], session.get("resource"), previous=session
+    )
 
 
 def revoke(http, session: dict[str, Any]) -> bool:
@@ -261,9 +299,11 @@ def revoke(http, session: dict[str, Any]) -> bool:
     if not endpoint or not token:
         return False
     try:
-        response = http.post(endpoint, timeout=5.0, data={
-            "token": token, "token_type_hint": "refresh_token", "client_id": session["client_id"]})
+        response = http.post(
+            endpoint,
+            timeout=5.0,
+            data={"token": token, "token_type_hint": "refresh_token", "client_id": session["client_id"]},
+        )
         return response.status_code == 200
     except Exception:
         return False
-

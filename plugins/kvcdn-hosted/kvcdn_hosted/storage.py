@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.storage import ObjectInfo, StorageBackend
-
+from kvcdn_core import KvcdnError, ObjectInfo, StorageBackend
 from kvcdn_hosted import wire
 
 #: confirm makes the server read and hash the whole object: allow a floor plus time per byte
@@ -76,7 +74,6 @@ class HostedStorage(StorageBackend):
     def upload(self, source: Path, name: str, visibility: str = "private") -> dict[str, Any]:
         """Upload a checked ``.kv`` file; return the confirmed artifact record."""
         from kvcdn_core import artifact
-
         from kvcdn_hosted import transfer
 
         source = Path(source)
@@ -87,8 +84,13 @@ class HostedStorage(StorageBackend):
         client.require_credential("upload")
         from kvcdn_hosted.wire_schema import ManifestHints, UploadUrlRequest
 
-        body = UploadUrlRequest(name=name, size_bytes=size, sha256=digest, visibility=visibility,
-                                manifest=ManifestHints(**artifact.summary(manifest)))
+        body = UploadUrlRequest(
+            name=name,
+            size_bytes=size,
+            sha256=digest,
+            visibility=visibility,
+            manifest=ManifestHints(**artifact.summary(manifest)),
+        )
         grant = client.json("POST", wire.UPLOAD_URL, what="upload", json=body.model_dump(exclude_unset=True))
         artifact_id = grant.get("artifact_id")
         if not artifact_id:
@@ -100,8 +102,14 @@ class HostedStorage(StorageBackend):
         else:
             if str(grant.get("method", "PUT")).upper() != "PUT" or not grant.get("url"):
                 raise KvcdnError("upload: the server offered no PUT url")
-            transfer.put_bytes(client.http, client.url(grant["url"]), source,
-                               headers=grant.get("headers") or {}, label="upload", quiet=self.quiet)
+            transfer.put_bytes(
+                client.http,
+                client.url(grant["url"]),
+                source,
+                headers=grant.get("headers") or {},
+                label="upload",
+                quiet=self.quiet,
+            )
         record = self._confirm(artifact_id, confirm_body, size, digest)
         record.setdefault("artifact_id", artifact_id)
         return record
@@ -112,9 +120,15 @@ class HostedStorage(StorageBackend):
 
         client = self.client
         timeout = confirm_timeout(size)
-        response = client.request("POST", wire.path(wire.CONFIRM_UPLOAD, artifact_id=_id(artifact_id)),
-                                  what="upload confirm", json=body, ok=(200, 409), timeout=timeout,
-                                  idempotent=True)
+        response = client.request(
+            "POST",
+            wire.path(wire.CONFIRM_UPLOAD, artifact_id=_id(artifact_id)),
+            what="upload confirm",
+            json=body,
+            ok=(200, 409),
+            timeout=timeout,
+            idempotent=True,
+        )
         if response.status_code == 200:
             try:
                 record = response.json()
@@ -140,8 +154,9 @@ class HostedStorage(StorageBackend):
                     raise KvcdnError(f"upload confirm: artifact {artifact_id} was confirmed with other bytes")
                 return record
             if time.monotonic() > deadline:
-                raise KvcdnError(f"upload confirm: artifact {artifact_id} is still being checked; "
-                                 "see `kvcdn list` in a while")
+                raise KvcdnError(
+                    f"upload confirm: artifact {artifact_id} is still being checked; see `kvcdn list` in a while"
+                )
             time.sleep(CONFIRM_POLL_S)
 
     def _upload_parts(self, source: Path, parts: list[dict], multipart: dict) -> list[dict]:
@@ -154,9 +169,15 @@ class HostedStorage(StorageBackend):
             number = int(part["part_number"])
             start = int(part.get("offset", (number - 1) * part_size))
             length = int(part.get("size", min(part_size, size - start)))
-            response = transfer.put_bytes(self.client.http, self.client.url(part["url"]), source, start=start,
-                                          length=length, label=f"upload part {index + 1}/{len(parts)}",
-                                          quiet=self.quiet)
+            response = transfer.put_bytes(
+                self.client.http,
+                self.client.url(part["url"]),
+                source,
+                start=start,
+                length=length,
+                label=f"upload part {index + 1}/{len(parts)}",
+                quiet=self.quiet,
+            )
             done.append({"part_number": number, "etag": response.headers.get("ETag", "")})  # verbatim
         return done
 
@@ -177,12 +198,18 @@ class HostedStorage(StorageBackend):
         raise KvcdnError("list: the server kept returning more pages")
 
     def describe(self, artifact_id: str) -> dict[str, Any]:
-        return self.client.json("GET", wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id)), what=f"artifact {artifact_id}")
+        return self.client.json(
+            "GET", wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id)), what=f"artifact {artifact_id}"
+        )
 
     def download_grant(self, artifact_id: str) -> dict[str, Any]:
         # public artifacts need no credential: send one only when we have it
-        return self.client.json("POST", wire.path(wire.DOWNLOAD_URL, artifact_id=_id(artifact_id)),
-                                what=f"download {artifact_id}", idempotent=True)
+        return self.client.json(
+            "POST",
+            wire.path(wire.DOWNLOAD_URL, artifact_id=_id(artifact_id)),
+            what=f"download {artifact_id}",
+            idempotent=True,
+        )
 
     def download(self, artifact_id: str, target: Path) -> Path:
         from kvcdn_hosted import transfer
@@ -192,22 +219,34 @@ class HostedStorage(StorageBackend):
         if not url:
             raise KvcdnError("download: the server's answer has no download_url")
         size = grant.get("size_bytes")
-        return transfer.download_to(self.client.http, self.client.url(url), Path(target),
-                                    sha256=grant.get("sha256"), size=int(size) if size is not None else None,
-                                    label="download", quiet=self.quiet)
+        return transfer.download_to(
+            self.client.http,
+            self.client.url(url),
+            Path(target),
+            sha256=grant.get("sha256"),
+            size=int(size) if size is not None else None,
+            label="download",
+            quiet=self.quiet,
+        )
 
     def remove(self, artifact_id: str) -> None:
-        self.client.request("DELETE", wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id)), what=f"delete {artifact_id}",
-                            ok=(200, 204))
+        self.client.request(
+            "DELETE",
+            wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id)),
+            what=f"delete {artifact_id}",
+            ok=(200, 204),
+        )
 
-    def infer(self, artifact_id: str, question: str, n: int, org: str | None = None,
-              project: str | None = None) -> dict[str, Any]:
+    def infer(
+        self, artifact_id: str, question: str, n: int, org: str | None = None, project: str | None = None
+    ) -> dict[str, Any]:
         if org and project:
             path = wire.path(wire.LEGACY_INFER, org=org, project=project, artifact_id=_id(artifact_id))
         else:
             path = wire.path(wire.INFER, artifact_id=_id(artifact_id))
-        return self.client.json("POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0,
-                                idempotent=True)  # no side effects: a retry only repeats the work
+        return self.client.json(
+            "POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0, idempotent=True
+        )  # no side effects: a retry only repeats the work
 
     # -- StorageBackend --------------------------------------------------------------------------
 
@@ -222,12 +261,17 @@ class HostedStorage(StorageBackend):
         return super().open_read(key)
 
     def exists(self, key: str) -> bool:
-        response = self.client.request("GET", wire.path(wire.ARTIFACT, artifact_id=_id(key)), what=f"artifact {key}", ok=(200, 404))
+        response = self.client.request(
+            "GET", wire.path(wire.ARTIFACT, artifact_id=_id(key)), what=f"artifact {key}", ok=(200, 404)
+        )
         return response.status_code == 200
 
     def delete(self, key: str) -> None:
         self.remove(key)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return [ObjectInfo(a["artifact_id"], int(a.get("size_bytes") or 0)) for a in self.artifacts()
-                if str(a.get("artifact_id", "")).startswith(prefix)]
+        return [
+            ObjectInfo(a["artifact_id"], int(a.get("size_bytes") or 0))
+            for a in self.artifacts()
+            if str(a.get("artifact_id", "")).startswith(prefix)
+        ]

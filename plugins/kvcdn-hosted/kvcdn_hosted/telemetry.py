@@ -44,8 +44,9 @@ def _post(url: str, payload: dict, timeout: float) -> None:
         pass
 
 
-def send(api_url: str | None, command: str, duration_s: float, success: bool,
-         max_wait_s: float = MAX_WAIT_S) -> threading.Thread | None:
+def send(
+    api_url: str | None, command: str, duration_s: float, success: bool, max_wait_s: float = MAX_WAIT_S
+) -> threading.Thread | None:
     """Send one event if telemetry is on; return after it was sent or ``max_wait_s``, whichever first."""
     if not enabled(api_url):
         return None
@@ -53,8 +54,10 @@ def send(api_url: str | None, command: str, duration_s: float, success: bool,
 
     started = time.monotonic()
     thread = threading.Thread(
-        target=_post, args=(api_url.rstrip("/") + PATH, event(command, duration_s, success), 2.0),
-        name="kvcdn-telemetry", daemon=True,
+        target=_post,
+        args=(api_url.rstrip("/") + PATH, event(command, duration_s, success), 2.0),
+        name="kvcdn-telemetry",
+        daemon=True,
     )
     thread.start()
     thread.join(max(0.0, max_wait_s - (time.monotonic() - started)))

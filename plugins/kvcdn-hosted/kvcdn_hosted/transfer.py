@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from kvcdn_core.atomic import atomic_path
-from kvcdn_core.errors import CheckFailed, KvcdnError
-from kvcdn_core.progress import Progress
-
+from kvcdn_core import CheckFailed, KvcdnError, Progress, atomic_path
 from kvcdn_hosted.client import ATTEMPTS, TRANSIENT_STATUSES, backoff_delay, server_message
 
 CHUNK = 1 << 20
@@ -45,9 +42,18 @@ def _file_chunks(path: Path, start: int, length: int, bar: Progress) -> Iterator
             yield block
 
 
-def put_bytes(http, url: str, path: Path, *, start: int = 0, length: int | None = None,
-              headers: dict[str, str] | None = None, label: str = "upload", quiet: bool = False,
-              attempts: int = ATTEMPTS):
+def put_bytes(
+    http,
+    url: str,
+    path: Path,
+    *,
+    start: int = 0,
+    length: int | None = None,
+    headers: dict[str, str] | None = None,
+    label: str = "upload",
+    quiet: bool = False,
+    attempts: int = ATTEMPTS,
+):
     """PUT ``length`` bytes of ``path`` from ``start`` to ``url``; return the final response."""
     import httpx
 
@@ -57,8 +63,12 @@ def put_bytes(http, url: str, path: Path, *, start: int = 0, length: int | None 
     for attempt in range(attempts):
         with Progress(length, label, unit="bytes", enabled=not quiet) as bar:
             try:
-                response = http.put(url, content=_file_chunks(path, start, length, bar), headers=sent,
-                                    timeout=httpx.Timeout(300.0, connect=10.0))
+                response = http.put(
+                    url,
+                    content=_file_chunks(path, start, length, bar),
+                    headers=sent,
+                    timeout=httpx.Timeout(300.0, connect=10.0),
+                )
             except httpx.TransportError as exc:
                 if attempt + 1 < attempts:
                     time.sleep(backoff_delay(attempt))
@@ -74,9 +84,18 @@ def put_bytes(http, url: str, path: Path, *, start: int = 0, length: int | None 
     raise AssertionError("unreachable")
 
 
-def download_to(http, url: str, target: Path, *, sha256: str | None, size: int | None,
-                headers: dict[str, str] | None = None, label: str = "download", quiet: bool = False,
-                attempts: int = ATTEMPTS) -> Path:
+def download_to(
+    http,
+    url: str,
+    target: Path,
+    *,
+    sha256: str | None,
+    size: int | None,
+    headers: dict[str, str] | None = None,
+    label: str = "download",
+    quiet: bool = False,
+    attempts: int = ATTEMPTS,
+) -> Path:
     """Stream ``url`` into ``target`` atomically after checking size, sha256 and the ``.kv`` file.
 
     The file gets the permissions of any file kvcdn writes (``0666`` less the umask, as generated
@@ -116,16 +135,18 @@ def _stream_into(http, url, path: Path, headers, size, label, quiet) -> tuple[st
     received = 0
     with open(path, "wb") as out:
         try:
-            with http.stream("GET", url, headers=headers or {},
-                             timeout=httpx.Timeout(300.0, connect=10.0)) as response:
+            with http.stream("GET", url, headers=headers or {}, timeout=httpx.Timeout(300.0, connect=10.0)) as response:
                 if response.status_code in TRANSIENT_STATUSES or response.status_code >= 500:
                     response.read()
-                    raise _Transient(f"the storage answered {response.status_code}: {server_message(response)}",
-                                     response.headers.get("Retry-After"))
+                    raise _Transient(
+                        f"the storage answered {response.status_code}: {server_message(response)}",
+                        response.headers.get("Retry-After"),
+                    )
                 if response.status_code >= 400:
                     response.read()
-                    raise KvcdnError(f"download failed: the storage answered {response.status_code}: "
-                                     f"{server_message(response)}")
+                    raise KvcdnError(
+                        f"download failed: the storage answered {response.status_code}: {server_message(response)}"
+                    )
                 total = size or int(response.headers.get("Content-Length") or 0)
                 with Progress(total, label, unit="bytes", enabled=not quiet) as bar:
                     for block in response.iter_bytes():  # as it arrives, for the progress bar
@@ -143,13 +164,10 @@ def check_artifact(path: Path) -> None:
 
     A failure is :class:`CheckFailed` (exit 1): the bytes arrived, and they are not what was promised.
     """
-    from kvcdn_core import artifact
-    from kvcdn_core.errors import ArtifactError
+    from kvcdn_core import ArtifactError, artifact
 
     try:
         artifact.check_file(path)
     except ArtifactError as exc:
         reason = str(exc).removeprefix(f"{path}: ")
         raise CheckFailed(f"download failed: the object is not a valid .kv artifact ({reason})") from None
-
-

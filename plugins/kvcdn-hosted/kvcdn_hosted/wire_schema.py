@@ -14,6 +14,7 @@ Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
 
 class Strict(BaseModel):
     """Unknown fields are refused (``422 validation_error``)."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
@@ -28,6 +29,7 @@ class ManifestHints(Strict):
 
 class SeedMetadata(BaseModel):
     """``metadata`` as the original kvcdn client sends it (other keys are ignored)."""
+
     name: str | None = None
     sha256: Sha256 | None = None
     storage_dtype: str | None = None
@@ -38,6 +40,7 @@ class SeedMetadata(BaseModel):
 class UploadUrlRequest(Strict):
     """Native shape ``{name, size_bytes, sha256, visibility, manifest}``, or the original client's
     ``{model_name, dtype, num_tokens, visibility, size_bytes, checksum, metadata}``."""
+
     name: str | None = None
     model_name: str | None = None
     size_bytes: int = Field(ge=1)
@@ -103,6 +106,7 @@ PropValue = Union[bool, int, float, Annotated[str, StringConstraints(max_length=
 
 class TelemetryEvent(BaseModel):
     """One usage event (``POST /api/v1/telemetry``)."""
+
     model_config = ConfigDict(extra="forbid")
 
     event: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]

@@ -17,9 +17,17 @@ def config_home(tmp_path, monkeypatch):
     """An empty ``$XDG_CONFIG_HOME`` and no ``KVCDN_*`` variables from the caller's shell."""
     home = tmp_path / "config"
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home))
-    for name in ("KVCDN_API_URL", "KVCDN_ISSUER_URL", "KVCDN_CLIENT_ID", "KVCDN_DEFAULT_ORG",
-                 "KVCDN_DEFAULT_PROJECT", "KVCDN_API_KEY", "KVCDN_TELEMETRY", "KVCDN_ADMIN_SECRET",
-                 "KVCDN_OIDC_RESOURCE"):
+    for name in (
+        "KVCDN_API_URL",
+        "KVCDN_ISSUER_URL",
+        "KVCDN_CLIENT_ID",
+        "KVCDN_DEFAULT_ORG",
+        "KVCDN_DEFAULT_PROJECT",
+        "KVCDN_API_KEY",
+        "KVCDN_TELEMETRY",
+        "KVCDN_ADMIN_SECRET",
+        "KVCDN_OIDC_RESOURCE",
+    ):
         monkeypatch.delenv(name, raising=False)
     return home / "kvcdn"
 
@@ -39,9 +47,11 @@ def write_kv(path: Path, tokens: int = 8, seed: int = 0) -> Path:
         tensors[v] = torch.randn(1, 2, tokens, 8, generator=g)
         layers.append({"index": i, "kind": "full_attention", "tensors": {"key": k, "value": v}})
     manifest = {
-        "kvcdn_version": "0.1.0", "created_at": "2026-01-01T00:00:00Z",
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-01-01T00:00:00Z",
         "model": {"id": "tiny/test", "architecture": "Qwen3ForCausalLM", "family": "qwen"},
-        "compute_dtype": "float32", "layers": layers,
+        "compute_dtype": "float32",
+        "layers": layers,
     }
     return artifact.write_artifact(path, manifest, tensors)
 

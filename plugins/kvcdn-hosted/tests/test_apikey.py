@@ -13,15 +13,18 @@ def test_good_key_is_normalized():
     assert validate_api_key("  kv_" + GOOD[3:].upper() + "\n") == GOOD
 
 
-@pytest.mark.parametrize("key, fragment", [
-    ("", "empty"),
-    ("kx_" + "a" * 64, "must start with 'kv_'"),
-    ("KV_" + "a" * 64, "must start with 'kv_'"),
-    ("kv_" + "a" * 10 + "g" + "a" * 53, "non-hex character 'g' at position 14"),
-    ("kv_" + "a" * 63, "63 hex characters after 'kv_', expected 64"),
-    ("kv_" + "a" * 65, "65 hex characters"),
-    ("kv_" + "a" * 30 + " " + "a" * 33, "non-hex character ' ' at position 34"),
-])
+@pytest.mark.parametrize(
+    "key, fragment",
+    [
+        ("", "empty"),
+        ("kx_" + "a" * 64, "must start with 'kv_'"),
+        ("KV_" + "a" * 64, "must start with 'kv_'"),
+        ("kv_" + "a" * 10 + "g" + "a" * 53, "non-hex character 'g' at position 14"),
+        ("kv_" + "a" * 63, "63 hex characters after 'kv_', expected 64"),
+        ("kv_" + "a" * 65, "65 hex characters"),
+        ("kv_" + "a" * 30 + " " + "a" * 33, "non-hex character ' ' at position 34"),
+    ],
+)
 def test_bad_key_says_which_part(key, fragment):
     with pytest.raises(KvcdnError) as err:
         validate_api_key(key)

@@ -29,8 +29,12 @@ def endpoint(receiver, config_home, monkeypatch):
 
 @pytest.mark.parametrize("make", ["txt", "garbage-kv", "missing", "directory"])
 def test_upload_refuses_before_any_request(endpoint, tmp_path, make):
-    path = {"txt": tmp_path / "doc.txt", "garbage-kv": tmp_path / "doc.kv", "missing": tmp_path / "none.kv",
-            "directory": tmp_path / "dir.kv"}[make]
+    path = {
+        "txt": tmp_path / "doc.txt",
+        "garbage-kv": tmp_path / "doc.kv",
+        "missing": tmp_path / "none.kv",
+        "directory": tmp_path / "dir.kv",
+    }[make]
     if make == "txt":
         path.write_text("hello")
     elif make == "garbage-kv":
@@ -53,16 +57,22 @@ def test_unreadable_kv_is_refused(endpoint, kv_file, monkeypatch):
 
 
 def test_401_says_how_to_log_in(endpoint):
-    endpoint.routes[("GET", "/api/v1/artifacts")] = lambda h: (401, {}, {"error": "unauthorized",
-                                                                         "message": "unknown API key"})
+    endpoint.routes[("GET", "/api/v1/artifacts")] = lambda h: (
+        401,
+        {},
+        {"error": "unauthorized", "message": "unknown API key"},
+    )
     result = run("list")
     assert result.exit_code == 2
     assert "unknown API key" in result.stderr and "kvcdn login" in result.stderr and "api-key set" in result.stderr
 
 
 def test_other_failures_say_what_the_server_said(endpoint):
-    endpoint.routes[("GET", "/api/v1/quota")] = lambda h: (500, {}, {"error": "internal_error",
-                                                                     "message": "something broke"})
+    endpoint.routes[("GET", "/api/v1/quota")] = lambda h: (
+        500,
+        {},
+        {"error": "internal_error", "message": "something broke"},
+    )
     result = run("quota")
     assert result.exit_code == 2 and result.stderr == "error: quota: the server answered 500: something broke\n"
 
@@ -75,8 +85,7 @@ def test_list_follows_pagination(endpoint):
 
         cursor = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(h.path).query)).get("cursor")
         ids, nxt = pages[cursor]
-        return 200, {}, {"artifacts": [{"artifact_id": i, "name": i, "size_bytes": 1} for i in ids],
-                         "next_cursor": nxt}
+        return 200, {}, {"artifacts": [{"artifact_id": i, "name": i, "size_bytes": 1} for i in ids], "next_cursor": nxt}
 
     endpoint.routes[("GET", "/api/v1/artifacts")] = listing
     result = run("list", "--format", "ids")
@@ -129,27 +138,40 @@ def test_cli_start_up_is_torch_free():
     import subprocess
     import sys
 
-    code = ("import sys; from kvcdn_core.cli import make_cli; make_cli(); "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
+    code = (
+        "import sys; from kvcdn_core.cli import make_cli; make_cli(); "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_api_key_verify_of_a_rejected_key_is_a_failed_check(endpoint):
-    endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (401, {}, {"error": "unauthorized",
-                                                                               "message": "invalid API key"})
+    endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (
+        401,
+        {},
+        {"error": "unauthorized", "message": "invalid API key"},
+    )
     result = run("api-key", "verify")
     assert result.exit_code == 1, result.output
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "rejects the API key" in result.stderr and "kvcdn login" not in result.stderr
-    endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (200, {}, {"org": "acme",
-                                                                               "customer_id": "org:acme"})
+    endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (
+        200,
+        {},
+        {"org": "acme", "customer_id": "org:acme"},
+    )
     assert run("api-key", "verify").exit_code == 0
 
 
 def _grant(url):
-    return {"artifact_id": "11111111-1111-4111-8111-111111111111", "method": "PUT", "url": url + "/put",
-            "headers": {"Content-Type": "application/octet-stream"}, "multipart": None}
+    return {
+        "artifact_id": "11111111-1111-4111-8111-111111111111",
+        "method": "PUT",
+        "url": url + "/put",
+        "headers": {"Content-Type": "application/octet-stream"},
+        "multipart": None,
+    }
 
 
 def test_upload_url_is_not_sent_twice(endpoint, kv_file, monkeypatch):
@@ -157,13 +179,18 @@ def test_upload_url_is_not_sent_twice(endpoint, kv_file, monkeypatch):
     from kvcdn_hosted import client
 
     monkeypatch.setattr(client, "BACKOFF_BASE_S", 0.001)
-    endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: (503, {}, {"error": "busy",
-                                                                                    "message": "busy"})
+    endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: (
+        503,
+        {},
+        {"error": "busy", "message": "busy"},
+    )
     result = run("upload", kv_file, "--name", "x")
     assert result.exit_code == 2 and endpoint.count("POST", "/api/v1/artifacts/upload-url") == 1
     # A 429 says the request was not processed: that one is sent again.
-    answers = [(429, {"Retry-After": "0"}, {"error": "rate_limited", "message": "slow down"}),
-               (403, {}, {"error": "quota_exceeded", "message": "quota"})]
+    answers = [
+        (429, {"Retry-After": "0"}, {"error": "rate_limited", "message": "slow down"}),
+        (403, {}, {"error": "quota_exceeded", "message": "quota"}),
+    ]
     endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: answers.pop(0)
     assert run("upload", kv_file, "--name", "x").exit_code == 2 and answers == []
 
@@ -180,8 +207,13 @@ def test_a_retried_confirm_that_finds_the_upload_confirmed_succeeds(endpoint, kv
     grant = _grant(endpoint.url)
     aid = grant["artifact_id"]
     data = kv_file.read_bytes()
-    record = {"artifact_id": aid, "name": "x", "status": "pending", "sha256": hashlib.sha256(data).hexdigest(),
-              "size_bytes": len(data)}
+    record = {
+        "artifact_id": aid,
+        "name": "x",
+        "status": "pending",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size_bytes": len(data),
+    }
     timeouts = []
     real_request = client.HostedClient.request
 
@@ -191,8 +223,10 @@ def test_a_retried_confirm_that_finds_the_upload_confirmed_succeeds(endpoint, kv
         return real_request(self, method, path, **kwargs)
 
     monkeypatch.setattr(client.HostedClient, "request", spy)
-    confirms = [(504, {}, {"error": "gateway_timeout", "message": "upstream timed out"}),
-                (409, {}, {"error": "already_confirmed", "message": "being or has been confirmed"})]
+    confirms = [
+        (504, {}, {"error": "gateway_timeout", "message": "upstream timed out"}),
+        (409, {}, {"error": "already_confirmed", "message": "being or has been confirmed"}),
+    ]
     reads = []
 
     def describe(h):

@@ -14,8 +14,9 @@ def write_config(config_home, text):
 
 
 def test_precedence_flag_env_file_default(config_home, monkeypatch):
-    write_config(config_home, 'api_url = "http://file:1"\nissuer_url = "http://issuer-file"\n'
-                              'default_org = "file-org"\n')
+    write_config(
+        config_home, 'api_url = "http://file:1"\nissuer_url = "http://issuer-file"\ndefault_org = "file-org"\n'
+    )
     monkeypatch.setenv("KVCDN_API_URL", "http://env:2")
     s = load_settings(api_url="http://flag:3/")
     assert s.api_url == "http://flag:3" and s.sources["api_url"] == "flag"
@@ -45,7 +46,7 @@ def test_malformed_toml_names_file_and_line(config_home):
 
 
 def test_wrong_type_and_unknown_key(config_home, capsys):
-    path = write_config(config_home, 'api_url = 3\n')
+    path = write_config(config_home, "api_url = 3\n")
     with pytest.raises(KvcdnError, match="'api_url' must be a string"):
         read_config_file(path)
     write_config(config_home, 'api_url = "http://ok"\ncolour = "blue"\n')

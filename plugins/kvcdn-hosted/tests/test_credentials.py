@@ -47,8 +47,9 @@ def test_corrupt_file_is_a_clear_error(config_home):
 
 def test_api_key_precedence_over_session(config_home, monkeypatch):
     future = 4_000_000_000
-    credentials.update(session={"issuer": "http://i", "client_id": "kvcdn-cli", "access_token": "jwt",
-                                "expires_at": future})
+    credentials.update(
+        session={"issuer": "http://i", "client_id": "kvcdn-cli", "access_token": "jwt", "expires_at": future}
+    )
     c = resolve_credential(load_settings())
     assert (c.method, c.token) == ("oidc", "jwt")
     credentials.update(api_key=KEY)

@@ -29,10 +29,18 @@ class FakeClock:
 
 
 def device_routes(receiver, answers, expires_in=30, interval=2):
-    receiver.routes[("POST", "/device")] = lambda h: (200, {}, {
-        "device_code": "dc", "user_code": "ABCD-EFGH", "verification_uri": receiver.url + "/activate",
-        "verification_uri_complete": receiver.url + "/activate?user_code=ABCD-EFGH",
-        "expires_in": expires_in, "interval": interval})
+    receiver.routes[("POST", "/device")] = lambda h: (
+        200,
+        {},
+        {
+            "device_code": "dc",
+            "user_code": "ABCD-EFGH",
+            "verification_uri": receiver.url + "/activate",
+            "verification_uri_complete": receiver.url + "/activate?user_code=ABCD-EFGH",
+            "expires_in": expires_in,
+            "interval": interval,
+        },
+    )
 
     def token(h):
         answer = answers.pop(0) if answers else "authorization_pending"
@@ -41,8 +49,11 @@ def device_routes(receiver, answers, expires_in=30, interval=2):
         return 400, {}, {"error": answer}
 
     receiver.routes[("POST", "/token")] = token
-    return {"issuer": receiver.url, "device_authorization_endpoint": receiver.url + "/device",
-            "token_endpoint": receiver.url + "/token"}
+    return {
+        "issuer": receiver.url,
+        "device_authorization_endpoint": receiver.url + "/device",
+        "token_endpoint": receiver.url + "/token",
+    }
 
 
 def test_device_flow_honours_interval_and_slow_down(receiver):
@@ -66,8 +77,9 @@ def test_device_flow_gives_up_at_expires_in(receiver):
     assert receiver.count("POST", "/token") == 3 and clock.now == pytest.approx(10)
 
 
-@pytest.mark.parametrize("error, message", [("access_denied", "denied"), ("expired_token", "expired"),
-                                            ("invalid_grant", "invalid_grant")])
+@pytest.mark.parametrize(
+    "error, message", [("access_denied", "denied"), ("expired_token", "expired"), ("invalid_grant", "invalid_grant")]
+)
 def test_device_flow_stops_on_final_errors(receiver, error, message):
     meta = device_routes(receiver, [error])
     clock = FakeClock()
@@ -85,8 +97,12 @@ def run_pkce(receiver, browser, timeout_s=10.0):
         return 200, {}, {"access_token": "at", "expires_in": 60}
 
     receiver.routes[("POST", "/token")] = token
-    meta = {"issuer": receiver.url, "authorization_endpoint": receiver.url + "/authorize",
-            "token_endpoint": receiver.url + "/token", "code_challenge_methods_supported": ["S256"]}
+    meta = {
+        "issuer": receiver.url,
+        "authorization_endpoint": receiver.url + "/authorize",
+        "token_endpoint": receiver.url + "/token",
+        "code_challenge_methods_supported": ["S256"],
+    }
 
     threads = []
 
@@ -140,8 +156,14 @@ def test_pkce_times_out(receiver):
 
 def test_refresh_keeps_the_old_refresh_token_when_not_rotated(receiver):
     receiver.routes[("POST", "/token")] = lambda h: (200, {}, {"access_token": "new", "expires_in": 100})
-    session = {"issuer": receiver.url, "client_id": "kvcdn-cli", "token_endpoint": receiver.url + "/token",
-               "access_token": "old", "refresh_token": "rt", "expires_at": time.time() + 5}
+    session = {
+        "issuer": receiver.url,
+        "client_id": "kvcdn-cli",
+        "token_endpoint": receiver.url + "/token",
+        "access_token": "old",
+        "refresh_token": "rt",
+        "expires_at": time.time() + 5,
+    }
     assert oidc.needs_refresh(session)
     with httpx.Client() as http:
         new = oidc.refresh(http, session)

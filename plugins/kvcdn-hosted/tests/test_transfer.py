@@ -21,6 +21,7 @@ def serve_bytes(data, status=200):
 
 def cut_half_way(data):
     """Promise the whole body, send half of it, hang up."""
+
     def route(h):
         h.send_response(200)
         h.send_header("Content-Length", str(len(data)))
@@ -29,6 +30,7 @@ def cut_half_way(data):
         h.wfile.flush()
         h.close_connection = True
         h.connection.shutdown(2)
+
     return route
 
 
@@ -37,8 +39,9 @@ def test_download_checks_and_renames(receiver, kv_file, tmp_path):
     receiver.routes[("GET", "/blob")] = serve_bytes(data)
     target = tmp_path / "out" / "got.kv"
     with httpx.Client() as http:
-        transfer.download_to(http, receiver.url + "/blob", target, sha256=hashlib.sha256(data).hexdigest(),
-                             size=len(data), quiet=True)
+        transfer.download_to(
+            http, receiver.url + "/blob", target, sha256=hashlib.sha256(data).hexdigest(), size=len(data), quiet=True
+        )
     assert target.read_bytes() == data
     assert os.listdir(target.parent) == ["got.kv"]
 
@@ -47,20 +50,29 @@ def test_download_checks_and_renames(receiver, kv_file, tmp_path):
 def test_failed_download_leaves_nothing(receiver, kv_file, tmp_path, case):
     data = kv_file.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    route = {"cut": cut_half_way(data), "sha": serve_bytes(data), "size": serve_bytes(data),
-             "not-kv": serve_bytes(b"x" * 100), "403": serve_bytes(b'{"error":"url_expired"}', 403)}[case]
+    route = {
+        "cut": cut_half_way(data),
+        "sha": serve_bytes(data),
+        "size": serve_bytes(data),
+        "not-kv": serve_bytes(b"x" * 100),
+        "403": serve_bytes(b'{"error":"url_expired"}', 403),
+    }[case]
     receiver.routes[("GET", "/blob")] = route
-    expected_sha = "0" * 64 if case == "sha" else (hashlib.sha256(b"x" * 100).hexdigest() if case == "not-kv" else digest)
+    expected_sha = (
+        "0" * 64 if case == "sha" else (hashlib.sha256(b"x" * 100).hexdigest() if case == "not-kv" else digest)
+    )
     size = len(data) + 1 if case == "size" else None
     out = tmp_path / "out"
     with httpx.Client() as http, pytest.raises(KvcdnError) as err:
-        transfer.download_to(http, receiver.url + "/blob", out / "got.kv", sha256=expected_sha, size=size,
-                             quiet=True, attempts=2)
+        transfer.download_to(
+            http, receiver.url + "/blob", out / "got.kv", sha256=expected_sha, size=size, quiet=True, attempts=2
+        )
     assert os.listdir(out) == [], os.listdir(out)
     message = str(err.value)
     assert "\n" not in message
-    assert {"cut": "after 2 attempts", "sha": "sha256", "size": "expected", "not-kv": "not a valid .kv",
-            "403": "403"}[case] in message
+    assert {"cut": "after 2 attempts", "sha": "sha256", "size": "expected", "not-kv": "not a valid .kv", "403": "403"}[
+        case
+    ] in message
     if case == "cut":
         assert receiver.count("GET", "/blob") == 2
     # bytes that arrived but are not what was promised are a failed check (exit 1)
@@ -72,8 +84,14 @@ def test_download_retries_transient_errors(receiver, kv_file, tmp_path):
     answers = [serve_bytes(b"busy", 503), cut_half_way(data), serve_bytes(data)]
     receiver.routes[("GET", "/blob")] = lambda h: answers.pop(0)(h)
     with httpx.Client() as http:
-        transfer.download_to(http, receiver.url + "/blob", tmp_path / "a.kv",
-                             sha256=hashlib.sha256(data).hexdigest(), size=len(data), quiet=True)
+        transfer.download_to(
+            http,
+            receiver.url + "/blob",
+            tmp_path / "a.kv",
+            sha256=hashlib.sha256(data).hexdigest(),
+            size=len(data),
+            quiet=True,
+        )
     assert (tmp_path / "a.kv").read_bytes() == data
     assert receiver.count("GET", "/blob") == 3
 
@@ -88,8 +106,9 @@ def test_upload_streams_exact_bytes_and_retries(receiver, kv_file):
 
     receiver.routes[("PUT", "/up")] = put
     with httpx.Client() as http:
-        response = transfer.put_bytes(http, receiver.url + "/up", kv_file, quiet=True,
-                                      headers={"Content-Type": "application/octet-stream"})
+        response = transfer.put_bytes(
+            http, receiver.url + "/up", kv_file, quiet=True, headers={"Content-Type": "application/octet-stream"}
+        )
     assert response.headers["ETag"] == '"abc"'
     assert got == [data, data]
     _m, _p, headers, _b = receiver.requests[-1]

@@ -6,9 +6,8 @@ layer, the global ones without rotary embeddings).
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family cohere``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
@@ -18,8 +17,9 @@ class CohereAdapter(ModelAdapter):
     architectures = ("CohereForCausalLM", "Cohere2ForCausalLM")
     validation_configs = {
         "CohereForCausalLM": dict(_COMMON, logit_scale=0.5),
-        "Cohere2ForCausalLM": dict(_COMMON, num_hidden_layers=4, sliding_window=16,
-                                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        "Cohere2ForCausalLM": dict(
+            _COMMON, num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+        ),
     }
     validation_variants = {
         "CohereForCausalLM": [dict(_variant="mha-tied", num_key_value_heads=4, tie_word_embeddings=True)],

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_cohere import CohereAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_cohere import CohereAdapter
 
 
 @pytest.mark.parametrize("architecture", CohereAdapter.architectures)

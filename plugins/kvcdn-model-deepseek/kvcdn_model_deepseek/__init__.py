@@ -25,21 +25,32 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcdn_core import ArtifactError, KvcdnError, ModelAdapter, hookimpl
 from kvcdn_core import artifact as fmt
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.errors import ArtifactError, KvcdnError
 
 __version__ = "0.1.0"
 
 LATENT = "latent"
 ROTARY_KEY = "rotary_key"
 
-_MLA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
-            qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
-            n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=4096,
-            tie_word_embeddings=False)
+_MLA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 def mla_widths(config) -> tuple[int, int]:
@@ -66,10 +77,20 @@ class DeepseekAdapter(ModelAdapter):
         "DeepseekV2ForCausalLM": dict(_MLA, q_lora_rank=None, topk_method="greedy"),
         # DeepSeek-V3 layout: compressed queries, grouped routing, interleaved YaRN rotary.
         "DeepseekV3ForCausalLM": dict(
-            _MLA, q_lora_rank=32, n_group=2, topk_group=1,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 1024, "beta_fast": 32.0,
-                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            _MLA,
+            q_lora_rank=32,
+            n_group=2,
+            topk_group=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 1024,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
         ),
     }
 
@@ -77,13 +98,29 @@ class DeepseekAdapter(ModelAdapter):
         "DeepseekV2ForCausalLM": [
             # A config whose num_key_value_heads differs (GQA defaults copied by converters), with
             # V2-Lite's YaRN rotary and a value head narrower than the key head.
-            dict(_variant="kv2-yarn", num_key_value_heads=2, v_head_dim=8,
-                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                  "original_max_position_embeddings": 64, "beta_fast": 32.0,
-                                  "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+            dict(
+                _variant="kv2-yarn",
+                num_key_value_heads=2,
+                v_head_dim=8,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 0.707,
+                    "mscale_all_dim": 0.707,
+                },
+            ),
             # More heads than key-value heads by 8, a wider rotary key, tied embeddings.
-            dict(_variant="8q-kv1-tied", num_attention_heads=8, num_key_value_heads=1, qk_rope_head_dim=16,
-                 tie_word_embeddings=True),
+            dict(
+                _variant="8q-kv1-tied",
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                qk_rope_head_dim=16,
+                tie_word_embeddings=True,
+            ),
         ],
         "DeepseekV3ForCausalLM": [
             dict(_variant="8q-kv2", num_attention_heads=8, num_key_value_heads=2, kv_lora_rank=16),
@@ -132,8 +169,7 @@ class DeepseekAdapter(ModelAdapter):
         for entry in layers:
             if entry["kind"] != fmt.MLA_LATENT:
                 raise ArtifactError(
-                    f"layer {entry['index']} is '{entry['kind']}' in the artifact, the model caches "
-                    f"'{fmt.MLA_LATENT}'"
+                    f"layer {entry['index']} is '{entry['kind']}' in the artifact, the model caches '{fmt.MLA_LATENT}'"
                 )
             if (entry.get("kv_lora_rank"), entry.get("qk_rope_head_dim")) != (rank, rope):
                 raise ArtifactError(

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_deepseek import DeepseekAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_deepseek import DeepseekAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

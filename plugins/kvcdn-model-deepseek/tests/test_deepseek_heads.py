@@ -9,13 +9,16 @@ import subprocess
 import sys
 
 import pytest
-
-from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model, config_variants
 from kvcdn_model_deepseek import DeepseekAdapter
 
-UNEQUAL = [(arch, name) for arch in DeepseekAdapter.architectures
-           for name, cfg in config_variants(DeepseekAdapter, arch).items()
-           if cfg.get("num_key_value_heads") != cfg.get("num_attention_heads")]
+from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model, config_variants
+
+UNEQUAL = [
+    (arch, name)
+    for arch in DeepseekAdapter.architectures
+    for name, cfg in config_variants(DeepseekAdapter, arch).items()
+    if cfg.get("num_key_value_heads") != cfg.get("num_attention_heads")
+]
 
 
 def test_unequal_head_counts_are_validated():
@@ -30,12 +33,27 @@ def test_generate_and_verify_are_token_exact(architecture, variant, tmp_path):
     kv = tmp_path / "doc.kv"
 
     def kvcdn(*args):
-        proc = subprocess.run([sys.executable, "-m", "kvcdn_core", *map(str, args)],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcdn_core", *map(str, args)], capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
     kvcdn("generate", "--model", model, "--context-file", context, "-o", kv, "-q")
-    out = json.loads(kvcdn("verify", "--model", model, "--kv-path", kv, "--question", "\nQ: Why?\nA:",
-                           "--n", 32, "--format", "json", "-q"))
+    out = json.loads(
+        kvcdn(
+            "verify",
+            "--model",
+            model,
+            "--kv-path",
+            kv,
+            "--question",
+            "\nQ: Why?\nA:",
+            "--n",
+            32,
+            "--format",
+            "json",
+            "-q",
+        )
+    )
     assert out["matches"] == 32, out

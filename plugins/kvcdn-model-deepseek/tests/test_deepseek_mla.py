@@ -1,12 +1,12 @@
 """The MLA latent cache: what the artifact holds, that a prefix of it is exact, and the refusals."""
 
 import pytest
+from kvcdn_model_deepseek import LATENT, ROTARY_KEY, DeepseekAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.validation import long_context
-from kvcdn_model_deepseek import LATENT, ROTARY_KEY, DeepseekAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -40,8 +40,9 @@ def test_artifact_holds_the_latent_not_per_head_keys(session, artifact):
         assert rotary == [1, 1, artifact.token_count, config.qk_rope_head_dim]
         per_token_floats += config.kv_lora_rank + config.qk_rope_head_dim
     heads = config.num_attention_heads
-    decompressed = config.num_hidden_layers * heads * (config.qk_nope_head_dim + config.qk_rope_head_dim
-                                                       + config.v_head_dim)
+    decompressed = (
+        config.num_hidden_layers * heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    )
     assert per_token_floats * 4 == decompressed  # 40 vs 160 floats per token per layer here
 
 

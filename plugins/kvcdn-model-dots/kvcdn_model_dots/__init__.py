@@ -5,9 +5,8 @@ over plain full attention with QK norms.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family dots``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
@@ -16,8 +15,14 @@ class DotsAdapter(ModelAdapter):
     family = "dots"
     architectures = ("Dots1ForCausalLM",)
     validation_configs = {
-        "Dots1ForCausalLM": dict(_COMMON, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                 n_shared_experts=1, first_k_dense_replace=1),
+        "Dots1ForCausalLM": dict(
+            _COMMON,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+        ),
     }
 
 

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_dots import DotsAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_dots import DotsAdapter
 
 
 @pytest.mark.parametrize("architecture", DotsAdapter.architectures)

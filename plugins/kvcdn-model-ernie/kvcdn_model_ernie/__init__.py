@@ -4,9 +4,8 @@ ERNIE 4.5's dense models are full attention with interleaved rotary embeddings.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family ernie``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 

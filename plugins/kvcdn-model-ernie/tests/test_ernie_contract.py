@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_ernie import ErnieAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_ernie import ErnieAdapter
 
 
 @pytest.mark.parametrize("architecture", ErnieAdapter.architectures)

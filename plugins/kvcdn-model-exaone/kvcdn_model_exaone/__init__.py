@@ -5,9 +5,8 @@ layers have no rotary embedding.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family exaone``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
@@ -16,11 +15,14 @@ class ExaoneAdapter(ModelAdapter):
     family = "exaone"
     architectures = ("Exaone4ForCausalLM",)
     validation_configs = {
-        "Exaone4ForCausalLM": dict(_COMMON, num_hidden_layers=4, sliding_window=16,
-                                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        "Exaone4ForCausalLM": dict(
+            _COMMON, num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+        ),
     }
     validation_variants = {
-        "Exaone4ForCausalLM": [dict(_variant="8q-kv1-wide-heads", num_attention_heads=8, num_key_value_heads=1, head_dim=32)],
+        "Exaone4ForCausalLM": [
+            dict(_variant="8q-kv1-wide-heads", num_attention_heads=8, num_key_value_heads=1, head_dim=32)
+        ],
     }
 
 

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_exaone import ExaoneAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_exaone import ExaoneAdapter
 
 
 @pytest.mark.parametrize("architecture", ExaoneAdapter.architectures)

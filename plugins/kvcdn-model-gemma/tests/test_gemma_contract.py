@@ -1,8 +1,8 @@
 import pytest
+from kvcdn_model_gemma import GemmaAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_gemma import GemmaAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

@@ -25,9 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.linear_attention import LinearAttentionLayers
+from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
@@ -37,15 +35,15 @@ GUARD_PHASES = ("roundtrip", "reference", "cache")
 #: Architectures transformers 5.24 ships that cannot be served exactly, and why (one line each).
 REFUSED = {
     "DeepseekV32ForCausalLM": "DeepSeek sparse attention keeps a second, indexer cache "
-                              "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
+    "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
     "GlmMoeDsaForCausalLM": "DeepSeek sparse attention keeps a second, indexer cache "
-                            "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
+    "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
     "LongcatFlashForCausalLM": "transformers 5.24's own forward crashes on its MLA attention "
-                               "(head-count mismatch), so there is no reference to be exact against",
+    "(head-count mismatch), so there is no reference to be exact against",
     "BambaForCausalLM": "continuing from a restored Mamba2 state diverges from a full prefill in "
-                        "transformers 5.24 (token match 1/16 on a tiny config), so it cannot be exact",
+    "transformers 5.24 (token match 1/16 on a tiny config), so it cannot be exact",
     "RwkvForCausalLM": "RWKV keeps its recurrent state outside transformers' Cache API, so there is no "
-                       "cache object to save and restore",
+    "cache object to save and restore",
 }
 
 
@@ -59,19 +57,25 @@ class GenericAdapter(LinearAttentionLayers, ModelAdapter):
 
 def adapter_class(architecture: str, tiny_config: dict[str, Any]) -> type[GenericAdapter]:
     """A generic adapter that claims one architecture, with its shrunk config for validation."""
-    return type(f"Generic_{architecture}", (GenericAdapter,), {
-        "architectures": (architecture,), "validation_configs": {architecture: tiny_config},
-    })
+    return type(
+        f"Generic_{architecture}",
+        (GenericAdapter,),
+        {
+            "architectures": (architecture,),
+            "validation_configs": {architecture: tiny_config},
+        },
+    )
 
 
 # -- the guard ------------------------------------------------------------------------------------
+
 
 def record_path(architecture: str) -> Path:
     """Where the guard's verdict for ``architecture`` is kept (per kvcdn and transformers version)."""
     import transformers
 
     import kvcdn_core
-    from kvcdn_core.paths import cache_home
+    from kvcdn_core import cache_home
 
     versions = f"kvcdn-{kvcdn_core.__version__}-transformers-{transformers.__version__}"
     return cache_home() / "generic" / versions / f"{architecture}.json"
@@ -87,8 +91,7 @@ def read_record(architecture: str) -> dict | None:
 
 def run_guard(architecture: str, config: dict[str, Any]) -> dict:
     """Validate ``architecture`` on its shrunk config; return (and store) the verdict record."""
-    from kvcdn_core.atomic import atomic_open
-    from kvcdn_core.validation import validate_tiny
+    from kvcdn_core import atomic_open, validate_tiny
     from kvcdn_model_generic.shrink import shrink
 
     tiny = shrink(config)
@@ -102,9 +105,12 @@ def run_guard(architecture: str, config: dict[str, Any]) -> dict:
     import transformers
 
     record = {
-        "architecture": architecture, "transformers": transformers.__version__,
-        "passed": bool(phases) and all(p["passed"] for p in phases), "phases": phases,
-        "tiny_config": tiny, "checked_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "architecture": architecture,
+        "transformers": transformers.__version__,
+        "passed": bool(phases) and all(p["passed"] for p in phases),
+        "phases": phases,
+        "tiny_config": tiny,
+        "checked_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     with atomic_open(record_path(architecture), text=True) as fh:
         json.dump(record, fh, indent=2, default=str)
@@ -117,14 +123,18 @@ def verdict(architecture: str, config: dict[str, Any], say=None) -> type[Generic
         return f"kvcdn cannot serve {architecture} exactly: {REFUSED[architecture]}"
     record = read_record(architecture)
     if record is None:
-        (say or _stderr)(f"{architecture}: no family plugin claims it; validating it on a tiny config of "
-                         "its own class (once per transformers version) ...")
+        (say or _stderr)(
+            f"{architecture}: no family plugin claims it; validating it on a tiny config of "
+            "its own class (once per transformers version) ..."
+        )
         record = run_guard(architecture, config)
     if record["passed"]:
         return adapter_class(architecture, record["tiny_config"])
     failed = next(p for p in record["phases"] if not p["passed"])
-    return (f"no family plugin claims {architecture}, and the generic adapter's guard failed on a tiny "
-            f"config of it ({failed['phase']}: {failed['detail']}); not served")
+    return (
+        f"no family plugin claims {architecture}, and the generic adapter's guard failed on a tiny "
+        f"config of it ({failed['phase']}: {failed['detail']}); not served"
+    )
 
 
 def _stderr(line: str) -> None:

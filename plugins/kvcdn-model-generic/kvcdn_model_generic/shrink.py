@@ -11,20 +11,52 @@ from __future__ import annotations
 from typing import Any
 
 #: Keys that describe the checkpoint or its tokenizer, not the architecture.
-DROPPED = ("architectures", "_name_or_path", "auto_map", "quantization_config", "torch_dtype", "dtype",
-           "transformers_version", "model_type", "vocab_size", "bos_token_id", "eos_token_id",
-           "pad_token_id", "sep_token_id", "decoder_start_token_id", "tie_encoder_decoder",
-           "use_cache", "id2label", "label2id",
-           "initializer_range")  # the tiny builder sets a wide init so greedy output is not degenerate
+DROPPED = (
+    "architectures",
+    "_name_or_path",
+    "auto_map",
+    "quantization_config",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "model_type",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "tie_encoder_decoder",
+    "use_cache",
+    "id2label",
+    "label2id",
+    "initializer_range",
+)  # the tiny builder sets a wide init so greedy output is not degenerate
 
 #: size key → tiny value (set only where the real config has the key).
 SIZES = {
-    "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "ffn_hidden_size": 128,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "head_dim": 16,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "ffn_hidden_size": 128,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
 }
 MAX_LAYERS = 4

@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-
-from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model
 from kvcdn_model_generic import REFUSED, adapter_class, record_path, verdict
 from kvcdn_model_generic.shrink import shrink
+
+from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model
 
 PASSES = "PersimmonForCausalLM"  # plain full attention: no family claims it in this repository
 FAILS = "FalconH1ForCausalLM"  # one cache layer holding a Mamba state and keys/values: no kvcdn kind
@@ -36,8 +36,9 @@ def xdg(tmp_path, monkeypatch):
 
 
 def kvcdn(*args):
-    proc = subprocess.run([sys.executable, "-m", "kvcdn_core", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcdn_core", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -56,8 +57,20 @@ def test_unclaimed_architecture_is_served_after_its_guard_passes(xdg):
     record = json.loads(record_path(PASSES).read_text())
     assert record["passed"] and [p["phase"] for p in record["phases"]] == ["roundtrip", "reference", "cache"]
 
-    code, out, err = kvcdn("verify", "--model", model, "--kv-path", xdg / "doc.kv", "--question",
-                           "\nQ: Why?\nA:", "--n", 16, "--format", "json", "-q")
+    code, out, err = kvcdn(
+        "verify",
+        "--model",
+        model,
+        "--kv-path",
+        xdg / "doc.kv",
+        "--question",
+        "\nQ: Why?\nA:",
+        "--n",
+        16,
+        "--format",
+        "json",
+        "-q",
+    )
     assert code == 0, err
     assert json.loads(out)["matches"] == 16
     assert "validating" not in err  # the stored verdict is reused
@@ -84,8 +97,9 @@ def test_a_failed_verdict_is_a_refusal_even_for_a_good_architecture(xdg):
     """The stored verdict decides: a failed record is never overridden by serving anyway."""
     record = record_path(PASSES)
     record.parent.mkdir(parents=True)
-    record.write_text(json.dumps({"passed": False, "phases": [{"phase": "cache", "passed": False,
-                                                                "detail": "token match 3/16"}]}))
+    record.write_text(
+        json.dumps({"passed": False, "phases": [{"phase": "cache", "passed": False, "detail": "token match 3/16"}]})
+    )
     result = verdict(PASSES, real_config(PASSES))
     assert isinstance(result, str) and "cache: token match 3/16" in result
 
@@ -98,9 +112,15 @@ def test_known_inexact_architectures_are_refused_with_the_reason(xdg):
 
 
 def test_shrink_keeps_the_architecture_switches():
-    config = dict(real_config("Qwen3ForCausalLM"), sliding_window=4096, use_sliding_window=True,
-                  num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36,
-                  layer_types=["sliding_attention", "full_attention"] * 18)
+    config = dict(
+        real_config("Qwen3ForCausalLM"),
+        sliding_window=4096,
+        use_sliding_window=True,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=36,
+        layer_types=["sliding_attention", "full_attention"] * 18,
+    )
     tiny = shrink(config)
     assert tiny["hidden_size"] == 64 and tiny["num_attention_heads"] == 4 and tiny["num_key_value_heads"] == 2
     assert tiny["sliding_window"] == 16 and tiny["use_sliding_window"] is True

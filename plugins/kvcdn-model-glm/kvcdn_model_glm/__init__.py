@@ -7,14 +7,20 @@ plugin names the architectures and their tiny validation configs. The older Chat
 (``ChatGLMModel``, remote code) are a different architecture and are not served.
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-               tie_word_embeddings=False)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 class GlmAdapter(ModelAdapter):
@@ -24,14 +30,21 @@ class GlmAdapter(ModelAdapter):
         "GlmForCausalLM": dict(_COMMON),
         "Glm4ForCausalLM": dict(_COMMON),
         # GLM-4.5: a dense first layer then routed + shared experts, QK norms, partial rotary.
-        "Glm4MoeForCausalLM": dict(_COMMON, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                   n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                   use_qk_norm=True),
+        "Glm4MoeForCausalLM": dict(
+            _COMMON,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            use_qk_norm=True,
+        ),
     }
     validation_variants = {
         # GLM-4.5-Air's 96 query heads on 8 key-value heads (12:1), scaled down.
-        "Glm4MoeForCausalLM": [dict(_variant="12q-kv1", num_attention_heads=12, num_key_value_heads=1,
-                                    head_dim=8)],
+        "Glm4MoeForCausalLM": [dict(_variant="12q-kv1", num_attention_heads=12, num_key_value_heads=1, head_dim=8)],
         "GlmForCausalLM": [dict(_variant="mha-tied", num_key_value_heads=4, tie_word_embeddings=True)],
     }
 

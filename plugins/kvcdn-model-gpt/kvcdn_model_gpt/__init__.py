@@ -22,15 +22,12 @@ multi-query, grouped), so the base adapter exports and imports them. What this p
 
 from __future__ import annotations
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core import ArtifactError, KvcdnError, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
 #: model_type → config attribute naming the size of a learned absolute position table.
-LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions",
-                     "gpt_neo": "max_position_embeddings"}
+LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions", "gpt_neo": "max_position_embeddings"}
 
 
 def position_encoding(config) -> str:
@@ -57,21 +54,40 @@ class GptAdapter(ModelAdapter):
     validation_configs = {
         "GPT2LMHeadModel": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512),
         # Local layers (window 32) alternate with global ones, as in GPT-Neo 125M-2.7B.
-        "GPTNeoForCausalLM": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                                  window_size=32, attention_types=[[["global", "local"], 1]],
-                                  max_position_embeddings=512),
-        "GPTJForCausalLM": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, rotary_dim=8,
-                                n_positions=2048, tie_word_embeddings=False),
-        "GPTNeoXForCausalLM": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=2048,
-                                   use_parallel_residual=True, tie_word_embeddings=False),
+        "GPTNeoForCausalLM": dict(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=128,
+            window_size=32,
+            attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=512,
+        ),
+        "GPTJForCausalLM": dict(
+            n_embd=64, n_layer=2, n_head=4, n_inner=128, rotary_dim=8, n_positions=2048, tie_word_embeddings=False
+        ),
+        "GPTNeoXForCausalLM": dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            rotary_pct=0.25,
+            max_position_embeddings=2048,
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+        ),
         # StarCoder / SantaCoder layout: one key/value head shared by every query head.
-        "GPTBigCodeForCausalLM": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512,
-                                      multi_query=True),
+        "GPTBigCodeForCausalLM": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512, multi_query=True),
         "BloomForCausalLM": dict(hidden_size=64, n_layer=2, n_head=4),
         # Falcon-40B/180B layout: new decoder architecture with grouped key/value heads.
-        "FalconForCausalLM": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  new_decoder_architecture=True, num_kv_heads=2, alibi=False),
+        "FalconForCausalLM": dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            alibi=False,
+        ),
     }
 
     def load(self, model_dir, device, dtype):
@@ -102,8 +118,7 @@ class GptAdapter(ModelAdapter):
 
         if not isinstance(cache, DynamicCache):
             raise KvcdnError(
-                f"the model returned a {type(cache).__name__}, not a decoder DynamicCache; "
-                "no artifact was written"
+                f"the model returned a {type(cache).__name__}, not a decoder DynamicCache; no artifact was written"
             )
         return super().cache_layers(cache)
 

@@ -1,13 +1,13 @@
 """Variants of the GPT-family configs that real checkpoints use, and the refusals."""
 
 import pytest
+from kvcdn_model_gpt import GptAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.tiny import build_tiny_model
-from kvcdn_model_gpt import GptAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -21,13 +21,16 @@ def variant(architecture: str, **changes):
     return Variant
 
 
-@pytest.mark.parametrize("changes", [
-    # Falcon-7B: multi-query attention, parallel attention/MLP.
-    dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, num_kv_heads=None),
-    # Falcon-RW: ALiBi instead of rotary, one key/value head per query head.
-    dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, alibi=True,
-         num_kv_heads=None),
-], ids=["falcon-7b-multi-query", "falcon-rw-alibi"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        # Falcon-7B: multi-query attention, parallel attention/MLP.
+        dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, num_kv_heads=None),
+        # Falcon-RW: ALiBi instead of rotary, one key/value head per query head.
+        dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, alibi=True, num_kv_heads=None),
+    ],
+    ids=["falcon-7b-multi-query", "falcon-rw-alibi"],
+)
 def test_falcon_variants_are_exact(changes, tmp_path):
     assert_adapter_contract(variant("FalconForCausalLM", **changes), "FalconForCausalLM", tmp_path)
 
@@ -39,8 +42,7 @@ def test_gpt_bigcode_multi_head_is_exact(tmp_path):
 def _artifact(adapter_cls, architecture, tmp_path):
     model_dir = build_tiny_model(adapter_cls, architecture, tmp_path / "model")
     session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
-    path, _ = runtime.generate(session, "The lighthouse keeper kept a ledger.", tmp_path / "a.kv",
-                               progress=False)
+    path, _ = runtime.generate(session, "The lighthouse keeper kept a ledger.", tmp_path / "a.kv", progress=False)
     return session, fmt.read_header(path)
 
 

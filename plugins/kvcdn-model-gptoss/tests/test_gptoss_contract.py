@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_gptoss import GptOssAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_gptoss import GptOssAdapter
 
 
 @pytest.mark.parametrize("architecture", GptOssAdapter.architectures)

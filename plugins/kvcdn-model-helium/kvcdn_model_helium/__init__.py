@@ -4,9 +4,8 @@ Helium is a Llama-layout full-attention decoder.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family helium``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_helium import HeliumAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_helium import HeliumAdapter
 
 
 @pytest.mark.parametrize("architecture", HeliumAdapter.architectures)

@@ -5,9 +5,8 @@ checkpoints (kept exact or refused by core, like every length-dependent RoPE).
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family hunyuan``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_hunyuan import HunYuanAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_hunyuan import HunYuanAdapter
 
 
 @pytest.mark.parametrize("architecture", HunYuanAdapter.architectures)

@@ -14,16 +14,28 @@ those whose restored state does not continue exactly (Bamba) are not claimed; se
 docs/model-families-hybrid-ssm.md.
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.linear_attention import LinearAttentionLayers
+from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
-_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
-               mamba_expand=2, mamba_chunk_size=32)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+_MAMBA2 = dict(
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_n_groups=1,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=32,
+)
 _LFM2_LAYERS = ["conv", "full_attention", "conv", "full_attention"]
 
 
@@ -32,20 +44,42 @@ class HybridAdapter(LinearAttentionLayers, ModelAdapter):
     architectures = ("JambaForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
     validation_configs = {
         # Mamba on even layers, attention on odd ones, experts every other layer.
-        "JambaForCausalLM": dict(_COMMON, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
-                                 attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                                 mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
-        "GraniteMoeHybridForCausalLM": dict(_COMMON, **_MAMBA2, layer_types=["mamba", "attention"] * 2,
-                                            num_local_experts=4, num_experts_per_tok=2,
-                                            shared_intermediate_size=64),
+        "JambaForCausalLM": dict(
+            _COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+        ),
+        "GraniteMoeHybridForCausalLM": dict(
+            _COMMON,
+            **_MAMBA2,
+            layer_types=["mamba", "attention"] * 2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=64,
+        ),
         "Lfm2ForCausalLM": dict(_COMMON, layer_types=_LFM2_LAYERS),
-        "Lfm2MoeForCausalLM": dict(_COMMON, layer_types=_LFM2_LAYERS, num_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=32, num_dense_layers=1),
+        "Lfm2MoeForCausalLM": dict(
+            _COMMON,
+            layer_types=_LFM2_LAYERS,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+        ),
     }
     validation_variants = {
         "Lfm2ForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, tie_word_embeddings=True)],
-        "GraniteMoeHybridForCausalLM": [dict(_variant="mamba-mamba-attn", num_hidden_layers=3,
-                                             layer_types=["mamba", "mamba", "attention"])],
+        "GraniteMoeHybridForCausalLM": [
+            dict(_variant="mamba-mamba-attn", num_hidden_layers=3, layer_types=["mamba", "mamba", "attention"])
+        ],
     }
 
 

@@ -1,8 +1,8 @@
 import pytest
+from kvcdn_model_hybrid import HybridAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_hybrid import HybridAdapter
 
 
 @pytest.mark.parametrize("architecture", HybridAdapter.architectures)

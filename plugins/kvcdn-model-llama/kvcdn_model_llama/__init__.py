@@ -12,19 +12,31 @@ transformers has no ``YiForCausalLM`` class: Yi checkpoints on the hub declare
 checkpoints are not.
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
-               _bos=True)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    _bos=True,
+)
 
 #: Llama 3.1-style RoPE scaling, its original context shrunk below the validation context so the
 #: scaled and unscaled frequency bands both matter.
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 class LlamaAdapter(ModelAdapter):
@@ -33,16 +45,28 @@ class LlamaAdapter(ModelAdapter):
     validation_configs = {
         "LlamaForCausalLM": dict(_COMMON),
         "SmolLM3ForCausalLM": dict(_COMMON, num_hidden_layers=4, no_rope_layer_interval=2),
-        "ArceeForCausalLM": dict(_COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
-                                                            "factor": 4.0, "original_max_position_embeddings": 64}),
+        "ArceeForCausalLM": dict(
+            _COMMON,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
     }
     validation_variants = {
         # Llama 3.1 RoPE scaling at 8 query heads per key-value head (Llama 3 70B); SmolLM2-135M's
         # 9:3 heads of width 64 with tied embeddings is validated on its real weights in the tests.
-        "LlamaForCausalLM": [dict(_variant="llama3-rope-8q-kv1", num_attention_heads=8, num_key_value_heads=1,
-                                  rope_parameters=dict(LLAMA3_ROPE)),
-                             dict(_variant="mha-tied-wide-heads", num_key_value_heads=4, head_dim=32,
-                                  tie_word_embeddings=True)],
+        "LlamaForCausalLM": [
+            dict(
+                _variant="llama3-rope-8q-kv1",
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                rope_parameters=dict(LLAMA3_ROPE),
+            ),
+            dict(_variant="mha-tied-wide-heads", num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
+        ],
     }
 
 

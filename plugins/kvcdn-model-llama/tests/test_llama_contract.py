@@ -1,9 +1,9 @@
 import pytest
+from kvcdn_model_llama import LLAMA3_ROPE, LlamaAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.validation import validate_tiny
-from kvcdn_model_llama import LLAMA3_ROPE, LlamaAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -17,8 +17,10 @@ def test_adapter_contract(architecture, tmp_path):
 
 def _variant(**overrides):
     class Variant(LlamaAdapter):
-        validation_configs = {"LlamaForCausalLM": dict(LlamaAdapter.validation_configs["LlamaForCausalLM"],
-                                                       **overrides)}
+        validation_configs = {
+            "LlamaForCausalLM": dict(LlamaAdapter.validation_configs["LlamaForCausalLM"], **overrides)
+        }
+
     return Variant
 
 
@@ -28,8 +30,11 @@ def test_llama3_rope_scaling_is_exact(tmp_path):
 
 
 def test_dynamic_rope_within_its_length_is_exact(tmp_path):
-    assert_adapter_contract(_variant(rope_parameters={"rope_type": "dynamic", "factor": 2.0},
-                                     max_position_embeddings=512), "LlamaForCausalLM", tmp_path)
+    assert_adapter_contract(
+        _variant(rope_parameters={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=512),
+        "LlamaForCausalLM",
+        tmp_path,
+    )
 
 
 def test_dynamic_rope_past_its_length_is_refused(tmp_path):

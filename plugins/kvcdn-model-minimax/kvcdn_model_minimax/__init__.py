@@ -4,9 +4,8 @@ MiniMax-M2 is a full-attention mixture of experts with QK norms and partial rota
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family minimax``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_minimax import MiniMaxAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_minimax import MiniMaxAdapter
 
 
 @pytest.mark.parametrize("architecture", MiniMaxAdapter.architectures)

@@ -7,14 +7,21 @@ be reused as a whole (its cache cannot be cropped to a shorter prefix). Mixtral'
 nothing in the cache: it is a plain full-attention (or sliding) cache.
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-               tie_word_embeddings=False, _bos=True)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    _bos=True,
+)
 
 
 class MistralAdapter(ModelAdapter):
@@ -23,8 +30,7 @@ class MistralAdapter(ModelAdapter):
     validation_configs = {
         # A small window, so the validation context (2 x window + 8 tokens or more) crosses it.
         "MistralForCausalLM": dict(_COMMON, sliding_window=20),
-        "MixtralForCausalLM": dict(_COMMON, sliding_window=None, num_local_experts=4,
-                                   num_experts_per_tok=2),
+        "MixtralForCausalLM": dict(_COMMON, sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
     }
 
 

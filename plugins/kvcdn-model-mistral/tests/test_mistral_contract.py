@@ -1,8 +1,8 @@
 import pytest
+from kvcdn_model_mistral import MistralAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_mistral import MistralAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -29,8 +29,9 @@ def test_adapter_contract(architecture, tmp_path):
 
 def test_mixtral_with_sliding_window_is_exact(tmp_path):
     class SlidingMixtral(MistralAdapter):
-        validation_configs = {"MixtralForCausalLM": dict(MistralAdapter.validation_configs["MixtralForCausalLM"],
-                                                         sliding_window=16)}
+        validation_configs = {
+            "MixtralForCausalLM": dict(MistralAdapter.validation_configs["MixtralForCausalLM"], sliding_window=16)
+        }
 
     assert_adapter_contract(SlidingMixtral, "MixtralForCausalLM", tmp_path)
     kinds = [layer["kind"] for layer in fmt.read_manifest(tmp_path / "MixtralForCausalLM.kv")["layers"]]

@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_nemotron import NemotronAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_nemotron import NemotronAdapter
 
 
 @pytest.mark.parametrize("architecture", NemotronAdapter.architectures)

@@ -7,40 +7,69 @@ embeddings, biases, experts) live in the forward pass, not in the cache, so the 
 and imports them unchanged.
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 class OlmoGraniteAdapter(ModelAdapter):
     family = "olmo-granite"
-    architectures = ("OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM",
-                     "GraniteForCausalLM",
-                     "GraniteMoeForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM")
+    architectures = (
+        "OlmoForCausalLM",
+        "Olmo2ForCausalLM",
+        "Olmo3ForCausalLM",
+        "OlmoeForCausalLM",
+        "GraniteForCausalLM",
+        "GraniteMoeForCausalLM",
+        "StableLmForCausalLM",
+        "Starcoder2ForCausalLM",
+    )
     validation_configs = {
         "OlmoForCausalLM": dict(_COMMON, clip_qkv=8.0),
         "Olmo2ForCausalLM": dict(_COMMON),
-        "GraniteForCausalLM": dict(_COMMON, embedding_multiplier=4.0, residual_multiplier=0.5,
-                                   attention_multiplier=0.25, logits_scaling=2.0),
-        "GraniteMoeForCausalLM": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2,
-                                      embedding_multiplier=4.0, residual_multiplier=0.5,
-                                      attention_multiplier=0.25, logits_scaling=2.0),
-        "StableLmForCausalLM": dict(_COMMON, partial_rotary_factor=0.25, qk_layernorm=True,
-                                    use_qkv_bias=True),
+        "GraniteForCausalLM": dict(
+            _COMMON, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=2.0
+        ),
+        "GraniteMoeForCausalLM": dict(
+            _COMMON,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.25,
+            logits_scaling=2.0,
+        ),
+        "StableLmForCausalLM": dict(_COMMON, partial_rotary_factor=0.25, qk_layernorm=True, use_qkv_bias=True),
         "Starcoder2ForCausalLM": dict(_COMMON, sliding_window=24),
-        "Olmo3ForCausalLM": dict(_COMMON, num_hidden_layers=4, sliding_window=16,
-                                 layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        "Olmo3ForCausalLM": dict(
+            _COMMON, num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+        ),
         "OlmoeForCausalLM": dict(_COMMON, num_experts=4, num_experts_per_tok=2, clip_qkv=8.0),
     }
     validation_variants = {
         # OLMo 2 1B-style: equal head counts, YaRN-extended context.
-        "Olmo2ForCausalLM": [dict(_variant="mha-yarn", num_key_value_heads=4,
-                                  rope_parameters={"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
-                                                   "original_max_position_embeddings": 64})],
+        "Olmo2ForCausalLM": [
+            dict(
+                _variant="mha-yarn",
+                num_key_value_heads=4,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            )
+        ],
         "Olmo3ForCausalLM": [dict(_variant="8q-kv2", num_attention_heads=8, num_key_value_heads=2)],
         "GraniteForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, tie_word_embeddings=True)],
     }

@@ -8,27 +8,35 @@ chunked prefill crosses that threshold, so an artifact equals a full prefill, an
 a short-factor artifact past it. Phi-2 rotates only part of each head (``partial_rotary_factor``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 #: LongRoPE with an original context of 64 tokens: the validation context (over 96 tokens) is
 #: prefilled in chunks of 64, so the prefill crosses the short→long switch. 8 = head_dim / 2.
-LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
-            "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
-            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0]}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0],
+}
 
 
 class PhiAdapter(ModelAdapter):
     family = "phi"
     architectures = ("Phi3ForCausalLM", "PhiForCausalLM")
     validation_configs = {
-        "Phi3ForCausalLM": dict(_COMMON, original_max_position_embeddings=64,
-                                rope_parameters=dict(LONGROPE)),
+        "Phi3ForCausalLM": dict(_COMMON, original_max_position_embeddings=64, rope_parameters=dict(LONGROPE)),
         "PhiForCausalLM": dict(_COMMON, partial_rotary_factor=0.5, qk_layernorm=True),
     }
 

@@ -1,4 +1,5 @@
 import pytest
+from kvcdn_model_phi import PhiAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import rope_regime, runtime
@@ -6,7 +7,6 @@ from kvcdn_core.errors import KvcdnError
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.validation import validate_tiny
 from kvcdn_core.verify import run_verify
-from kvcdn_model_phi import PhiAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -21,8 +21,7 @@ def test_adapter_contract(architecture, tmp_path):
 def test_longrope_context_crosses_the_switch(tmp_path, monkeypatch):
     """The LongRoPE config really crosses short→long in the chunked prefill: without core's
     recompute the cached continuation diverges from the full prefill at once."""
-    monkeypatch.setattr(rope_regime, "guarded_forward",
-                        lambda adapter, model, ids, cache, run: run(model, ids, cache))
+    monkeypatch.setattr(rope_regime, "guarded_forward", lambda adapter, model, ids, cache, run: run(model, ids, cache))
     results = validate_tiny(PhiAdapter, "Phi3ForCausalLM", tmp_path)
     cache = next(r for r in results if r.phase == "cache")
     assert not cache.passed and cache.first_divergence is not None
@@ -31,10 +30,10 @@ def test_longrope_context_crosses_the_switch(tmp_path, monkeypatch):
 def test_short_longrope_artifact_is_not_continued_past_the_switch(tiny_model, tmp_path):
     """An artifact shorter than original_max_position_embeddings was rotated with the short
     factors: continuing it past the switch is refused, never silently different."""
-    session = runtime.load_session(str(tiny_model(PhiAdapter, "Phi3ForCausalLM")), device="cpu",
-                                   dtype="float32", adapter_cls=PhiAdapter)
-    path, ids = runtime.generate(session, "The lighthouse keeper kept a ledger.", tmp_path / "short.kv",
-                                 progress=False)
+    session = runtime.load_session(
+        str(tiny_model(PhiAdapter, "Phi3ForCausalLM")), device="cpu", dtype="float32", adapter_cls=PhiAdapter
+    )
+    path, ids = runtime.generate(session, "The lighthouse keeper kept a ledger.", tmp_path / "short.kv", progress=False)
     assert len(ids) < 64
     header = fmt.read_header(path)
     assert run_verify(session, header, " Reuse", 4).passed  # stays below the switch: exact
@@ -44,8 +43,11 @@ def test_short_longrope_artifact_is_not_continued_past_the_switch(tiny_model, tm
 
 def test_sliding_window_phi3_is_exact(tmp_path):
     """Phi-3-mini-4k style: default RoPE and a sliding window, crossed by the context."""
-    plain = {k: v for k, v in PhiAdapter.validation_configs["Phi3ForCausalLM"].items()
-             if k not in ("rope_parameters", "original_max_position_embeddings")}
+    plain = {
+        k: v
+        for k, v in PhiAdapter.validation_configs["Phi3ForCausalLM"].items()
+        if k not in ("rope_parameters", "original_max_position_embeddings")
+    }
 
     class SlidingPhi3(PhiAdapter):
         validation_configs = {"Phi3ForCausalLM": dict(plain, sliding_window=24)}

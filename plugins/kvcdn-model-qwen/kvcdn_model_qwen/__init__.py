@@ -6,44 +6,72 @@ Qwen3-Next and Qwen3.5 (dense and MoE, the text models) add gated-DeltaNet linea
 (see :mod:`kvcdn_model_qwen.qwen3_next`); their artifacts are reusable as a whole prefix only.
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
+from kvcdn_core import ModelAdapter, hookimpl
 from kvcdn_model_qwen.qwen3_next import QWEN3_5_CONFIG, QWEN3_NEXT_CONFIG, LinearAttentionLayers
 
 __version__ = "0.1.0"
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 class QwenAdapter(LinearAttentionLayers, ModelAdapter):
     family = "qwen"
-    architectures = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                     "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+    architectures = (
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    )
     validation_configs = {
         "Qwen2ForCausalLM": dict(_COMMON),
         "Qwen3ForCausalLM": dict(_COMMON, head_dim=16),
-        "Qwen3MoeForCausalLM": dict(_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                    moe_intermediate_size=64, decoder_sparse_step=1),
+        "Qwen3MoeForCausalLM": dict(
+            _COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1
+        ),
         "Qwen3NextForCausalLM": dict(QWEN3_NEXT_CONFIG),
-        "Qwen2MoeForCausalLM": dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=32),
+        "Qwen2MoeForCausalLM": dict(
+            _COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        ),
         # Alternating here: with three random linear layers before the only global one, the tiny
         # dense model's output stops depending on the context (the MoE variant keeps the 3:1 pattern).
         "Qwen3_5ForCausalLM": dict(QWEN3_5_CONFIG, layer_types=["linear_attention", "full_attention"] * 2),
-        "Qwen3_5MoeForCausalLM": dict(QWEN3_5_CONFIG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=32),
+        "Qwen3_5MoeForCausalLM": dict(
+            QWEN3_5_CONFIG,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
     }
     validation_variants = {
         # Qwen2.5-7B's 7:1 GQA ratio; Qwen2.5-0.5B's tied embeddings with 14:2 heads.
-        "Qwen2ForCausalLM": [dict(_variant="8q-kv1-tied", num_attention_heads=8, num_key_value_heads=1,
-                                  tie_word_embeddings=True),
-                             dict(_variant="yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e6,
-                                                                     "factor": 4.0,
-                                                                     "original_max_position_embeddings": 64})],
+        "Qwen2ForCausalLM": [
+            dict(_variant="8q-kv1-tied", num_attention_heads=8, num_key_value_heads=1, tie_word_embeddings=True),
+            dict(
+                _variant="yarn",
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 1e6,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+        ],
         # Qwen3's head_dim is independent of hidden/heads (128 with hidden 1024 and 16 heads).
-        "Qwen3ForCausalLM": [dict(_variant="8q-kv4-wide-heads", num_attention_heads=8, num_key_value_heads=4,
-                                  head_dim=32)],
+        "Qwen3ForCausalLM": [
+            dict(_variant="8q-kv4-wide-heads", num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+        ],
     }
 
 

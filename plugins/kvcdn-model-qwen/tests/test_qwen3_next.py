@@ -7,12 +7,12 @@ prefill of the same token ids in float32.
 
 import pytest
 import torch
+from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.validation import long_context
-from kvcdn_model_qwen import QwenAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -45,7 +45,11 @@ def test_manifest_records_linear_and_full_layers(session_of, tmp_path):
     header = saved(session, ids_of(session, 40), tmp_path)
     manifest = header.manifest
     assert [layer["kind"] for layer in manifest["layers"]] == [
-        fmt.LINEAR_ATTENTION, fmt.LINEAR_ATTENTION, fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION]
+        fmt.LINEAR_ATTENTION,
+        fmt.LINEAR_ATTENTION,
+        fmt.LINEAR_ATTENTION,
+        fmt.FULL_ATTENTION,
+    ]
     assert manifest["reuse"] == "whole_prefix"
     linear, full = manifest["layers"][0], manifest["layers"][3]
     assert set(linear["tensors"]) == {"conv_state", "recurrent_state"}
@@ -75,9 +79,10 @@ def test_multi_token_question_on_restored_state(session_of, tmp_path):
     assert restored_ids == ids
     with torch.inference_mode():
         cached, _ = session.adapter.forward(session.model, torch.tensor([question]), restored)
-        full, _ = session.adapter.forward(session.model, torch.tensor([ids + question]),
-                                          session.adapter.new_cache(session.model))
-    full = full[:, len(ids):]
+        full, _ = session.adapter.forward(
+            session.model, torch.tensor([ids + question]), session.adapter.new_cache(session.model)
+        )
+    full = full[:, len(ids) :]
     # The chunked delta rule sums in 64-token blocks aligned to the start of each call, so float32
     # rounding differs by ~2e-4 on logits of magnitude ~10; a lost state differs by ~4.
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-3)
@@ -117,8 +122,9 @@ def test_crop_full_attention_equals_a_shorter_prefill(session_of, tmp_path):
     question = question_ids(session)
     with torch.inference_mode():
         cropped, _ = session.adapter.forward(session.model, torch.tensor([question]), restored)
-        full, _ = session.adapter.forward(session.model, torch.tensor([ids[:keep] + question]),
-                                          session.adapter.new_cache(session.model))
+        full, _ = session.adapter.forward(
+            session.model, torch.tensor([ids[:keep] + question]), session.adapter.new_cache(session.model)
+        )
     torch.testing.assert_close(cropped, full[:, keep:], rtol=1e-4, atol=1e-4)
     with pytest.raises(KvcdnError, match="cannot crop"):
         session.adapter.crop(restored, header.manifest["layers"], 0)

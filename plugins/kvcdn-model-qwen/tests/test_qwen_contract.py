@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_qwen import QwenAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -16,9 +16,13 @@ def test_sliding_window_config_is_exact(tmp_path):
 
     class SlidingQwen(QwenAdapter):
         validation_configs = {
-            "Qwen2ForCausalLM": dict(QwenAdapter.validation_configs["Qwen2ForCausalLM"],
-                                     use_sliding_window=True, sliding_window=24, max_window_layers=0,
-                                     layer_types=["sliding_attention", "sliding_attention"]),
+            "Qwen2ForCausalLM": dict(
+                QwenAdapter.validation_configs["Qwen2ForCausalLM"],
+                use_sliding_window=True,
+                sliding_window=24,
+                max_window_layers=0,
+                layer_types=["sliding_attention", "sliding_attention"],
+            ),
         }
 
     assert_adapter_contract(SlidingQwen, "Qwen2ForCausalLM", tmp_path)

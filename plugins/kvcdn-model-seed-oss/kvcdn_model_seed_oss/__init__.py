@@ -4,9 +4,8 @@ Seed-OSS is full attention with attention biases on the query/key/value projecti
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family seed-oss``).
 """
 
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.tiny import TINY_DECODER as _COMMON
+from kvcdn_core import TINY_DECODER as _COMMON
+from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 

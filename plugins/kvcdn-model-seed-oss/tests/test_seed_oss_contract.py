@@ -1,7 +1,7 @@
 import pytest
+from kvcdn_model_seed_oss import SeedOssAdapter
 
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_model_seed_oss import SeedOssAdapter
 
 
 @pytest.mark.parametrize("architecture", SeedOssAdapter.architectures)

@@ -14,10 +14,8 @@ on a restored state are exact. Mamba2's chunked scan takes the saved state itsel
 
 from __future__ import annotations
 
+from kvcdn_core import ArtifactError, KvcdnError, ModelAdapter, hookimpl
 from kvcdn_core import artifact as fmt
-from kvcdn_core import hookimpl
-from kvcdn_core.adapter import ModelAdapter
-from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_model_ssm import scan
 
 __version__ = "0.1.0"
@@ -59,7 +57,7 @@ class SSMAdapter(ModelAdapter):
             return super().forward(model, input_ids, cache)
         pieces = []
         for t in range(input_ids.shape[1]):
-            logits, cache = super().forward(model, input_ids[:, t:t + 1], cache)
+            logits, cache = super().forward(model, input_ids[:, t : t + 1], cache)
             pieces.append(logits)
         return torch.cat(pieces, dim=1), cache
 
@@ -116,8 +114,13 @@ def seed_mixers(model) -> bool:
 def _seeded_forward(mixer, inner):
     def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
         idx = mixer.layer_idx
-        if (cache is not None and attention_mask is None and hidden_states.shape[1] > 1
-                and cache.has_previous_state(idx) and not cache.is_recording_past(idx)):
+        if (
+            cache is not None
+            and attention_mask is None
+            and hidden_states.shape[1] > 1
+            and cache.has_previous_state(idx)
+            and not cache.is_recording_past(idx)
+        ):
             return scan.continue_mixer(mixer, hidden_states, cache)
         return inner(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
 

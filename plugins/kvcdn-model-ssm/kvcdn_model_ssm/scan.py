@@ -15,8 +15,20 @@ import sys
 
 #: Mixer attributes :func:`continue_mixer` reads; a transformers version without them falls back to
 #: token-by-token feeding (see ``SSMAdapter.forward``).
-MIXER_ATTRIBUTES = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D", "activation",
-                    "conv_kernel_size", "time_step_rank", "ssm_state_size", "layer_idx")
+MIXER_ATTRIBUTES = (
+    "in_proj",
+    "conv1d",
+    "x_proj",
+    "dt_proj",
+    "out_proj",
+    "A_log",
+    "D",
+    "activation",
+    "conv_kernel_size",
+    "time_step_rank",
+    "ssm_state_size",
+    "layer_idx",
+)
 #: FalconMamba normalises time step, B and C before the scan.
 FALCON_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
@@ -46,12 +58,14 @@ def continue_mixer(mixer, hidden_states, cache):
     # The cache returns its last conv inputs followed by the new ones: the causal convolution sees
     # the real left context, and only the new positions are kept.
     x = cache.update_conv_state(x, idx, conv_kernel_size=mixer.conv_kernel_size)
-    x = module.causal_conv1d_fn(x, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
-                                activation=mixer.activation)[:, :, -seq_len:]
+    x = module.causal_conv1d_fn(x, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, activation=mixer.activation)[
+        :, :, -seq_len:
+    ]
 
     x = x.transpose(1, 2)
-    time_step, B, C = torch.split(mixer.x_proj(x), [mixer.time_step_rank, mixer.ssm_state_size,
-                                                    mixer.ssm_state_size], dim=-1)
+    time_step, B, C = torch.split(
+        mixer.x_proj(x), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
+    )
     if all(hasattr(mixer, n) for n in FALCON_NORMS):
         time_step, B, C = mixer.dt_layernorm(time_step), mixer.b_layernorm(B), mixer.c_layernorm(C)
     # Dtypes follow the torch scan step by step (bias and softplus in the compute dtype, the state

@@ -5,14 +5,13 @@ Every check compares against a full prefill of the same token ids in float32.
 
 import pytest
 import torch
+from kvcdn_model_ssm import SSMAdapter
 
+from kvcdn_core import ModelAdapter, runtime
 from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
-from kvcdn_core.adapter import ModelAdapter
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.validation import long_context
-from kvcdn_model_ssm import SSMAdapter
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -68,7 +67,7 @@ def test_base_forward_drops_the_state(architecture, tiny_model):
     with torch.inference_mode():
         cache = session.adapter.new_cache(session.model)
         for start in range(0, len(ids), 64):
-            piece = torch.tensor([ids[start:start + 64]])
+            piece = torch.tensor([ids[start : start + 64]])
             logits, cache = base.forward(session.model, piece, cache)
     assert not hasattr(session.model, "_kvcdn_seeded_mixers")
     _, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
@@ -102,9 +101,10 @@ def test_multi_token_question_on_restored_state(architecture, sessions, tmp_path
     assert restored_ids == ids
     with torch.inference_mode():
         cached, _ = session.adapter.forward(session.model, torch.tensor([question]), restored)
-        full, _ = session.adapter.forward(session.model, torch.tensor([ids + question]),
-                                          session.adapter.new_cache(session.model))
-    full = full[:, len(ids):]
+        full, _ = session.adapter.forward(
+            session.model, torch.tensor([ids + question]), session.adapter.new_cache(session.model)
+        )
+    full = full[:, len(ids) :]
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
     assert torch.equal(cached.argmax(-1), full.argmax(-1))
 

@@ -12,9 +12,7 @@ schemes do not declare those layer kinds, so kvcdn keeps such layers in full pre
 
 from __future__ import annotations
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import hookimpl
-from kvcdn_core.quant import KEY, Quantizer, round_down_param, round_up_param
+from kvcdn_core import FULL_ATTENTION, KEY, SLIDING_WINDOW, Quantizer, hookimpl, round_down_param, round_up_param
 
 __version__ = "0.1.0"
 
@@ -56,7 +54,7 @@ class GroupedQuantizer(Quantizer):
     """Asymmetric quantization in groups along the token axis (keys) or the channel axis (values)."""
 
     bits = 4
-    supported_kinds = (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW)
+    supported_kinds = (FULL_ATTENTION, SLIDING_WINDOW)
     storage_dtype = "U8"
 
     @property
@@ -90,9 +88,12 @@ class GroupedQuantizer(Quantizer):
         codes = torch.where(s > 0, shifted / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(shifted))
         codes = torch.round(codes).clamp_(0, self.levels).to(torch.uint8)
         codes = codes.reshape(*codes.shape[:-2], -1)[..., :length]
-        record = {"bits": self.bits, "group_size": self.params["group_size"],
-                  "granularity": "per_channel" if role == KEY else "per_token",
-                  "grouped_axis": "tokens" if role == KEY else "channels"}
+        record = {
+            "bits": self.bits,
+            "group_size": self.params["group_size"],
+            "granularity": "per_channel" if role == KEY else "per_token",
+            "grouped_axis": "tokens" if role == KEY else "channels",
+        }
         return {"": pack(codes, self.bits), "scale": scale, "zero": zero}, record
 
     def decode(self, role, parts, record):
@@ -123,8 +124,8 @@ class GroupedQuantizer(Quantizer):
         groups, length = self._groups(x, role)
         lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
         magnitude = torch.maximum(lo.abs(), hi.abs())
-        step = (hi - lo + lo.abs() * 2.0 ** -10 + _F16_QUANTUM) / self.levels
-        bound = (step / 2 * _SLACK + magnitude * 2.0 ** -20).unsqueeze(-1).expand_as(groups)
+        step = (hi - lo + lo.abs() * 2.0**-10 + _F16_QUANTUM) / self.levels
+        bound = (step / 2 * _SLACK + magnitude * 2.0**-20).unsqueeze(-1).expand_as(groups)
         bound = bound.reshape(*bound.shape[:-2], -1)[..., :length]
         return bound.movedim(-1, self._axis(role))
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcdn_core import artifact, quant
+from kvcdn_core import KEY, VALUE, artifact, quant
 from kvcdn_quant_lowbit import Int2Quantizer, Int4Quantizer, pack, unpack
 
 PROFILE = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,15 +51,14 @@ def tensors(draw):
 
 @pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
 @PROFILE
-@given(x=tensors(), role=st.sampled_from([quant.KEY, quant.VALUE]), group=st.integers(1, 100),
-       residual=st.integers(0, 100))
+@given(x=tensors(), role=st.sampled_from([KEY, VALUE]), group=st.integers(1, 100), residual=st.integers(0, 100))
 def test_round_trip_within_bound(cls, x, role, group, residual):
     q = cls(group_size=group, residual=residual)
     parts, record = q.quantize(role, x)
     y = q.dequantize(parts, record)
     assert y.shape == x.shape and torch.isfinite(y).all()
     err = (x - y).abs()
-    assert ((err - q.error_bound(role, x)).max() <= 0), record
+    assert (err - q.error_bound(role, x)).max() <= 0, record
     keep = min(residual, x.shape[-2])
     assert record["residual_tokens"] == keep
     if keep:
@@ -74,8 +73,7 @@ def test_compression_of_a_float16_cache(cls, minimum):
     """Bytes stored for a 2k-token float16 K/V pair (head_dim 128) with the default group sizes."""
     x = (torch.randn(1, 8, 2048, 128) * 2).to(torch.float16)
     q = cls(residual=0)
-    stored = sum(p.numel() * p.element_size() for role in (quant.KEY, quant.VALUE)
-                 for p in q.quantize(role, x)[0].values())
+    stored = sum(p.numel() * p.element_size() for role in (KEY, VALUE) for p in q.quantize(role, x)[0].values())
     assert 2 * x.numel() * 2 / stored >= minimum
 
 
@@ -97,19 +95,20 @@ def test_sensitive_layer_kinds_stay_full_precision():
 
 def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
     from click.testing import CliRunner
+    from kvcdn_model_qwen import QwenAdapter
 
     from kvcdn_core import runtime
     from kvcdn_core.cli import make_cli
     from kvcdn_core.tiny import SAMPLE_TEXT
-    from kvcdn_model_qwen import QwenAdapter
 
     model_dir = tiny_model(QwenAdapter, "Qwen3ForCausalLM")
     session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
     src = tmp_path / "doc.kv"
     runtime.generate(session, SAMPLE_TEXT, src, progress=False)
     runner = CliRunner()
-    result = runner.invoke(make_cli(), ["quant", "--input", str(src), "--scheme", "int4", "--residual", "16",
-                                        "--format", "json"])
+    result = runner.invoke(
+        make_cli(), ["quant", "--input", str(src), "--scheme", "int4", "--residual", "16", "--format", "json"]
+    )
     assert result.exit_code == 0, result.output
     event = json.loads(result.stdout)
     out = tmp_path / "doc.int4.kv"
@@ -125,11 +124,21 @@ def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
 
 def test_context_shorter_than_the_residual_window_round_trips_bitwise(tmp_path):
     """Every token in the residual window: empty codes in the file, the tensors come back bitwise."""
-    tensors = {"layers.0.key": torch.randn(1, 2, 40, 16), "layers.0.value": torch.randn(1, 2, 40, 16),
-               artifact.TOKEN_IDS: torch.arange(40)}
-    manifest = {"kvcdn_version": "0", "created_at": "now", "model": {"id": "fake"}, "compute_dtype": "float32",
-                "quantization": None, "layers": [{"index": 0, "kind": artifact.FULL_ATTENTION,
-                                                  "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}]}
+    tensors = {
+        "layers.0.key": torch.randn(1, 2, 40, 16),
+        "layers.0.value": torch.randn(1, 2, 40, 16),
+        artifact.TOKEN_IDS: torch.arange(40),
+    }
+    manifest = {
+        "kvcdn_version": "0",
+        "created_at": "now",
+        "model": {"id": "fake"},
+        "compute_dtype": "float32",
+        "quantization": None,
+        "layers": [
+            {"index": 0, "kind": artifact.FULL_ATTENTION, "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
+        ],
+    }
     result = quant.quantize_cache(manifest, tensors, Int4Quantizer())
     out = artifact.write_artifact(tmp_path / "short.int4.kv", result.manifest, result.tensors)
     header = artifact.read_header(out)
@@ -137,3 +146,10 @@ def test_context_shorter_than_the_residual_window_round_trips_bitwise(tmp_path):
     deq = quant.dequantize_tensors(header)
     for name, t in tensors.items():
         assert torch.equal(deq[name], t), name
+
+
+@pytest.mark.parametrize("cls", [Int4Quantizer, Int2Quantizer], ids=lambda c: c.scheme)
+def test_lowbit_schemes_pass_the_quantizer_contract(cls):
+    from kvcdn_core.testing import assert_quantizer_contract
+
+    assert_quantizer_contract(cls)

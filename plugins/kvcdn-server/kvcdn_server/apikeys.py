@@ -8,10 +8,10 @@ of that org only (``.../<org>/r<g>`` for g >= 2), so no other org's key changes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import re
-import contextlib
 import threading
 import time
 
@@ -70,8 +70,7 @@ class OrgRegistry:
                 merged = dict(self.env_orgs)
                 for slug, gen in self._stored().items():
                     merged[slug] = max(gen, merged.get(slug, 1))
-                self._keys = {slug: (gen, derive_key(self.seed, slug, gen).encode())
-                              for slug, gen in merged.items()}
+                self._keys = {slug: (gen, derive_key(self.seed, slug, gen).encode()) for slug, gen in merged.items()}
                 self._loaded_at = time.monotonic()
             return {slug: gen for slug, (gen, _) in self._keys.items()}
 

@@ -17,10 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvcdn_core
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.storage import LocalStorage, open_storage
+from kvcdn_core import KvcdnError, LocalStorage, open_storage
 from kvcdn_hosted import wire
-
 from kvcdn_server.apikeys import OrgRegistry
 from kvcdn_server.artifacts import ArtifactStore
 from kvcdn_server.config import ServerConfig
@@ -96,7 +94,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
     errors = exc.errors()
     for err in errors:
         if err.get("type") == "json_invalid" or (
-                tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type")):
+            tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type")
+        ):
             return 400, "invalid_json", "the body must be a JSON object"
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
@@ -104,6 +103,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
 
 
 # -- the app ----------------------------------------------------------------------------------------
+
 
 class RedactQueries(logging.Filter):
     """Access-log lines without query strings: a signed URL's signature must not end up in logs."""
@@ -126,13 +126,20 @@ def build_services(config: ServerConfig, storage=None, engine=None) -> Services:
     engine = engine or open_database(config.database_url)
     limit = RateLimit(engine)
     return Services(
-        config=config, db=engine, storage=storage, store=ArtifactStore(engine, storage, config),
+        config=config,
+        db=engine,
+        storage=storage,
+        store=ArtifactStore(engine, storage, config),
         orgs=OrgRegistry(config.api_key_seed, config.env_orgs, engine, config.orgs_refresh),
-        verifier=(JwtVerifier(config.issuer_url, config.client_id, config.jwt_algorithms, config.jwt_leeway)
-                  if config.issuer_url else None),
+        verifier=(
+            JwtVerifier(config.issuer_url, config.client_id, config.jwt_algorithms, config.jwt_leeway)
+            if config.issuer_url
+            else None
+        ),
         signer=UrlSigner(config.url_key),
         engine=InferenceEngine.from_config(config),
-        limit=limit, telemetry=TelemetrySink(config.telemetry_url, config.telemetry_secret, limit),
+        limit=limit,
+        telemetry=TelemetrySink(config.telemetry_url, config.telemetry_secret, limit),
         public_base=(config.public_url or DEFAULT_PUBLIC_URL).rstrip("/"),
         storage_kind="local" if isinstance(storage, LocalStorage) else (type(storage).schemes or ("other",))[0],
     )
@@ -163,8 +170,9 @@ def create_app(config: ServerConfig, storage=None, engine=None) -> FastAPI:
         stop.set()
         s.engine.shutdown()
 
-    app = FastAPI(title="kvcdn hosted API", version=kvcdn_core.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="kvcdn hosted API", version=kvcdn_core.__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.services = s
     app.state.store = s.store
     app.state.orgs = s.orgs
@@ -185,16 +193,18 @@ def create_app(config: ServerConfig, storage=None, engine=None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code,
-                                                                                           "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+            exc.status_code, "http_error"
+        )
         return JSONResponse({"error": code, "message": str(exc.detail)}, status_code=exc.status_code)
 
     @app.exception_handler(KvcdnError)
     async def storage_failed(_request, exc: KvcdnError):
         # Storage errors name internal object keys: log them, answer without them.
         log.error("storage error: %s", exc)
-        return JSONResponse({"error": wire.STORAGE_ERROR, "message": "the object store failed; try again"},
-                            status_code=502)
+        return JSONResponse(
+            {"error": wire.STORAGE_ERROR, "message": "the object store failed; try again"}, status_code=502
+        )
 
     @app.exception_handler(Exception)
     async def crashed(_request, exc: Exception):

@@ -38,10 +38,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from kvcdn_core import KvcdnError, LocalStorage
 from kvcdn_core import artifact as kvformat
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.storage import LocalStorage
-
 from kvcdn_server.db import artifacts, readers, usage
 from kvcdn_server.errors import ApiError, not_found
 
@@ -98,8 +96,11 @@ def check_name(name: str) -> str:
 
 def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
     """What listings show, read from the artifact's own manifest."""
-    return {**kvformat.summary(manifest), "format_version": kvformat.FORMAT_VERSION,
-            "kvcdn_version": manifest.get("kvcdn_version")}
+    return {
+        **kvformat.summary(manifest),
+        "format_version": kvformat.FORMAT_VERSION,
+        "kvcdn_version": manifest.get("kvcdn_version"),
+    }
 
 
 def upload_key(artifact_id: str) -> str:
@@ -119,16 +120,27 @@ def view(row, owner: bool = True) -> dict[str, Any]:
     when both are present.
     """
     manifest = json.loads(row.manifest) if row.manifest else None
-    out = {"artifact_id": row.id, "name": row.name, "visibility": row.visibility,
-           "status": "pending" if row.status in ("uploading", "uploaded") else row.status,
-           "size_bytes": row.size_bytes, "sha256": row.sha256, "created_at": now_iso(row.created_at),
-           "confirmed_at": now_iso(row.confirmed_at) if row.confirmed_at else None, "manifest": manifest}
+    out = {
+        "artifact_id": row.id,
+        "name": row.name,
+        "visibility": row.visibility,
+        "status": "pending" if row.status in ("uploading", "uploaded") else row.status,
+        "size_bytes": row.size_bytes,
+        "sha256": row.sha256,
+        "created_at": now_iso(row.created_at),
+        "confirmed_at": now_iso(row.confirmed_at) if row.confirmed_at else None,
+        "manifest": manifest,
+    }
     if owner:
         out["customer_id"] = row.tenant
     m = manifest or {}
-    out.update(dtype=m.get("dtype"), storage_dtype=m.get("dtype"),
-               num_tokens=m.get("tokens"), num_layers=m.get("layers"),
-               quantized=bool(m.get("quantization")))
+    out.update(
+        dtype=m.get("dtype"),
+        storage_dtype=m.get("dtype"),
+        num_tokens=m.get("tokens"),
+        num_layers=m.get("layers"),
+        quantized=bool(m.get("quantization")),
+    )
     return out
 
 
@@ -164,8 +176,12 @@ class ArtifactStore:
         return row if row is not None and row.status == "ready" else None
 
     def list_ready(self, tenant: str, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
-        query = (sa.select(artifacts).where(artifacts.c.tenant == tenant, artifacts.c.status == "ready")
-                 .order_by(artifacts.c.id).limit(limit + 1))
+        query = (
+            sa.select(artifacts)
+            .where(artifacts.c.tenant == tenant, artifacts.c.status == "ready")
+            .order_by(artifacts.c.id)
+            .limit(limit + 1)
+        )
         if cursor is not None:
             query = query.where(artifacts.c.id > cursor)
         with self.reads.connect() as c:
@@ -176,13 +192,19 @@ class ArtifactStore:
     # -- quota -------------------------------------------------------------------------------
 
     def limits(self) -> dict[str, int]:
-        return {"artifacts": self.config.quota_artifacts, "storage_bytes": self.config.quota_bytes,
-                "max_artifact_bytes": self.config.max_artifact_bytes}
+        return {
+            "artifacts": self.config.quota_artifacts,
+            "storage_bytes": self.config.quota_bytes,
+            "max_artifact_bytes": self.config.max_artifact_bytes,
+        }
 
     def usage(self, tenant: str) -> dict[str, int]:
         """Ready artifacts and uploads in flight, counted from the artifacts table."""
-        query = (sa.select(artifacts.c.status, sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size_bytes), 0))
-                 .where(artifacts.c.tenant == tenant, artifacts.c.status.in_(LIVE)).group_by(artifacts.c.status))
+        query = (
+            sa.select(artifacts.c.status, sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size_bytes), 0))
+            .where(artifacts.c.tenant == tenant, artifacts.c.status.in_(LIVE))
+            .group_by(artifacts.c.status)
+        )
         out = {"artifacts": 0, "storage_bytes": 0, "pending_artifacts": 0, "pending_bytes": 0}
         with self.reads.connect() as c:
             for status, count, size in c.execute(query):
@@ -198,16 +220,24 @@ class ArtifactStore:
         return (int(row[0]), int(row[1])) if row else (0, 0)
 
     def _reserve(self, c, tenant: str, size: int) -> bool:
-        grant = (usage.update().where(usage.c.tenant == tenant,
-                                      usage.c.artifacts + 1 <= self.config.quota_artifacts,
-                                      usage.c.bytes + size <= self.config.quota_bytes)
-                 .values(artifacts=usage.c.artifacts + 1, bytes=usage.c.bytes + size))
+        grant = (
+            usage.update()
+            .where(
+                usage.c.tenant == tenant,
+                usage.c.artifacts + 1 <= self.config.quota_artifacts,
+                usage.c.bytes + size <= self.config.quota_bytes,
+            )
+            .values(artifacts=usage.c.artifacts + 1, bytes=usage.c.bytes + size)
+        )
         return c.execute(grant).rowcount == 1
 
     @staticmethod
     def _release(c, tenant: str, size: int) -> None:
-        c.execute(usage.update().where(usage.c.tenant == tenant)
-                  .values(artifacts=usage.c.artifacts - 1, bytes=usage.c.bytes - size))
+        c.execute(
+            usage.update()
+            .where(usage.c.tenant == tenant)
+            .values(artifacts=usage.c.artifacts - 1, bytes=usage.c.bytes - size)
+        )
 
     def _ensure_usage_row(self, tenant: str) -> None:
         with contextlib.suppress(sa.exc.IntegrityError), self.db.begin() as c:
@@ -219,16 +249,22 @@ class ArtifactStore:
     def _move(self, c, artifact_id: str, frm: tuple[str, ...], to: str, **values) -> bool:
         """One conditional state change; true when this caller made it."""
         now = time.time()
-        result = c.execute(artifacts.update().where(artifacts.c.id == artifact_id, artifacts.c.status.in_(frm))
-                           .values(status=to, updated_at=now, **values))
+        result = c.execute(
+            artifacts.update()
+            .where(artifacts.c.id == artifact_id, artifacts.c.status.in_(frm))
+            .values(status=to, updated_at=now, **values)
+        )
         return result.rowcount == 1
 
     def _end(self, artifact_id: str, frm: tuple[str, ...], to: str, error: str | None = None) -> bool:
         """Move an upload to ``failed``/``expired`` and give its reservation back, in one transaction;
         then remove its bytes (only after the database says they are dead)."""
         with self.db.begin() as c:
-            row = c.execute(sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id)
-                            .where(artifacts.c.id == artifact_id)).first()
+            row = c.execute(
+                sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id).where(
+                    artifacts.c.id == artifact_id
+                )
+            ).first()
             if row is None or not self._move(c, artifact_id, frm, to, error=error, lease_until=None):
                 return False
             self._release(c, row.tenant, row.size_bytes)
@@ -255,9 +291,11 @@ class ArtifactStore:
             while not stop.wait(every):
                 try:
                     with self.db.begin() as c:
-                        c.execute(artifacts.update().where(artifacts.c.id == artifact_id,
-                                                           artifacts.c.status == status)
-                                  .values(lease_until=time.time() + self.config.lease_seconds))
+                        c.execute(
+                            artifacts.update()
+                            .where(artifacts.c.id == artifact_id, artifacts.c.status == status)
+                            .values(lease_until=time.time() + self.config.lease_seconds)
+                        )
                 except Exception:
                     log.warning("lease renewal of %s failed", artifact_id)
 
@@ -271,28 +309,42 @@ class ArtifactStore:
 
     # -- upload ------------------------------------------------------------------------------
 
-    def begin_upload(self, tenant: str, name: str, size: int, sha256: str, visibility: str,
-                     hints: dict[str, Any]) -> dict[str, Any]:
+    def begin_upload(
+        self, tenant: str, name: str, size: int, sha256: str, visibility: str, hints: dict[str, Any]
+    ) -> dict[str, Any]:
         """Reserve quota and create the upload's row (``pending``) in one transaction."""
         if size > self.config.max_artifact_bytes:
-            raise ApiError(413, "payload_too_large",
-                           f"size_bytes is over this server's maximum of {self.config.max_artifact_bytes}")
+            raise ApiError(
+                413,
+                "payload_too_large",
+                f"size_bytes is over this server's maximum of {self.config.max_artifact_bytes}",
+            )
         if size > self.config.quota_bytes:
             raise ApiError(403, "quota_exceeded", f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
         self._ensure_usage_row(tenant)
         now = time.time()
         url_expires = int(now) + self.config.upload_ttl
-        record = {"id": str(uuid.uuid4()), "tenant": tenant, "name": name, "visibility": visibility,
-                  "status": "pending", "size_bytes": size, "sha256": sha256.lower(),
-                  "declared": json.dumps(hints, sort_keys=True), "created_at": now,
-                  "expires_at": url_expires + self.config.pending_grace, "updated_at": now}
+        record = {
+            "id": str(uuid.uuid4()),
+            "tenant": tenant,
+            "name": name,
+            "visibility": visibility,
+            "status": "pending",
+            "size_bytes": size,
+            "sha256": sha256.lower(),
+            "declared": json.dumps(hints, sort_keys=True),
+            "created_at": now,
+            "expires_at": url_expires + self.config.pending_grace,
+            "updated_at": now,
+        }
         with self.db.begin() as c:
             if not self._reserve(c, tenant, size):
                 held = c.execute(sa.select(usage.c.artifacts).where(usage.c.tenant == tenant)).scalar_one()
                 if held + 1 > self.config.quota_artifacts:
                     raise ApiError(403, "quota_exceeded", f"artifact quota of {self.config.quota_artifacts} reached")
-                raise ApiError(403, "quota_exceeded",
-                               f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
+                raise ApiError(
+                    403, "quota_exceeded", f"storage quota of {self.config.quota_bytes} bytes would be exceeded"
+                )
             c.execute(artifacts.insert().values(**record))
         return {**record, "url_expires": url_expires}
 
@@ -311,8 +363,9 @@ class ArtifactStore:
             "ready": ApiError(409, "already_confirmed", "this artifact is already confirmed"),
             "uploading": ApiError(409, "upload_in_progress", "another PUT of this upload is in progress"),
             "confirming": ApiError(409, "confirm_in_progress", "this upload is being confirmed"),
-            "failed": ApiError(409, "upload_failed",
-                               f"this upload failed{': ' + row.error if row.error else ''}; start again"),
+            "failed": ApiError(
+                409, "upload_failed", f"this upload failed{': ' + row.error if row.error else ''}; start again"
+            ),
             "expired": ApiError(410, "upload_expired", "the upload expired before it was confirmed; start again"),
         }.get(row.status, ApiError(409, "conflict", f"cannot {doing} an upload that is {row.status}"))
 
@@ -332,11 +385,17 @@ class ArtifactStore:
         self._expire_if_due(self.row(artifact_id))
         now = time.time()
         with self.db.begin() as c:
-            took = c.execute(artifacts.update().where(
-                artifacts.c.id == artifact_id,
-                sa.or_(artifacts.c.status.in_(OPEN),
-                       sa.and_(artifacts.c.status == "uploading", artifacts.c.lease_until < now)))
-                .values(status="uploading", lease_until=now + self.config.lease_seconds, updated_at=now)).rowcount
+            took = c.execute(
+                artifacts.update()
+                .where(
+                    artifacts.c.id == artifact_id,
+                    sa.or_(
+                        artifacts.c.status.in_(OPEN),
+                        sa.and_(artifacts.c.status == "uploading", artifacts.c.lease_until < now),
+                    ),
+                )
+                .values(status="uploading", lease_until=now + self.config.lease_seconds, updated_at=now)
+            ).rowcount
         if not took:
             raise self._refuse_state(self.row(artifact_id), "upload to")
         self.storage.delete(upload_key(artifact_id))
@@ -370,8 +429,14 @@ class ArtifactStore:
             return path
         return self.tmp_dir
 
-    def confirm(self, tenant: str, artifact_id: str, parts: list[dict[str, Any]] | None,
-                digest: str | None = None, size: int | None = None) -> dict[str, Any]:
+    def confirm(
+        self,
+        tenant: str,
+        artifact_id: str,
+        parts: list[dict[str, Any]] | None,
+        digest: str | None = None,
+        size: int | None = None,
+    ) -> dict[str, Any]:
         """Check the uploaded bytes and make the artifact ``ready``; any refusal fails the upload
         (its reservation goes back) with a one-line 422, so an upload is never left stuck."""
         check_id(artifact_id)
@@ -397,8 +462,15 @@ class ArtifactStore:
                 self._end(artifact_id, ("confirming",), "failed", "the server could not check the upload")
                 raise
             with self.db.begin() as c:
-                done = self._move(c, artifact_id, ("confirming",), "ready", lease_until=None,
-                                  confirmed_at=time.time(), manifest=json.dumps(summary, sort_keys=True))
+                done = self._move(
+                    c,
+                    artifact_id,
+                    ("confirming",),
+                    "ready",
+                    lease_until=None,
+                    confirmed_at=time.time(),
+                    manifest=json.dumps(summary, sort_keys=True),
+                )
         if not done:
             raise ApiError(409, "upload_failed", "the upload was deleted or expired while it was confirmed")
         return view(self.row(artifact_id))
@@ -406,7 +478,9 @@ class ArtifactStore:
     def _check(self, row, parts, digest, size) -> dict[str, Any]:
         if row.multipart_id:
             if not parts:
-                raise _NotYet(ApiError(409, "upload_incomplete", "a multipart upload is confirmed with its parts' ETags"))
+                raise _NotYet(
+                    ApiError(409, "upload_incomplete", "a multipart upload is confirmed with its parts' ETags")
+                )
             try:
                 self.storage.complete_multipart(upload_key(row.id), row.multipart_id, parts)
             except Exception:
@@ -437,8 +511,11 @@ class ArtifactStore:
             raise _Refused(422, "not_a_kv_artifact", "the upload's manifest is malformed") from None
         for hint, declared in json.loads(row.declared).items():
             if hint in HINTS and declared != summary[hint]:
-                raise _Refused(422, "manifest_mismatch",
-                               f"declared {hint} {declared!r}, the artifact's manifest says {summary[hint]!r}")
+                raise _Refused(
+                    422,
+                    "manifest_mismatch",
+                    f"declared {hint} {declared!r}, the artifact's manifest says {summary[hint]!r}",
+                )
         return summary
 
     @contextlib.contextmanager
@@ -458,12 +535,17 @@ class ArtifactStore:
     def delete(self, tenant: str, artifact_id: str) -> None:
         check_id(artifact_id)
         with self.db.begin() as c:
-            row = c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id,
-                                                       artifacts.c.tenant == tenant)).first()
+            row = c.execute(
+                sa.select(artifacts).where(artifacts.c.id == artifact_id, artifacts.c.tenant == tenant)
+            ).first()
             if row is None or row.status not in LIVE:
                 raise not_found()
-            if c.execute(artifacts.delete().where(artifacts.c.id == artifact_id,
-                                                  artifacts.c.status == row.status)).rowcount != 1:
+            if (
+                c.execute(
+                    artifacts.delete().where(artifacts.c.id == artifact_id, artifacts.c.status == row.status)
+                ).rowcount
+                != 1
+            ):
                 raise ApiError(409, "conflict", "the artifact changed meanwhile; try again")
             self._release(c, tenant, row.size_bytes)
         self._remove_objects(artifact_id, row.multipart_id)
@@ -482,9 +564,14 @@ class ArtifactStore:
         now = time.time()
         counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "multipart": 0, "rows": 0}
         with self.reads.connect() as c:
-            due = c.execute(sa.select(artifacts.c.id, artifacts.c.status).where(sa.or_(
-                sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now),
-                sa.and_(artifacts.c.status.in_(("uploading", "confirming")), artifacts.c.lease_until < now)))).all()
+            due = c.execute(
+                sa.select(artifacts.c.id, artifacts.c.status).where(
+                    sa.or_(
+                        sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now),
+                        sa.and_(artifacts.c.status.in_(("uploading", "confirming")), artifacts.c.lease_until < now),
+                    )
+                )
+            ).all()
         for artifact_id, status in due:
             if status in OPEN:
                 counts["expired"] += self._end(artifact_id, OPEN, "expired")
@@ -493,9 +580,11 @@ class ArtifactStore:
         grace = self.config.orphan_grace
         for prefix in ("uploads/", "artifacts/"):
             keys = [info.key for info in self.storage.list(prefix)]
-            ids = [k[len(prefix):] for k in keys]
-            alive = self._alive(ids, ("pending", "uploading", "uploaded", "confirming") if prefix == "uploads/"
-                                else ("confirming", "ready"))
+            ids = [k[len(prefix) :] for k in keys]
+            alive = self._alive(
+                ids,
+                ("pending", "uploading", "uploaded", "confirming") if prefix == "uploads/" else ("confirming", "ready"),
+            )
             for key, artifact_id in zip(keys, ids):
                 if artifact_id not in alive and self._dead_long_enough(artifact_id, now - grace):
                     self.storage.delete(key)
@@ -503,19 +592,26 @@ class ArtifactStore:
         counts["temp_files"] = self._sweep_temp(now - grace)
         counts["multipart"] = self._abort_orphan_multiparts(now - grace)
         with self.db.begin() as c:
-            counts["rows"] = c.execute(artifacts.delete().where(artifacts.c.status.in_(("failed", "expired")),
-                                                                artifacts.c.updated_at < now - KEEP_DEAD_ROWS)).rowcount
+            counts["rows"] = c.execute(
+                artifacts.delete().where(
+                    artifacts.c.status.in_(("failed", "expired")), artifacts.c.updated_at < now - KEEP_DEAD_ROWS
+                )
+            ).rowcount
         return counts
 
     def _end_dead(self, artifact_id: str, status: str, now: float) -> int:
         """A PUT or confirm whose server stopped renewing its lease: fail it (checked again in the UPDATE)."""
         with self.db.begin() as c:
-            row = c.execute(sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id)
-                            .where(artifacts.c.id == artifact_id)).first()
-            gone = c.execute(artifacts.update().where(artifacts.c.id == artifact_id, artifacts.c.status == status,
-                                                      artifacts.c.lease_until < now)
-                             .values(status="failed", lease_until=None, updated_at=now,
-                                     error="the server handling it stopped")).rowcount
+            row = c.execute(
+                sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id).where(
+                    artifacts.c.id == artifact_id
+                )
+            ).first()
+            gone = c.execute(
+                artifacts.update()
+                .where(artifacts.c.id == artifact_id, artifacts.c.status == status, artifacts.c.lease_until < now)
+                .values(status="failed", lease_until=None, updated_at=now, error="the server handling it stopped")
+            ).rowcount
             if row is None or not gone:
                 return 0
             self._release(c, row.tenant, row.size_bytes)
@@ -526,9 +622,12 @@ class ArtifactStore:
         alive: set[str] = set()
         with self.reads.connect() as c:
             for start in range(0, len(ids), 500):
-                chunk = ids[start:start + 500]
-                alive.update(c.execute(sa.select(artifacts.c.id).where(artifacts.c.id.in_(chunk),
-                                                                       artifacts.c.status.in_(states))).scalars())
+                chunk = ids[start : start + 500]
+                alive.update(
+                    c.execute(
+                        sa.select(artifacts.c.id).where(artifacts.c.id.in_(chunk), artifacts.c.status.in_(states))
+                    ).scalars()
+                )
         return alive
 
     def _dead_long_enough(self, artifact_id: str, before: float) -> bool:
@@ -543,9 +642,12 @@ class ArtifactStore:
             return 0
         aborted = 0
         for key, multipart_id in lister("uploads/"):
-            row = self.row(key[len("uploads/"):])
-            owned = row is not None and row.status in OPEN + ("uploading", "confirming") \
+            row = self.row(key[len("uploads/") :])
+            owned = (
+                row is not None
+                and row.status in OPEN + ("uploading", "confirming")
                 and row.multipart_id == multipart_id
+            )
             if not owned and (row is None or row.updated_at < before):
                 self.storage.abort_multipart(key, multipart_id)
                 aborted += 1
@@ -557,7 +659,7 @@ class ArtifactStore:
         if not directory.is_dir():
             return 0
         for path in directory.glob(f"{TEMP_PREFIX}*"):
-            artifact_id = path.name[len(TEMP_PREFIX):len(TEMP_PREFIX) + 36]
+            artifact_id = path.name[len(TEMP_PREFIX) : len(TEMP_PREFIX) + 36]
             row = self.row(artifact_id)
             writing = row is not None and row.status == "uploading" and (row.lease_until or 0) >= time.time()
             try:

@@ -26,8 +26,15 @@ class Identity:
         return self.customer_id
 
     def as_dict(self) -> dict[str, Any]:
-        return {"customer_id": self.customer_id, "org": self.org, "project": "default", "method": self.method,
-                "subject": self.subject, "issuer": self.issuer, "email": self.email}
+        return {
+            "customer_id": self.customer_id,
+            "org": self.org,
+            "project": "default",
+            "method": self.method,
+            "subject": self.subject,
+            "issuer": self.issuer,
+            "email": self.email,
+        }
 
 
 def authenticate(request: Request, s: Services, required: bool = True) -> Identity | None:
@@ -49,10 +56,10 @@ def authenticate(request: Request, s: Services, required: bool = True) -> Identi
         if s.verifier is None:
             raise unauthorized("this server has no OIDC issuer configured; use an org API key")
         claims = s.verifier.verify(token)
-        identity = Identity(claims.customer_id, "oidc", subject=claims.subject, issuer=claims.issuer,
-                            email=claims.email)
-    legacy_org = (request.path_params.get("org") or request.headers.get("x-kvcdn-org")
-                  or request.query_params.get("org"))
+        identity = Identity(
+            claims.customer_id, "oidc", subject=claims.subject, issuer=claims.issuer, email=claims.email
+        )
+    legacy_org = request.path_params.get("org") or request.headers.get("x-kvcdn-org") or request.query_params.get("org")
     if legacy_org and identity.method == "api_key" and legacy_org != identity.org:
         raise ApiError(403, "forbidden", "the org given does not match the API key's org")
     return identity

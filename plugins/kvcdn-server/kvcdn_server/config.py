@@ -12,8 +12,7 @@ import os
 import secrets
 from pathlib import Path
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import data_home
+from kvcdn_core import KvcdnError, data_home
 
 GIB = 1 << 30
 
@@ -135,8 +134,9 @@ def _secret(env: str, path: Path, created: list[Path]) -> bytes:
     value = os.environ.get(env, "").strip()
     if value:
         if len(value) < MIN_SECRET:
-            raise KvcdnError(f"{env} is too short: use at least {MIN_SECRET} characters "
-                             "(32 random bytes in hex is best)")
+            raise KvcdnError(
+                f"{env} is too short: use at least {MIN_SECRET} characters (32 random bytes in hex is best)"
+            )
         return value.encode()
     return _secret_file(path, created)
 
@@ -184,11 +184,18 @@ def _dtype(value: str) -> str:
 INFER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def load_config(storage: str | None = None, models: str | None = None, public_url: str | None = None,
-                issuer_url: str | None = None, client_id: str | None = None,
-                infer_concurrency: int | None = None, infer_timeout: float | None = None,
-                device: str | None = None, database: str | None = None,
-                dtype: str | None = None) -> ServerConfig:
+def load_config(
+    storage: str | None = None,
+    models: str | None = None,
+    public_url: str | None = None,
+    issuer_url: str | None = None,
+    client_id: str | None = None,
+    infer_concurrency: int | None = None,
+    infer_timeout: float | None = None,
+    device: str | None = None,
+    database: str | None = None,
+    dtype: str | None = None,
+) -> ServerConfig:
     home = server_home()
     created: list[Path] = []
     storage_uri = storage or os.environ.get("KVCDN_STORAGE", "").strip() or str(home / "objects")
@@ -200,8 +207,7 @@ def load_config(storage: str | None = None, models: str | None = None, public_ur
     return ServerConfig(
         home=home,
         storage_uri=storage_uri,
-        database_url=(database or os.environ.get("KVCDN_DATABASE_URL", "").strip()
-                      or f"sqlite:///{home / 'kvcdn.db'}"),
+        database_url=(database or os.environ.get("KVCDN_DATABASE_URL", "").strip() or f"sqlite:///{home / 'kvcdn.db'}"),
         models=model_list,
         public_url=(public_url or os.environ.get("KVCDN_PUBLIC_URL", "").strip() or None),
         issuer_url=check_issuer_url(issuer_url or os.environ.get("KVCDN_ISSUER_URL", "").strip() or None),

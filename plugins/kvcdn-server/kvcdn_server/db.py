@@ -14,13 +14,14 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError
 
 metadata = sa.MetaData()
 
 #: one row per artifact, from its upload-url to its deletion (see the state machine in docs/hosted-api.md)
 artifacts = sa.Table(
-    "artifacts", metadata,
+    "artifacts",
+    metadata,
     sa.Column("id", sa.String(36), primary_key=True),
     sa.Column("tenant", sa.String(255), nullable=False),
     sa.Column("name", sa.String(1024), nullable=False),
@@ -43,20 +44,23 @@ artifacts = sa.Table(
 
 #: what each tenant holds or has reserved: ready artifacts plus uploads in flight
 usage = sa.Table(
-    "usage", metadata,
+    "usage",
+    metadata,
     sa.Column("tenant", sa.String(255), primary_key=True),
     sa.Column("artifacts", sa.BigInteger, nullable=False),
     sa.Column("bytes", sa.BigInteger, nullable=False),
 )
 
 orgs = sa.Table(
-    "orgs", metadata,
+    "orgs",
+    metadata,
     sa.Column("slug", sa.String(64), primary_key=True),
     sa.Column("generation", sa.Integer, nullable=False),
 )
 
 telemetry_limits = sa.Table(
-    "telemetry_limits", metadata,
+    "telemetry_limits",
+    metadata,
     sa.Column("client", sa.String(64), primary_key=True),
     sa.Column("tokens", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
@@ -82,8 +86,9 @@ def open_database(url: str) -> sa.Engine:
         path = url.split(":///", 1)[1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False},
-                                  pool_size=20, max_overflow=20)
+        engine = sa.create_engine(
+            url, connect_args={"timeout": 60, "check_same_thread": False}, pool_size=20, max_overflow=20
+        )
         _serialise_sqlite_writers(engine)
     else:
         engine = sa.create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)

@@ -33,11 +33,11 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from kvcdn_core.errors import KvcdnError
-
+from kvcdn_core import KvcdnError
 from kvcdn_server.errors import ApiError
 
 log = logging.getLogger("kvcdn.server")
@@ -77,13 +77,20 @@ class InferLimits:
         return min(self.slots, self.per_tenant or math.ceil(self.slots / 2))
 
     @classmethod
-    def from_config(cls, config) -> "InferLimits":
-        return cls(slots=config.infer_concurrency, per_tenant=config.infer_per_tenant,
-                   timeout=config.infer_timeout, max_new_tokens=config.infer_max_new_tokens,
-                   max_question_tokens=config.infer_max_question_tokens,
-                   max_context_tokens=config.infer_max_context_tokens, model_bytes=config.infer_model_bytes,
-                   max_models=config.infer_max_models, cache_bytes=config.infer_cache_bytes,
-                   device=config.infer_device, dtype=config.infer_dtype)
+    def from_config(cls, config) -> InferLimits:
+        return cls(
+            slots=config.infer_concurrency,
+            per_tenant=config.infer_per_tenant,
+            timeout=config.infer_timeout,
+            max_new_tokens=config.infer_max_new_tokens,
+            max_question_tokens=config.infer_max_question_tokens,
+            max_context_tokens=config.infer_max_context_tokens,
+            model_bytes=config.infer_model_bytes,
+            max_models=config.infer_max_models,
+            cache_bytes=config.infer_cache_bytes,
+            device=config.infer_device,
+            dtype=config.infer_dtype,
+        )
 
 
 class ModelPolicy:
@@ -120,8 +127,12 @@ class Slots:
             if sum(self._held.values()) >= self.total:
                 raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
             if self._held[tenant] >= self.per_tenant:
-                raise ApiError(429, "busy", f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
-                               {"Retry-After": "1"})
+                raise ApiError(
+                    429,
+                    "busy",
+                    f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
+                    {"Retry-After": "1"},
+                )
             self._held[tenant] += 1
 
     def release(self, tenant: str) -> None:
@@ -159,8 +170,10 @@ class _Lru:
         with self.lock:
             self.items[key] = (value, cost)
             self.items.move_to_end(key)
-            while len(self.items) > 1 and (sum(c for _, c in self.items.values()) > self.budget
-                                           or (self.max_items is not None and len(self.items) > self.max_items)):
+            while len(self.items) > 1 and (
+                sum(c for _, c in self.items.values()) > self.budget
+                or (self.max_items is not None and len(self.items) > self.max_items)
+            ):
                 self.items.popitem(last=False)
 
     def resident_bytes(self) -> int:
@@ -236,23 +249,31 @@ class InferenceEngine:
         self._model_locks = [threading.Lock() for _ in range(LOAD_LOCK_STRIPES)]
 
     @classmethod
-    def from_config(cls, config) -> "InferenceEngine":
+    def from_config(cls, config) -> InferenceEngine:
         return cls(ModelPolicy(config.models), InferLimits.from_config(config))
 
     @staticmethod
     def _stripe(locks: list, key) -> threading.Lock:
         return locks[hash(key) % len(locks)]
 
-    def run(self, tenant: str, artifact_key: tuple, fetch_path, question: str, n: int,
-            disconnected: Callable[[], bool] | None = None) -> InferResult:
+    def run(
+        self,
+        tenant: str,
+        artifact_key: tuple,
+        fetch_path,
+        question: str,
+        n: int,
+        disconnected: Callable[[], bool] | None = None,
+    ) -> InferResult:
         """Answer one request of ``tenant``; ``fetch_path()`` gives a local path of the artifact.
 
         ``disconnected()`` says whether the client went away; it is polled while the request runs.
         On a timeout or a disconnect the computation is cancelled before its next decode step.
         """
         if n > self.limits.max_new_tokens:
-            raise ApiError(422, "too_many_tokens", f"n is {n}; this server decodes at most "
-                                                   f"{self.limits.max_new_tokens} tokens")
+            raise ApiError(
+                422, "too_many_tokens", f"n is {n}; this server decodes at most {self.limits.max_new_tokens} tokens"
+            )
         self.slots.acquire(tenant)
         cancel = threading.Event()
         try:
@@ -295,38 +316,51 @@ class InferenceEngine:
                 with fetch_path() as path:
                     header = artifact.read_header(path)
                     if header.token_count > self.limits.max_context_tokens:
-                        raise ApiError(422, "context_too_long",
-                                       f"the artifact holds {header.token_count} context tokens; this server "
-                                       f"infers from at most {self.limits.max_context_tokens}")
+                        raise ApiError(
+                            422,
+                            "context_too_long",
+                            f"the artifact holds {header.token_count} context tokens; this server "
+                            f"infers from at most {self.limits.max_context_tokens}",
+                        )
                     model_id = header.manifest["model"]["id"]
                     model_ref = self.policy.resolve(model_id)
                     session = self._session(model_ref)
                     if header.manifest["compute_dtype"] != session.dtype:
-                        raise ApiError(422, "dtype_mismatch",
-                                       f"the artifact was computed in {header.manifest['compute_dtype']}; "
-                                       f"this server computes in {session.dtype}")
+                        raise ApiError(
+                            422,
+                            "dtype_mismatch",
+                            f"the artifact was computed in {header.manifest['compute_dtype']}; "
+                            f"this server computes in {session.dtype}",
+                        )
                     cache, ids = runtime.load_cache(session, header)
                     cost = tensor_bytes(cache)
                     if cost > self.limits.cache_bytes:
-                        raise ApiError(413, "artifact_too_large",
-                                       f"the artifact's cache takes {cost} bytes in memory; this server "
-                                       f"holds at most {self.limits.cache_bytes}")
+                        raise ApiError(
+                            413,
+                            "artifact_too_large",
+                            f"the artifact's cache takes {cost} bytes in memory; this server "
+                            f"holds at most {self.limits.cache_bytes}",
+                        )
                     entry = (model_ref, cache, ids, model_id)
                     self.artifacts.put(artifact_key, entry, cost)
         model_ref, cache, ids, model_id = entry
         return self._session(model_ref), cache, ids, model_id
 
-    def _infer(self, artifact_key: tuple, fetch_path, question: str, n: int,
-               cancel: threading.Event) -> InferResult | None:
+    def _infer(
+        self, artifact_key: tuple, fetch_path, question: str, n: int, cancel: threading.Event
+    ) -> InferResult | None:
         from kvcdn_core import runtime
 
         try:
             session, resident_cache, context_ids, model_id = self._resident(artifact_key, fetch_path)
             question_ids = session.adapter.encode_continuation(session.tokenizer, question)
             if len(question_ids) > self.limits.max_question_tokens:
-                raise ApiError(413, "question_too_long",
-                               f"the question is {len(question_ids)} tokens; this server takes at most "
-                               f"{self.limits.max_question_tokens}")
+                raise ApiError(
+                    413,
+                    "question_too_long",
+                    f"the question is {len(question_ids)} tokens; this server takes at most "
+                    f"{self.limits.max_question_tokens}",
+                )
             if cancel.is_set():
                 return None
             cache = copy.deepcopy(resident_cache)  # greedy appends to the cache it is given
@@ -342,8 +376,9 @@ class InferenceEngine:
             # The header passed validation, yet a scheme's own fields (a quantizer's record, say)
             # tripped the loader: the artifact's fault, not the server's. Logged for the operator.
             log.warning("artifact %s could not be loaded", artifact_key[1], exc_info=exc)
-            raise ApiError(422, "artifact_incompatible",
-                           f"the artifact could not be loaded ({type(exc).__name__})") from None
+            raise ApiError(
+                422, "artifact_incompatible", f"the artifact could not be loaded ({type(exc).__name__})"
+            ) from None
         return InferResult(ids, runtime.decode(session, ids), model_id, len(context_ids), len(question_ids))
 
     def shutdown(self) -> None:

@@ -98,8 +98,7 @@ class JwtVerifier:
         issuer = urlsplit(self.base_url)
         target = urlsplit(url) if isinstance(url, str) else None
         same_host = target is not None and target.hostname is not None and target.hostname == issuer.hostname
-        if not same_host or not (target.scheme == "https"
-                                 or (target.scheme == "http" and target.hostname in LOOPBACK)):
+        if not same_host or not (target.scheme == "https" or (target.scheme == "http" and target.hostname in LOOPBACK)):
             raise ValueError("jwks_uri is not https on the issuer's host")
         return url
 
@@ -140,8 +139,15 @@ class JwtVerifier:
         if key is None:
             raise unauthorized("token signed with an unknown key")
         try:
-            claims = jwt.decode(token, key=key, algorithms=[alg], audience=self.audience, issuer=self.issuer,
-                                leeway=self.leeway, options={"require": ["exp", "iss", "aud", "sub"]})
+            claims = jwt.decode(
+                token,
+                key=key,
+                algorithms=[alg],
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=self.leeway,
+                options={"require": ["exp", "iss", "aud", "sub"]},
+            )
         except jwt.ExpiredSignatureError:
             raise unauthorized("token expired") from None
         except jwt.InvalidAudienceError:

@@ -36,8 +36,10 @@ class Services:
         its path holds nothing but the artifact's random id."""
         from kvcdn_hosted import wire
 
-        return f"{self.public_base}{wire.path(wire.BLOB, artifact_id=artifact_id)}?" \
-               f"{self.signer.query(op, artifact_id, size, expires)}"
+        return (
+            f"{self.public_base}{wire.path(wire.BLOB, artifact_id=artifact_id)}?"
+            f"{self.signer.query(op, artifact_id, size, expires)}"
+        )
 
 
 def services(request: Request) -> Services:

@@ -24,8 +24,7 @@ class UrlSigner:
     def query(self, op: str, obj: str, size: int, expires: int) -> str:
         if op not in OPS:
             raise ValueError(op)
-        return urlencode({"op": op, "expires": expires, "size": size,
-                          "sig": self.signature(op, obj, size, expires)})
+        return urlencode({"op": op, "expires": expires, "size": size, "sig": self.signature(op, obj, size, expires)})
 
     def check(self, op: str, obj: str, params) -> int:
         """Verify a request's ``op/expires/size/sig``; return the signed size or raise 403."""
@@ -38,7 +37,10 @@ class UrlSigner:
             raise ApiError(403, "invalid_signature", "the URL is not a valid signed URL") from None
         wanted = self.signature(op, obj, size, expires)
         # Compare first, then look at expiry: a tampered URL never learns whether it had expired.
-        if not (hmac.compare_digest(sig.encode(), wanted.encode()) and hmac.compare_digest(str(given_op).encode(), op.encode())):
+        if not (
+            hmac.compare_digest(sig.encode(), wanted.encode())
+            and hmac.compare_digest(str(given_op).encode(), op.encode())
+        ):
             raise ApiError(403, "invalid_signature", "the URL's signature does not match")
         if time.time() > expires:
             raise ApiError(403, "url_expired", "the signed URL has expired")

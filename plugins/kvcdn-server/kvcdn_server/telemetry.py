@@ -36,16 +36,23 @@ class RateLimit:
             try:
                 with self.db.begin() as c:
                     now = self.clock()
-                    row = c.execute(sa.select(telemetry_limits.c.tokens, telemetry_limits.c.updated_at)
-                                    .where(telemetry_limits.c.client == client).with_for_update()).first()
+                    row = c.execute(
+                        sa.select(telemetry_limits.c.tokens, telemetry_limits.c.updated_at)
+                        .where(telemetry_limits.c.client == client)
+                        .with_for_update()
+                    ).first()
                     if row is None:
-                        c.execute(telemetry_limits.insert().values(client=client, tokens=self.burst - 1.0,
-                                                                   updated_at=now))
+                        c.execute(
+                            telemetry_limits.insert().values(client=client, tokens=self.burst - 1.0, updated_at=now)
+                        )
                         return True
                     tokens = min(self.burst, row.tokens + max(now - row.updated_at, 0) * self.rate)
                     allowed = tokens >= 1
-                    c.execute(telemetry_limits.update().where(telemetry_limits.c.client == client)
-                              .values(tokens=tokens - 1 if allowed else tokens, updated_at=now))
+                    c.execute(
+                        telemetry_limits.update()
+                        .where(telemetry_limits.c.client == client)
+                        .values(tokens=tokens - 1 if allowed else tokens, updated_at=now)
+                    )
                     return allowed
             except sa.exc.IntegrityError:
                 continue  # another request created this client's row first: read it
@@ -55,7 +62,9 @@ class RateLimit:
         """Drop buckets that have been full for a while (bounded table)."""
         idle = self.burst / self.rate + 60
         with self.db.begin() as c:
-            return c.execute(telemetry_limits.delete().where(telemetry_limits.c.updated_at < self.clock() - idle)).rowcount
+            return c.execute(
+                telemetry_limits.delete().where(telemetry_limits.c.updated_at < self.clock() - idle)
+            ).rowcount
 
 
 class TelemetrySink:

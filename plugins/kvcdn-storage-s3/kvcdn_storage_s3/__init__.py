@@ -24,16 +24,22 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from kvcdn_core import hookimpl
-from kvcdn_core.atomic import atomic_open
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.storage import ObjectInfo, StorageBackend, safe_key
+from kvcdn_core import (
+    KvcdnError,
+    ObjectInfo,
+    ObjectNotFound,
+    StorageBackend,
+    atomic_open,
+    check_prefix,
+    hookimpl,
+    safe_key,
+)
 
 __version__ = "0.1.0"
 
 MIB = 1 << 20
-MIN_PART_SIZE = 5 * MIB           # S3's smallest part (all but the last)
-MAX_PART_SIZE = 5 * 1024 * MIB    # S3's largest part and largest single PUT
+MIN_PART_SIZE = 5 * MIB  # S3's smallest part (all but the last)
+MAX_PART_SIZE = 5 * 1024 * MIB  # S3's largest part and largest single PUT
 MAX_PARTS = 10_000
 DEFAULT_PART_SIZE = 512 * MIB
 
@@ -96,8 +102,9 @@ class S3Storage(StorageBackend):
         from botocore.config import Config
 
         style = _env("KVCDN_S3_ADDRESSING_STYLE") or ("path" if endpoint else "auto")
-        config = Config(signature_version="s3v4", s3={"addressing_style": style},
-                        retries={"max_attempts": 3, "mode": "standard"})
+        config = Config(
+            signature_version="s3v4", s3={"addressing_style": style}, retries={"max_attempts": 3, "mode": "standard"}
+        )
         kwargs: dict[str, Any] = {"config": config}
         if endpoint:
             kwargs["endpoint_url"] = endpoint
@@ -144,7 +151,7 @@ class S3Storage(StorageBackend):
                 self.client.download_fileobj(self.bucket, self._key(key), out)
         except Exception as exc:
             if _is_missing(exc):
-                raise KvcdnError(f"no object '{key}' in {self!r}") from None
+                raise ObjectNotFound(f"no object '{key}' in {self!r}") from None
             raise _error(exc, f"download of '{key}'") from None
 
     def exists(self, key: str) -> bool:
@@ -167,8 +174,7 @@ class S3Storage(StorageBackend):
                 raise _error(exc, f"delete of '{key}'") from None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        if ".." in prefix.split("/") or prefix.startswith("/"):
-            raise KvcdnError(f"invalid storage prefix '{prefix}'")
+        check_prefix(prefix)
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
         found = []
@@ -200,7 +206,7 @@ class S3Storage(StorageBackend):
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         except Exception as exc:
             if _is_missing(exc):
-                raise KvcdnError(f"no object '{key}' in {self!r}") from None
+                raise ObjectNotFound(f"no object '{key}' in {self!r}") from None
             raise _error(exc, f"read of '{key}'") from None
 
     def rename(self, source_key: str, target_key: str) -> None:
@@ -217,11 +223,16 @@ class S3Storage(StorageBackend):
             etag = self.client.head_object(Bucket=self.bucket, Key=self._key(source_key))["ETag"]
         except Exception as exc:
             if _is_missing(exc):
-                raise KvcdnError(f"no object '{source_key}' in {self!r}") from None
+                raise ObjectNotFound(f"no object '{source_key}' in {self!r}") from None
             raise _error(exc, f"head of '{source_key}'") from None
         try:
-            self.client.copy({"Bucket": self.bucket, "Key": self._key(source_key)}, self.bucket,
-                             self._key(target_key), ExtraArgs={"CopySourceIfMatch": etag}, Config=config)
+            self.client.copy(
+                {"Bucket": self.bucket, "Key": self._key(source_key)},
+                self.bucket,
+                self._key(target_key),
+                ExtraArgs={"CopySourceIfMatch": etag},
+                Config=config,
+            )
         except Exception as exc:
             raise _error(exc, f"copy of '{source_key}'") from None
         self.delete(source_key)
@@ -253,16 +264,24 @@ class S3Storage(StorageBackend):
             raise KvcdnError(f"{size} bytes need {count} parts of {self.part_size}; S3 allows {MAX_PARTS}")
         try:
             upload_id = self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=self._key(key), ContentType="application/octet-stream")["UploadId"]
+                Bucket=self.bucket, Key=self._key(key), ContentType="application/octet-stream"
+            )["UploadId"]
         except Exception as exc:
             raise _error(exc, f"multipart start of '{key}'") from None
         parts = []
         for number in range(1, count + 1):
             part_bytes = min(self.part_size, size - (number - 1) * self.part_size)
             url = self.presigner.generate_presigned_url(  # each part's length is signed into its URL
-                "upload_part", ExpiresIn=int(expires_in),
-                Params={"Bucket": self.bucket, "Key": self._key(key), "UploadId": upload_id, "PartNumber": number,
-                        "ContentLength": part_bytes})
+                "upload_part",
+                ExpiresIn=int(expires_in),
+                Params={
+                    "Bucket": self.bucket,
+                    "Key": self._key(key),
+                    "UploadId": upload_id,
+                    "PartNumber": number,
+                    "ContentLength": part_bytes,
+                },
+            )
             parts.append({"part_number": number, "url": url, "size": part_bytes})
         return {"upload_id": upload_id, "part_size": self.part_size, "parts": parts}
 
@@ -270,8 +289,9 @@ class S3Storage(StorageBackend):
         """Finish a multipart upload from ``[{"part_number", "etag"}]``."""
         listing = [{"PartNumber": int(p["part_number"]), "ETag": str(p["etag"])} for p in parts]
         try:
-            self.client.complete_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id,
-                                                  MultipartUpload={"Parts": listing})
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, MultipartUpload={"Parts": listing}
+            )
         except Exception as exc:
             raise _error(exc, f"multipart completion of '{key}'") from None
 

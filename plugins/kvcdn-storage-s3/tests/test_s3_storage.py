@@ -34,8 +34,12 @@ def moto_endpoint():
 
 @pytest.fixture
 def s3_env(moto_endpoint, monkeypatch):
-    for name, value in {"KVCDN_S3_ENDPOINT_URL": moto_endpoint, "KVCDN_S3_REGION": "us-east-1",
-                        "KVCDN_S3_ACCESS_KEY_ID": "testing", "KVCDN_S3_SECRET_ACCESS_KEY": "testing"}.items():
+    for name, value in {
+        "KVCDN_S3_ENDPOINT_URL": moto_endpoint,
+        "KVCDN_S3_REGION": "us-east-1",
+        "KVCDN_S3_ACCESS_KEY_ID": "testing",
+        "KVCDN_S3_SECRET_ACCESS_KEY": "testing",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("KVCDN_S3_PART_SIZE", raising=False)
     store = S3Storage(BUCKET)
@@ -103,7 +107,7 @@ def test_multipart_upload_through_presigned_part_urls(s3_env):
     etags = []
     for part in plan["parts"]:
         start = (part["part_number"] - 1) * plan["part_size"]
-        r = httpx.put(part["url"], content=data[start:start + part["size"]])
+        r = httpx.put(part["url"], content=data[start : start + part["size"]])
         assert r.status_code == 200, r.text
         etags.append({"part_number": part["part_number"], "etag": r.headers["ETag"]})
     store.complete_multipart("big.kv", plan["upload_id"], etags)
@@ -139,7 +143,7 @@ def test_part_size_setting_is_checked(monkeypatch):
 
 
 def test_registered_through_the_storage_hook(discovered_host, s3_env):
-    from kvcdn_core.storage import open_storage
+    from kvcdn_core.registry import open_storage
 
     store = open_storage(f"s3://{BUCKET}/hooked")
     assert isinstance(store, S3Storage) and store.prefix == "hooked"
@@ -163,11 +167,19 @@ def _sigv4_query_valid(url: str, method: str, headers: dict[str, str], secret: s
     all_headers = {"host": parts.netloc, **{k.lower(): v for k, v in headers.items()}}
     if any(name not in all_headers for name in signed):
         return False
-    canonical_query = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}"
-                               for k, v in sorted(query) if k != "X-Amz-Signature")
-    canonical = "\n".join([method, parts.path, canonical_query,
-                           "".join(f"{name}:{all_headers[name].strip()}\n" for name in signed),
-                           ";".join(signed), "UNSIGNED-PAYLOAD"])
+    canonical_query = "&".join(
+        f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query) if k != "X-Amz-Signature"
+    )
+    canonical = "\n".join(
+        [
+            method,
+            parts.path,
+            canonical_query,
+            "".join(f"{name}:{all_headers[name].strip()}\n" for name in signed),
+            ";".join(signed),
+            "UNSIGNED-PAYLOAD",
+        ]
+    )
     date, scope = dict(query)["X-Amz-Date"], dict(query)["X-Amz-Credential"].split("/", 1)[1]
     to_sign = "\n".join(["AWS4-HMAC-SHA256", date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
     key = ("AWS4" + secret).encode()
@@ -199,3 +211,10 @@ def test_rename_moves_and_refuses_a_missing_source(s3_env):
     assert store.read_bytes("b") == b"payload" and store.read_bytes("a") is None
     with pytest.raises(KvcdnError):
         store.rename("a", "c")
+
+
+def test_s3_passes_the_storage_contract(s3_env):
+    from kvcdn_core.testing import assert_storage_contract
+
+    prefixes = iter(range(1000))
+    assert_storage_contract(lambda: S3Storage.from_uri(f"s3://{BUCKET}/contract-{os.getpid()}-{next(prefixes)}"))

@@ -11,13 +11,11 @@ manifest. An artifact that fails is skipped with one warning line and the next b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from kvcdn_core import ArtifactError, KvcdnError, fingerprint_differences, search
 from kvcdn_core import artifact as fmt
-from kvcdn_core import search
-from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.model_files import fingerprint_differences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +39,7 @@ class Hit:
 class Catalog:
     """Ranks the artifacts under ``directory`` for prompts of one model."""
 
-    def __init__(self, directory: Path, fingerprint: dict, shape: ModelShape,
-                 warn: Callable[[str], None]):
+    def __init__(self, directory: Path, fingerprint: dict, shape: ModelShape, warn: Callable[[str], None]):
         self.directory = Path(directory)
         self.fingerprint = fingerprint
         self.shape = shape
@@ -80,8 +77,12 @@ class Catalog:
         except KvcdnError:
             return False
         n = len(prompt_ids)
-        return any(e.token_count >= n and search.same_model(e.model, self.fingerprint)
-                   and search.common_prefix(e.ids, prompt_ids) == n for e in entries)
+        return any(
+            e.token_count >= n
+            and search.same_model(e.model, self.fingerprint)
+            and search.common_prefix(e.ids, prompt_ids) == n
+            for e in entries
+        )
 
     def _usable(self, entry: search.Entry) -> bool:
         key = (str(entry.path), entry.size, entry.mtime_ns, entry.ino)
@@ -115,8 +116,10 @@ class Catalog:
                     spec = ((records.get(layer["index"]) or {}).get("tensors") or {}).get(part) or spec
                 if spec is None or list(spec.get("shape", []))[-3:] != want:
                     got = spec.get("shape") if spec else None
-                    raise ArtifactError(f"{path}: layer {layer['index']} {part} is {got}, the engine needs "
-                                        f"[1, {want[0]}, {want[1]}, {want[2]}]")
+                    raise ArtifactError(
+                        f"{path}: layer {layer['index']} {part} is {got}, the engine needs "
+                        f"[1, {want[0]}, {want[1]}, {want[2]}]"
+                    )
         bad = fmt.check_hashes(header)
         if bad:
             raise ArtifactError(f"{path}: corrupted: sha256 mismatch in {len(bad)} tensor(s), first '{bad[0]}'")

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvcdn_core import KvcdnError
 from kvcdn_core import artifact as fmt
-from kvcdn_core.errors import KvcdnError
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.settings import Settings
@@ -82,14 +81,15 @@ class _Pending:
     prompt_ids: list[int]
 
 
-def model_facts(vllm_config: "VllmConfig") -> tuple[Path, dict, ModelShape]:
+def model_facts(vllm_config: VllmConfig) -> tuple[Path, dict, ModelShape]:
     """The engine's model directory, kvcdn fingerprint and cache shape (config and files only)."""
-    from kvcdn_core.model_files import fingerprint, resolve_model_dir
+    from kvcdn_core import fingerprint, resolve_model_dir
 
     mc = vllm_config.model_config
     model_dir = resolve_model_dir(mc.model, mc.revision, weights=False)
-    shape = ModelShape(int(mc.hf_text_config.num_hidden_layers), int(mc.get_total_num_kv_heads()),
-                       int(mc.get_head_size()))
+    shape = ModelShape(
+        int(mc.hf_text_config.num_hidden_layers), int(mc.get_total_num_kv_heads()), int(mc.get_head_size())
+    )
     return model_dir, fingerprint(model_dir), shape
 
 
@@ -98,8 +98,7 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.DISK
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         extra = self._kv_transfer_config.kv_connector_extra_config
@@ -107,11 +106,14 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._source = Source(self.settings.source, create=self.settings.save, warn=_warn)
         self._model_dir, self._fingerprint, self._shape = model_facts(vllm_config)
         parallel = vllm_config.parallel_config
-        self._can_save = self.settings.save and parallel.tensor_parallel_size == 1 \
-            and parallel.pipeline_parallel_size == 1
+        self._can_save = (
+            self.settings.save and parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1
+        )
         if self.settings.save and not self._can_save:
-            _warn("save is on but tensor or pipeline parallelism splits the cache across workers; "
-                  "prompts are not saved (loading works)")
+            _warn(
+                "save is on but tensor or pipeline parallelism splits the cache across workers; "
+                "prompts are not saved (loading works)"
+            )
         # scheduler side
         self._catalog = Catalog(self._source.directory, self._fingerprint, self._shape, _warn)
         self._hits: dict[str, Any] = {}
@@ -129,7 +131,7 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     # ==== scheduler side ==========================================================================
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self._hits.pop(request.request_id, None)
         if not _plain_text_request(request):
             return 0, False
@@ -141,19 +143,24 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._hits[request.request_id] = hit
         return hit.tokens - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         req_id = request.request_id
         hit = self._hits.pop(req_id, None)
         prompt = list(request.prompt_token_ids or [])
         if num_external_tokens > 0 and hit is not None:
             start = hit.tokens - num_external_tokens
-            self._loads[req_id] = LoadJob(req_id, hit.path, start, hit.tokens, prompt[:hit.tokens])
+            self._loads[req_id] = LoadJob(req_id, hit.path, start, hit.tokens, prompt[: hit.tokens])
             self._loaded[req_id] = (num_external_tokens, hit.path)
-        if (self._can_save and req_id not in self._pending_saves and len(prompt) >= self.settings.min_tokens
-                and _plain_text_request(request) and not self._catalog.holds(prompt)):
+        if (
+            self._can_save
+            and req_id not in self._pending_saves
+            and len(prompt) >= self.settings.min_tokens
+            and _plain_text_request(request)
+            and not self._catalog.holds(prompt)
+        ):
             self._pending_saves[req_id] = _Pending(prompt)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcdnMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcdnMetadata:
         meta = KvcdnMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -179,7 +186,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         blocks = list(self._kv_cache_manager.get_block_ids(req_id)[0])
         meta.saves.append(SaveJob(req_id, pending.prompt_ids, blocks))
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._hits.pop(req_id, None)
         self._loads.pop(req_id, None)
@@ -217,11 +224,13 @@ class KvcdnConnector(KVConnectorBase_V1):
             raise paged.LayoutError("kvcdn connector: the engine registered no attention layer caches")
         some = next(iter(self._layouts.values()))
         if self._block_size % some.block_size:
-            raise paged.LayoutError(f"kvcdn connector: scheduler blocks of {self._block_size} tokens do not "
-                                    f"split into kernel blocks of {some.block_size}")
+            raise paged.LayoutError(
+                f"kvcdn connector: scheduler blocks of {self._block_size} tokens do not "
+                f"split into kernel blocks of {some.block_size}"
+            )
         self._kernel_ratio = self._block_size // some.block_size
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcdnMetadata)
         for job in meta.loads:
@@ -237,13 +246,13 @@ class KvcdnConnector(KVConnectorBase_V1):
     def _load(self, job: LoadJob) -> None:
         tensors = self._read_artifact(job.path)
         ids = tensors[fmt.TOKEN_IDS]
-        if ids.numel() < job.end or ids[:job.end].tolist() != job.prompt_ids[:job.end]:
+        if ids.numel() < job.end or ids[: job.end].tolist() != job.prompt_ids[: job.end]:
             raise KvcdnError(f"{job.path}: its tokens no longer match the prompt's first {job.end}")
         slots = self._slots(job.block_ids, job.end, job.start)
         for name, kv in self._caches.items():
             index = _layer_index(name)
-            keys = tensors[f"layers.{index}.key"][0, self._heads, job.start:job.end]
-            values = tensors[f"layers.{index}.value"][0, self._heads, job.start:job.end]
+            keys = tensors[f"layers.{index}.key"][0, self._heads, job.start : job.end]
+            values = tensors[f"layers.{index}.value"][0, self._heads, job.start : job.end]
             paged.scatter(kv, slots(name, kv), keys, values)
 
     def _slots(self, block_ids: list[int], end: int, start: int = 0):
@@ -269,7 +278,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             return self._artifact_cache[1]
         header = fmt.read_header(path)
         if header.manifest.get("quantization"):
-            from kvcdn_core.quant import dequantize_tensors
+            from kvcdn_core import dequantize_tensors
 
             tensors = dequantize_tensors(header, "cpu", verify_hashes=True)
         else:
@@ -291,7 +300,9 @@ class KvcdnConnector(KVConnectorBase_V1):
             return
         for job in meta.saves:
             try:
-                keys, values = paged.gather(kv_layer, self._slots(job.block_ids, len(job.prompt_ids))(layer_name, kv_layer))
+                keys, values = paged.gather(
+                    kv_layer, self._slots(job.block_ids, len(job.prompt_ids))(layer_name, kv_layer)
+                )
             except paged.LayoutError as exc:
                 _warn(f"not saving request {job.req_id}: {exc}")
                 continue
@@ -309,8 +320,14 @@ class KvcdnConnector(KVConnectorBase_V1):
                 _warn(f"not saving request {job.req_id}: {len(layers)} of {self._shape.num_layers} layers gathered")
                 continue
             try:
-                path = write_prompt_artifact(self._source.directory, self._vllm_config, self._model_dir,
-                                             self._fingerprint, job.prompt_ids, layers)
+                path = write_prompt_artifact(
+                    self._source.directory,
+                    self._vllm_config,
+                    self._model_dir,
+                    self._fingerprint,
+                    job.prompt_ids,
+                    layers,
+                )
                 self._source.publish(path)
                 logger.info("kvcdn: saved %d prompt tokens to %s", len(job.prompt_ids), path)
             except (KvcdnError, OSError) as exc:
@@ -321,10 +338,13 @@ class KvcdnConnector(KVConnectorBase_V1):
         return failed
 
 
-def _plain_text_request(request: "Request") -> bool:
+def _plain_text_request(request: Request) -> bool:
     """Token-id prompts of the base model: images, prompt embeddings or LoRA change the cache."""
-    return not (getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None
-                or getattr(request, "lora_request", None))
+    return not (
+        getattr(request, "mm_features", None)
+        or getattr(request, "prompt_embeds", None) is not None
+        or getattr(request, "lora_request", None)
+    )
 
 
 def _layer_index(layer_name: str) -> int:

@@ -23,7 +23,7 @@ Everything here is plain torch on whatever device the cache lives on; nothing im
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -60,7 +60,7 @@ class BlockLayout:
     def head_size(self) -> int:
         return int(self.key_offsets.shape[2])
 
-    def to(self, device) -> "BlockLayout":
+    def to(self, device) -> BlockLayout:
         return BlockLayout(self.block_stride, self.key_offsets.to(device), self.value_offsets.to(device))
 
 
@@ -74,8 +74,9 @@ def strided_layout(kv_cache: torch.Tensor, head_size: int) -> BlockLayout:
     memory); only the logical shape is checked.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
-        raise LayoutError(f"expected a [blocks, kv_heads, block_size, {2 * head_size}] cache view, "
-                          f"got shape {list(kv_cache.shape)}")
+        raise LayoutError(
+            f"expected a [blocks, kv_heads, block_size, {2 * head_size}] cache view, got shape {list(kv_cache.shape)}"
+        )
     _, heads, block_size, _ = kv_cache.shape
     s_block, s_head, s_token, s_chan = kv_cache.stride()
     h = torch.arange(heads).view(-1, 1, 1) * s_head
@@ -111,14 +112,14 @@ def probe_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, writ
     codes = torch.arange(count, device=device).view(num_kv_heads, block_size, head_size)
     slots = torch.arange(block_size, dtype=torch.long, device=device)
     digits = 1
-    while _PROBE_BASE ** digits < count:
+    while _PROBE_BASE**digits < count:
         digits += 1
     offsets = {}
     for part in ("key", "value"):
         found = torch.zeros(count, dtype=torch.long, device=device)
         where = None
         for i in range(digits):
-            digit = (codes // _PROBE_BASE ** i) % _PROBE_BASE
+            digit = (codes // _PROBE_BASE**i) % _PROBE_BASE
             data = digit.permute(1, 0, 2).to(kv_cache.dtype)  # [tokens, heads, channels]
             other = torch.full_like(data, _OTHER)
             scratch.fill_(_EMPTY)
@@ -128,11 +129,10 @@ def probe_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, writ
             if where is None:
                 where = torch.nonzero(mine).flatten()
                 if where.numel() != count:
-                    raise LayoutError(f"probe: the engine stored {where.numel()} {part} elements "
-                                      f"for {count} written")
+                    raise LayoutError(f"probe: the engine stored {where.numel()} {part} elements for {count} written")
             elif not torch.equal(torch.nonzero(mine).flatten(), where):
                 raise LayoutError(f"probe: {part} elements moved between probe passes")
-            found += flat[where].long() * _PROBE_BASE ** i
+            found += flat[where].long() * _PROBE_BASE**i
         if not torch.equal(torch.sort(found).values, torch.arange(count, device=device)):
             raise LayoutError(f"probe: the {part} codes read back are not one per element")
         offset = torch.empty(count, dtype=torch.long, device=device)
@@ -144,8 +144,10 @@ def probe_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, writ
 def _block_size_of(block_numel: int, num_kv_heads: int, head_size: int) -> int:
     per_token = 2 * num_kv_heads * head_size
     if block_numel % per_token:
-        raise LayoutError(f"a block of {block_numel} elements does not hold keys and values of "
-                          f"{num_kv_heads} heads × {head_size} channels per token")
+        raise LayoutError(
+            f"a block of {block_numel} elements does not hold keys and values of "
+            f"{num_kv_heads} heads × {head_size} channels per token"
+        )
     return block_numel // per_token
 
 
@@ -188,7 +190,7 @@ def token_slots(layout: BlockLayout, block_ids: list[int], end: int, start: int 
 
     def flat(offsets: torch.Tensor) -> torch.Tensor:
         per_token = (offsets.to(device).unsqueeze(1) + base).reshape(h, rows, d)  # [heads, tokens, channels]
-        return per_token[:, lo:lo + end - start].reshape(-1)
+        return per_token[:, lo : lo + end - start].reshape(-1)
 
     return TokenSlots(flat(layout.key_offsets), flat(layout.value_offsets), (h, end - start, d))
 

@@ -15,29 +15,58 @@ import sys
 
 import click
 
-from kvcdn_core.commands.common import emit_json, format_option
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError, emit_json, format_option
 
 
-def server_command(model: str, source: str, save: bool, min_tokens: int | None, host: str, port: int,
-                   vllm_args: tuple[str, ...], python: str = sys.executable) -> list[str]:
+def server_command(
+    model: str,
+    source: str,
+    save: bool,
+    min_tokens: int | None,
+    host: str,
+    port: int,
+    vllm_args: tuple[str, ...],
+    python: str = sys.executable,
+) -> list[str]:
     """The server's argv: the connector as ``--kv-transfer-config`` JSON, then the user's vLLM args."""
     extra: dict = {"source": source, "save": save}
     if min_tokens is not None:
         extra["min_tokens"] = min_tokens
-    config = {"kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn_vllm", "kv_role": "kv_both",
-              "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--kv-transfer-config", json.dumps(config, separators=(",", ":")), *vllm_args]
+    config = {
+        "kv_connector": "KvcdnConnector",
+        "kv_connector_module_path": "kvcdn_vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+        "kv_load_failure_policy": "recompute",
+    }
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--kv-transfer-config",
+        json.dumps(config, separators=(",", ":")),
+        *vllm_args,
+    ]
 
 
 @click.command("vllm-serve", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--model", required=True, help="Model directory or Hugging Face id, passed to vLLM.")
-@click.option("--source", required=True,
-              help="Directory or storage URI (s3://..., any installed kvcdn backend) of .kv artifacts.")
+@click.option(
+    "--source", required=True, help="Directory or storage URI (s3://..., any installed kvcdn backend) of .kv artifacts."
+)
 @click.option("--save", is_flag=True, help="Also write prompts' caches back to --source as artifacts.")
-@click.option("--min-tokens", type=click.IntRange(1), default=None,
-              help="Neither load nor save prefixes shorter than this  [default: one vLLM block].")
+@click.option(
+    "--min-tokens",
+    type=click.IntRange(1),
+    default=None,
+    help="Neither load nor save prefixes shorter than this  [default: one vLLM block].",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port.")
 @click.option("--dry-run", is_flag=True, help="Print the server command instead of running it.")

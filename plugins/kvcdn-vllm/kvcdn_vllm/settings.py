@@ -19,16 +19,20 @@ class Settings:
     min_tokens: int
 
     @classmethod
-    def parse(cls, extra: dict[str, Any] | None, block_size: int) -> "Settings":
+    def parse(cls, extra: dict[str, Any] | None, block_size: int) -> Settings:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
-            raise ValueError(f"kvcdn connector: unknown kv_connector_extra_config key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(KEYS)}")
+            raise ValueError(
+                f"kvcdn connector: unknown kv_connector_extra_config key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(KEYS)}"
+            )
         source = extra.get("source")
         if not isinstance(source, str) or not source.strip():
-            raise ValueError("kvcdn connector: kv_connector_extra_config needs 'source', a directory or a "
-                             "storage URI of .kv artifacts")
+            raise ValueError(
+                "kvcdn connector: kv_connector_extra_config needs 'source', a directory or a "
+                "storage URI of .kv artifacts"
+            )
         save = extra.get("save", False)
         if isinstance(save, str) and save.lower() in ("true", "false"):
             save = save.lower() == "true"

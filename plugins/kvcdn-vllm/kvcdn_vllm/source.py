@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import cache_home
+from kvcdn_core import KvcdnError, cache_home
 
 #: Seconds between two listings of a remote source.
 SYNC_INTERVAL_S = 30.0
@@ -26,7 +25,7 @@ class Source:
     """The ``source`` of a connector: :attr:`directory` to search and save in, maybe a remote store."""
 
     def __init__(self, uri: str, create: bool = False, warn: Callable[[str], None] = print):
-        from kvcdn_core.storage import LocalStorage, open_storage
+        from kvcdn_core import LocalStorage, open_storage
 
         self.uri = uri
         self._warn = warn

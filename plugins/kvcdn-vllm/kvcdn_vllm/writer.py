@@ -24,10 +24,16 @@ def artifact_name(prompt_ids: list[int]) -> str:
     return f"vllm-{digest[:20]}.kv"
 
 
-def write_prompt_artifact(directory: Path, vllm_config: Any, model_dir: Path, fingerprint: dict,
-                          prompt_ids: list[int], layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Path:
+def write_prompt_artifact(
+    directory: Path,
+    vllm_config: Any,
+    model_dir: Path,
+    fingerprint: dict,
+    prompt_ids: list[int],
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
+) -> Path:
     """Write ``layers`` (index → keys, values ``[kv_heads, tokens, head_size]``) as an artifact."""
-    from kvcdn_core.runtime import model_manifest
+    from kvcdn_core import runtime
 
     mc = vllm_config.model_config
     tensors: dict[str, torch.Tensor] = {}
@@ -38,11 +44,23 @@ def write_prompt_artifact(directory: Path, vllm_config: Any, model_dir: Path, fi
         dtype = keys.dtype
         tensors[f"layers.{index}.key"] = keys.unsqueeze(0)
         tensors[f"layers.{index}.value"] = values.unsqueeze(0)
-        entries.append({"index": index, "kind": fmt.FULL_ATTENTION,
-                        "tensors": {"key": f"layers.{index}.key", "value": f"layers.{index}.value"}})
+        entries.append(
+            {
+                "index": index,
+                "kind": fmt.FULL_ATTENTION,
+                "tensors": {"key": f"layers.{index}.key", "value": f"layers.{index}.value"},
+            }
+        )
     tensors[fmt.TOKEN_IDS] = torch.tensor(prompt_ids, dtype=torch.long)
-    manifest = model_manifest(mc.model, mc.revision, _family(fingerprint), fingerprint,
-                              str(dtype).removeprefix("torch."), entries, _context(model_dir, prompt_ids))
+    manifest = runtime.model_manifest(
+        mc.model,
+        mc.revision,
+        _family(fingerprint),
+        fingerprint,
+        str(dtype).removeprefix("torch."),
+        entries,
+        _context(model_dir, prompt_ids),
+    )
     manifest["reuse"] = fmt.reuse_mode(manifest)
     manifest["producer"] = {"engine": "vllm", "version": _vllm_version()}
     return fmt.write_artifact(Path(directory) / artifact_name(prompt_ids), manifest, tensors)
@@ -50,8 +68,7 @@ def write_prompt_artifact(directory: Path, vllm_config: Any, model_dir: Path, fi
 
 def _family(fingerprint: dict) -> str | None:
     """The kvcdn family plugin that serves the architecture, when one is installed."""
-    from kvcdn_core.errors import KvcdnError
-    from kvcdn_core.runtime import adapter_for
+    from kvcdn_core import KvcdnError, adapter_for
 
     try:
         return adapter_for(fingerprint["architecture"]).family
@@ -61,10 +78,10 @@ def _family(fingerprint: dict) -> str | None:
 
 def _context(model_dir: Path, prompt_ids: list[int]) -> str | None:
     """The prompt as text, kept only when it encodes back to exactly these ids (search relies on it)."""
-    from kvcdn_core.search import QueryTokenizer
+    from kvcdn_core import search
 
     try:
-        tok = QueryTokenizer(model_dir)
+        tok = search.QueryTokenizer(model_dir)
         text = tok.decode(prompt_ids)
         return text if tok(text)["input_ids"] == list(prompt_ids) else None
     except Exception:  # no tokenizer.json, or one the plain library cannot build

@@ -8,14 +8,18 @@ import socket
 
 import pytest
 import torch
-
-from kvcdn_core import artifact as fmt
-from kvcdn_core.runtime import model_manifest
 from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.source import Source
 
-FINGERPRINT = {"architecture": "LlamaForCausalLM", "config_sha256": "c" * 64, "tokenizer_sha256": "t" * 64,
-               "weights_sha256": None}
+from kvcdn_core import artifact as fmt
+from kvcdn_core.runtime import model_manifest
+
+FINGERPRINT = {
+    "architecture": "LlamaForCausalLM",
+    "config_sha256": "c" * 64,
+    "tokenizer_sha256": "t" * 64,
+    "weights_sha256": None,
+}
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_size=4)
 BUCKET = "kvcdn-vllm-test"
 
@@ -23,8 +27,13 @@ BUCKET = "kvcdn-vllm-test"
 def write(path, ids, fingerprint=FINGERPRINT, heads=2):
     layers, tensors = [], {}
     for i in range(SHAPE.num_layers):
-        layers.append({"index": i, "kind": fmt.FULL_ATTENTION,
-                       "tensors": {"key": f"layers.{i}.key", "value": f"layers.{i}.value"}})
+        layers.append(
+            {
+                "index": i,
+                "kind": fmt.FULL_ATTENTION,
+                "tensors": {"key": f"layers.{i}.key", "value": f"layers.{i}.value"},
+            }
+        )
         tensors[f"layers.{i}.key"] = torch.randn(1, heads, len(ids), SHAPE.head_size)
         tensors[f"layers.{i}.value"] = torch.randn(1, heads, len(ids), SHAPE.head_size)
     tensors[fmt.TOKEN_IDS] = torch.tensor(ids)
@@ -63,8 +72,12 @@ def test_bad_artifacts_are_skipped_with_one_warning_each_and_the_next_best_wins(
     for _ in range(3):
         assert cat.best(list(range(64)) + [1], block_size=16, min_tokens=16).path == str(good)
     assert len(warnings) == 4, warnings
-    for name, why in (("a-corrupt", "sha256 mismatch"), ("a-foreign", "another model"),
-                      ("a-shape", "the engine needs"), ("a-junk", "not a kvcdn artifact")):
+    for name, why in (
+        ("a-corrupt", "sha256 mismatch"),
+        ("a-foreign", "another model"),
+        ("a-shape", "the engine needs"),
+        ("a-junk", "not a kvcdn artifact"),
+    ):
         assert [w for w in warnings if name in w and why in w], (name, warnings)
 
 
@@ -89,9 +102,13 @@ def moto_endpoint():
 def test_s3_source_is_mirrored_searched_and_published(moto_endpoint, tmp_path, monkeypatch):
     from kvcdn_storage_s3 import S3Storage
 
-    for name, value in {"KVCDN_S3_ENDPOINT_URL": moto_endpoint, "KVCDN_S3_REGION": "us-east-1",
-                        "KVCDN_S3_ACCESS_KEY_ID": "testing", "KVCDN_S3_SECRET_ACCESS_KEY": "testing",
-                        "XDG_CACHE_HOME": str(tmp_path / "cache")}.items():
+    for name, value in {
+        "KVCDN_S3_ENDPOINT_URL": moto_endpoint,
+        "KVCDN_S3_REGION": "us-east-1",
+        "KVCDN_S3_ACCESS_KEY_ID": "testing",
+        "KVCDN_S3_SECRET_ACCESS_KEY": "testing",
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }.items():
         monkeypatch.setenv(name, value)
     S3Storage(BUCKET).client.create_bucket(Bucket=BUCKET)
     remote = S3Storage.from_uri(f"s3://{BUCKET}/team/")

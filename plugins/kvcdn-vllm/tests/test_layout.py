@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvcdn_vllm import layout as paged
 
 HEADS, BLOCK, DIM, BLOCKS = 3, 16, 8, 12
@@ -87,7 +86,7 @@ def test_probe_reads_an_opaque_layout_back(dtype):
     keys, values = (t.to(dtype) for t in request(BLOCK + 3, seed=1))
     # What the kernel itself would store for this request ...
     expected = torch.zeros_like(kv)
-    slots = torch.tensor([b * BLOCK + r for b in (5, 1) for r in range(BLOCK)][:BLOCK + 3])
+    slots = torch.tensor([b * BLOCK + r for b in (5, 1) for r in range(BLOCK)][: BLOCK + 3])
     cpu_like_write(keys.permute(1, 0, 2), values.permute(1, 0, 2), expected, slots)
     # ... is what scatter stores, and gather reads it back.
     slots = paged.token_slots(layout, [5, 1], BLOCK + 3)

@@ -8,18 +8,20 @@ import subprocess
 import sys
 
 import pytest
-
 from kvcdn_vllm.settings import Settings
 
 
 def kvcdn(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "kvcdn_core", *args], capture_output=True, text=True,
-                          timeout=120, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcdn_core", *args], capture_output=True, text=True, timeout=120, **kwargs
+    )
 
 
 def test_plugin_is_listed_and_imports_without_vllm_or_torch():
-    probe = ("import sys, kvcdn_vllm, kvcdn_vllm.plugin, kvcdn_vllm.catalog, kvcdn_vllm.source, kvcdn_vllm.serve;"
-             "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
+    probe = (
+        "import sys, kvcdn_vllm, kvcdn_vllm.plugin, kvcdn_vllm.catalog, kvcdn_vllm.source, kvcdn_vllm.serve;"
+        "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
     listed = kvcdn("plugins", "--format", "json")
@@ -28,8 +30,21 @@ def test_plugin_is_listed_and_imports_without_vllm_or_torch():
 
 
 def test_vllm_serve_dry_run_builds_the_server_command(tmp_path):
-    done = kvcdn("vllm-serve", "--model", "some/model", "--source", str(tmp_path), "--min-tokens", "256",
-                 "--format", "json", "--dry-run", "--", "--max-model-len", "4096")
+    done = kvcdn(
+        "vllm-serve",
+        "--model",
+        "some/model",
+        "--source",
+        str(tmp_path),
+        "--min-tokens",
+        "256",
+        "--format",
+        "json",
+        "--dry-run",
+        "--",
+        "--max-model-len",
+        "4096",
+    )
     assert done.returncode == 0, done.stderr
     argv = json.loads(done.stdout)["argv"]
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -48,9 +63,14 @@ def test_vllm_serve_refuses_a_missing_source_in_one_line(tmp_path):
 
 def test_settings_defaults_and_refusals():
     assert Settings.parse({"source": "/srv/kv"}, 128) == Settings("/srv/kv", False, 128)
-    assert Settings.parse({"source": "s3://b/p", "save": "true", "min_tokens": 64}, 16) == Settings("s3://b/p", True, 64)
-    for extra, message in (({}, "needs 'source'"), ({"source": "d", "save": 1}, "'save'"),
-                           ({"source": "d", "min_tokens": 0}, "min_tokens"),
-                           ({"source": "d", "sorce": "x"}, "unknown")):
+    assert Settings.parse({"source": "s3://b/p", "save": "true", "min_tokens": 64}, 16) == Settings(
+        "s3://b/p", True, 64
+    )
+    for extra, message in (
+        ({}, "needs 'source'"),
+        ({"source": "d", "save": 1}, "'save'"),
+        ({"source": "d", "min_tokens": 0}, "min_tokens"),
+        ({"source": "d", "sorce": "x"}, "unknown"),
+    ):
         with pytest.raises(ValueError, match=message):
             Settings.parse(extra, 16)

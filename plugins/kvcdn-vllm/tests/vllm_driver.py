@@ -21,19 +21,35 @@ def run_engine(run: dict) -> list[dict]:
     kwargs = {}
     if run.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvcdnConnector", kv_connector_module_path="kvcdn_vllm", kv_role="kv_both",
-            kv_connector_extra_config=run["connector"], kv_load_failure_policy="recompute")
-    llm = LLM(model=run["model"], dtype="float32", max_model_len=run.get("max_model_len", 2048),
-              enforce_eager=True, enable_prefix_caching=False, seed=0, **kwargs)
+            kv_connector="KvcdnConnector",
+            kv_connector_module_path="kvcdn_vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=run["connector"],
+            kv_load_failure_policy="recompute",
+        )
+    llm = LLM(
+        model=run["model"],
+        dtype="float32",
+        max_model_len=run.get("max_model_len", 2048),
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        seed=0,
+        **kwargs,
+    )
     try:
         params = SamplingParams(max_tokens=run.get("max_tokens", 8), temperature=0.0)
         results = []
         for ids in run["prompts"]:  # one at a time: each request's load is its own step
             started = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-            results.append({"ids": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
-                            "kv_transfer_params": out.kv_transfer_params,
-                            "seconds": time.perf_counter() - started})
+            results.append(
+                {
+                    "ids": list(out.outputs[0].token_ids),
+                    "cached": out.num_cached_tokens,
+                    "kv_transfer_params": out.kv_transfer_params,
+                    "seconds": time.perf_counter() - started,
+                }
+            )
         return results
     finally:
         llm.llm_engine.engine_core.shutdown()

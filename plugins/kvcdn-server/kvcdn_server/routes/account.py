@@ -7,7 +7,6 @@ from fastapi import APIRouter, Request
 import kvcdn_core
 from kvcdn_hosted import wire
 from kvcdn_hosted.wire_schema import VerifyRequest
-
 from kvcdn_server.auth import Auth, Svc
 from kvcdn_server.errors import unauthorized
 
@@ -16,8 +15,7 @@ router = APIRouter()
 
 @router.get(wire.HEALTH)
 def health(s: Svc):
-    return {"status": "ok", "version": kvcdn_core.__version__, "storage": s.storage_kind,
-            "database": s.db.dialect.name}
+    return {"status": "ok", "version": kvcdn_core.__version__, "storage": s.storage_kind, "database": s.db.dialect.name}
 
 
 @router.get(wire.WHOAMI)
@@ -40,9 +38,21 @@ def verify_key(request: Request, s: Svc, body: VerifyRequest | None = None):
 @router.get(wire.QUOTA)
 def quota(identity: Auth, s: Svc):
     limits, used = s.store.limits(), s.store.usage(identity.tenant)
-    return {"customer_id": identity.customer_id, "limits": limits, "usage": used,
-            # the original client's table
-            "quota": {"organizations": 1, "projects": 1, "artifacts": limits["artifacts"],
-                      "storage_bytes": limits["storage_bytes"]},
-            "used": {"organizations": 1, "projects": 1, "artifacts": used["artifacts"],
-                     "storage_bytes": used["storage_bytes"]}}
+    return {
+        "customer_id": identity.customer_id,
+        "limits": limits,
+        "usage": used,
+        # the original client's table
+        "quota": {
+            "organizations": 1,
+            "projects": 1,
+            "artifacts": limits["artifacts"],
+            "storage_bytes": limits["storage_bytes"],
+        },
+        "used": {
+            "organizations": 1,
+            "projects": 1,
+            "artifacts": used["artifacts"],
+            "storage_bytes": used["storage_bytes"],
+        },
+    }

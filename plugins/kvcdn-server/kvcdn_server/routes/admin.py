@@ -6,7 +6,6 @@ from fastapi import APIRouter, Depends
 
 from kvcdn_hosted import wire
 from kvcdn_hosted.wire_schema import OrgRequest
-
 from kvcdn_server.apikeys import check_slug
 from kvcdn_server.auth import Svc, require_admin
 from kvcdn_server.errors import not_found, validation

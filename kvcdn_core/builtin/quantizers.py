@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import hookimpl
-from kvcdn_core.quant import KEY, Quantizer, round_up_param
+from kvcdn_core.contracts.quantizer import KEY, Quantizer
+from kvcdn_core.numerics import round_up_param
 
 INT8_MAX = 127
 FP8_MAX = 448.0
@@ -101,7 +102,7 @@ class Fp8Quantizer(Quantizer):
         import torch
 
         scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX * SCALE_SLACK
-        return torch.maximum(x.abs() * 2.0 ** -4, scale * 2.0 ** -10) * SCALE_SLACK
+        return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * SCALE_SLACK
 
 
 @hookimpl

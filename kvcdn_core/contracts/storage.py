@@ -1,0 +1,147 @@
+"""The storage contract: where artifacts live, addressed by a URI and holding objects under keys.
+
+Local disk is built in (:mod:`kvcdn_core.builtin.local_storage`); S3 and the hosted endpoint are
+plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contract`` checks it):
+
+- **URIs.** :func:`kvcdn_core.registry.open_storage` takes the scheme of the URI (``s3`` in
+  ``s3://bucket/prefix``; a bare path means ``file``), finds the class whose ``schemes`` names it and
+  calls ``cls.from_uri(uri)`` with the whole URI, unchanged. Parsing the rest is the backend's job.
+- **Keys** are relative, ``/``-separated strings without empty, ``.`` or ``..`` parts or
+  backslashes (:func:`safe_key`); a backend refuses others with :class:`KvcdnError`.
+- **Missing keys.** ``exists`` is False, ``size_of`` and ``read_bytes`` return None, ``delete`` does
+  nothing; ``get_file``, ``open_read`` and ``rename`` of a missing key raise :class:`ObjectNotFound`.
+- **Overwrite.** ``put_file``/``write_bytes`` replace an existing object whole: a reader sees the old
+  bytes or the new ones, never a mix, and never a partial object under the key.
+- **Listing.** ``list(prefix)`` returns every object whose key *starts with* ``prefix`` as a string
+  (``a/b`` matches ``a/bc.kv``), sorted by key, each with its size in bytes.
+- **Rename** moves an object to another key, replacing the target; the source is gone afterwards.
+- **Presigned URLs** are optional: None means the medium has none (the hosted server then signs
+  its own and streams the bytes through :meth:`StorageBackend.open_read`).
+- **Threads.** One backend instance is used from many threads at once (the server does): every
+  method is safe to call concurrently; writers of one key race and the last whole object wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, ClassVar
+
+from kvcdn_core.errors import KvcdnError
+
+
+@dataclasses.dataclass
+class ObjectInfo:
+    """One listed object: its key and size in bytes."""
+
+    key: str
+    size: int
+
+
+class ObjectNotFound(KvcdnError):
+    """The object a read or rename named does not exist."""
+
+
+class StorageBackend:
+    """The interface every storage backend implements.
+
+    The first five methods are required. The others have portable defaults built on them; a backend
+    overrides them where its medium does better (a server-side rename, a streaming read).
+    """
+
+    #: URI schemes this backend serves (``file``, ``s3``...).
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_uri(cls, uri: str) -> StorageBackend:
+        """The backend for ``uri``, the whole URI as the user gave it."""
+        raise NotImplementedError
+
+    def put_file(self, key: str, source: Path) -> None:
+        """Store the file at ``source`` under ``key``, replacing any previous object."""
+        raise NotImplementedError
+
+    def get_file(self, key: str, target: Path) -> None:
+        """Write object ``key`` to ``target`` atomically; :class:`ObjectNotFound` if it is missing."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        """Remove object ``key``; nothing happens when it does not exist."""
+        raise NotImplementedError
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, sorted by key."""
+        raise NotImplementedError
+
+    # -- optional operations with portable defaults ----------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether object ``key`` exists."""
+        return self.size_of(key) is not None
+
+    def size_of(self, key: str) -> int | None:
+        """Size of object ``key`` in bytes, or None when it does not exist."""
+        for info in self.list(key):
+            if info.key == key:
+                return info.size
+        return None
+
+    def read_bytes(self, key: str) -> bytes | None:
+        """The whole (small) object ``key``, or None when it does not exist."""
+        try:
+            with self.open_read(key) as stream:
+                return stream.read()
+        except ObjectNotFound:
+            return None
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Store a small object, replacing any previous one."""
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "object"
+            source.write_bytes(data)
+            self.put_file(key, source)
+
+    def open_read(self, key: str) -> IO[bytes]:
+        """A binary stream of object ``key`` (``read(n)``, ``close()``, usable in ``with``).
+
+        :class:`ObjectNotFound` when it is missing. The default stages the object in a temporary
+        file; a backend whose medium streams should return that stream instead.
+        """
+        with tempfile.TemporaryDirectory() as tmp:
+            staged = Path(tmp) / "object"
+            self.get_file(key, staged)
+            stream = open(staged, "rb")  # noqa: SIM115 - the caller closes it
+            shutil.rmtree(tmp, ignore_errors=True)  # the open handle keeps the bytes readable
+        return stream
+
+    def rename(self, source_key: str, target_key: str) -> None:
+        """Move an object to another key, replacing the target (copy + delete by default)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            staged = Path(tmp) / "object"
+            self.get_file(source_key, staged)
+            self.put_file(target_key, staged)
+        self.delete(source_key)
+
+    def presigned_url(self, method: str, key: str, expires_in: int, size: int | None = None) -> str | None:
+        """A URL that lets its holder ``PUT``/``GET`` one object without credentials until it expires.
+
+        None when the medium has no such URLs (the hosted server then signs its own).
+        """
+        return None
+
+
+def safe_key(key: str) -> str:
+    """``key`` unchanged when it is a valid storage key; :class:`KvcdnError` for one that could escape."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in key:
+        raise KvcdnError(f"invalid storage key '{key}'")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` unchanged when it is a valid listing prefix (a key's start, possibly empty)."""
+    if prefix.startswith("/") or ".." in prefix.split("/") or "\\" in prefix:
+        raise KvcdnError(f"invalid storage prefix '{prefix}'")
+    return prefix

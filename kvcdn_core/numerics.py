@@ -1,0 +1,50 @@
+"""Numerics that quantization schemes share: parameter rounding that keeps stated error bounds.
+
+This module imports torch lazily.
+"""
+
+from __future__ import annotations
+
+F16_MAX = 60000.0
+F16_TINY = 6.2e-5  # smallest normal float16 is 6.1e-5
+
+
+def round_up_param(t):
+    """Round positive parameters up to float16 when that stays exact enough, else keep float32.
+
+    A scale rounded *up* never lets a code overflow its range, so the stated bounds hold; float16
+    parameters keep their cost at 2 bytes, which is what makes the compression ratios.
+    """
+    import torch
+
+    t = t.to(torch.float32)
+    nonzero = t[t > 0]
+    if nonzero.numel() and (float(nonzero.max()) > F16_MAX or float(nonzero.min()) < F16_TINY):
+        return t
+    half = t.to(torch.float16)
+    low = half.to(torch.float32) < t
+    if bool(low.any()):
+        half = torch.where(low, torch.nextafter(half, torch.full_like(half, float("inf"))), half)
+    return torch.where(t > 0, half, torch.zeros_like(half))
+
+
+def round_down_param(t):
+    """Round a (signed) offset down to float16 when its range allows, else keep float32."""
+    import torch
+
+    t = t.to(torch.float32)
+    if t.numel() and float(t.abs().max()) > F16_MAX:
+        return t
+    half = t.to(torch.float16)
+    too_big = half.to(torch.float32) > t
+    if bool(too_big.any()):
+        lower = torch.nextafter(half, torch.full_like(half, -float("inf")))
+        half = torch.where(too_big, lower, half)
+    return half
+
+
+def safe_reciprocal(scale):
+    import torch
+
+    s = scale.to(torch.float32)
+    return torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))

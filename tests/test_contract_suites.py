@@ -1,0 +1,81 @@
+"""Every built-in passes its contract suite, and the suites fail a backend or scheme that breaks them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcdn_core import registry
+from kvcdn_core.builtin.local_storage import LocalStorage
+from kvcdn_core.testing import assert_quantizer_contract, assert_storage_contract
+
+
+def test_local_storage_passes_the_storage_contract(tmp_path):
+    roots = iter(range(100))
+    assert_storage_contract(lambda: LocalStorage(tmp_path / f"root{next(roots)}"))
+
+
+def test_local_storage_through_a_file_uri_passes(tmp_path):
+    roots = iter(range(100))
+    assert_storage_contract(lambda: registry.open_storage(f"file://{tmp_path}/uri{next(roots)}"))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int8-tensor", "fp8"])
+def test_builtin_quantizers_pass_the_quantizer_contract(scheme):
+    assert_quantizer_contract(registry.quantizer_for(scheme))
+
+
+class _ListsUnsorted(LocalStorage):
+    def list(self, prefix=""):
+        return list(reversed(super().list(prefix)))
+
+
+class _LosesRenames(LocalStorage):
+    def rename(self, source_key, target_key):
+        self.delete(source_key)
+
+
+class _WrongMissingError(LocalStorage):
+    def rename(self, source_key, target_key):
+        if not self.exists(source_key):
+            raise FileNotFoundError(source_key)
+        super().rename(source_key, target_key)
+
+
+@pytest.mark.parametrize(
+    "broken,message",
+    [
+        (_ListsUnsorted, "sorted"),
+        (_LosesRenames, "rename"),
+        (_WrongMissingError, "rename of a missing key raised FileNotFoundError"),
+    ],
+)
+def test_the_storage_suite_catches_a_broken_backend(tmp_path, broken, message):
+    roots = iter(range(100))
+    with pytest.raises(AssertionError, match=message):
+        assert_storage_contract(lambda: broken(tmp_path / f"r{next(roots)}"))
+
+
+def test_the_quantizer_suite_catches_a_bound_violation():
+    cls = registry.quantizer_for("int8")
+
+    class Overpromising(cls):
+        scheme = "int8-overpromising"
+
+        def body_error_bound(self, role, x):
+            return super().body_error_bound(role, x) / 100
+
+    with pytest.raises(AssertionError, match="outside the error bound"):
+        assert_quantizer_contract(Overpromising)
+
+
+def test_the_quantizer_suite_catches_a_lost_residual():
+    from kvcdn_quant_lowbit import Int4Quantizer
+
+    class Forgetful(Int4Quantizer):
+        scheme = "int4-forgetful"
+
+        def dequantize(self, parts, record, dtype=None):
+            return super().dequantize(parts, record, dtype) * 1.0001
+
+    with pytest.raises(AssertionError):
+        assert_quantizer_contract(Forgetful)
