@@ -98,11 +98,19 @@ class Fp8Quantizer(Quantizer):
         return parts[""].to(torch.float32) * parts["scale"].to(torch.float32)
 
     def body_error_bound(self, role, x):
-        """e4m3 keeps 3 mantissa bits: relative error 2^-4 on normals, 2^-10 of the scale on subnormals."""
+        """e4m3 keeps 3 mantissa bits: relative error 2^-4 on normals, 2^-10 of the scale on subnormals.
+
+        Plus float32's own subnormal spacing (2^-149): decoding ``q * scale`` in float32 cannot be
+        closer than that when the scale itself underflows (rows of values near 1e-38).
+        """
         import torch
 
         scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX * SCALE_SLACK
-        return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * SCALE_SLACK
+        return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * SCALE_SLACK + FLOAT32_SUBNORMAL_STEP
+
+
+#: the spacing of float32's subnormals: no float32 product is exact to less than half of it
+FLOAT32_SUBNORMAL_STEP = 2.0**-149
 
 
 @hookimpl
