@@ -78,10 +78,19 @@ class OrgRegistry:
         """The org whose current key is ``presented``, compared in constant time against every org."""
         if not KEY.match(presented or ""):
             return None
-        self.generations()
         candidate = presented.encode()
+        self.generations()
+        match = self._match(candidate)
+        if match is None:
+            # A key minted or rotated by another replica moments ago: read the database once more
+            # rather than refuse it until the next periodic refresh.
+            self.generations(force=True)
+            match = self._match(candidate)
+        return match
+
+    def _match(self, candidate: bytes) -> str | None:
         match = None
-        for slug, (_, key) in self._keys.items():
+        for slug, (_, key) in self._keys.items():  # one snapshot: a reload replaces the dict whole
             if hmac.compare_digest(candidate, key):
                 match = slug  # no early exit: the time taken does not depend on which org matched
         return match
