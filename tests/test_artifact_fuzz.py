@@ -67,10 +67,11 @@ def _containers(value, path=()):
 
 @st.composite
 def mutated_files(draw) -> bytes:
-    """A valid file with one to three structural mutations, then maybe a few raw-byte ones."""
+    """A valid file with up to three structural mutations, then maybe a few raw-byte ones (none at all
+    keeps the accepted path in reach)."""
     parts = kvfiles.valid_parts()
     nested = "[" * (depth := draw(st.sampled_from([10, 31, 33, 1000, 60_000]))) + "]" * depth
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(0, 3))):
         tree = {"entries": parts.entries, "metadata": parts.metadata, "manifest": parts.manifest}
         _, container = draw(st.sampled_from(list(_containers(tree))[1:]))
         op = draw(st.sampled_from(["replace", "delete", "insert", "deep", "number"]))
@@ -164,7 +165,7 @@ def test_the_fuzzer_reaches_files_that_are_accepted():
     """The structured mutations keep enough files valid that the accepted path is exercised too."""
     accepted = []
 
-    @settings(max_examples=200, deadline=None, database=None)
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True)
     @given(data=mutated_files())
     def count(data):
         with tempfile.TemporaryDirectory() as tmp:
@@ -177,4 +178,4 @@ def test_the_fuzzer_reaches_files_that_are_accepted():
                 pass
 
     count()
-    assert accepted, "no mutated file was accepted: the fuzzer tests only the refusal paths"
+    assert len(accepted) >= 5, f"only {len(accepted)} mutated file(s) accepted: the fuzzer tests only the refusal paths"
