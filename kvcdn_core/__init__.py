@@ -41,6 +41,10 @@ _EXPORTS = {
     "LINEAR_ATTENTION": "kvcdn_core.artifact",
     "RECURRENT_STATE": "kvcdn_core.artifact",
     "TOKEN_IDS": "kvcdn_core.artifact",
+    # the manifest, typed: layer entries adapters build and read, and the whole manifest
+    "LayerEntry": "kvcdn_core.manifest",
+    "Manifest": "kvcdn_core.manifest",
+    "reuse_of": "kvcdn_core.manifest",
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",
     "is_linear_attention": "kvcdn_core.linear_attention",

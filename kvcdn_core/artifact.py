@@ -521,8 +521,3 @@ def summary(manifest: dict[str, Any]) -> dict[str, Any]:
         "quantization": quant.get("scheme") if isinstance(quant, dict) else None,
     }
 
-
-def reuse_mode(manifest: dict[str, Any]) -> str:
-    """``any_prefix`` when every layer can be cropped, else ``whole_prefix``."""
-    kinds = {layer["kind"] for layer in manifest["layers"]}
-    return "any_prefix" if kinds <= set(CROPPABLE_KINDS) else "whole_prefix"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError
+from kvcdn_core.manifest import LayerEntry
 
 
 def is_linear_attention(layer) -> bool:
@@ -43,14 +44,14 @@ class LinearAttentionLayers(_MixinBase):
     def export_layer(self, index: int, layer):
         if not is_linear_attention(layer):
             return super().export_layer(index, layer)
-        entry = {"kind": fmt.LINEAR_ATTENTION, "conv_kernel": int(layer.conv_kernel_size[0] or 0)}
+        entry = LayerEntry(index, fmt.LINEAR_ATTENTION, family_fields={"conv_kernel": int(layer.conv_kernel_size[0] or 0)})
         return entry, self.export_linear_state(layer)
 
-    def import_layer(self, entry: dict, named: dict, layer) -> None:
+    def import_layer(self, entry: LayerEntry, named: dict, layer) -> None:
         if not is_linear_attention(layer):
             return super().import_layer(entry, named, layer)
-        if entry["kind"] != fmt.LINEAR_ATTENTION:
+        if entry.kind != fmt.LINEAR_ATTENTION:
             raise ArtifactError(
-                f"layer {entry['index']} is '{entry['kind']}' in the artifact but '{fmt.LINEAR_ATTENTION}' in the model"
+                f"layer {entry.index} is '{entry.kind}' in the artifact but '{fmt.LINEAR_ATTENTION}' in the model"
             )
         self.import_linear_state(entry, named, layer)

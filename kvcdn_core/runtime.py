@@ -13,7 +13,7 @@ from typing import Any
 import kvcdn_core
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import COMPUTE_DTYPES, Manifest, ModelInfo
+from kvcdn_core.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, ModelInfo, reuse_of
 from kvcdn_core.model_files import architecture_of, fingerprint, fingerprint_differences, read_config, resolve_model_dir
 from kvcdn_core.progress import Progress
 from kvcdn_core.registry import adapter_for
@@ -163,7 +163,7 @@ def decode(session: Session, ids: list[int]) -> str:
     return session.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def build_manifest(session: Session, layers: list[dict], context: str) -> dict:
+def build_manifest(session: Session, layers: list[LayerEntry], context: str) -> dict:
     return model_manifest(
         session.model_ref, session.revision, session.adapter.family, session.fingerprint, session.dtype, layers, context
     )
@@ -175,7 +175,7 @@ def model_manifest(
     family: str | None,
     fingerprint: dict,
     dtype: str,
-    layers: list[dict],
+    layers: list[LayerEntry],
     context: str | None,
 ) -> dict:
     """The manifest of an unquantized cache, for writers without a :class:`Session` (serving engines)."""
@@ -190,7 +190,8 @@ def model_manifest(
         },
         "compute_dtype": dtype,
         "context": context,
-        "layers": layers,
+        "layers": [layer.to_dict() for layer in layers],
+        "reuse": reuse_of(layers),
         "quantization": None,
     }
 
@@ -200,7 +201,6 @@ def save_cache(session: Session, cache, ids: list[int], context: str, path: Path
 
     layers, tensors = session.adapter.export_cache(session.model, cache)
     manifest = build_manifest(session, layers, context)
-    manifest["reuse"] = fmt.reuse_mode(manifest)
     tensors[fmt.TOKEN_IDS] = torch.tensor(ids, dtype=torch.long)
     return fmt.write_artifact(path, manifest, tensors)
 
@@ -244,9 +244,10 @@ def load_cache(
     """
     check_model(session, header.manifest, force)
     manifest = header.manifest
-    convert = _converter(session, manifest)
-    if stream and not manifest.get("quantization") and session.adapter.streams_layers(manifest["layers"]):
-        return _stream_cache(session, header, convert, verify_hashes)
+    layers = Manifest.from_dict(manifest).layers
+    convert = _converter(session, manifest["compute_dtype"], layers)
+    if stream and not manifest.get("quantization") and session.adapter.streams_layers(layers):
+        return _stream_cache(session, header, layers, convert, verify_hashes)
     if manifest.get("quantization"):
         from kvcdn_core.quant import dequantize_tensors
 
@@ -255,11 +256,11 @@ def load_cache(
         tensors = fmt.load_tensors(header, verify_hashes=verify_hashes)
     ids = tensors.pop(fmt.TOKEN_IDS).tolist()
     tensors = {name: convert(name, t) for name, t in tensors.items()}
-    cache = session.adapter.import_cache(session.model, manifest["layers"], tensors, session.device)
+    cache = session.adapter.import_cache(session.model, layers, tensors, session.device)
     return cache, ids
 
 
-def _converter(session: Session, manifest: dict):
+def _converter(session: Session, compute_dtype: str, layers: tuple[LayerEntry, ...]):
     """``convert(name, tensor)``: a floating tensor in the session's dtype, unless it must stay wider.
 
     Linear-attention and recurrent layers keep their state wider than the compute dtype (float32
@@ -268,13 +269,8 @@ def _converter(session: Session, manifest: dict):
     """
     import torch
 
-    target, computed = getattr(torch, session.dtype), getattr(torch, manifest["compute_dtype"])
-    kept = {
-        name
-        for layer in manifest["layers"]
-        if layer["kind"] in (fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
-        for name in layer.get("tensors", {}).values()
-    }
+    target, computed = getattr(torch, session.dtype), getattr(torch, compute_dtype)
+    kept = {name for layer in layers if layer.keeps_state for name in layer.tensors.values()}
 
     def convert(name: str, t):
         if t.is_floating_point() and t.dtype != target and (name not in kept or t.dtype == computed):
@@ -284,7 +280,7 @@ def _converter(session: Session, manifest: dict):
     return convert
 
 
-def _stream_cache(session: Session, header: fmt.Header, convert, verify_hashes: bool):
+def _stream_cache(session: Session, header: fmt.Header, layers: tuple[LayerEntry, ...], convert, verify_hashes: bool):
     from kvcdn_core import tensor_io
     from kvcdn_core.layer_stream import LayerStream
 
@@ -296,9 +292,18 @@ def _stream_cache(session: Session, header: fmt.Header, convert, verify_hashes: 
     ids = tensor_io.as_tensor(reader, fmt.TOKEN_IDS).tolist()
     cache = session.adapter.new_cache(session.model)
     targets = session.adapter.cache_layers(cache)
-    if len(targets) != len(header.manifest["layers"]):
-        raise ArtifactError(
-            f"artifact has {len(header.manifest['layers'])} cache layers, the loaded model has {len(targets)}"
-        )
-    LayerStream(session.adapter, reader, cache, targets, convert, session.device, verify_hashes)
+    if len(targets) != len(layers):
+        raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
+    LayerStream(_TypedImport(session.adapter), reader, cache, targets, convert, session.device, verify_hashes)
     return cache, ids
+
+
+class _TypedImport:
+    """The adapter as :class:`~kvcdn_core.layer_stream.LayerStream` calls it: that module hands
+    ``import_layer`` the manifest's JSON entries, and adapters take :class:`LayerEntry`."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    def import_layer(self, entry: dict, named: dict, layer) -> None:
+        self.adapter.import_layer(LayerEntry.from_dict(entry), named, layer)

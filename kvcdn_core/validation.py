@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.manifest import LayerEntry
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
 
@@ -239,7 +240,7 @@ def validate_tiny(
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def exercised(config, layers: list[dict]) -> dict[str, Any]:
+def exercised(config, layers: Sequence[LayerEntry]) -> dict[str, Any]:
     """What one validated model proved: its cache-layer kinds, features and attention shape.
 
     ``features`` uses the names of the README support table: ``sliding_window``, ``mla``, ``moe``,
@@ -247,7 +248,7 @@ def exercised(config, layers: list[dict]) -> dict[str, Any]:
     default) and ``tied_embeddings``.
     """
     cfg = config.get_text_config(decoder=True)
-    kinds = sorted({layer.get("kind", "?") for layer in layers})
+    kinds = sorted({layer.kind for layer in layers})
     features = [kind for kind in (fmt.SLIDING_WINDOW, fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE) if kind in kinds]
     if fmt.MLA_LATENT in kinds:
         features.append("mla")

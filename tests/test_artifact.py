@@ -162,11 +162,6 @@ def test_kv_suffix_is_appended_with_a_warning(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_reuse_mode():
-    assert fmt.reuse_mode({"layers": [{"kind": "full_attention"}]}) == "any_prefix"
-    assert fmt.reuse_mode({"layers": [{"kind": "full_attention"}, {"kind": "sliding_window"}]}) == "whole_prefix"
-
-
 def test_artifacts_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:

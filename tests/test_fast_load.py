@@ -13,6 +13,7 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime, tensor_io
 from kvcdn_core.errors import ArtifactError
 from kvcdn_core.layer_stream import GatedLayers
+from kvcdn_core.manifest import LayerEntry, Manifest
 from kvcdn_core.tiny import SAMPLE_TEXT
 
 QUESTION = " And what comes next?"
@@ -172,9 +173,9 @@ def test_adapters_that_reshape_the_cache_load_whole(case):
     from kvcdn_core import ModelAdapter
 
     session, path, *_ = case
-    layers = fmt.read_header(path).manifest["layers"]
+    layers = Manifest.from_dict(fmt.read_header(path).manifest).layers
     assert session.adapter.streams_layers(layers)
-    assert not session.adapter.streams_layers([*layers, {"kind": fmt.RECURRENT_STATE}])
+    assert not session.adapter.streams_layers([*layers, LayerEntry(len(layers), fmt.RECURRENT_STATE)])
 
     class Reshaping(type(session.adapter)):
         def import_cache(self, model, layers, tensors, device):

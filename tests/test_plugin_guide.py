@@ -1,7 +1,8 @@
-"""docs/plugin-guide.md: every hook and contract method is documented with its signature, and each
-example plugin, cut from the guide and installed as its own package (into a scratch directory, so
-this environment's plugin set never changes), does what the guide says: the model family validates
-and passes the adapter contract, the storage and quantizer examples pass their contract suites."""
+"""docs/plugin-guide.md: every hook, contract method and manifest member is documented with its
+signature, and each example plugin, cut from the guide and installed as its own package (into a
+scratch directory, so this environment's plugin set never changes), does what the guide says: the
+model family validates and passes the adapter contract, the storage and quantizer examples pass
+their contract suites."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvcdn_core import hookspecs
 from kvcdn_core.contracts.adapter import ModelAdapter
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.contracts.storage import StorageBackend
+from kvcdn_core.manifest import LayerEntry, Manifest
 from tests.support import plugin_examples
 
 GUIDE = plugin_examples.GUIDE
@@ -32,7 +34,7 @@ def signature(function, name: str) -> str:
         params = params[1:]
     shown = []
     for p in params:
-        text = p.name
+        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
         if p.default is not p.empty:
             text += "=" + ('""' if p.default == "" else repr(p.default))
         shown.append(text)
@@ -55,7 +57,7 @@ def contract_members(cls: type) -> list[tuple[str, str]]:
 HOOKS = [name for name in dir(hookspecs) if name.startswith("kvcdn_")]
 MEMBERS = [
     (cls.__name__, name, form)
-    for cls in (ModelAdapter, Quantizer, StorageBackend)
+    for cls in (ModelAdapter, Quantizer, StorageBackend, LayerEntry, Manifest)
     for name, form in contract_members(cls)
 ]
 

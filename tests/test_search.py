@@ -18,6 +18,7 @@ from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact, runtime, search
 from kvcdn_core.cli import make_cli
+from kvcdn_core.manifest import LayerEntry, reuse_of
 from kvcdn_core.model_files import fingerprint
 from kvcdn_core.search import index as search_index
 from kvcdn_core.tiny import SAMPLE_TEXT
@@ -73,7 +74,7 @@ def write_fake(path, model_dir, ids, kinds=("full_attention",), model_id=None, f
     }
     if context is not None:
         manifest["context"] = context
-    manifest["reuse"] = artifact.reuse_mode(manifest)
+    manifest["reuse"] = reuse_of(LayerEntry.from_dict(layer) for layer in layers)
     return artifact.write_artifact(path, manifest, tensors)
 
 

@@ -13,6 +13,7 @@ from kvcdn_model_qwen import QwenAdapter
 from kvcdn_core import artifact, runtime, search
 from kvcdn_core.cli import make_cli
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.manifest import Manifest
 from kvcdn_core.tiny import SAMPLE_TEXT
 
 PARAS = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
@@ -208,7 +209,7 @@ def test_crop_refuses_sliding_layers(sliding, tmp_path):
     header = artifact.read_header(tmp_path / "a.kv")
     cache, ids = runtime.load_cache(sliding, header)
     with pytest.raises(KvcdnError, match="sliding_window"):
-        sliding.adapter.crop(cache, header.manifest["layers"], len(ids) // 2, token_count=len(ids))
+        sliding.adapter.crop(cache, Manifest.from_dict(header.manifest).layers, len(ids) // 2, token_count=len(ids))
 
 
 @pytest.mark.slow

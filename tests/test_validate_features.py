@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.manifest import LayerEntry
 from kvcdn_core.validation import exercised
 
 
@@ -24,7 +25,7 @@ def test_exercised_names_layer_kinds_features_and_shape():
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64},
     )
-    layers = [{"kind": fmt.SLIDING_WINDOW, "window": 16}, {"kind": fmt.FULL_ATTENTION}]
+    layers = [LayerEntry(0, fmt.SLIDING_WINDOW, window=16, cumulative_length=20), LayerEntry(1, fmt.FULL_ATTENTION)]
     proven = exercised(cfg, layers)
     assert proven["layer_kinds"] == [fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW]
     assert proven["features"] == [fmt.SLIDING_WINDOW, "moe", "rope:yarn", "tied_embeddings"]
@@ -35,13 +36,13 @@ def test_plain_config_proves_no_feature():
     cfg = config(
         "LlamaForCausalLM", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False
     )
-    proven = exercised(cfg, [{"kind": fmt.FULL_ATTENTION}] * 2)
+    proven = exercised(cfg, [LayerEntry(i, fmt.FULL_ATTENTION) for i in range(2)])
     assert proven["features"] == [] and proven["shape"] == {"heads": 4, "kv_heads": 4, "head_dim": 16}
 
 
 def test_recurrent_and_linear_kinds_are_features():
     cfg = config("Qwen3NextForCausalLM")
-    proven = exercised(cfg, [{"kind": fmt.LINEAR_ATTENTION}, {"kind": fmt.RECURRENT_STATE}])
+    proven = exercised(cfg, [LayerEntry(0, fmt.LINEAR_ATTENTION), LayerEntry(1, fmt.RECURRENT_STATE)])
     assert {fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE} <= set(proven["features"])
 
 

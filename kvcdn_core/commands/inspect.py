@@ -19,6 +19,7 @@ from kvcdn_core.render import emit_json
 def command(path, check, fmt):
     """Show the manifest of the artifact at PATH (no model, no torch)."""
     from kvcdn_core import artifact
+    from kvcdn_core.manifest import Manifest, reuse_of
 
     header = artifact.read_header(ensure_kv_suffix(path))
     m = header.manifest
@@ -30,7 +31,8 @@ def command(path, check, fmt):
         emit_json(out)
     else:
         model = m.get("model", {})
-        kinds = collections.Counter(layer["kind"] for layer in m["layers"])
+        typed = Manifest.from_dict(m)
+        kinds = collections.Counter(layer.kind for layer in typed.layers)
         data_bytes = header.file_size - header.data_start
         click.echo(f"path:          {header.path}")
         click.echo(
@@ -41,16 +43,15 @@ def command(path, check, fmt):
         click.echo(f"architecture:  {model.get('architecture')} (family {model.get('family')})")
         click.echo(f"config sha256: {model.get('config_sha256')}")
         click.echo(f"tokenizer:     {model.get('tokenizer_sha256')}")
-        click.echo(f"tokens:        {m['token_count']}, reuse {m.get('reuse', artifact.reuse_mode(m))}")
+        click.echo(f"tokens:        {m['token_count']}, reuse {typed.declared_reuse or reuse_of(typed.layers)}")
         click.echo(f"dtype:         {m['compute_dtype']}")
         q = m.get("quantization")
         click.echo(f"quantization:  {q['scheme'] if q else 'none'}")
-        click.echo(f"layers:        {len(m['layers'])} ({', '.join(f'{n} {k}' for k, n in kinds.items())})")
-        for layer in m["layers"]:
-            if layer["kind"] == artifact.SLIDING_WINDOW:
+        click.echo(f"layers:        {len(typed.layers)} ({', '.join(f'{n} {k}' for k, n in kinds.items())})")
+        for layer in typed.layers:
+            if layer.kind == artifact.SLIDING_WINDOW:
                 click.echo(
-                    f"  layer {layer['index']}: sliding window {layer['window']}, "
-                    f"cumulative length {layer['cumulative_length']}"
+                    f"  layer {layer.index}: sliding window {layer.window}, cumulative length {layer.cumulative_length}"
                 )
         click.echo(f"tensors:       {len(m['tensors'])}, {data_bytes / 1e6:.2f} MB of data")
         context = m.get("context") or ""

@@ -17,6 +17,7 @@ import click
 
 from kvcdn_core.commands.common import read_text_file
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.manifest import LayerEntry, Manifest
 from kvcdn_core.render import emit_json, table_lines
 
 
@@ -29,7 +30,7 @@ class ArchReport:
     architecture: str
     source: str  # "tiny" or the model id
     phases: list = dataclasses.field(default_factory=list)  # PhaseResult
-    layers: list = dataclasses.field(default_factory=list)  # manifest layer entries
+    layers: list = dataclasses.field(default_factory=list)  # LayerEntry of the manifest
     seconds: float = 0.0
     variant: str = "default"  # which tiny shape (kvcdn_core.tiny.config_variants)
     proven: dict = dataclasses.field(default_factory=dict)  # kvcdn_core.validation.exercised
@@ -62,13 +63,11 @@ class ArchReport:
         }
 
 
-def summarize_layers(layers: list[dict]) -> str:
+def summarize_layers(layers: list[LayerEntry]) -> str:
     """``2 full_attention, 2 sliding_window(16)``: counts of each layer kind, in first-seen order."""
     counts: dict[str, int] = {}
     for layer in layers:
-        kind = layer.get("kind", "?")
-        if "window" in layer:
-            kind = f"{kind}({layer['window']})"
+        kind = layer.kind if layer.window is None else f"{layer.kind}({layer.window})"
         counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "-"
 
@@ -97,7 +96,7 @@ def validate_one(session, report: ArchReport, workdir: Path, n: int, context: st
     run, results = run_validation(session, report.architecture, workdir, n, context, **options)
     report.phases.extend(results)
     if run.header is not None:
-        report.layers = run.header.manifest.get("layers", [])
+        report.layers = list(Manifest.from_dict(run.header.manifest).layers)
     report.proven = exercised(session.model.config, report.layers)
 
 

@@ -12,11 +12,15 @@ start-up for free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import dataclasses
+
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.manifest import LayerEntry
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -27,9 +31,6 @@ Model = Any
 Tokenizer = Any
 Cache = Any
 CacheLayer = Any
-#: A layer's manifest entry (JSON): ``index``, ``kind``, ``tensors`` (role → tensor name) and the
-#: family's own fields (``window``...).
-LayerJSON = dict[str, Any]
 Tensors = dict[str, "torch.Tensor"]
 
 
@@ -122,28 +123,28 @@ class ModelAdapter:
 
     # -- export / import ------------------------------------------------------------------------
 
-    def export_cache(self, model: Model, cache: Cache) -> tuple[list[LayerJSON], Tensors]:
+    def export_cache(self, model: Model, cache: Cache) -> tuple[list[LayerEntry], Tensors]:
         """Named tensors and per-layer manifest entries for a cache."""
         layers, tensors = [], {}
         for index, layer in enumerate(self.cache_layers(cache)):
             entry, named = self.export_layer(index, layer)
-            entry = {"index": index, **entry, "tensors": {k: f"layers.{index}.{k}" for k in named}}
-            layers.append(entry)
+            names = {k: f"layers.{index}.{k}" for k in named}
+            layers.append(dataclasses.replace(entry, index=index, tensors=names))
             tensors.update({f"layers.{index}.{k}": v for k, v in named.items()})
         return layers, tensors
 
-    def import_cache(self, model: Model, layers: list[LayerJSON], tensors: Tensors, device: str) -> Cache:
+    def import_cache(self, model: Model, layers: Sequence[LayerEntry], tensors: Tensors, device: str) -> Cache:
         """Rebuild a cache for ``model`` from named tensors and manifest layer entries."""
         cache = self.new_cache(model)
         targets = self.cache_layers(cache)
         if len(targets) != len(layers):
             raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
         for entry, layer in zip(layers, targets):
-            named = {k: tensors[v].to(device) for k, v in entry["tensors"].items()}
+            named = {k: tensors[v].to(device) for k, v in entry.tensors.items()}
             self.import_layer(entry, named, layer)
         return cache
 
-    def streams_layers(self, layers: list[LayerJSON]) -> bool:
+    def streams_layers(self, layers: Sequence[LayerEntry]) -> bool:
         """Whether a cache of these manifest layers may be loaded layer by layer while the model
         runs (:mod:`kvcdn_core.layer_stream`): each layer imported alone by :meth:`import_layer`
         into ``cache.layers[i]``, touching nothing shared. True for attention layers when the
@@ -153,7 +154,7 @@ class ModelAdapter:
             cls.import_cache is ModelAdapter.import_cache
             and cls.cache_layers is ModelAdapter.cache_layers
             and cls.new_cache is ModelAdapter.new_cache
-            and all(entry["kind"] in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers)
+            and all(entry.kind in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers)
         )
 
     def cache_layers(self, cache: Cache) -> list[CacheLayer]:
@@ -171,32 +172,28 @@ class ModelAdapter:
             "adapter; no artifact was written"
         )
 
-    def export_layer(self, index: int, layer: CacheLayer) -> tuple[LayerJSON, Tensors]:
-        """One layer's manifest entry (without ``index``/``tensors``) and its named tensors."""
+    def export_layer(self, index: int, layer: CacheLayer) -> tuple[LayerEntry, Tensors]:
+        """One layer's manifest entry and its tensors by role (:meth:`export_cache` names them)."""
         kind = self.layer_kind(layer)
-        entry: dict[str, Any] = {"kind": kind}
         if kind == fmt.SLIDING_WINDOW:
-            entry["window"] = int(layer.sliding_window)
-            entry["cumulative_length"] = int(layer.cumulative_length)
+            entry = LayerEntry(index, kind, window=int(layer.sliding_window), cumulative_length=int(layer.cumulative_length))
+        else:
+            entry = LayerEntry(index, kind)
         return entry, {"key": layer.keys, "value": layer.values}
 
-    def import_layer(self, entry: LayerJSON, named: Tensors, layer: CacheLayer) -> None:
+    def import_layer(self, entry: LayerEntry, named: Tensors, layer: CacheLayer) -> None:
         """Fill an empty cache layer from an artifact layer entry."""
         kind = self.layer_kind(layer)
-        if kind != entry["kind"]:
-            raise ArtifactError(
-                f"layer {entry['index']} is '{entry['kind']}' in the artifact but '{kind}' in the model"
-            )
+        if kind != entry.kind:
+            raise ArtifactError(f"layer {entry.index} is '{entry.kind}' in the artifact but '{kind}' in the model")
         keys, values = named["key"], named["value"]
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
         if kind == fmt.SLIDING_WINDOW:
-            if int(entry["window"]) != int(layer.sliding_window):
-                raise ArtifactError(
-                    f"layer {entry['index']} has window {entry['window']}, the model {layer.sliding_window}"
-                )
+            if entry.window != int(layer.sliding_window):
+                raise ArtifactError(f"layer {entry.index} has window {entry.window}, the model {layer.sliding_window}")
             # Without the cumulative length, positions and the sliding mask drift after reload.
-            layer.cumulative_length = int(entry["cumulative_length"])
+            layer.cumulative_length = int(entry.cumulative_length or 0)
 
     # -- linear-attention and recurrent states (state-space and hybrid families) -----------------
 
@@ -217,7 +214,7 @@ class ModelAdapter:
             raise KvcdnError("a linear-attention cache layer holds no state yet; prefill some tokens first")
         return named
 
-    def import_linear_state(self, entry: LayerJSON, named: Tensors, layer: CacheLayer) -> None:
+    def import_linear_state(self, entry: LayerEntry, named: Tensors, layer: CacheLayer) -> None:
         """Fill an empty linear-attention cache layer so the next forward continues from the saved state."""
         for i in range(layer.number_of_states):
             suffix = "" if i == 0 else f".{i}"
@@ -231,16 +228,16 @@ class ModelAdapter:
             # Without this flag the next forward treats the layer as empty and starts from zeros.
             layer.has_previous_state[i] = conv is not None or state is not None
         if not any(layer.has_previous_state.values()):
-            raise ArtifactError(f"layer {entry.get('index')} ('{entry.get('kind')}') has no state tensors")
+            raise ArtifactError(f"layer {entry.index} ('{entry.kind}') has no state tensors")
 
     # -- cropping -------------------------------------------------------------------------------
 
-    def crop(self, cache: Cache, layers: list[LayerJSON], n_tokens: int, token_count: int | None = None) -> Cache:
+    def crop(self, cache: Cache, layers: Sequence[LayerEntry], n_tokens: int, token_count: int | None = None) -> Cache:
         """Cut a restored cache back to its first ``n_tokens`` tokens, in place; return the cache.
 
         Contract (prefix search relies on it):
 
-        - ``layers`` is the artifact manifest's ``layers`` list, in cache-layer order; ``token_count``
+        - ``layers`` is the artifact manifest's layer entries (:attr:`Manifest.layers`), in cache-layer order; ``token_count``
           the artifact's token count (inferred from a full-attention layer when omitted).
         - ``n_tokens == token_count`` is a no-op for every kind.
         - ``0 < n_tokens < token_count``: kinds in ``artifact.CROPPABLE_KINDS`` (full attention, MLA
@@ -260,23 +257,23 @@ class ModelAdapter:
         if n_tokens == token_count:
             return cache
         for entry in layers:
-            if entry["kind"] not in fmt.CROPPABLE_KINDS:
+            if not entry.croppable:
                 raise KvcdnError(
-                    f"cannot reuse {n_tokens} of {token_count} tokens: layer {entry.get('index')} is "
-                    f"'{entry['kind']}', reusable only as the whole prefix"
+                    f"cannot reuse {n_tokens} of {token_count} tokens: layer {entry.index} is "
+                    f"'{entry.kind}', reusable only as the whole prefix"
                 )
         for entry, layer in zip(layers, targets):
             self.crop_layer(entry, layer, n_tokens)
         return cache
 
-    def crop_layer(self, entry: LayerJSON, layer: CacheLayer, n_tokens: int) -> None:
+    def crop_layer(self, entry: LayerEntry, layer: CacheLayer, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` positions of one croppable layer (keys/values on dim -2)."""
         layer.keys = layer.keys[..., :n_tokens, :]
         layer.values = layer.values[..., :n_tokens, :]
 
-    def _croppable_length(self, targets: list[CacheLayer], layers: list[LayerJSON]) -> int:
+    def _croppable_length(self, targets: list[CacheLayer], layers: Sequence[LayerEntry]) -> int:
         for entry, layer in zip(layers, targets):
-            if entry["kind"] in fmt.CROPPABLE_KINDS and getattr(layer, "keys", None) is not None:
+            if entry.croppable and getattr(layer, "keys", None) is not None:
                 return int(layer.keys.shape[-2])
         raise KvcdnError("cannot tell this cache's token count (no attention layer); pass token_count")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcdn_core import ArtifactError, KvcdnError, ModelAdapter, hookimpl
+from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, ModelAdapter, hookimpl
 from kvcdn_core import artifact as fmt
 
 __version__ = "0.1.0"
@@ -148,37 +148,36 @@ class DeepseekAdapter(ModelAdapter):
         layers, tensors = super().export_cache(model, cache)
         rank, rope = mla_widths(model.config)
         for entry in layers:
-            latent = tensors[entry["tensors"][LATENT]]
-            rotary = tensors[entry["tensors"][ROTARY_KEY]]
+            latent = tensors[entry.tensors[LATENT]]
+            rotary = tensors[entry.tensors[ROTARY_KEY]]
             if latent.shape[1] != 1 or latent.shape[-1] != rank or rotary.shape[-1] != rope:
                 raise KvcdnError(
-                    f"layer {entry['index']} caches tensors of shape {list(latent.shape)} and "
+                    f"layer {entry.index} caches tensors of shape {list(latent.shape)} and "
                     f"{list(rotary.shape)}, not the MLA latent ({rank}) and rotary key ({rope}) this "
                     "adapter stores; this transformers version caches DeepSeek differently, no "
                     "artifact was written"
                 )
-            entry["kv_lora_rank"], entry["qk_rope_head_dim"] = rank, rope
-        return layers, tensors
+        return [entry.with_fields(kv_lora_rank=rank, qk_rope_head_dim=rope) for entry in layers], tensors
 
-    def export_layer(self, index: int, layer) -> tuple[dict, dict[str, Any]]:
-        entry = {"kind": self.layer_kind(layer)}
-        return entry, {LATENT: layer.keys, ROTARY_KEY: layer.values}
+    def export_layer(self, index: int, layer) -> tuple[LayerEntry, dict[str, Any]]:
+        return LayerEntry(index, self.layer_kind(layer)), {LATENT: layer.keys, ROTARY_KEY: layer.values}
 
     def import_cache(self, model, layers, tensors, device):
         rank, rope = mla_widths(model.config)
         for entry in layers:
-            if entry["kind"] != fmt.MLA_LATENT:
+            if entry.kind != fmt.MLA_LATENT:
                 raise ArtifactError(
-                    f"layer {entry['index']} is '{entry['kind']}' in the artifact, the model caches '{fmt.MLA_LATENT}'"
+                    f"layer {entry.index} is '{entry.kind}' in the artifact, the model caches '{fmt.MLA_LATENT}'"
                 )
-            if (entry.get("kv_lora_rank"), entry.get("qk_rope_head_dim")) != (rank, rope):
+            stored = entry.family_fields.get("kv_lora_rank"), entry.family_fields.get("qk_rope_head_dim")
+            if stored != (rank, rope):
                 raise ArtifactError(
-                    f"layer {entry['index']} holds a latent of {entry.get('kv_lora_rank')} and a rotary "
-                    f"key of {entry.get('qk_rope_head_dim')}, the model uses {rank} and {rope}"
+                    f"layer {entry.index} holds a latent of {stored[0]} and a rotary "
+                    f"key of {stored[1]}, the model uses {rank} and {rope}"
                 )
         return super().import_cache(model, layers, tensors, device)
 
-    def import_layer(self, entry: dict, named: dict[str, Any], layer) -> None:
+    def import_layer(self, entry: LayerEntry, named: dict[str, Any], layer) -> None:
         self.layer_kind(layer)
         latent, rotary = named[LATENT], named[ROTARY_KEY]
         layer.lazy_initialization(latent, rotary)

@@ -1,10 +1,12 @@
 """The MLA latent cache: what the artifact holds, that a prefix of it is exact, and the refusals."""
 
+import dataclasses
+
 import pytest
 from kvcdn_model_deepseek import LATENT, ROTARY_KEY, DeepseekAdapter
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import Manifest, runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.validation import long_context
 
@@ -72,14 +74,14 @@ def test_a_cropped_latent_continues_exactly(session, artifact, keep):
 
 
 def test_other_widths_are_refused(session, artifact):
-    layers = [dict(layer, kv_lora_rank=layer["kv_lora_rank"] * 2) for layer in artifact.manifest["layers"]]
+    layers = [layer.with_fields(kv_lora_rank=64) for layer in Manifest.from_dict(artifact.manifest).layers]
     tensors = fmt.load_tensors(artifact)
     with pytest.raises(ArtifactError, match="latent of 64"):
         session.adapter.import_cache(session.model, layers, tensors, "cpu")
 
 
 def test_full_attention_artifact_is_refused(session, artifact):
-    layers = [dict(layer, kind=fmt.FULL_ATTENTION) for layer in artifact.manifest["layers"]]
+    layers = [dataclasses.replace(layer, kind=fmt.FULL_ATTENTION) for layer in Manifest.from_dict(artifact.manifest).layers]
     with pytest.raises(ArtifactError, match="'full_attention' in the artifact"):
         session.adapter.import_cache(session.model, layers, fmt.load_tensors(artifact), "cpu")
 

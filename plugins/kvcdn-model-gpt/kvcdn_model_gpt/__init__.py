@@ -126,31 +126,34 @@ class GptAdapter(ModelAdapter):
         layers, tensors = super().export_cache(model, cache)
         encoding = position_encoding(model.config)
         groups = falcon_kv_groups(model.config)
+        typed = []
         for entry in layers:
+            fields = {}
             if groups:
-                names = list(entry["tensors"].values())
+                names = list(entry.tensors.values())
                 collapsed = [collapse_heads(tensors[name], groups) for name in names]
                 if all(t.shape[1] == groups for t in collapsed):  # both or neither
                     tensors.update(zip(names, collapsed))
-                    entry["repeated_heads"] = int(model.config.num_attention_heads) // groups
-            entry["kv_heads"] = int(tensors[entry["tensors"]["key"]].shape[1])
-            entry["position_encoding"] = encoding
-            if local_attention(model.config, entry["index"]):
-                entry["attention_window"] = int(model.config.window_size)
-        return layers, tensors
+                    fields["repeated_heads"] = int(model.config.num_attention_heads) // groups
+            fields["kv_heads"] = int(tensors[entry.tensors["key"]].shape[1])
+            fields["position_encoding"] = encoding
+            if local_attention(model.config, entry.index):
+                fields["attention_window"] = int(model.config.window_size)
+            typed.append(entry.with_fields(**fields))
+        return typed, tensors
 
     def import_cache(self, model, layers, tensors, device):
         tensors = dict(tensors)
         heads = int(model.config.num_attention_heads)
         for entry in layers:
-            repeat = int(entry.get("repeated_heads", 1))
+            repeat = int(entry.family_fields.get("repeated_heads", 1))
             if repeat == 1:
                 continue
-            for name in entry["tensors"].values():
+            for name in entry.tensors.values():
                 t = tensors[name]
                 if t.shape[1] * repeat != heads:
                     raise ArtifactError(
-                        f"layer {entry['index']} stores {t.shape[1]} key/value heads repeated {repeat} "
+                        f"layer {entry.index} stores {t.shape[1]} key/value heads repeated {repeat} "
                         f"times, the loaded model has {heads} attention heads"
                     )
                 tensors[name] = t.repeat_interleave(repeat, dim=1)

@@ -4,7 +4,7 @@ import pytest
 from kvcdn_model_gpt import GptAdapter
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import Manifest, runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.tiny import build_tiny_model
@@ -96,7 +96,7 @@ def test_a_cropped_cache_continues_exactly(architecture, tmp_path):
     keep = len(ids) // 2
     tail = ids[keep:] + session.adapter.encode_continuation(session.tokenizer, " and the sea")
     cache, _ = runtime.load_cache(session, header)
-    cache = session.adapter.crop(cache, header.manifest["layers"], keep, token_count=len(ids))
+    cache = session.adapter.crop(cache, Manifest.from_dict(header.manifest).layers, keep, token_count=len(ids))
     assert cache.get_seq_length() == keep
     cropped, _ = runtime.greedy(session, cache, tail, 16)
     reference, _ = runtime.greedy(session, session.adapter.new_cache(session.model), ids[:keep] + tail, 16)

@@ -10,7 +10,7 @@ import torch
 from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import LayerEntry, Manifest, runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.validation import long_context
 
@@ -101,7 +101,7 @@ def test_crop_refuses_linear_attention(session_of, tmp_path):
     ids = ids_of(session, 40)
     header = saved(session, ids, tmp_path)
     restored, _ = runtime.load_cache(session, header)
-    layers = header.manifest["layers"]
+    layers = Manifest.from_dict(header.manifest).layers
     with pytest.raises(KvcdnError, match="layer 0 is 'linear_attention'"):
         session.adapter.crop(restored, layers, len(ids) - 3)
     # Nothing was cut: the full-attention layer still holds every token, the whole prefix reuses.
@@ -117,7 +117,7 @@ def test_crop_full_attention_equals_a_shorter_prefill(session_of, tmp_path):
     assert header.manifest["reuse"] == "any_prefix"
     restored, _ = runtime.load_cache(session, header)
     keep = len(ids) - 17
-    session.adapter.crop(restored, header.manifest["layers"], keep)
+    session.adapter.crop(restored, Manifest.from_dict(header.manifest).layers, keep)
     assert restored.get_seq_length() == keep
     question = question_ids(session)
     with torch.inference_mode():
@@ -127,7 +127,7 @@ def test_crop_full_attention_equals_a_shorter_prefill(session_of, tmp_path):
         )
     torch.testing.assert_close(cropped, full[:, keep:], rtol=1e-4, atol=1e-4)
     with pytest.raises(KvcdnError, match="cannot crop"):
-        session.adapter.crop(restored, header.manifest["layers"], 0)
+        session.adapter.crop(restored, Manifest.from_dict(header.manifest).layers, 0)
 
 
 def test_crop_refuses_sliding_window(tmp_path):
@@ -138,7 +138,7 @@ def test_crop_refuses_sliding_window(tmp_path):
     layer.update(torch.zeros(1, 1, 20, 4), torch.zeros(1, 1, 20, 4))
     cache = DynamicCache()
     cache.layers = [layer]
-    layers = [{"index": 0, "kind": fmt.SLIDING_WINDOW}]
+    layers = [LayerEntry(0, fmt.SLIDING_WINDOW, window=8, cumulative_length=20)]
     with pytest.raises(KvcdnError, match="'sliding_window'"):
         QwenAdapter().crop(cache, layers, 10, token_count=20)
 

@@ -14,7 +14,7 @@ on a restored state are exact. Mamba2's chunked scan takes the saved state itsel
 
 from __future__ import annotations
 
-from kvcdn_core import ArtifactError, KvcdnError, ModelAdapter, hookimpl
+from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, ModelAdapter, hookimpl
 from kvcdn_core import artifact as fmt
 from kvcdn_model_ssm import scan
 
@@ -78,18 +78,15 @@ class SSMAdapter(ModelAdapter):
             "serves pure state-space models only; no artifact was written"
         )
 
-    def export_layer(self, index: int, layer) -> tuple[dict, dict]:
+    def export_layer(self, index: int, layer) -> tuple[LayerEntry, dict]:
         kind = self.layer_kind(layer)
         named = self.export_linear_state(layer)
-        entry = {"kind": kind, "conv_kernel": int(layer.conv_kernel_size[0] or 0)}
-        return entry, named
+        return LayerEntry(index, kind, family_fields={"conv_kernel": int(layer.conv_kernel_size[0] or 0)}), named
 
-    def import_layer(self, entry: dict, named: dict, layer) -> None:
+    def import_layer(self, entry: LayerEntry, named: dict, layer) -> None:
         kind = self.layer_kind(layer)
-        if entry["kind"] != kind:
-            raise ArtifactError(
-                f"layer {entry['index']} is '{entry['kind']}' in the artifact but '{kind}' in the model"
-            )
+        if entry.kind != kind:
+            raise ArtifactError(f"layer {entry.index} is '{entry.kind}' in the artifact but '{kind}' in the model")
         self.import_linear_state(entry, named, layer)
 
 

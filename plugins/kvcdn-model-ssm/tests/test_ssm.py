@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvcdn_model_ssm import SSMAdapter
 
-from kvcdn_core import ModelAdapter, runtime
+from kvcdn_core import Manifest, ModelAdapter, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.testing import assert_adapter_contract
@@ -134,7 +134,7 @@ def test_crop_refuses_a_recurrent_state(sessions, tmp_path):
     path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "a.kv")
     header = fmt.read_header(path)
     restored, _ = runtime.load_cache(session, header)
-    layers = header.manifest["layers"]
+    layers = Manifest.from_dict(header.manifest).layers
     before = states(session, restored)
     with pytest.raises(KvcdnError, match="recurrent_state"):
         session.adapter.crop(restored, layers, len(ids) - 1, header.token_count)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from kvcdn_core import ArtifactError, KvcdnError, fingerprint_differences, search
+from kvcdn_core import ArtifactError, KvcdnError, Manifest, fingerprint_differences, search
 from kvcdn_core import artifact as fmt
 
 
@@ -99,8 +99,8 @@ class Catalog:
     def check(self, header: fmt.Header) -> None:
         """Raise :class:`ArtifactError` unless the artifact fits the engine's paged cache."""
         path, manifest, shape = header.path, header.manifest, self.shape
-        layers = manifest["layers"]
-        kinds = sorted({layer["kind"] for layer in layers} - {fmt.FULL_ATTENTION})
+        layers = Manifest.from_dict(manifest).layers
+        kinds = sorted({layer.kind for layer in layers} - {fmt.FULL_ATTENTION})
         if kinds:
             raise ArtifactError(f"{path}: has {', '.join(kinds)} layers; vLLM loads full-attention caches only")
         if len(layers) != shape.num_layers:
@@ -109,15 +109,15 @@ class Catalog:
         quant = manifest.get("quantization") or {}
         for layer in layers:
             for part in ("key", "value"):
-                name = layer.get("tensors", {}).get(part)
+                name = layer.tensors.get(part)
                 spec = manifest["tensors"].get(name) if name else None
                 if quant:  # quantized tensors keep their original shape in the quantization record
                     records = {r.get("index"): r for r in quant.get("layers", [])}
-                    spec = ((records.get(layer["index"]) or {}).get("tensors") or {}).get(part) or spec
+                    spec = ((records.get(layer.index) or {}).get("tensors") or {}).get(part) or spec
                 if spec is None or list(spec.get("shape", []))[-3:] != want:
                     got = spec.get("shape") if spec else None
                     raise ArtifactError(
-                        f"{path}: layer {layer['index']} {part} is {got}, the engine needs "
+                        f"{path}: layer {layer.index} {part} is {got}, the engine needs "
                         f"[1, {want[0]}, {want[1]}, {want[2]}]"
                     )
         bad = fmt.check_hashes(header)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvcdn_core import LayerEntry
 from kvcdn_core import artifact as fmt
 
 
@@ -45,11 +46,7 @@ def write_prompt_artifact(
         tensors[f"layers.{index}.key"] = keys.unsqueeze(0)
         tensors[f"layers.{index}.value"] = values.unsqueeze(0)
         entries.append(
-            {
-                "index": index,
-                "kind": fmt.FULL_ATTENTION,
-                "tensors": {"key": f"layers.{index}.key", "value": f"layers.{index}.value"},
-            }
+            LayerEntry(index, fmt.FULL_ATTENTION, {"key": f"layers.{index}.key", "value": f"layers.{index}.value"})
         )
     tensors[fmt.TOKEN_IDS] = torch.tensor(prompt_ids, dtype=torch.long)
     manifest = runtime.model_manifest(
@@ -61,7 +58,6 @@ def write_prompt_artifact(
         entries,
         _context(model_dir, prompt_ids),
     )
-    manifest["reuse"] = fmt.reuse_mode(manifest)
     manifest["producer"] = {"engine": "vllm", "version": _vllm_version()}
     return fmt.write_artifact(Path(directory) / artifact_name(prompt_ids), manifest, tensors)
 

@@ -12,6 +12,7 @@ from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.source import Source
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core import LayerEntry
 from kvcdn_core.runtime import model_manifest
 
 FINGERPRINT = {
@@ -27,13 +28,7 @@ BUCKET = "kvcdn-vllm-test"
 def write(path, ids, fingerprint=FINGERPRINT, heads=2):
     layers, tensors = [], {}
     for i in range(SHAPE.num_layers):
-        layers.append(
-            {
-                "index": i,
-                "kind": fmt.FULL_ATTENTION,
-                "tensors": {"key": f"layers.{i}.key", "value": f"layers.{i}.value"},
-            }
-        )
+        layers.append(LayerEntry(i, fmt.FULL_ATTENTION, {"key": f"layers.{i}.key", "value": f"layers.{i}.value"}))
         tensors[f"layers.{i}.key"] = torch.randn(1, heads, len(ids), SHAPE.head_size)
         tensors[f"layers.{i}.value"] = torch.randn(1, heads, len(ids), SHAPE.head_size)
     tensors[fmt.TOKEN_IDS] = torch.tensor(ids)
