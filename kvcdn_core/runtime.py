@@ -239,14 +239,15 @@ def load_cache(
 
     With ``stream`` the cache comes back at once and fills layer by layer in the background
     (:mod:`kvcdn_core.layer_stream`): the model may start its forward pass while later layers are
-    still read, and meets each layer only once it is verified. Used where the adapter allows it
-    (:meth:`ModelAdapter.streams_layers`) and the artifact is not quantized; otherwise a full load.
+    still read (and dequantized, for a quantized artifact), and meets each layer only once it is
+    verified. Used where the adapter allows it (:meth:`ModelAdapter.streams_layers`); otherwise a
+    full load. Both give the same tensors bit for bit.
     """
     check_model(session, header.manifest, force)
     manifest = header.manifest
     convert = _converter(session, manifest)
-    if stream and not manifest.get("quantization") and session.adapter.streams_layers(manifest["layers"]):
-        return _stream_cache(session, header, convert, verify_hashes)
+    if stream and session.adapter.streams_layers(manifest["layers"]):
+        return _stream_cache(session, header, _layer_source(session, header, convert), verify_hashes)
     if manifest.get("quantization"):
         from kvcdn_core.quant import dequantize_tensors
 
@@ -284,8 +285,35 @@ def _converter(session: Session, manifest: dict):
     return convert
 
 
-def _stream_cache(session: Session, header: fmt.Header, convert, verify_hashes: bool):
+def _layer_source(session: Session, header: fmt.Header, convert):
+    """What the streamed load builds each layer from: its stored tensors, or for a quantized
+    artifact its parts dequantized on the device (the same steps as the whole load, per layer)."""
+    from kvcdn_core.layer_stream import LayerSource
+
+    layers, device = header.manifest["layers"], session.device
+    if not header.manifest.get("quantization"):
+        return LayerSource(
+            stored_names=lambda i: list(layers[i]["tensors"].values()),
+            build=lambda i, stored: {
+                local: convert(full, stored(full)).to(device) for local, full in layers[i]["tensors"].items()
+            },
+        )
+    from kvcdn_core.quant import QuantizedLayers
+
+    quantized = QuantizedLayers(header)
+
+    def build(i: int, stored) -> dict:
+        full = quantized.dequantize_layer(i, lambda name: stored(name).to(device))
+        return {local: convert(name, full[name]) for local, name in layers[i]["tensors"].items()}
+
+    return LayerSource(stored_names=quantized.stored_names, build=build)
+
+
+def _stream_cache(session: Session, header: fmt.Header, source, verify_hashes: bool):
+    import torch
+
     from kvcdn_core import tensor_io
+    from kvcdn_core.cores import stream_workers
     from kvcdn_core.layer_stream import LayerStream
 
     reader = tensor_io.TensorReader(header)
@@ -297,8 +325,10 @@ def _stream_cache(session: Session, header: fmt.Header, convert, verify_hashes: 
     cache = session.adapter.new_cache(session.model)
     targets = session.adapter.cache_layers(cache)
     if len(targets) != len(header.manifest["layers"]):
+        reader.close()
         raise ArtifactError(
             f"artifact has {len(header.manifest['layers'])} cache layers, the loaded model has {len(targets)}"
         )
-    LayerStream(session.adapter, reader, cache, targets, convert, session.device, verify_hashes)
+    workers = stream_workers(torch.get_num_threads())
+    LayerStream(session.adapter, reader, cache, targets, source, verify_hashes, workers)
     return cache, ids
