@@ -254,7 +254,8 @@ def main(argv=None) -> int:
         measure_prefill(session, 64, 1)  # warm-up: the first forward pays one-time costs
     print(
         f"threads: {threads} (torch), {stream_workers(threads)} (streamed load's workers); reps: {args.reps} "
-        f"after a discarded warm-up; prefill reps: {args.prefill_reps}; question: {len(question_ids)} tokens",
+        f"after a discarded warm-up; prefill reps: {args.prefill_reps}; question: {len(question_ids)} tokens; "
+        f"OMP_WAIT_POLICY: {os.environ.get('OMP_WAIT_POLICY', 'unset')}",
         flush=True,
     )
     runs = []

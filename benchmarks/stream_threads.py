@@ -5,9 +5,11 @@ forward; on a small machine they compete for the same cores. This script times, 
 thread count and each worker count, the cached first token loaded whole then asked (``TTFT``) and
 streamed under the question (``TTFT pipelined``), on a mid-size Qwen3 shape with a random cache,
 each from a cold file. Configurations are interleaved rep by rep, so that a machine that other jobs
-keep busy slows all of them alike: compare the ratios, not the seconds.
+keep busy slows all of them alike: compare the ratios, not the seconds. OpenMP's wait policy is
+read when torch loads, so compare it between runs: ``OMP_WAIT_POLICY=PASSIVE python ...``.
 
-    python benchmarks/stream_threads.py [--tokens 2048] [--reps 5] [--schemes none,int8] [--workdir DIR]
+    python benchmarks/stream_threads.py [--tokens 2048] [--reps 5] [--schemes none,int8] [--threads 1,2]
+                                        [--workers 1,2,4] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
     print(
         f"{args.tokens} tokens, {size / 1e6:.0f} MB unquantized; "
         f"{args.reps} reps after a warm-up; 1-minute load average {load_start:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end; {cores.physical_cores()} physical cores"
+        f"{os.getloadavg()[0]:.1f} at the end; {cores.physical_cores()} physical cores; "
+        f"OMP_WAIT_POLICY: {os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
     print(
         "\n| scheme | torch threads | workers | TTFT s | TTFT pipelined s | pipelined / sequential (median of reps) |"
