@@ -6,11 +6,16 @@ reads the layers in order, checks each layer's sha256 and imports it through the
 cache hands layer k to the model only once layer k is in and verified. A layer that fails its check
 (or cannot be read) raises :class:`ArtifactError` at the moment the model asks for it: its bytes are
 never used. The cached TTFT then tends to max(read, forward) instead of their sum.
+
+What a layer is made of is the caller's :class:`LayerSource`: a plain artifact's layer is its
+stored tensors; a quantized artifact's layer is its codes, scales and residual window, dequantized
+by the worker once they are verified (:class:`kvcdn_core.quant.QuantizedLayers`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +23,18 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.tensor_io import TensorReader, as_tensor, hash_workers
+from kvcdn_core.tensor_io import TensorReader, as_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSource:
+    """How an artifact's layer ``i`` (in manifest order) becomes what its cache layer takes."""
+
+    #: The stored tensors layer ``i`` is built from: read, then sha256-checked, before ``build``.
+    stored_names: Callable[[int], list[str]]
+    #: ``build(i, stored)``: layer ``i``'s tensors by layer-local name, on the compute device;
+    #: ``stored(name)`` is a verified stored tensor (a view on the read buffer).
+    build: Callable[[int, Callable[[str], Any]], dict[str, Any]]
 
 
 class LayerStream:
@@ -30,13 +46,13 @@ class LayerStream:
         reader: TensorReader,
         cache,
         targets: list,
-        convert: Callable[[str, Any], Any],
-        device: str,
+        source: LayerSource,
         verify_hashes: bool = True,
+        workers: int = 1,
     ):
         self.adapter, self.reader, self.header, self.targets = adapter, reader, reader.header, targets
         self.layers = self.header.manifest["layers"]
-        self.convert, self.device, self.verify = convert, device, verify_hashes
+        self.source, self.verify, self.workers = source, verify_hashes, workers
         self.ready = [threading.Event() for _ in self.layers]
         self.errors: list[BaseException | None] = [None] * len(self.layers)
         cache.layers = GatedLayers(cache.layers, self)
@@ -64,11 +80,11 @@ class LayerStream:
     # -- the loader's side -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Read the layers in order; hand each to a worker that verifies and imports it."""
-        with ThreadPoolExecutor(max_workers=hash_workers(), thread_name_prefix="kvcdn-layer") as pool:
+        """Read the layers in order; hand each to a worker that verifies, builds and imports it."""
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvcdn-layer") as pool:
             try:
                 for index, entry in enumerate(self.layers):
-                    for name in sorted(entry.get("tensors", {}).values(), key=self.reader.span):
+                    for name in sorted(self.source.stored_names(index), key=self.reader.span):
                         self.reader.fetch(*self.reader.span(name))
                     pool.submit(self._finish, index, entry)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the layer
@@ -78,17 +94,14 @@ class LayerStream:
 
     def _finish(self, index: int, entry: dict) -> None:
         try:
-            names = entry.get("tensors", {})
             if self.verify:
-                bad = [name for name in names.values() if not self.reader.hash_matches(name)]
+                bad = [name for name in self.source.stored_names(index) if not self.reader.hash_matches(name)]
                 if bad:
                     raise ArtifactError(
                         f"{self.header.path}: corrupted: sha256 mismatch in layer {index} "
                         f"(tensor '{bad[0]}'); the cache was not used"
                     )
-            named = {
-                local: self.convert(full, as_tensor(self.reader, full)).to(self.device) for local, full in names.items()
-            }
+            named = self.source.build(index, lambda name: as_tensor(self.reader, name))
             self.adapter.import_layer(entry, named, self.targets[index])
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the layer
             self.errors[index] = exc

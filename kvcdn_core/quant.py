@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime as _dt
+from collections.abc import Callable
 from typing import Any
 
 from kvcdn_core import artifact as fmt
@@ -27,6 +28,7 @@ from kvcdn_core.contracts.quantizer import (
     STORAGE_DTYPE_SCHEMES,
     TARGET_DTYPES,
     Quantizer,
+    Record,
     role_of,
 )
 from kvcdn_core.errors import ArtifactError, KvcdnError
@@ -170,54 +172,94 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
     """Load a quantized artifact and return the tensors an unquantized one would hold.
 
     Same names (each layer's tensors and ``token_ids``), same shapes, in the target dtype;
-    :func:`kvcdn_core.runtime.load_cache` calls this when the manifest has a ``quantization`` block.
+    :func:`kvcdn_core.runtime.load_cache` calls this when the manifest has a ``quantization`` block
+    (its streamed load goes through :class:`QuantizedLayers` one layer at a time instead).
     """
-    import torch
-
-    manifest = Manifest.from_dict(header.manifest)
-    q = manifest.quantization or {}
-    try:
-        version = int(q.get("version", 1))
-        scheme = q["scheme"]
-        target = q["target_dtype"]
-        layer_records = q["layers"]
-        params = q.get("parameters") or {}
-    except (KeyError, TypeError, ValueError):
-        raise ArtifactError(
-            f"{header.path}: corrupted: the quantization block lacks scheme, target_dtype or layers"
-        ) from None
-    if version > QUANT_BLOCK_VERSION:
-        raise ArtifactError(
-            f"{header.path}: quantization block version {version} is newer than this kvcdn reads "
-            f"({QUANT_BLOCK_VERSION}); upgrade kvcdn"
-        )
-    if target not in TARGET_DTYPES:
-        raise ArtifactError(f"{header.path}: unknown quantization target dtype {target!r}")
-    quantizer = quantizer_for(scheme)(**params)
-    dtype = getattr(torch, TARGET_DTYPES[target])
+    layers = QuantizedLayers(header)
     raw = fmt.load_tensors(header, device=device, verify_hashes=verify_hashes)
     out = {fmt.TOKEN_IDS: raw[fmt.TOKEN_IDS]}
-    by_index = {rec.get("index"): rec for rec in layer_records}
-    for layer in manifest.layers:
-        rec = by_index.get(layer.index)
-        if rec is None:
+    for position in range(len(layers.layers)):
+        out.update(layers.dequantize_layer(position, raw.__getitem__))
+    return out
+
+
+class QuantizedLayers:
+    """A quantized artifact's layers, dequantized one at a time through its scheme's quantizer.
+
+    The whole load (:func:`dequantize_tensors`) and the layer-by-layer one
+    (:mod:`kvcdn_core.layer_stream`) share it, so both give the same tensors bit for bit. The
+    quantization block is checked here, before any tensor is read.
+    """
+
+    def __init__(self, header: fmt.Header) -> None:
+        import torch
+
+        self.path = header.path
+        manifest = Manifest.from_dict(header.manifest)
+        q = manifest.quantization or {}
+        try:
+            version = int(q.get("version", 1))
+            scheme = q["scheme"]
+            target = q["target_dtype"]
+            layer_records = q["layers"]
+            params = q.get("parameters") or {}
+        except (KeyError, TypeError, ValueError):
             raise ArtifactError(
-                f"{header.path}: corrupted: the quantization block has no record for layer {layer.index}"
+                f"{header.path}: corrupted: the quantization block lacks scheme, target_dtype or layers"
+            ) from None
+        if version > QUANT_BLOCK_VERSION:
+            raise ArtifactError(
+                f"{header.path}: quantization block version {version} is newer than this kvcdn reads "
+                f"({QUANT_BLOCK_VERSION}); upgrade kvcdn"
             )
-        for local, full in layer.tensors.items():
-            trec = rec.get("tensors", {}).get(local) if rec.get("action") == "quantized" else None
-            if trec is None or trec.get("action") != "quantized":
-                out[full] = raw[full]
+        if target not in TARGET_DTYPES:
+            raise ArtifactError(f"{header.path}: unknown quantization target dtype {target!r}")
+        self.quantizer = quantizer_for(scheme)(**params)
+        self.dtype = getattr(torch, TARGET_DTYPES[target])
+        self.layers = manifest.layers
+        by_index = {rec.get("index"): rec for rec in layer_records}
+        self.records: list[dict[str, Any]] = []
+        for layer in self.layers:
+            rec = by_index.get(layer.index)
+            if rec is None:
+                raise ArtifactError(
+                    f"{header.path}: corrupted: the quantization block has no record for layer {layer.index}"
+                )
+            self.records.append(rec)
+
+    def _record(self, position: int, local: str) -> Record | None:
+        """The record of a quantized tensor, None for one stored in full precision."""
+        rec = self.records[position]
+        trec = rec.get("tensors", {}).get(local) if rec.get("action") == "quantized" else None
+        return trec if trec is not None and trec.get("action") == "quantized" else None
+
+    def stored_names(self, position: int) -> list[str]:
+        """The file's tensors that layer ``position`` (in manifest order) is rebuilt from."""
+        names: list[str] = []
+        for local, full in self.layers[position].tensors.items():
+            trec = self._record(position, local)
+            parts = trec.get("parts", [""]) if trec else [""]
+            names.extend(f"{full}.{part}" if part else full for part in parts)
+        return names
+
+    def dequantize_layer(self, position: int, stored: Callable[[str], Any]) -> dict[str, Any]:
+        """Layer ``position``'s tensors by full name, as an unquantized artifact holds them;
+        ``stored(name)`` gives a tensor of the file."""
+        out = {}
+        for local, full in self.layers[position].tensors.items():
+            trec = self._record(position, local)
+            if trec is None:
+                out[full] = stored(full)
                 continue
             try:
-                parts = {p: raw[f"{full}.{p}" if p else full] for p in trec["parts"]}
-                value = quantizer.dequantize(parts, trec, dtype)
+                parts = {p: stored(f"{full}.{p}" if p else full) for p in trec["parts"]}
+                value = self.quantizer.dequantize(parts, trec, self.dtype)
             except (KeyError, RuntimeError, ValueError) as exc:
-                raise ArtifactError(f"{header.path}: corrupted: cannot dequantize '{full}': {exc}") from None
+                raise ArtifactError(f"{self.path}: corrupted: cannot dequantize '{full}': {exc}") from None
             if list(value.shape) != list(trec["shape"]):
                 raise ArtifactError(
-                    f"{header.path}: corrupted: '{full}' dequantizes to {list(value.shape)}, "
+                    f"{self.path}: corrupted: '{full}' dequantizes to {list(value.shape)}, "
                     f"the record says {trec['shape']}"
                 )
             out[full] = value
-    return out
+        return out

@@ -239,15 +239,16 @@ def load_cache(
 
     With ``stream`` the cache comes back at once and fills layer by layer in the background
     (:mod:`kvcdn_core.layer_stream`): the model may start its forward pass while later layers are
-    still read, and meets each layer only once it is verified. Used where the adapter allows it
-    (:meth:`ModelAdapter.streams_layers`) and the artifact is not quantized; otherwise a full load.
+    still read (and dequantized, for a quantized artifact), and meets each layer only once it is
+    verified. Used where the adapter allows it (:meth:`ModelAdapter.streams_layers`); otherwise a
+    full load. Both give the same tensors bit for bit.
     """
     check_model(session, header.manifest, force)
     manifest = header.manifest
     layers = Manifest.from_dict(manifest).layers
     convert = _converter(session, manifest["compute_dtype"], layers)
-    if stream and not manifest.get("quantization") and session.adapter.streams_layers(layers):
-        return _stream_cache(session, header, layers, convert, verify_hashes)
+    if stream and session.adapter.streams_layers(layers):
+        return _stream_cache(session, header, _layer_source(session, header, layers, convert), len(layers), verify_hashes)
     if manifest.get("quantization"):
         from kvcdn_core.quant import dequantize_tensors
 
@@ -280,8 +281,35 @@ def _converter(session: Session, compute_dtype: str, layers: tuple[LayerEntry, .
     return convert
 
 
-def _stream_cache(session: Session, header: fmt.Header, layers: tuple[LayerEntry, ...], convert, verify_hashes: bool):
+def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry, ...], convert):
+    """What the streamed load builds each layer from: its stored tensors, or for a quantized
+    artifact its parts dequantized on the device (the same steps as the whole load, per layer)."""
+    from kvcdn_core.layer_stream import LayerSource
+
+    device = session.device
+    if not header.manifest.get("quantization"):
+        return LayerSource(
+            stored_names=lambda i: list(layers[i].tensors.values()),
+            build=lambda i, stored: {
+                local: convert(full, stored(full)).to(device) for local, full in layers[i].tensors.items()
+            },
+        )
+    from kvcdn_core.quant import QuantizedLayers
+
+    quantized = QuantizedLayers(header)
+
+    def build(i: int, stored) -> dict:
+        full = quantized.dequantize_layer(i, lambda name: stored(name).to(device))
+        return {local: convert(name, full[name]) for local, name in layers[i].tensors.items()}
+
+    return LayerSource(stored_names=quantized.stored_names, build=build)
+
+
+def _stream_cache(session: Session, header: fmt.Header, source, n_layers: int, verify_hashes: bool):
+    import torch
+
     from kvcdn_core import tensor_io
+    from kvcdn_core.cores import stream_workers
     from kvcdn_core.layer_stream import LayerStream
 
     reader = tensor_io.TensorReader(header)
@@ -292,9 +320,11 @@ def _stream_cache(session: Session, header: fmt.Header, layers: tuple[LayerEntry
     ids = tensor_io.as_tensor(reader, fmt.TOKEN_IDS).tolist()
     cache = session.adapter.new_cache(session.model)
     targets = session.adapter.cache_layers(cache)
-    if len(targets) != len(layers):
-        raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
-    LayerStream(_TypedImport(session.adapter), reader, cache, targets, convert, session.device, verify_hashes)
+    if len(targets) != n_layers:
+        reader.close()
+        raise ArtifactError(f"artifact has {n_layers} cache layers, the loaded model has {len(targets)}")
+    workers = stream_workers(torch.get_num_threads())
+    LayerStream(_TypedImport(session.adapter), reader, cache, targets, source, verify_hashes, workers)
     return cache, ids
 
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from kvcdn_core.cores import hash_workers
 from kvcdn_core.errors import ArtifactError
 
 #: safetensors dtype name → (bytes per element, torch dtype name)
@@ -52,10 +53,6 @@ READ_PIECE = 4 << 20
 READERS = 4
 #: A file with at least this fraction of its pages resident is read through the page cache.
 WARM_FRACTION = 0.5
-
-
-def hash_workers() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 class TensorReader:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 
 import pytest
 
-from kvcdn_core import benchmark as bench
+from kvcdn_core.benchmark import inputs, timing
+from kvcdn_core.benchmark.result import TIMED
+from kvcdn_core.cores import physical_cores
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.pagecache import COLD_RESIDENCY, resident_fraction
 from kvcdn_core.plot import png_size
 
 EXPECTED_COLUMNS = [
@@ -113,7 +118,7 @@ def test_measurements_are_consistent(bench_run, qwen3_dir):
             assert row["speedup_pipelined"] == pytest.approx(row["prefill_s"] / row["ttft_pipelined_s"])
             assert row["threads"] == 1
             # min <= median <= max over the timed runs, per timed column
-            for name in bench.TIMED:
+            for name in TIMED:
                 low, mid, high = row["spread"][name]
                 assert low <= mid <= high and mid == pytest.approx(row[name]), name
         # The unquantized artifact continues exactly like the resident cache (a full prefill's).
@@ -122,7 +127,7 @@ def test_measurements_are_consistent(bench_run, qwen3_dir):
         assert none["prefill_s"] == int8["prefill_s"] and none["kv_mb"] == int8["kv_mb"]
     assert data["page_cache_method"] == "fadvise"
     assert "posix_fadvise" in data["page_cache"]
-    if data["max_resident_after_drop"] is not None and data["max_resident_after_drop"] > bench.COLD_RESIDENCY:
+    if data["max_resident_after_drop"] is not None and data["max_resident_after_drop"] > COLD_RESIDENCY:
         assert data["page_cache"].startswith("NOT cold")
     assert data["context"].startswith("synthetic")
     assert data["threads"] == 1 and len(data["load_average"]) == 2
@@ -138,7 +143,7 @@ def test_benchmark_then_plot_with_defaults(cli, qwen3_dir, tmp_path):
     assert f"wrote {csv_path}" in result.stdout
     assert "page cache: warm" in result.stdout
     assert "context: synthetic" in result.stdout and "prefill_s" in result.stdout
-    assert f"threads: {bench.physical_cores()}" in result.stdout  # the default, printed
+    assert f"threads: {physical_cores()}" in result.stdout  # the default, printed
     assert "ttft_pipelined_s" in result.stdout and "limit_s" in result.stdout
 
     result = cli("plot")  # the newest CSV in the data directory
@@ -204,15 +209,80 @@ def test_refusals(cli, qwen3_dir, tmp_path, args, message):
 
 
 def test_unknown_scheme_lists_the_installed_ones():
-    with pytest.raises(bench.KvcdnError) as info:
-        bench.parse_schemes("none,int8,zz", ["fp8", "int8"])
+    with pytest.raises(KvcdnError) as info:
+        inputs.parse_schemes("none,int8,zz", ["fp8", "int8"])
     assert str(info.value) == "unknown quantization scheme(s) zz; installed: none, fp8, int8"
-    assert bench.parse_schemes("none, int8,none", ["int8"]) == ["none", "int8"]
+    assert inputs.parse_schemes("none, int8,none", ["int8"]) == ["none", "int8"]
 
 
 def test_resident_fraction_sees_a_read_file(tmp_path):
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(1 << 20))
-    assert bench.plain_read(path) == 1 << 20
-    fraction = bench.resident_fraction(path)
+    assert timing.plain_read(path) == 1 << 20
+    fraction = resident_fraction(path)
     assert fraction is None or fraction > 0.9  # just read, so in the page cache
+
+
+def _cached_ttft_script():
+    """benchmarks/cached_ttft.py as a module (the scripts folder is no package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cached_ttft.py"
+    spec = importlib.util.spec_from_file_location("cached_ttft", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cached_ttft_runs_twice_and_compares_every_median(qwen3_dir, tmp_path, capsys):
+    script = _cached_ttft_script()
+    argv = [
+        "--lengths",
+        "32,16",
+        "--schemes",
+        "none,int8",
+        "--reps",
+        "1",
+        "--prefill-reps",
+        "1",
+        "--runs",
+        "2",
+        "--threads",
+        "1",
+    ]
+    argv += ["--model", str(qwen3_dir), "--workdir", str(tmp_path), "--json", str(tmp_path / "s.json")]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "## Run 1 of 2" in out and "## Run 2 of 2" in out and out.index("Run 1 of 2") < out.index("Run 2 of 2")
+    stability = out[out.index("Stability:") :]
+    runs = json.loads((tmp_path / "s.json").read_text())["runs"]
+    assert len(runs) == 2
+    compared = [line for line in stability.splitlines() if line.startswith("| 16 ") or line.startswith("| 32 ")]
+    expected = {
+        (tokens, scheme, name)
+        for tokens, row in runs[0].items()
+        for scheme, cell in row.items()
+        for name in cell
+        if name != "bytes"
+    }
+    # One line per timed quantity of every length and scheme, the prefill and the streamed TTFT included.
+    assert {tuple(cell.strip() for cell in line.split("|")[1:4]) for line in compared} == expected
+    assert {("16", "none", "prefill"), ("32", "int8", "TTFT pipelined"), ("32", "none", "question")} <= expected
+    for line in compared:
+        tokens, scheme, name, *_, ratio, _flag = (cell.strip() for cell in line.split("|")[1:-1])
+        first, second = (statistics.median(run[tokens][scheme][name]) for run in runs)
+        assert float(ratio) == pytest.approx(max(first, second) / min(first, second), abs=0.006)
+        assert ("**>10% apart**" in line) is (max(first, second) / min(first, second) > 1.1)
+    assert not [p for p in tmp_path.glob("random-*")], "artifacts left behind"
+
+
+def test_cached_ttft_flags_medians_more_than_ten_percent_apart(capsys):
+    script = _cached_ttft_script()
+    run1 = {512: {"none": {"bytes": 1, "load": [1.0, 1.0, 1.0], "read": [2.0]}}}
+    run2 = {512: {"none": {"bytes": 1, "load": [1.0, 1.2, 1.3], "read": [2.1]}}}  # medians 1.0 vs 1.2; 2.0 vs 2.1
+    assert script.print_stability([run1, run2]) == 1
+    out = capsys.readouterr().out
+    assert "| 512 | none | load | 1.000 | 1.200 | 1.20 | **>10% apart** |" in out
+    assert "| 512 | none | read | 2.000 | 2.100 | 1.05 |  |" in out
+    assert "1 of 2 medians within 10% across the runs" in out

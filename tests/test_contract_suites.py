@@ -79,3 +79,41 @@ def test_the_quantizer_suite_catches_a_lost_residual():
 
     with pytest.raises(AssertionError):
         assert_quantizer_contract(Forgetful)
+
+
+def test_the_quantizer_suite_catches_a_decode_that_writes_its_parts():
+    """A streamed load hands ``decode`` views on the read buffer: writing them would change the file's bytes."""
+    cls = registry.quantizer_for("int8")
+
+    class InPlace(cls):
+        scheme = "int8-in-place"
+
+        def decode(self, role, parts, record):
+            import torch
+
+            out = parts[""].to(torch.float32) * parts["scale"].to(torch.float32)
+            parts[""].zero_()  # the result is right, the stored codes are gone
+            return out
+
+    with pytest.raises(AssertionError, match="dequantize changed part '' in place"):
+        assert_quantizer_contract(InPlace)
+
+
+def test_the_quantizer_suite_catches_a_decode_that_is_not_thread_safe():
+    """Decoding through state kept on the quantizer: threads see each other's tensors."""
+    import threading
+    import time
+
+    cls = registry.quantizer_for("int8")
+
+    class Stateful(cls):
+        scheme = "int8-stateful"
+
+        def decode(self, role, parts, record):
+            self.codes = parts[""]
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.002)  # another worker overwrites self.codes meanwhile
+            return super().decode(role, {**parts, "": self.codes}, record)
+
+    with pytest.raises(AssertionError, match="from several threads"):
+        assert_quantizer_contract(Stateful)

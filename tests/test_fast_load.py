@@ -1,6 +1,7 @@
 """The fast load paths are exact: direct and buffered reads, whole and layer-streamed loads all
 continue like a full prefill of the same tokens (token ids, float32, tiny models, one of them with
-sliding-window layers), and a corrupted layer fails loudly instead of being used."""
+sliding-window layers); a quantized artifact streamed layer by layer gives the tensors and tokens of
+its whole load; and a corrupted layer fails loudly, when it is reached, instead of being used."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 import pytest
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime, tensor_io
+from kvcdn_core import quant, runtime, tensor_io
 from kvcdn_core.errors import ArtifactError
 from kvcdn_core.layer_stream import GatedLayers
 from kvcdn_core.manifest import LayerEntry, Manifest
@@ -115,7 +116,8 @@ def test_the_model_starts_before_the_last_layer_is_read(case, monkeypatch):
 
 
 def _corrupt_last_layer(path, tmp_path):
-    """A copy of the artifact with one byte of its last layer's value tensor flipped."""
+    """A copy of the artifact with one byte of its last layer's value tensor (its codes, when
+    quantized) flipped."""
     header = fmt.read_header(path)
     last = header.manifest["layers"][-1]["tensors"]["value"]
     start, end = header.entries[last]["data_offsets"]
@@ -192,3 +194,77 @@ def test_continue_streams_and_refuses_a_corrupted_layer_in_one_line(cli, qwen3_d
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and f"sha256 mismatch in layer {last} " in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# -- quantized artifacts, streamed -----------------------------------------------------------------
+
+QUANT_SCHEMES = ["int8", "int8-tensor", "fp8"]
+
+
+@pytest.fixture(scope="module")
+def quantized(case, tmp_path_factory):
+    """The case's artifact quantized with each core scheme (the code path of `kvcdn quant`)."""
+    from kvcdn_core.registry import quantizer_for
+
+    _, path, *_ = case
+    header = fmt.read_header(path)
+    folder = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for scheme in QUANT_SCHEMES:
+        result = quant.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer_for(scheme)())
+        out[scheme] = fmt.write_artifact(folder / f"ctx.{scheme}.kv", result.manifest, result.tensors)
+    return out
+
+
+def _layer_state(layer) -> dict:
+    return {
+        name: getattr(layer, name)
+        for name in ("keys", "values", "cumulative_length", "sliding_window")
+        if getattr(layer, name, None) is not None
+    }
+
+
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES)
+def test_a_streamed_quantized_load_equals_the_whole_load(case, quantized, scheme):
+    """Tensor for tensor (every layer's keys, values and sliding-window state), then token for
+    token and logit for logit of the continuation."""
+    import torch
+
+    session, _, ids, question, _ = case
+    header = fmt.read_header(quantized[scheme])
+    assert header.manifest["quantization"]["scheme"] == scheme
+    whole, whole_ids = runtime.load_cache(session, header, stream=False)
+    streamed, streamed_ids = runtime.load_cache(session, fmt.read_header(quantized[scheme]), stream=True)
+    assert isinstance(streamed.layers, GatedLayers) and not isinstance(whole.layers, GatedLayers)
+    assert streamed_ids == whole_ids == ids
+    assert len(streamed.layers) == len(whole.layers) == len(header.manifest["layers"])
+    for index, (a, b) in enumerate(zip(whole.layers, streamed.layers)):
+        state_a, state_b = _layer_state(a), _layer_state(b)
+        assert state_a.keys() == state_b.keys() and {"keys", "values"} <= state_a.keys(), index
+        for name, value in state_a.items():
+            if hasattr(value, "dtype"):
+                assert value.dtype == state_b[name].dtype == getattr(torch, session.dtype)
+                assert value.shape == state_b[name].shape and value.equal(state_b[name]), (index, name)
+            else:
+                assert value == state_b[name], (index, name)
+    got_whole, logits_whole = runtime.greedy(session, whole, question, N_NEW)
+    got_streamed, logits_streamed = runtime.greedy(session, streamed, question, N_NEW)
+    assert got_streamed == got_whole
+    assert all(a.equal(b) for a, b in zip(logits_whole, logits_streamed))
+
+
+def test_a_corrupted_quantized_layer_fails_only_when_reached(case, quantized, tmp_path):
+    """int8 with the last layer's value codes corrupted: the whole load refuses the file; the
+    streamed load hands out every earlier layer, and fails on the last one when the model gets there."""
+    session, _, _, question, _ = case
+    bad, last = _corrupt_last_layer(quantized["int8"], tmp_path)
+    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+        runtime.load_cache(session, fmt.read_header(bad))
+    cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=True)
+    for index in range(last):
+        assert cache.layers[index].keys.numel() > 0  # verified, dequantized, usable
+    with pytest.raises(ArtifactError, match=f"sha256 mismatch in layer {last} "):
+        cache.layers[last]
+    with pytest.raises(ArtifactError, match=f"sha256 mismatch in layer {last} "):
+        runtime.greedy(session, cache, question, N_NEW)
+    assert not _layer_filled(cache, last)

@@ -94,22 +94,23 @@ def command(
     """
     from pathlib import Path
 
-    from kvcdn_core import benchmark as bench
     from kvcdn_core import runtime
+    from kvcdn_core.benchmark import inputs, measure, report
+    from kvcdn_core.pagecache import PageCache
 
     model = model or DEFAULT_MODEL
-    wanted = bench.parse_lengths(lengths)
-    scheme_list = bench.parse_schemes(schemes, bench.installed_schemes())
+    wanted = inputs.parse_lengths(lengths)
+    scheme_list = inputs.parse_schemes(schemes, inputs.installed_schemes())
     text = read_text_file(context_file) if context_file else None
-    path = Path(output) if output else bench.default_csv_path(model)
+    path = Path(output) if output else report.default_csv_path(model)
     check_new_output(path, force)
     session = runtime.load_session(model, revision, device, dtype)
-    bench.check_lengths(session, wanted)
-    ids, source = bench.context_ids(session, text, max(wanted))
+    inputs.check_lengths(session, wanted)
+    ids, source = inputs.context_ids(session, text, max(wanted))
     if text is None and not quiet and fmt != "json":
         click.echo(f"context: {source}", err=True)
-    with bench.scratch_dir(path.parent) as work:
-        result = bench.run_benchmark(
+    with measure.scratch_dir(path.parent) as work:
+        result = measure.run_benchmark(
             session,
             ids,
             wanted,
@@ -117,49 +118,15 @@ def command(
             scheme_list,
             work,
             question,
-            bench.PageCache(page_cache),
+            PageCache(page_cache),
             source,
             progress=not quiet,
             threads=threads,
         )
-    bench.write_csv(result.rows, path)
-    broken = [r for r in result.rows if r.scheme == "none" and r.first_token_match is False]
+    report.write_csv(result.rows, path)
     if fmt == "json":
-        emit_json(
-            {
-                "csv": str(path),
-                "model": session.model_ref,
-                "device": session.device,
-                "dtype": session.dtype,
-                "reps": reps,
-                "threads": result.threads,
-                "load_average": result.load_average,
-                "context": result.context_source,
-                "page_cache": result.page_cache,
-                "page_cache_method": result.page_cache_method,
-                "max_resident_after_drop": result.max_resident_after_drop,
-                "rows": [row.as_dict() for row in result.rows],
-            }
-        )
+        emit_json(report.as_json(result, session, reps, path))
     else:
-        click.echo(bench.table(result.rows))
-        click.echo(
-            f"model: {session.model_ref} ({session.device}, {session.dtype}); "
-            f"medians of {reps} run(s) after one discarded warm-up"
-        )
-        start_load, end_load = result.load_average or (None, None)
-        busy = (
-            f"; 1-minute load average {start_load} at the start, {end_load} at the end"
-            if start_load is not None
-            else ""
-        )
-        click.echo(f"threads: {result.threads}{busy}")
-        click.echo(f"context: {result.context_source}")
-        click.echo(f"page cache: {result.page_cache}")
-        click.echo(f"wrote {path}")
-    for row in broken:
-        click.echo(
-            f"warning: at {row.tokens} tokens the loaded artifact's first token differs from the "
-            "resident cache's; run `kvcdn verify`",
-            err=True,
-        )
+        click.echo(report.summary(result, session, reps, path))
+    for line in report.warnings(result.rows):
+        click.echo(line, err=True)

@@ -81,6 +81,11 @@ class Quantizer:
     ``encode(role, x)`` gets a float32 tensor laid out ``[..., tokens, channels]`` and returns the
     stored parts (``""`` for the codes, other keys become ``<name>.<key>`` tensors) and a JSON record;
     ``decode(role, parts, record)`` returns the float32 approximation of ``x``.
+
+    On load, :meth:`dequantize` (hence ``decode``) runs layer by layer as each layer's bytes are
+    read and verified, on the loader's worker threads while the model runs on earlier layers: it
+    must be a pure function of its arguments (safe to call from several threads at once) and must
+    not modify ``parts`` in place (they are views on the read buffer).
     """
 
     #: The ``--scheme`` name; unique across installed plugins.

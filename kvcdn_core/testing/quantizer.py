@@ -44,7 +44,8 @@ def assert_quantizer_contract(cls: type[Quantizer]) -> None:
     dtypes and contents, :meth:`Quantizer.quantize` gives JSON-serializable records and tensor parts,
     and :meth:`Quantizer.dequantize` (also from a record that went through JSON, as it does in an
     artifact) restores shape and dtype within :meth:`Quantizer.error_bound`; the residual window is
-    kept bitwise.
+    kept bitwise. Dequantizing leaves its parts unchanged and gives the same tensors when several
+    threads dequantize at once (a streamed load does both).
     """
     import torch
 
@@ -76,6 +77,29 @@ def assert_quantizer_contract(cls: type[Quantizer]) -> None:
     x = torch.randn(1, 2, 9, 8)
     parts, record = cls().quantize(KEY, x)
     assert cls().dequantize(parts, record, torch.bfloat16).dtype == torch.bfloat16, "dequantize ignored dtype"
+    _check_concurrent(cls)
+
+
+def _check_concurrent(cls: type[Quantizer], threads: int = 4) -> None:
+    """One quantizer dequantizing many tensors from several threads at once, as the loader's
+    workers do: every result equals the one-thread result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    quantizer = cls()
+    encoded = [quantizer.quantize(role, x) for _, x in _tensors() for role in (KEY, VALUE)]
+    alone = [quantizer.dequantize(parts, record, torch.float32) for parts, record in encoded]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for _ in range(3):
+            try:
+                together = list(pool.map(lambda pr: quantizer.dequantize(pr[0], pr[1], torch.float32), encoded))
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                raise AssertionError(f"{cls.scheme}: dequantize failed from several threads: {exc}") from exc
+            for i, (a, b) in enumerate(zip(alone, together)):
+                assert a.shape == b.shape and torch.equal(a, b), (
+                    f"{cls.scheme}: tensor {i} dequantized differently from several threads"
+                )
 
 
 def _check_one(quantizer: Quantizer, role: str, x: Any, what: str) -> None:
@@ -87,8 +111,11 @@ def _check_one(quantizer: Quantizer, role: str, x: Any, what: str) -> None:
     assert all(isinstance(v, torch.Tensor) for v in parts.values()), f"{what}: parts must be tensors"
     stored = json.loads(json.dumps(record))  # the manifest keeps records as JSON
     assert stored == record, f"{what}: the record does not survive JSON"
+    kept = {name: part.clone() for name, part in parts.items()}
     for rec in (record, stored):
         back = quantizer.dequantize(parts, rec)
+        for name, part in parts.items():
+            assert torch.equal(part, kept[name]), f"{what}: dequantize changed part '{name}' in place"
         assert list(back.shape) == list(x.shape), f"{what}: dequantized shape {list(back.shape)}"
         assert back.dtype == x.dtype, f"{what}: dequantized dtype {back.dtype}, expected {x.dtype}"
     if x.shape[-2] == 0:

@@ -122,6 +122,31 @@ def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
     assert json.loads(result.stdout)["reused_tokens"] == manifest["token_count"]
 
 
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
+def test_a_streamed_load_equals_the_whole_load(cls, tiny_session, tmp_path):
+    """Streamed layer by layer (each layer unpacked as it arrives) or loaded whole: the same cache,
+    tensor for tensor, and the same continuation, token for token (float32, tiny Qwen3)."""
+    from kvcdn_model_qwen import QwenAdapter
+
+    from kvcdn_core import runtime
+    from kvcdn_core.layer_stream import GatedLayers
+    from kvcdn_core.tiny import SAMPLE_TEXT
+
+    session = tiny_session(QwenAdapter, "Qwen3ForCausalLM")
+    src, ids = runtime.generate(session, SAMPLE_TEXT, tmp_path / "doc.kv", progress=False)
+    header = artifact.read_header(src)
+    result = quant.quantize_cache(header.manifest, artifact.load_tensors(header), cls(group_size=16, residual=8))
+    out = artifact.write_artifact(tmp_path / f"doc.{cls.scheme}.kv", result.manifest, result.tensors)
+    whole, _ = runtime.load_cache(session, artifact.read_header(out))
+    streamed, streamed_ids = runtime.load_cache(session, artifact.read_header(out), stream=True)
+    assert isinstance(streamed.layers, GatedLayers) and streamed_ids == ids
+    for a, b in zip(whole.layers, streamed.layers):
+        assert a.keys.dtype == b.keys.dtype == torch.float32
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    question = session.adapter.encode_continuation(session.tokenizer, " And then?")
+    assert runtime.greedy(session, streamed, question, 6)[0] == runtime.greedy(session, whole, question, 6)[0]
+
+
 def test_context_shorter_than_the_residual_window_round_trips_bitwise(tmp_path):
     """Every token in the residual window: empty codes in the file, the tensors come back bitwise."""
     tensors = {

@@ -1,0 +1,47 @@
+"""How many cores this process may use, and how a load shares them with torch's threads.
+
+CPU timings swing when more threads want to run than there are cores: each parallel region of
+torch waits for its slowest thread, and a preempted thread makes it wait a scheduler tick. So
+torch gets the physical cores (the default of ``kvcdn benchmark --threads``), a whole load (nothing
+else runs) hashes on every core, and a load streamed under the model's forward hashes and imports
+with the cores torch leaves free, at least one. Reading costs no core: a cold file is read with
+``O_DIRECT`` (:mod:`kvcdn_core.tensor_io`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: More hashing threads than this gain nothing: sha256 of 4 threads outruns the disks we read from.
+MAX_HASH_WORKERS = 4
+
+
+def allowed_cpus() -> set[int]:
+    """The logical CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counting SMT siblings once."""
+    cores = set()
+    for cpu in allowed_cpus():
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            siblings = str(cpu)
+        cores.add(siblings)
+    return max(1, len(cores))
+
+
+def hash_workers() -> int:
+    """Hashing threads of a whole load, which runs alone: every allowed CPU, up to the cap."""
+    return max(1, min(MAX_HASH_WORKERS, len(allowed_cpus())))
+
+
+def stream_workers(torch_threads: int) -> int:
+    """Threads of a load streamed under a forward that runs ``torch_threads`` threads: the
+    physical cores torch leaves free, at least one (which then shares a core with torch)."""
+    return max(1, min(MAX_HASH_WORKERS, physical_cores() - torch_threads))
