@@ -35,13 +35,16 @@ _TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00")
 
 
 def header_text(path: Path, model_dir: Path) -> str:
-    """The safetensors header JSON as written, less the time, the model path and the sha256s (the
-    tensors' bytes depend on the CPU's float arithmetic, the format does not)."""
+    """The manifest as written (its exact JSON text) and the safetensors tensor table, less the
+    time, the model path and the sha256s: the tensors' bytes depend on the CPU's float arithmetic,
+    and safetensors orders its metadata keys and pads the header as it likes; the format does not."""
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    text = raw[8 : 8 + length].decode("utf-8")
-    text = text.replace(json.dumps(str(model_dir))[1:-1], "MODEL")
-    return _TIME.sub("TIME", _SHA256.sub("SHA256", text))
+    header = json.loads(raw[8 : 8 + length])
+    metadata = header.pop("__metadata__")
+    manifest = metadata.pop("kvcdn.manifest").replace(json.dumps(str(model_dir))[1:-1], "MODEL")
+    manifest = _TIME.sub("TIME", _SHA256.sub("SHA256", manifest))
+    return json.dumps({"manifest": manifest, "metadata": metadata, "tensors": header}, sort_keys=True)
 
 
 def headers(workdir: Path) -> dict[str, str]:
