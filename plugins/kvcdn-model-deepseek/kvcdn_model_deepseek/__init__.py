@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, ArtifactError, KvcdnError, LayerEntry, ModelAdapter, hookimpl
 from kvcdn_core import artifact as fmt
 
 __version__ = "0.1.0"
@@ -33,12 +33,10 @@ __version__ = "0.1.0"
 LATENT = "latent"
 ROTARY_KEY = "rotary_key"
 
+#: The tiny decoder with MLA's own head widths (its ``head_dim`` is the rotary key's, set by the config).
 _MLA = dict(
-    hidden_size=64,
-    intermediate_size=128,
+    {k: v for k, v in TINY_DECODER.items() if k != "head_dim"},
     moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
     num_key_value_heads=4,
     kv_lora_rank=32,
     qk_rope_head_dim=8,
@@ -48,8 +46,6 @@ _MLA = dict(
     num_experts_per_tok=2,
     n_shared_experts=1,
     first_k_dense_replace=1,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
 )
 
 

@@ -9,31 +9,21 @@ contract covers it. The tiny Gemma 2/3 configs untie the output embedding: tied,
 repeats one token, which would let a broken cache pass.
 """
 
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    _bos=True,
-)
+_COMMON = dict(TINY_DECODER, _bos=True)
 
 
 class GemmaAdapter(ModelAdapter):
     family = "gemma"
     architectures = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
     validation_configs = {
-        "GemmaForCausalLM": dict(_COMMON, num_hidden_layers=2),
+        "GemmaForCausalLM": dict(_COMMON, tie_word_embeddings=True),
         "Gemma2ForCausalLM": dict(
             _COMMON,
-            num_hidden_layers=2,
             sliding_window=16,
-            tie_word_embeddings=False,
             layer_types=["sliding_attention", "full_attention"],
             query_pre_attn_scalar=16,
             attn_logit_softcapping=50.0,
@@ -43,7 +33,6 @@ class GemmaAdapter(ModelAdapter):
             _COMMON,
             num_hidden_layers=4,
             sliding_window=16,
-            tie_word_embeddings=False,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
             query_pre_attn_scalar=16,
             final_logit_softcapping=30.0,

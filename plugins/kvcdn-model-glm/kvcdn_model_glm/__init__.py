@@ -7,20 +7,10 @@ plugin names the architectures and their tiny validation configs. The older Chat
 (``ChatGLMModel``, remote code) are a different architecture and are not served.
 """
 
+from kvcdn_core import TINY_DECODER as _COMMON
 from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
-
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
 
 
 class GlmAdapter(ModelAdapter):

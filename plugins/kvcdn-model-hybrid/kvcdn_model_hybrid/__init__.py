@@ -14,19 +14,11 @@ those whose restored state does not continue exactly (Bamba) are not claimed; se
 docs/model-families-hybrid-ssm.md.
 """
 
-from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, LinearAttentionLayers, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
+_COMMON = dict(TINY_DECODER, num_hidden_layers=4)
 _MAMBA2 = dict(
     mamba_n_heads=8,
     mamba_d_head=16,
@@ -76,7 +68,7 @@ class HybridAdapter(LinearAttentionLayers, ModelAdapter):
         ),
     }
     validation_variants = {
-        "Lfm2ForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, tie_word_embeddings=True)],
+        "Lfm2ForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, head_dim=8, tie_word_embeddings=True)],
         "GraniteMoeHybridForCausalLM": [
             dict(_variant="mamba-mamba-attn", num_hidden_layers=3, layer_types=["mamba", "mamba", "attention"])
         ],

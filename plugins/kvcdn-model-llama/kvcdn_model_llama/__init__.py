@@ -12,20 +12,11 @@ transformers has no ``YiForCausalLM`` class: Yi checkpoints on the hub declare
 checkpoints are not.
 """
 
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    _bos=True,
-)
+_COMMON = dict(TINY_DECODER, _bos=True)
 
 #: Llama 3.1-style RoPE scaling, its original context shrunk below the validation context so the
 #: scaled and unscaled frequency bands both matter.
@@ -63,6 +54,7 @@ class LlamaAdapter(ModelAdapter):
                 _variant="llama3-rope-8q-kv1",
                 num_attention_heads=8,
                 num_key_value_heads=1,
+                head_dim=8,
                 rope_parameters=dict(LLAMA3_ROPE),
             ),
             dict(_variant="mha-tied-wide-heads", num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),

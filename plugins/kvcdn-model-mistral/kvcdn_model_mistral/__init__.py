@@ -7,21 +7,11 @@ be reused as a whole (its cache cannot be cropped to a shorter prefix). Mixtral'
 nothing in the cache: it is a plain full-attention (or sliding) cache.
 """
 
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    _bos=True,
-)
+_COMMON = dict(TINY_DECODER, _bos=True)
 
 
 class MistralAdapter(ModelAdapter):

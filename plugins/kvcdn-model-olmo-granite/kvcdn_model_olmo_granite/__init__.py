@@ -7,19 +7,10 @@ embeddings, biases, experts) live in the forward pass, not in the cache, so the 
 and imports them unchanged.
 """
 
+from kvcdn_core import TINY_DECODER as _COMMON
 from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
-
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
 
 
 class OlmoGraniteAdapter(ModelAdapter):
@@ -70,8 +61,8 @@ class OlmoGraniteAdapter(ModelAdapter):
                 },
             )
         ],
-        "Olmo3ForCausalLM": [dict(_variant="8q-kv2", num_attention_heads=8, num_key_value_heads=2)],
-        "GraniteForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, tie_word_embeddings=True)],
+        "Olmo3ForCausalLM": [dict(_variant="8q-kv2", num_attention_heads=8, num_key_value_heads=2, head_dim=8)],
+        "GraniteForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, head_dim=8, tie_word_embeddings=True)],
     }
 
 

@@ -8,19 +8,10 @@ chunked prefill crosses that threshold, so an artifact equals a full prefill, an
 a short-factor artifact past it. Phi-2 rotates only part of each head (``partial_rotary_factor``).
 """
 
+from kvcdn_core import TINY_DECODER as _COMMON
 from kvcdn_core import ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
-
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
 
 #: LongRoPE with an original context of 64 tokens: the validation context (over 96 tokens) is
 #: prefilled in chunks of 64, so the prefill crosses the short→long switch. 8 = head_dim / 2.

@@ -6,20 +6,11 @@ Qwen3-Next and Qwen3.5 (dense and MoE, the text models) add gated-DeltaNet linea
 (see :mod:`kvcdn_model_qwen.qwen3_next`); their artifacts are reusable as a whole prefix only.
 """
 
+from kvcdn_core import TINY_DECODER as _COMMON
 from kvcdn_core import ModelAdapter, hookimpl
 from kvcdn_model_qwen.qwen3_next import QWEN3_5_CONFIG, QWEN3_NEXT_CONFIG, LinearAttentionLayers
 
 __version__ = "0.1.0"
-
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
 
 
 class QwenAdapter(LinearAttentionLayers, ModelAdapter):
@@ -35,9 +26,9 @@ class QwenAdapter(LinearAttentionLayers, ModelAdapter):
     )
     validation_configs = {
         "Qwen2ForCausalLM": dict(_COMMON),
-        "Qwen3ForCausalLM": dict(_COMMON, head_dim=16),
+        "Qwen3ForCausalLM": dict(_COMMON),
         "Qwen3MoeForCausalLM": dict(
-            _COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1
+            _COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1
         ),
         "Qwen3NextForCausalLM": dict(QWEN3_NEXT_CONFIG),
         "Qwen2MoeForCausalLM": dict(
@@ -57,7 +48,7 @@ class QwenAdapter(LinearAttentionLayers, ModelAdapter):
     validation_variants = {
         # Qwen2.5-7B's 7:1 GQA ratio; Qwen2.5-0.5B's tied embeddings with 14:2 heads.
         "Qwen2ForCausalLM": [
-            dict(_variant="8q-kv1-tied", num_attention_heads=8, num_key_value_heads=1, tie_word_embeddings=True),
+            dict(_variant="8q-kv1-tied", num_attention_heads=8, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True),
             dict(
                 _variant="yarn",
                 rope_parameters={

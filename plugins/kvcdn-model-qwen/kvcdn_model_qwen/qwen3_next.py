@@ -9,45 +9,27 @@ state on multi-token input, so chunked prefill and multi-token continuation need
 
 from __future__ import annotations
 
-from kvcdn_core import LinearAttentionLayers, is_linear_attention  # noqa: F401 (re-exported)
+from kvcdn_core import TINY_DECODER, LinearAttentionLayers, is_linear_attention  # noqa: F401 (re-exported)
 
-QWEN3_NEXT_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
+#: Qwen3.5 text model: three linear-attention layers then one full-attention layer, the real model's
+#: pattern (its MoE variant adds the experts).
+QWEN3_5_CONFIG = dict(
+    TINY_DECODER,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    # Three linear-attention layers then one full-attention layer, the real model's pattern.
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
+)
+
+#: Qwen3-Next: the same layers, with experts on every layer.
+QWEN3_NEXT_CONFIG = dict(
+    QWEN3_5_CONFIG,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=64,
     shared_expert_intermediate_size=64,
     decoder_sparse_step=1,
-)
-
-#: Qwen3.5 text model: the same layer pattern as Qwen3-Next (its MoE variant adds the experts).
-QWEN3_5_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
 )
