@@ -520,4 +520,3 @@ def summary(manifest: dict[str, Any]) -> dict[str, Any]:
         "dtype": manifest.get("compute_dtype"),
         "quantization": quant.get("scheme") if isinstance(quant, dict) else None,
     }
-

@@ -44,7 +44,9 @@ class LinearAttentionLayers(_MixinBase):
     def export_layer(self, index: int, layer):
         if not is_linear_attention(layer):
             return super().export_layer(index, layer)
-        entry = LayerEntry(index, fmt.LINEAR_ATTENTION, family_fields={"conv_kernel": int(layer.conv_kernel_size[0] or 0)})
+        entry = LayerEntry(
+            index, fmt.LINEAR_ATTENTION, family_fields={"conv_kernel": int(layer.conv_kernel_size[0] or 0)}
+        )
         return entry, self.export_linear_state(layer)
 
     def import_layer(self, entry: LayerEntry, named: dict, layer) -> None:

@@ -248,7 +248,9 @@ def load_cache(
     layers = Manifest.from_dict(manifest).layers
     convert = _converter(session, manifest["compute_dtype"], layers)
     if stream and session.adapter.streams_layers(layers):
-        return _stream_cache(session, header, _layer_source(session, header, layers, convert), len(layers), verify_hashes)
+        return _stream_cache(
+            session, header, _layer_source(session, header, layers, convert), len(layers), verify_hashes
+        )
     if manifest.get("quantization"):
         from kvcdn_core.quant import dequantize_tensors
 

@@ -12,11 +12,10 @@ start-up for free.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
-
-import dataclasses
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
@@ -176,7 +175,9 @@ class ModelAdapter:
         """One layer's manifest entry and its tensors by role (:meth:`export_cache` names them)."""
         kind = self.layer_kind(layer)
         if kind == fmt.SLIDING_WINDOW:
-            entry = LayerEntry(index, kind, window=int(layer.sliding_window), cumulative_length=int(layer.cumulative_length))
+            entry = LayerEntry(
+                index, kind, window=int(layer.sliding_window), cumulative_length=int(layer.cumulative_length)
+            )
         else:
             entry = LayerEntry(index, kind)
         return entry, {"key": layer.keys, "value": layer.values}

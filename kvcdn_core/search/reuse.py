@@ -96,7 +96,9 @@ def prefill_reusing(
         )
         if usable > 0:
             if usable < len(ids):
-                cache = session.adapter.crop(cache, Manifest.from_dict(header.manifest).layers, usable, token_count=len(ids))
+                cache = session.adapter.crop(
+                    cache, Manifest.from_dict(header.manifest).layers, usable, token_count=len(ids)
+                )
             cache, logits = runtime.prefill(
                 session, list(query_ids[usable:]), chunk=chunk, progress=progress, cache=cache
             )

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 from kvcdn_model_deepseek import LATENT, ROTARY_KEY, DeepseekAdapter
 
-from kvcdn_core import artifact as fmt
 from kvcdn_core import Manifest, runtime
+from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.validation import long_context
 
@@ -81,7 +81,9 @@ def test_other_widths_are_refused(session, artifact):
 
 
 def test_full_attention_artifact_is_refused(session, artifact):
-    layers = [dataclasses.replace(layer, kind=fmt.FULL_ATTENTION) for layer in Manifest.from_dict(artifact.manifest).layers]
+    layers = [
+        dataclasses.replace(layer, kind=fmt.FULL_ATTENTION) for layer in Manifest.from_dict(artifact.manifest).layers
+    ]
     with pytest.raises(ArtifactError, match="'full_attention' in the artifact"):
         session.adapter.import_cache(session.model, layers, fmt.load_tensors(artifact), "cpu")
 

@@ -62,7 +62,9 @@ class OlmoGraniteAdapter(ModelAdapter):
             )
         ],
         "Olmo3ForCausalLM": [dict(_variant="8q-kv2", num_attention_heads=8, num_key_value_heads=2, head_dim=8)],
-        "GraniteForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, head_dim=8, tie_word_embeddings=True)],
+        "GraniteForCausalLM": [
+            dict(_variant="8q-kv2-tied", num_attention_heads=8, head_dim=8, tie_word_embeddings=True)
+        ],
     }
 
 

@@ -48,7 +48,13 @@ class QwenAdapter(LinearAttentionLayers, ModelAdapter):
     validation_variants = {
         # Qwen2.5-7B's 7:1 GQA ratio; Qwen2.5-0.5B's tied embeddings with 14:2 heads.
         "Qwen2ForCausalLM": [
-            dict(_variant="8q-kv1-tied", num_attention_heads=8, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True),
+            dict(
+                _variant="8q-kv1-tied",
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                head_dim=8,
+                tie_word_embeddings=True,
+            ),
             dict(
                 _variant="yarn",
                 rope_parameters={

@@ -9,8 +9,8 @@ import pytest
 import torch
 from kvcdn_model_qwen import QwenAdapter
 
-from kvcdn_core import artifact as fmt
 from kvcdn_core import LayerEntry, Manifest, runtime
+from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.validation import long_context
 

@@ -3,6 +3,8 @@
 Every check compares against a full prefill of the same token ids in float32.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from kvcdn_model_ssm import SSMAdapter
@@ -160,7 +162,7 @@ def test_import_refuses_another_layer_kind(sessions, tmp_path):
     ids = context_ids(session, 40)
     cache, _ = runtime.prefill(session, ids, progress=False)
     layers, tensors = session.adapter.export_cache(session.model, cache)
-    layers[1] = dict(layers[1], kind=fmt.LINEAR_ATTENTION)
+    layers[1] = dataclasses.replace(layers[1], kind=fmt.LINEAR_ATTENTION)
     with pytest.raises(ArtifactError, match="'linear_attention' in the artifact"):
         session.adapter.import_cache(session.model, layers, tensors, "cpu")
 

@@ -11,8 +11,8 @@ import torch
 from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.source import Source
 
-from kvcdn_core import artifact as fmt
 from kvcdn_core import LayerEntry
+from kvcdn_core import artifact as fmt
 from kvcdn_core.runtime import model_manifest
 
 FINGERPRINT = {
