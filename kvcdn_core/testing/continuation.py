@@ -1,0 +1,73 @@
+"""Continuing from a saved artifact against a full prefill, logit by logit.
+
+For the tests of families whose cache carries a recurrent or linear-attention state: the adapter
+contract compares greedy token ids; these helpers give the logits of a multi-token input fed on a
+restored cache and on a full prefill of the same ids, so a test can bound the difference and show
+that a broken state fails the same bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvcdn_core.artifact import CROPPABLE_KINDS
+
+
+def context_ids(session, n_tokens: int) -> list[int]:
+    """Token ids of a repeat-free document of at least ``n_tokens`` tokens."""
+    from kvcdn_core.validation import long_context
+
+    return session.adapter.encode_context(session.tokenizer, long_context(n_tokens, session.tokenizer))
+
+
+def question_ids(session, text: str = " Which ship was missing, and where?") -> list[int]:
+    """Token ids of a multi-token continuation."""
+    ids = session.adapter.encode_continuation(session.tokenizer, text)
+    assert len(ids) > 4, "the question must be several tokens long"
+    return ids
+
+
+def save_prefix(session, ids: list[int], path: Path, chunk: int = 64):
+    """Prefill ``ids`` in chunks of ``chunk``, save the artifact and return its header."""
+    from kvcdn_core import artifact, runtime
+
+    cache, _ = runtime.prefill(session, ids, chunk=chunk, progress=False)
+    return artifact.read_header(runtime.save_cache(session, cache, ids, "context", path))
+
+
+def restored_and_full(session, header, question: list[int], cache=None):
+    """Logits of ``question`` fed on the artifact's restored cache (or ``cache``, if given), and of
+    the same positions in one full prefill of context ∥ question: ``(restored, full)``."""
+    import torch
+
+    from kvcdn_core import artifact, runtime
+
+    ids = artifact.read_token_ids(header.path, header)
+    if cache is None:
+        cache, restored_ids = runtime.load_cache(session, header)
+        assert restored_ids == ids
+    adapter, model = session.adapter, session.model
+    with torch.inference_mode():
+        restored, _ = adapter.forward(model, torch.tensor([question]), cache)
+        full, _ = adapter.forward(model, torch.tensor([ids + question]), adapter.new_cache(model))
+    return restored, full[:, len(ids) :]
+
+
+
+def assert_reusable_only_whole(session, header) -> None:
+    """A restored cache of this artifact refuses a shorter prefix (and is left uncut), and its
+    whole prefix is reused as is."""
+    import pytest
+
+    from kvcdn_core import runtime
+    from kvcdn_core.errors import KvcdnError
+
+    restored, ids = runtime.load_cache(session, header)
+    layers = header.manifest["layers"]
+    assert header.manifest["reuse"] == "whole_prefix"
+    state = next(layer for layer in layers if layer["kind"] not in CROPPABLE_KINDS)
+    with pytest.raises(KvcdnError, match=f"layer {state['index']} is '{state['kind']}'"):
+        session.adapter.crop(restored, layers, len(ids) - 3)
+    attention = next(i for i, layer in enumerate(layers) if layer["kind"] in CROPPABLE_KINDS)
+    assert restored.layers[attention].keys.shape[-2] == len(ids)
+    assert session.adapter.crop(restored, layers, len(ids)) is restored

@@ -1,0 +1,90 @@
+"""MiniMax-Text-01: lightning-attention states and softmax keys/values, continued exactly.
+
+Float32, on the tiny configs, against a full prefill of the same token ids.
+"""
+
+import pytest
+import torch
+from kvcdn_model_minimax.lightning import LightningAdapter
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core import runtime
+from kvcdn_core.testing import assert_adapter_contract
+from kvcdn_core.testing.continuation import (
+    assert_reusable_only_whole,
+    context_ids,
+    question_ids,
+    restored_and_full,
+    save_prefix,
+)
+
+pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
+
+ARCH = "MiniMaxForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def session(tiny_session):
+    return tiny_session(LightningAdapter, ARCH)
+
+
+def test_adapter_contract(tmp_path):
+    """Every tiny shape: bitwise round trip, token-exact continuation against a full prefill."""
+    assert_adapter_contract(LightningAdapter, ARCH, tmp_path)
+
+
+def test_manifest_holds_one_state_per_lightning_layer(session, tmp_path):
+    config = session.model.config
+    header = save_prefix(session, context_ids(session, 40), tmp_path / "ctx.kv")
+    manifest = header.manifest
+    assert [layer["kind"] for layer in manifest["layers"]] == [fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION] * 2
+    assert manifest["reuse"] == "whole_prefix"
+    lightning, softmax = manifest["layers"][0], manifest["layers"][1]
+    assert set(lightning["tensors"]) == {"recurrent_state"}
+    shape = manifest["tensors"][lightning["tensors"]["recurrent_state"]]["shape"]
+    assert shape == [1, config.num_attention_heads, config.head_dim, config.head_dim]
+    assert manifest["tensors"][softmax["tensors"]["key"]]["shape"][2] == header.token_count
+
+
+def test_transformers_own_cache_loses_the_length(session):
+    """The reason for LightningCache: with a lightning first layer, MiniMaxCache reports 0 tokens."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    ids = torch.tensor([context_ids(session, 40)])
+    stock, ours = MiniMaxCache(), session.adapter.new_cache(session.model)
+    with torch.inference_mode():
+        session.model(input_ids=ids, cache=stock, use_cache=True)
+        session.adapter.forward(session.model, ids, ours)
+    assert session.model.config.layer_types[0] == "linear_attention"
+    assert stock.get_seq_length() == 0
+    assert ours.get_seq_length() == ids.shape[1]
+
+
+def test_chunked_prefill_gives_the_one_pass_state(session):
+    ids = context_ids(session, 150)
+    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
+    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=64, progress=False)
+    _, one = session.adapter.export_cache(session.model, one_cache)
+    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
+    assert sorted(one) == sorted(chunked)
+    for name in one:
+        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=1e-4, msg=name)
+    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_multi_token_question_on_restored_state(session, tmp_path):
+    header = save_prefix(session, context_ids(session, 150), tmp_path / "ctx.kv")
+    question = question_ids(session)
+    restored, full = restored_and_full(session, header, question)
+    torch.testing.assert_close(restored, full, rtol=1e-4, atol=1e-4)
+    assert torch.equal(restored.argmax(-1), full.argmax(-1))
+    # Control: a cache whose lightning states were lost fails the same comparison clearly.
+    broken, _ = runtime.load_cache(session, header)
+    for layer in broken.layers[::2]:
+        layer.recurrent_states[0].zero_()
+    wrong, _ = restored_and_full(session, header, question, cache=broken)
+    assert float((wrong - full).abs().max()) > 0.1
+
+
+def test_crop_is_refused_whole_prefix_reuses(session, tmp_path):
+    assert_reusable_only_whole(session, save_prefix(session, context_ids(session, 40), tmp_path / "ctx.kv"))
