@@ -55,9 +55,10 @@ def restored_and_full(session, header, question: list[int], cache=None):
 
 
 def assert_reusable_only_whole(session, header) -> None:
-    """A restored cache of this artifact refuses a shorter prefix (and is left uncut), and its
-    whole prefix is reused as is."""
+    """A restored cache of this artifact refuses a shorter prefix and is left as it was; its whole
+    prefix is reused as is."""
     import pytest
+    import torch
 
     from kvcdn_core import runtime
     from kvcdn_core.errors import KvcdnError
@@ -66,8 +67,9 @@ def assert_reusable_only_whole(session, header) -> None:
     layers = header.manifest["layers"]
     assert header.manifest["reuse"] == "whole_prefix"
     state = next(layer for layer in layers if layer["kind"] not in CROPPABLE_KINDS)
+    _, before = session.adapter.export_cache(session.model, restored)
     with pytest.raises(KvcdnError, match=f"layer {state['index']} is '{state['kind']}'"):
-        session.adapter.crop(restored, layers, len(ids) - 3)
-    attention = next(i for i, layer in enumerate(layers) if layer["kind"] in CROPPABLE_KINDS)
-    assert restored.layers[attention].keys.shape[-2] == len(ids)
-    assert session.adapter.crop(restored, layers, len(ids)) is restored
+        session.adapter.crop(restored, layers, len(ids) - 3, token_count=len(ids))
+    _, after = session.adapter.export_cache(session.model, restored)
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert session.adapter.crop(restored, layers, len(ids), token_count=len(ids)) is restored

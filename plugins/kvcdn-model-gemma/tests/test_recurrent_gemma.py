@@ -69,16 +69,23 @@ def test_transformers_keeps_the_state_outside_the_cache(stock_model, session):
 
 
 def test_transformers_chunked_prefill_restarts_the_convolution(stock_model, session):
-    """Control: transformers' own multi-token path on a state differs from one pass; ours does not."""
+    """Control: transformers' own second chunk restarts the convolution from zeros; ours continues it.
+
+    The RG-LRU state carries over in both, so the error sits at the chunk boundary: measured 0.045
+    on logits of ~1.6 for transformers, 4.8e-7 for the adapter (float32 rounding).
+    """
     ids = torch.tensor([context_ids(session, 150)])
+    adapter = session.adapter
     with torch.inference_mode():
-        one = stock_model(input_ids=ids, cache=RecurrentGemmaAdapter().new_cache(stock_model), use_cache=True).logits
-        cache = RecurrentGemmaAdapter().new_cache(stock_model)
-        stock_model(input_ids=ids[:, :64], cache=cache, use_cache=True)
-        rest = stock_model(input_ids=ids[:, 64:], cache=cache, use_cache=True).logits
-    assert float((rest - one[:, 64:]).abs().max()) > 0.1
-    _, ours = runtime.prefill(session, ids[0].tolist(), chunk=64, progress=False)
-    torch.testing.assert_close(ours, one[0, -1], rtol=1e-4, atol=1e-4)
+        one = stock_model(input_ids=ids, cache=adapter.new_cache(stock_model), use_cache=True).logits[:, 64:]
+        stock = adapter.new_cache(stock_model)
+        stock_model(input_ids=ids[:, :64], cache=stock, use_cache=True)
+        stock_rest = stock_model(input_ids=ids[:, 64:], cache=stock, use_cache=True).logits
+        ours = adapter.new_cache(session.model)
+        adapter.forward(session.model, ids[:, :64], ours)
+        our_rest, _ = adapter.forward(session.model, ids[:, 64:], ours)
+    stock_error, our_error = float((stock_rest - one).abs().max()), float((our_rest - one).abs().max())
+    assert stock_error > 0.01 and our_error < 1e-4, (stock_error, our_error)
 
 
 def test_chunked_prefill_gives_the_one_pass_state(session):
@@ -97,14 +104,15 @@ def test_multi_token_question_on_restored_state(session, tmp_path):
     header = save_prefix(session, context_ids(session, 150), tmp_path / "ctx.kv")
     question = question_ids(session)
     restored, full = restored_and_full(session, header, question)
-    torch.testing.assert_close(restored, full, rtol=1e-4, atol=1e-4)
+    # Measured 3.6e-7 on logits of ~1.6 (soft-capped); a lost RG-LRU state differs by 0.11.
+    torch.testing.assert_close(restored, full, rtol=1e-5, atol=1e-5)
     assert torch.equal(restored.argmax(-1), full.argmax(-1))
     # Control: a cache whose RG-LRU states were lost fails the same comparison clearly.
     broken, _ = runtime.load_cache(session, header)
     for layer in broken.layers[:2]:
         layer.recurrent_states[0].zero_()
     wrong, _ = restored_and_full(session, header, question, cache=broken)
-    assert float((wrong - full).abs().max()) > 0.1
+    assert float((wrong - full).abs().max()) > 0.05
 
 
 def test_two_caches_on_one_model_stay_apart(session, tmp_path):
@@ -115,7 +123,7 @@ def test_two_caches_on_one_model_stay_apart(session, tmp_path):
     runtime.prefill(session, other * 3, chunk=16, progress=False)
     question = question_ids(session)
     after_other, full = restored_and_full(session, header, question, cache=restored)
-    torch.testing.assert_close(after_other, full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after_other, full, rtol=1e-5, atol=1e-5)
 
 
 def test_crop_is_refused_whole_prefix_reuses(session, tmp_path):

@@ -47,17 +47,25 @@ def test_manifest_holds_one_state_per_lightning_layer(session, tmp_path):
 
 
 def test_transformers_own_cache_loses_the_length(session):
-    """The reason for LightningCache: with a lightning first layer, MiniMaxCache reports 0 tokens."""
+    """The reason for LightningCache: with a lightning first layer, MiniMaxCache reports 0 tokens
+    after a prefill, and a question continued on it differs from the full prefill (measured: by 15
+    on logits of ~9)."""
     from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
-    ids = torch.tensor([context_ids(session, 40)])
-    stock, ours = MiniMaxCache(), session.adapter.new_cache(session.model)
+    model, adapter = session.model, session.adapter
+    ids, question = context_ids(session, 150), question_ids(session)
+    assert model.config.layer_types[0] == "linear_attention"
     with torch.inference_mode():
-        session.model(input_ids=ids, cache=stock, use_cache=True)
-        session.adapter.forward(session.model, ids, ours)
-    assert session.model.config.layer_types[0] == "linear_attention"
-    assert stock.get_seq_length() == 0
-    assert ours.get_seq_length() == ids.shape[1]
+        full = model(input_ids=torch.tensor([ids + question]), cache=MiniMaxCache(), use_cache=True).logits
+        stock, ours = MiniMaxCache(), adapter.new_cache(model)
+        model(input_ids=torch.tensor([ids]), cache=stock, use_cache=True)
+        adapter.forward(model, torch.tensor([ids]), ours)
+        assert stock.get_seq_length() == 0 and ours.get_seq_length() == len(ids)
+        on_stock = model(input_ids=torch.tensor([question]), cache=stock, use_cache=True).logits
+        on_ours, _ = adapter.forward(model, torch.tensor([question]), ours)
+    full = full[:, len(ids) :]
+    assert float((on_stock - full).abs().max()) > 1
+    torch.testing.assert_close(on_ours, full, rtol=1e-4, atol=1e-3)
 
 
 def test_chunked_prefill_gives_the_one_pass_state(session):
@@ -67,16 +75,19 @@ def test_chunked_prefill_gives_the_one_pass_state(session):
     _, one = session.adapter.export_cache(session.model, one_cache)
     _, chunked = session.adapter.export_cache(session.model, chunk_cache)
     assert sorted(one) == sorted(chunked)
+    # One pass sums each 16-token block at once, a continued state token by token: the same sums in
+    # another order. Measured: 1e-3 on lightning states of ~300-450, 4.5e-4 on logits of ~6.
     for name in one:
-        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=1e-4, msg=name)
-    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=1e-3, msg=name)
+    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-3)
 
 
 def test_multi_token_question_on_restored_state(session, tmp_path):
     header = save_prefix(session, context_ids(session, 150), tmp_path / "ctx.kv")
     question = question_ids(session)
     restored, full = restored_and_full(session, header, question)
-    torch.testing.assert_close(restored, full, rtol=1e-4, atol=1e-4)
+    # Measured 6.5e-4 on logits of ~9 (block sums against the recurrence); lost states differ by ~15.
+    torch.testing.assert_close(restored, full, rtol=1e-4, atol=1e-3)
     assert torch.equal(restored.argmax(-1), full.argmax(-1))
     # Control: a cache whose lightning states were lost fails the same comparison clearly.
     broken, _ = runtime.load_cache(session, header)
