@@ -114,7 +114,9 @@ class MLALatentLayers(_MixinBase):
     def import_layer(self, entry: dict, named: dict[str, Any], layer) -> None:
         kind = self.layer_kind(layer)
         if entry["kind"] != kind:
-            raise ArtifactError(f"layer {entry['index']} is '{entry['kind']}' in the artifact, the model caches '{kind}'")
+            raise ArtifactError(
+                f"layer {entry['index']} is '{entry['kind']}' in the artifact, the model caches '{kind}'"
+            )
         latent, rotary = named[LATENT_ROLE], named[ROTARY_KEY_ROLE]
         layer.lazy_initialization(latent, rotary)
         layer.keys, layer.values = latent, rotary

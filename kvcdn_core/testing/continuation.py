@@ -53,7 +53,6 @@ def restored_and_full(session, header, question: list[int], cache=None):
     return restored, full[:, len(ids) :]
 
 
-
 def assert_reusable_only_whole(session, header) -> None:
     """A restored cache of this artifact refuses a shorter prefix and is left as it was; its whole
     prefix is reused as is."""
@@ -73,3 +72,32 @@ def assert_reusable_only_whole(session, header) -> None:
     _, after = session.adapter.export_cache(session.model, restored)
     assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
     assert session.adapter.crop(restored, layers, len(ids), token_count=len(ids)) is restored
+
+
+def lost_state_error(session, header, question: list[int], full, layers: list[int]) -> float:
+    """Max |Δlogit| against ``full`` of ``question`` fed on the restored cache after the recurrent
+    states of ``layers`` were zeroed: what a cache that forgot its state would give (a control)."""
+    from kvcdn_core import runtime
+
+    broken, _ = runtime.load_cache(session, header)
+    for index in layers:
+        broken.layers[index].recurrent_states[0].zero_()
+    wrong, _ = restored_and_full(session, header, question, cache=broken)
+    return float((wrong - full).abs().max())
+
+
+def assert_chunked_prefill_is_one_pass(session, n_tokens: int = 150, chunk: int = 64, atol: float = 1e-4) -> None:
+    """Prefilling in chunks of ``chunk`` leaves the same cache tensors and last logits as one pass."""
+    import torch
+
+    from kvcdn_core import runtime
+
+    ids = context_ids(session, n_tokens)
+    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
+    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=chunk, progress=False)
+    _, one = session.adapter.export_cache(session.model, one_cache)
+    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
+    assert sorted(one) == sorted(chunked)
+    for name in one:
+        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=atol, msg=name)
+    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=atol)

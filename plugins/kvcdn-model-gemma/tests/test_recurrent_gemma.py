@@ -12,8 +12,10 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.testing.continuation import (
+    assert_chunked_prefill_is_one_pass,
     assert_reusable_only_whole,
     context_ids,
+    lost_state_error,
     question_ids,
     restored_and_full,
     save_prefix,
@@ -89,15 +91,7 @@ def test_transformers_chunked_prefill_restarts_the_convolution(stock_model, sess
 
 
 def test_chunked_prefill_gives_the_one_pass_state(session):
-    ids = context_ids(session, 150)
-    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
-    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=64, progress=False)
-    _, one = session.adapter.export_cache(session.model, one_cache)
-    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
-    assert sorted(one) == sorted(chunked)
-    for name in one:
-        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=1e-4, msg=name)
-    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-4)
+    assert_chunked_prefill_is_one_pass(session)
 
 
 def test_multi_token_question_on_restored_state(session, tmp_path):
@@ -108,11 +102,7 @@ def test_multi_token_question_on_restored_state(session, tmp_path):
     torch.testing.assert_close(restored, full, rtol=1e-5, atol=1e-5)
     assert torch.equal(restored.argmax(-1), full.argmax(-1))
     # Control: a cache whose RG-LRU states were lost fails the same comparison clearly.
-    broken, _ = runtime.load_cache(session, header)
-    for layer in broken.layers[:2]:
-        layer.recurrent_states[0].zero_()
-    wrong, _ = restored_and_full(session, header, question, cache=broken)
-    assert float((wrong - full).abs().max()) > 0.05
+    assert lost_state_error(session, header, question, full, layers=[0, 1]) > 0.05
 
 
 def test_two_caches_on_one_model_stay_apart(session, tmp_path):
