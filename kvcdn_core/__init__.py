@@ -48,6 +48,12 @@ _EXPORTS = {
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",
     "is_linear_attention": "kvcdn_core.linear_attention",
+    # multi-head latent attention layers (DeepSeek-V2/V3, Kimi Linear)
+    "MLALatentLayers": "kvcdn_core.mla",
+    "LATENT_ROLE": "kvcdn_core.mla",
+    "ROTARY_KEY_ROLE": "kvcdn_core.mla",
+    "mla_widths": "kvcdn_core.mla",
+    "ungroup_mla_heads": "kvcdn_core.mla",
     # models: files, fingerprint, tiny validation configs, the validation run
     "resolve_model_dir": "kvcdn_core.model_files",
     "fingerprint": "kvcdn_core.model_files",

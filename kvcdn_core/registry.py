@@ -67,6 +67,8 @@ _EXTRA_HINTS = {
     "granitemoehybrid": "hybrid",
     "jamba": "hybrid",
     "lfm2": "hybrid",
+    "recurrentgemma": "gemma",
+    "kimi": "kimi",
     "smollm": "llama",
     "arcee": "llama",
     "cohere": "cohere",

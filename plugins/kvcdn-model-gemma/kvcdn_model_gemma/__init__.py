@@ -10,6 +10,7 @@ repeats one token, which would let a broken cache pass.
 """
 
 from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
+from kvcdn_model_gemma.recurrent import RecurrentGemmaAdapter
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,4 @@ class GemmaAdapter(ModelAdapter):
 
 @hookimpl
 def kvcdn_register_model_adapters():
-    return [GemmaAdapter]
+    return [GemmaAdapter, RecurrentGemmaAdapter]

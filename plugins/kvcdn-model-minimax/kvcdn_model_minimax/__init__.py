@@ -1,11 +1,14 @@
-"""kvcdn model family: MiniMax-M2 (``MiniMaxM2ForCausalLM``).
+"""kvcdn model family: MiniMax-M2 (``MiniMaxM2ForCausalLM``) and MiniMax-Text-01 (``MiniMaxForCausalLM``).
 
 MiniMax-M2 is a full-attention mixture of experts with QK norms and partial rotary embeddings.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family minimax``).
+MiniMax-Text-01 alternates lightning (linear) attention with softmax attention; its adapter is in
+:mod:`kvcdn_model_minimax.lightning`.
 """
 
 from kvcdn_core import TINY_DECODER as _COMMON
 from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_model_minimax.lightning import LightningAdapter
 
 __version__ = "0.1.0"
 
@@ -23,4 +26,4 @@ class MiniMaxAdapter(ModelAdapter):
 
 @hookimpl
 def kvcdn_register_model_adapters():
-    return [MiniMaxAdapter]
+    return [MiniMaxAdapter, LightningAdapter]
