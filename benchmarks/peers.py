@@ -122,13 +122,15 @@ def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
     from safetensors.torch import load_file, save_file
     from transformers import DynamicCache
 
+    from kvcdn_core.contracts.adapter import cache_keyword
     from kvcdn_core.pagecache import evict
 
     model = session.model
+    keyword = cache_keyword(model)  # `cache` in recent transformers, `past_key_values` before
 
     def first_token(ids, cache=None) -> int:
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([ids]), use_cache=True, **{keyword: cache})
         return int(out.logits[0, -1].argmax())
 
     cache = DynamicCache(config=model.config)
