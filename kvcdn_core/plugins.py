@@ -254,7 +254,9 @@ class PluginHost:
         info = self.infos[name]
         if line not in info.overridden:
             info.overridden.append(line)
-            notices.warn(f"plugin '{name}' and plugin '{winner}' both claim {line.partition(' (')[0]}; using '{winner}'")
+            notices.warn(
+                f"plugin '{name}' and plugin '{winner}' both claim {line.partition(' (')[0]}; using '{winner}'"
+            )
 
     def _drop(self, name: str, exc: BaseException, what: str) -> None:
         for plugin_name, plugin in self.pm.list_name_plugin():

@@ -11,7 +11,7 @@ import json
 import sys
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import click
 
@@ -68,7 +68,14 @@ def reporting() -> Iterator[None]:
         warnings.simplefilter("always", KvcdnNote)
         python_shows = warnings.showwarning
 
-        def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' hook
+        def show(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
             if issubclass(category, KvcdnWarning):
                 warn(str(message))
             elif issubclass(category, KvcdnNote):

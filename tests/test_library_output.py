@@ -69,7 +69,7 @@ def writes(tree: ast.Module) -> list[tuple[int, str]]:
                 what = f"{node.value.id}.{node.attr}()"
         if what:
             found.append((node.lineno, what))
-    return found
+    return sorted(found)
 
 
 def test_library_modules_do_not_write_to_the_terminal():

@@ -34,8 +34,6 @@ FINGERPRINT_KEYS = COMPATIBILITY_KEYS
 Warn = Callable[[str], None]
 
 
-
-
 # -- the catalog: artifacts found under a directory -------------------------------------------
 
 

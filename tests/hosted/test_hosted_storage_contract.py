@@ -148,4 +148,3 @@ def test_a_server_refuses_a_backend_that_cannot_hold_its_objects(roomy_server, t
         f"error: storage '{roomy_server.url.replace('http://', 'kvcdn+http://')}' cannot hold a server's objects: "
         "it must store any bytes and rename"
     ]
-
