@@ -68,9 +68,14 @@ def _name(key: str) -> str:
     return key
 
 
-def _recency(record: dict[str, Any]) -> tuple[str, str]:
-    """Orders artifacts of one name: the one confirmed last reads as the name's object."""
-    return (record.get("confirmed_at") or "", record.get("artifact_id") or "")
+def _recency(record: dict[str, Any]) -> tuple[float, str, str]:
+    """Orders artifacts of one name: the one confirmed last reads as the name's object (by the
+    microsecond ``confirmed_at_unix``, else the ISO second; then by id, so that ties are stable)."""
+    return (
+        float(record.get("confirmed_at_unix") or 0.0),
+        record.get("confirmed_at") or "",
+        record.get("artifact_id") or "",
+    )
 
 
 class HostedStorage(StorageBackend):

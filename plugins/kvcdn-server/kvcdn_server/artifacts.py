@@ -132,6 +132,8 @@ def view(row, owner: bool = True) -> dict[str, Any]:
         "sha256": row.sha256,
         "created_at": now_iso(row.created_at),
         "confirmed_at": now_iso(row.confirmed_at) if row.confirmed_at else None,
+        # the same instant to the microsecond: orders artifacts confirmed within one second
+        "confirmed_at_unix": round(row.confirmed_at, 6) if row.confirmed_at else None,
         "manifest": manifest,
     }
     if owner:
@@ -491,11 +493,15 @@ class ArtifactStore:
                 )
                 if done and replace:
                     replaced = self._drop_others_named(c, tenant, row.name, artifact_id)
+                # read in the same transaction: a delete or a later replace may remove it right after
+                confirmed = (
+                    c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first() if done else None
+                )
         for old in replaced:
             self._remove_objects(old.id, old.multipart_id)
-        if not done:
+        if confirmed is None:
             raise ApiError(409, "upload_failed", "the upload was deleted or expired while it was confirmed")
-        return view(self.row(artifact_id))
+        return view(confirmed)
 
     def _drop_others_named(self, c, tenant: str, name: str, keep: str) -> list:
         """Delete the tenant's other ready artifacts called ``name`` and give their quota back; the
