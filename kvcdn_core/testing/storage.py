@@ -92,15 +92,19 @@ def _offers(store: StorageBackend, operation: str) -> bool:
     return operation not in type(store).unsupported
 
 
-def _refused(what: str, call: Callable[[], object]) -> None:
-    """``call()`` must raise :class:`NotSupported`."""
+def _raises(expected: type[Exception], what: str, call: Callable[[], object]) -> None:
+    """``call()`` must raise ``expected``, the one exception the contract names for the case."""
     try:
         call()
-    except NotSupported:
+    except expected:
         return
-    except Exception as exc:  # noqa: BLE001 - the contract names the one exception
-        raise AssertionError(f"{what} raised {type(exc).__name__}, not NotSupported") from exc
-    raise AssertionError(f"{what} must raise NotSupported")
+    except Exception as exc:  # noqa: BLE001 - any other is the failure reported
+        raise AssertionError(f"{what} raised {type(exc).__name__}, not {expected.__name__}") from exc
+    raise AssertionError(f"{what} must raise {expected.__name__}")
+
+
+def _refused(what: str, call: Callable[[], object]) -> None:
+    _raises(NotSupported, what, call)
 
 
 def _capabilities(store: StorageBackend, work: Path, threads: int) -> None:
@@ -176,13 +180,7 @@ def _missing_keys(store: StorageBackend, work: Path, threads: int) -> None:
     if _offers(store, "rename"):
         calls.append(("rename", lambda: store.rename("missing.kv", "other.kv")))
     for what, call in calls:
-        try:
-            call()
-        except ObjectNotFound:
-            continue
-        except Exception as exc:  # noqa: BLE001 - the contract names the one exception
-            raise AssertionError(f"{what} of a missing key raised {type(exc).__name__}, not ObjectNotFound") from exc
-        raise AssertionError(f"{what} of a missing key must raise ObjectNotFound")
+        _raises(ObjectNotFound, f"{what} of a missing key", call)
     assert not (work / "x").exists(), "a failed get_file left a file behind"
     assert not store.exists("other.kv"), "a failed rename created its target"
 
