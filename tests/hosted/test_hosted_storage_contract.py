@@ -115,22 +115,74 @@ def test_racing_replacements_leave_exactly_one_artifact(roomy, monkeypatch, tmp_
     listed = httpx.get(f"{roomy_server.url}{API}/artifacts", headers=bearer(store.settings.api_key)).json()
     assert len(listed["artifacts"]) == 1, listed
     assert store.read_bytes("contended.kv") in {p.read_bytes() for p in sources}
-    assert reservation_of(roomy[1], listed["artifacts"][0]["artifact_id"]) == (1, listed["artifacts"][0]["size_bytes"])
+    only = listed["artifacts"][0]
+    assert reserved(roomy[1], tenant_of(roomy[1], only["artifact_id"])) == (1, only["size_bytes"])
 
 
-def reservation_of(database: str, artifact_id: str) -> tuple[int, int]:
-    """The quota reservation (artifacts, bytes) of the tenant owning ``artifact_id``, from the database."""
+def test_deletes_racing_replacements_of_one_name_neither_fail_nor_leak(roomy, monkeypatch, tmp_path):
+    """Deletes and replacing confirms of one name take the tenant's locks in one order: no deadlock
+    (a 500 on PostgreSQL), at most one artifact left, and the quota reservation matches what is left."""
+    from tests.support.hosted import write_synthetic_kv
+
+    store = hosted_store(roomy[0], monkeypatch, "delrace")
+    sources = [write_synthetic_kv(tmp_path / f"{n}.kv", tokens=16, seed=n) for n in range(4)]
+    store.put_file("contended.kv", sources[0])
+    listing = f"{roomy[0].url}{API}/artifacts"
+    first = httpx.get(listing, headers=bearer(store.settings.api_key)).json()["artifacts"][0]
+    tenant = tenant_of(roomy[1], first["artifact_id"])
+    barrier = threading.Barrier(len(sources) * 2)
+    errors: list[BaseException] = []
+
+    def run(call):
+        try:
+            barrier.wait()
+            call()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    calls = [lambda p=p: store.put_file("contended.kv", p) for p in sources]
+    calls += [lambda: store.delete("contended.kv")] * len(sources)
+    pool = [threading.Thread(target=run, args=(call,)) for call in calls]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=120)
+    assert not errors, errors
+    left = httpx.get(listing, headers=bearer(store.settings.api_key)).json()["artifacts"]
+    assert len(left) <= 1, left
+    assert reserved(roomy[1], tenant) == (len(left), sum(a["size_bytes"] for a in left))
+    if left:
+        assert store.read_bytes("contended.kv") in {p.read_bytes() for p in sources}
+
+
+def database_rows(database: str, query):
     import sqlalchemy as sa
 
-    from kvcdn_server.db import artifacts, database_url, usage
+    from kvcdn_server.db import database_url
 
     engine = sa.create_engine(database_url(database))
     try:
         with engine.connect() as c:
-            tenant = c.execute(sa.select(artifacts.c.tenant).where(artifacts.c.id == artifact_id)).scalar_one()
-            row = c.execute(sa.select(usage.c.artifacts, usage.c.bytes).where(usage.c.tenant == tenant)).one()
+            return c.execute(query).all()
     finally:
         engine.dispose()
+
+
+def tenant_of(database: str, artifact_id: str) -> str:
+    import sqlalchemy as sa
+
+    from kvcdn_server.db import artifacts
+
+    return database_rows(database, sa.select(artifacts.c.tenant).where(artifacts.c.id == artifact_id))[0][0]
+
+
+def reserved(database: str, tenant: str) -> tuple[int, int]:
+    """The tenant's quota reservation (artifacts, bytes), as upload-url checks it."""
+    import sqlalchemy as sa
+
+    from kvcdn_server.db import usage
+
+    row = database_rows(database, sa.select(usage.c.artifacts, usage.c.bytes).where(usage.c.tenant == tenant))[0]
     return int(row[0]), int(row[1])
 
 

@@ -481,7 +481,7 @@ class ArtifactStore:
             replaced = []
             with self.db.begin() as c:
                 if replace:
-                    c.execute(usage.update().where(usage.c.tenant == tenant).values(artifacts=usage.c.artifacts))
+                    self._lock_usage(c, tenant)
                 done = self._move(
                     c,
                     artifact_id,
@@ -502,6 +502,12 @@ class ArtifactStore:
         if confirmed is None:
             raise ApiError(409, "upload_failed", "the upload was deleted or expired while it was confirmed")
         return view(confirmed)
+
+    @staticmethod
+    def _lock_usage(c, tenant: str) -> None:
+        """Hold the tenant's usage row until the transaction ends: confirms that replace and deletes
+        of one tenant queue there (a no-op update takes the row lock on every database)."""
+        c.execute(usage.update().where(usage.c.tenant == tenant).values(artifacts=usage.c.artifacts))
 
     def _drop_others_named(self, c, tenant: str, name: str, keep: str) -> list:
         """Delete the tenant's other ready artifacts called ``name`` and give their quota back; the
@@ -579,6 +585,8 @@ class ArtifactStore:
     def delete(self, tenant: str, artifact_id: str) -> None:
         check_id(artifact_id)
         with self.db.begin() as c:
+            # the tenant's usage row first, as a replacing confirm takes it: one lock order, no deadlock
+            self._lock_usage(c, tenant)
             row = c.execute(
                 sa.select(artifacts).where(artifacts.c.id == artifact_id, artifacts.c.tenant == tenant)
             ).first()
