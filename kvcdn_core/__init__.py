@@ -28,6 +28,7 @@ _EXPORTS = {
     "StorageBackend": "kvcdn_core.contracts.storage",
     "ObjectInfo": "kvcdn_core.contracts.storage",
     "ObjectNotFound": "kvcdn_core.contracts.storage",
+    "NotSupported": "kvcdn_core.contracts.storage",
     "safe_key": "kvcdn_core.contracts.storage",
     "check_prefix": "kvcdn_core.contracts.storage",
     # numerics shared by quantization schemes
@@ -72,6 +73,11 @@ _EXPORTS = {
     "KvcdnError": "kvcdn_core.errors",
     "CheckFailed": "kvcdn_core.errors",
     "ArtifactError": "kvcdn_core.errors",
+    # what library code reports while it works (a command shows it; see kvcdn_core.notices)
+    "warn": "kvcdn_core.notices",
+    "note": "kvcdn_core.notices",
+    "KvcdnWarning": "kvcdn_core.notices",
+    "KvcdnNote": "kvcdn_core.notices",
     # files, paths, progress and output
     "atomic_open": "kvcdn_core.atomic",
     "atomic_path": "kvcdn_core.atomic",

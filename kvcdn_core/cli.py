@@ -15,6 +15,7 @@ import kvcdn_core
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.plugins import debug_enabled
 from kvcdn_core.registry import register_commands
+from kvcdn_core.render import reporting
 
 
 class KvcdnGroup(click.Group):
@@ -22,7 +23,8 @@ class KvcdnGroup(click.Group):
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with reporting():  # what the library reports while the command runs
+                return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except KvcdnError as exc:
@@ -63,7 +65,8 @@ def make_cli() -> click.Group:
 def main(argv=None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        code = make_cli().main(args=argv, prog_name="kvcdn", standalone_mode=False)
+        with reporting():  # plugin discovery's warnings too
+            code = make_cli().main(args=argv, prog_name="kvcdn", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:  # a command group called bare: show its help
         click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message(), err=True)
         sys.exit(2)

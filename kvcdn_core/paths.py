@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
+
+from kvcdn_core import notices
 
 
 def data_home() -> Path:
@@ -54,8 +55,5 @@ def ensure_kv_suffix(path: str | os.PathLike, warn: bool = True) -> Path:
     if text.endswith(".kv"):
         return Path(text)
     if warn:
-        print(
-            f"warning: KV artifact path '{text}' does not end with '.kv'; appending '.kv'",
-            file=sys.stderr,
-        )
+        notices.warn(f"KV artifact path '{text}' does not end with '.kv'; appending '.kv'")
     return Path(text + ".kv")

@@ -3,27 +3,27 @@
 Each entry point names a module (or object) that implements ``kvcdn_*`` hooks. It is registered in
 pluggy under its qualified name ``group:name`` (pluggy silently ignores a second plugin with a name
 it already knows). A plugin that fails to import, implements a hook kvcdn does not know, or raises
-from a hook is reported on one stderr line and skipped; the rest keep working.
+from a hook is reported as one warning (:func:`kvcdn_core.notices.warn`; the CLI shows it as one
+stderr line) and skipped; the rest keep working.
 
 Only :mod:`kvcdn_core.registry` asks the host for classes; commands and library code ask the registry.
 
 **Precedence.** When two plugins claim the same architecture, quantization scheme, URI scheme or
 command name, core's built-ins win, then plugins in the order of their names; the others' claims
-are ignored, reported once on stderr and shown by ``kvcdn plugins``.
+are ignored, reported once as a warning and shown by ``kvcdn plugins``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pluggy
 
-from kvcdn_core import hookspecs
+from kvcdn_core import hookspecs, notices
 
 GROUPS = ("kvcdn.models", "kvcdn.quantizers", "kvcdn.storage", "kvcdn.commands")
 
@@ -89,7 +89,7 @@ class PluginHost:
     in-process (see :mod:`kvcdn_core.testing`).
     """
 
-    def __init__(self, discover: bool = True, warn: Callable[[str], None] | None = None):
+    def __init__(self, discover: bool = True):
         import importlib
 
         import kvcdn_core
@@ -97,7 +97,6 @@ class PluginHost:
         self.pm = pluggy.PluginManager("kvcdn")
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
-        self._warn = warn or (lambda line: print(line, file=sys.stderr))
         self._blocked = disabled_names()
         self._claims: dict[str, dict[str, type]] = {}
         for group, name, module in BUILTINS:  # by name, like an entry point: core imports no built-in
@@ -167,9 +166,9 @@ class PluginHost:
         info.status = "failed"
         info.error = _one_line(exc)
         hint = "" if debug_enabled() else " (set KVCDN_DEBUG=1 for the traceback)"
-        self._warn(f"warning: plugin '{name}' ({group}) {what}, skipped: {info.error}{hint}")
+        notices.warn(f"plugin '{name}' ({group}) {what}, skipped: {info.error}{hint}")
         if debug_enabled():
-            self._warn("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+            notices.note("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
 
     # -- registration ------------------------------------------------------------------------
 
@@ -255,8 +254,8 @@ class PluginHost:
         info = self.infos[name]
         if line not in info.overridden:
             info.overridden.append(line)
-            self._warn(
-                f"warning: plugin '{name}' and plugin '{winner}' both claim {line.partition(' (')[0]}; using '{winner}'"
+            notices.warn(
+                f"plugin '{name}' and plugin '{winner}' both claim {line.partition(' (')[0]}; using '{winner}'"
             )
 
     def _drop(self, name: str, exc: BaseException, what: str) -> None:

@@ -1,9 +1,18 @@
-"""A small progress bar on stderr, shown only on a terminal and never with ``--quiet``."""
+"""Progress of long work (prefill, hashing, transfers) as events; library code never draws it.
+
+Library code counts with :class:`Progress`; each update is a :class:`ProgressEvent` handed to the
+listeners registered with :func:`listening`. A command registers the terminal bar of
+:func:`kvcdn_core.render.reporting` (shown only on a terminal and never with ``--quiet``); with no
+listener, progress costs a counter.
+"""
 
 from __future__ import annotations
 
-import sys
+import contextlib
+import dataclasses
+import threading
 import time
+from collections.abc import Callable, Iterator
 
 
 def human_bytes(n: float) -> str:
@@ -15,33 +24,60 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgressEvent:
+    """How far one piece of work is: ``done`` of ``total`` ``unit`` after ``elapsed`` seconds;
+    ``finished`` once, when it ends."""
+
+    label: str
+    unit: str
+    done: int
+    total: int
+    elapsed: float
+    finished: bool = False
+
+
+Listener = Callable[[ProgressEvent], None]
+_listeners: list[Listener] = []
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def listening(listener: Listener) -> Iterator[None]:
+    """Hand every progress event to ``listener`` while the block runs (from any thread)."""
+    with _lock:
+        _listeners.append(listener)
+    try:
+        yield
+    finally:
+        with _lock:
+            _listeners.remove(listener)
+
+
 class Progress:
+    """Counts ``total`` units of work called ``label``; ``enabled=False`` (``--quiet``) reports nothing."""
+
     def __init__(self, total: int, label: str, unit: str = "tokens", enabled: bool = True):
         self.total, self.label, self.unit = max(total, 1), label, unit
-        self.enabled = enabled and sys.stderr.isatty()
+        self.enabled = enabled
         self.done = 0
         self.start = time.monotonic()
 
+    def _report(self, finished: bool) -> None:
+        if not self.enabled or not _listeners:
+            return
+        event = ProgressEvent(
+            self.label, self.unit, self.done, self.total, time.monotonic() - self.start, finished=finished
+        )
+        for listener in list(_listeners):
+            listener(event)
+
     def update(self, n: int) -> None:
         self.done += n
-        if not self.enabled:
-            return
-        pct = 100 * self.done / self.total
-        rate = self.done / max(time.monotonic() - self.start, 1e-9)
-        width = 30
-        filled = int(width * self.done / self.total)
-        bar = "#" * filled + "-" * (width - filled)
-        if self.unit == "bytes":
-            counts = f"{human_bytes(self.done)}/{human_bytes(self.total)} {pct:3.0f}% {human_bytes(rate)}/s"
-        else:
-            counts = f"{self.done}/{self.total} {self.unit} {pct:3.0f}% {rate:,.0f} {self.unit}/s"
-        sys.stderr.write(f"\r{self.label} [{bar}] {counts}   ")
-        sys.stderr.flush()
+        self._report(False)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._report(True)
 
     def __enter__(self):
         return self

@@ -1,15 +1,22 @@
 """Command output: JSON for tools, aligned text for people; every command renders through here.
 
-Library code returns data and never prints; a command passes what it got to :func:`render`.
+Library code returns data and never prints; a command passes what it got to :func:`render`, and
+what the library reports while it works (warnings, notes, progress) is shown by :func:`reporting`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+import sys
+import warnings
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, TextIO
 
 import click
+
+from kvcdn_core import progress
+from kvcdn_core.notices import KvcdnNote, KvcdnWarning
 
 
 def emit_json(data: Any) -> None:
@@ -49,3 +56,55 @@ def print_table(rows: Sequence[Sequence[Any]], right: Collection[int] = ()) -> N
 def warn(message: str) -> None:
     """A one-line warning on stderr."""
     click.echo(f"warning: {message}", err=True)
+
+
+@contextlib.contextmanager
+def reporting() -> Iterator[None]:
+    """Show on stderr what the library reports while the block runs: each :class:`KvcdnWarning` as
+    ``warning: <message>``, each :class:`KvcdnNote` as it is (every one, not once per place), and
+    progress as a bar when stderr is a terminal. Other warnings are shown as Python shows them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", KvcdnWarning)
+        warnings.simplefilter("always", KvcdnNote)
+        python_shows = warnings.showwarning
+
+        def show(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            if issubclass(category, KvcdnWarning):
+                warn(str(message))
+            elif issubclass(category, KvcdnNote):
+                click.echo(str(message), err=True)
+            else:
+                python_shows(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        with progress.listening(progress_bar):
+            yield
+
+
+def progress_bar(event: progress.ProgressEvent) -> None:
+    """One progress event as a bar redrawn in place on stderr, only on a terminal."""
+    if not sys.stderr.isatty():
+        return
+    if event.finished:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+        return
+    pct = 100 * event.done / event.total
+    rate = event.done / max(event.elapsed, 1e-9)
+    width = 30
+    filled = int(width * event.done / event.total)
+    bar = "#" * filled + "-" * (width - filled)
+    if event.unit == "bytes":
+        human = progress.human_bytes
+        counts = f"{human(event.done)}/{human(event.total)} {pct:3.0f}% {human(rate)}/s"
+    else:
+        counts = f"{event.done}/{event.total} {event.unit} {pct:3.0f}% {rate:,.0f} {event.unit}/s"
+    sys.stderr.write(f"\r{event.label} [{bar}] {counts}   ")
+    sys.stderr.flush()

@@ -151,15 +151,17 @@ def test_write_is_atomic_and_leaves_nothing_on_error(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["a.kv"]
 
 
-def test_kv_suffix_is_appended_with_a_warning(capsys):
+def test_kv_suffix_is_appended_with_a_warning(recwarn):
+    from kvcdn_core import KvcdnWarning
     from kvcdn_core.paths import ensure_kv_suffix
 
     assert str(ensure_kv_suffix("out/ctx")) == "out/ctx.kv"
-    assert capsys.readouterr().err.strip() == (
-        "warning: KV artifact path 'out/ctx' does not end with '.kv'; appending '.kv'"
-    )
+    assert [(w.category, str(w.message)) for w in recwarn] == [
+        (KvcdnWarning, "KV artifact path 'out/ctx' does not end with '.kv'; appending '.kv'")
+    ]
+    recwarn.clear()
     assert str(ensure_kv_suffix("a.kv")) == "a.kv"
-    assert capsys.readouterr().err == ""
+    assert len(recwarn) == 0
 
 
 def test_artifacts_follow_the_umask(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 
 from kvcdn_core import registry
 from kvcdn_core.builtin.local_storage import LocalStorage
+from kvcdn_core.contracts.storage import StorageBackend
 from kvcdn_core.testing import assert_quantizer_contract, assert_storage_contract
 
 
@@ -41,12 +42,55 @@ class _WrongMissingError(LocalStorage):
         super().rename(source_key, target_key)
 
 
+class _KvOnly(LocalStorage):
+    """A medium that keeps only .kv artifacts and has no rename, declared and refused as the contract says."""
+
+    stores = "kv"
+    unsupported = frozenset({"rename"})
+
+    def put_file(self, key, source):
+        from kvcdn_core import ArtifactError, NotSupported, artifact
+
+        try:
+            artifact.read_header(source)
+        except ArtifactError as exc:
+            raise NotSupported(f"only .kv artifacts: {exc}") from None
+        super().put_file(key, source)
+
+    def write_bytes(self, key, data):
+        StorageBackend.write_bytes(self, key, data)  # through put_file, which checks
+
+    def rename(self, source_key, target_key):
+        self.require("rename")
+        super().rename(source_key, target_key)
+
+
+def test_a_backend_declaring_what_it_does_not_take_passes(tmp_path):
+    roots = iter(range(100))
+    assert_storage_contract(lambda: _KvOnly(tmp_path / f"kv{next(roots)}"))
+
+
+class _RenamesAnyway(LocalStorage):
+    unsupported = frozenset({"rename"})
+
+
+class _DeclaresNonsense(LocalStorage):
+    unsupported = frozenset({"put_file"})
+
+
+class _KvButTakesAnything(LocalStorage):
+    stores = "kv"
+
+
 @pytest.mark.parametrize(
     "broken,message",
     [
         (_ListsUnsorted, "sorted"),
         (_LosesRenames, "rename"),
         (_WrongMissingError, "rename of a missing key raised FileNotFoundError"),
+        (_RenamesAnyway, "rename, declared unsupported, must raise NotSupported"),
+        (_DeclaresNonsense, "not optional: \\['put_file'\\]"),
+        (_KvButTakesAnything, "not a .kv artifact must raise NotSupported"),
     ],
 )
 def test_the_storage_suite_catches_a_broken_backend(tmp_path, broken, message):

@@ -123,7 +123,12 @@ def test_in_process_registration_and_last_adapter_wins(kvcdn_host):
     assert kvcdn_host.infos["toy"].hooks == ["kvcdn_register_model_adapters"]
 
 
-def test_a_plugin_raising_in_a_hook_is_isolated(kvcdn_host, capsys):
+def warned(records) -> str:
+    """The kvcdn warnings a test recorded, one per line."""
+    return "\n".join(str(w.message) for w in records if issubclass(w.category, kvcdn_core.KvcdnWarning))
+
+
+def test_a_plugin_raising_in_a_hook_is_isolated(kvcdn_host, recwarn):
     def bad():
         raise RuntimeError("boom")
 
@@ -131,7 +136,7 @@ def test_a_plugin_raising_in_a_hook_is_isolated(kvcdn_host, capsys):
     kvcdn_host.register(plugin, "bad", "kvcdn.models")
     assert kvcdn_host.model_adapters() == {}
     assert kvcdn_host.infos["bad"].status == "failed"
-    assert "raised in kvcdn_register_model_adapters" in capsys.readouterr().err
+    assert "raised in kvcdn_register_model_adapters" in warned(recwarn)
     assert kvcdn_host.storage_backends()["file"].__name__ == "LocalStorage"
 
 
@@ -150,7 +155,7 @@ def test_builtin_parts_register_through_the_hooks():
 
 
 @pytest.mark.parametrize("result", [[object()], "not a list", [type("NoArch", (), {})]])
-def test_a_plugin_returning_garbage_is_isolated(kvcdn_host, capsys, result):
+def test_a_plugin_returning_garbage_is_isolated(kvcdn_host, recwarn, result):
     from kvcdn_model_qwen import QwenAdapter
 
     good = types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda: [QwenAdapter]))
@@ -159,10 +164,10 @@ def test_a_plugin_returning_garbage_is_isolated(kvcdn_host, capsys, result):
     kvcdn_host.register(bad, "bad", "kvcdn.models")
     assert kvcdn_host.model_adapters()["Qwen3ForCausalLM"] is QwenAdapter
     assert kvcdn_host.infos["bad"].status == "failed"
-    assert "invalid result" in capsys.readouterr().err
+    assert "invalid result" in warned(recwarn)
 
 
-def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, capsys):
+def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, recwarn):
     from kvcdn_core import LocalStorage, ModelAdapter
     from kvcdn_core.registry import adapter_for, open_storage
 
@@ -196,13 +201,14 @@ def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, cap
     assert adapter_for("DupForCausalLM") is First
     assert adapter_for("OnlySecondForCausalLM") is Second
     assert type(open_storage("/tmp")) is LocalStorage  # a built-in wins over any plugin
-    err = capsys.readouterr().err
+    err = warned(recwarn)
     assert "plugin 'zeta' and plugin 'alpha' both claim architecture DupForCausalLM; using 'alpha'" in err
     assert "plugin 'aaa-storage' and plugin 'local' both claim uri scheme file; using 'local'" in err
     assert kvcdn_host.infos["zeta"].overridden == ["architecture DupForCausalLM (used: alpha)"]
     assert kvcdn_host.infos["zeta"].provides == {"architectures": ["DupForCausalLM", "OnlySecondForCausalLM"]}
+    recwarn.clear()
     adapter_for("DupForCausalLM")
-    assert capsys.readouterr().err == ""  # reported once
+    assert warned(recwarn) == ""  # reported once
 
 
 def test_duplicate_commands_keep_the_first_owner(plugin_dir, run_kvcdn):

@@ -17,6 +17,11 @@ plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contra
 - **Rename** moves an object to another key, replacing the target; the source is gone afterwards.
 - **Presigned URLs** are optional: None means the medium has none (the hosted server then signs
   its own and streams the bytes through :meth:`StorageBackend.open_read`).
+- **Capabilities** are declared, never discovered by failing. ``stores`` says what the medium keeps:
+  ``"bytes"`` (any object, the default) or ``"kv"`` (only valid ``.kv`` artifacts, like the hosted
+  endpoint, which checks every upload). ``unsupported`` names the optional operations (from
+  :data:`OPTIONAL_OPERATIONS`) the medium cannot do faithfully. Both are refused with
+  :class:`NotSupported` before anything changes; nothing else may raise it.
 - **Threads.** One backend instance is used from many threads at once (the server does): every
   method is safe to call concurrently; writers of one key race and the last whole object wins.
 """
@@ -44,6 +49,16 @@ class ObjectNotFound(KvcdnError):
     """The object a read or rename named does not exist."""
 
 
+class NotSupported(KvcdnError):
+    """An operation or an object the backend declared it does not take (``unsupported``, ``stores``)."""
+
+
+#: What a backend's ``stores`` may say: any bytes, or only valid ``.kv`` artifacts.
+STORES = ("bytes", "kv")
+#: The operations a backend may list in ``unsupported``.
+OPTIONAL_OPERATIONS = frozenset({"rename"})
+
+
 class StorageBackend:
     """The interface every storage backend implements.
 
@@ -53,6 +68,12 @@ class StorageBackend:
 
     #: URI schemes this backend serves (``file``, ``s3``...).
     schemes: ClassVar[tuple[str, ...]] = ()
+    #: What the medium keeps: ``"bytes"`` (any object) or ``"kv"`` (only valid ``.kv`` artifacts;
+    #: storing anything else raises :class:`NotSupported`).
+    stores: ClassVar[str] = "bytes"
+    #: Optional operations (from :data:`OPTIONAL_OPERATIONS`) this backend does not offer: calling
+    #: one raises :class:`NotSupported`.
+    unsupported: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def from_uri(cls, uri: str) -> StorageBackend:
@@ -117,7 +138,11 @@ class StorageBackend:
         return stream
 
     def rename(self, source_key: str, target_key: str) -> None:
-        """Move an object to another key, replacing the target (copy + delete by default)."""
+        """Move an object to another key, replacing the target (copy + delete by default).
+
+        :class:`NotSupported` when the backend lists ``rename`` in ``unsupported``.
+        """
+        self.require("rename")
         with tempfile.TemporaryDirectory() as tmp:
             staged = Path(tmp) / "object"
             self.get_file(source_key, staged)
@@ -130,6 +155,11 @@ class StorageBackend:
         None when the medium has no such URLs (the hosted server then signs its own).
         """
         return None
+
+    def require(self, operation: str) -> None:
+        """Raise :class:`NotSupported` when ``operation`` is one this backend declared it does not offer."""
+        if operation in type(self).unsupported:
+            raise NotSupported(f"{type(self).__name__} does not support {operation}")
 
 
 def safe_key(key: str) -> str:

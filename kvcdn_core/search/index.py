@@ -13,7 +13,6 @@ import json
 import os
 import stat
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core import notices
 from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.manifest import Manifest
@@ -32,10 +32,6 @@ INDEX_VERSION = 1
 FINGERPRINT_KEYS = COMPATIBILITY_KEYS
 
 Warn = Callable[[str], None]
-
-
-def _stderr_warning(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
 
 
 # -- the catalog: artifacts found under a directory -------------------------------------------
@@ -195,7 +191,7 @@ def _index_directory(directory: Path, names: list[str], warn: Warn) -> list[Entr
     return entries
 
 
-def scan(root: str | os.PathLike, warn: Warn = _stderr_warning) -> list[Entry]:
+def scan(root: str | os.PathLike, warn: Warn = notices.warn) -> list[Entry]:
     """Every readable `.kv` artifact under ``root`` (recursively), through the per-directory indexes.
 
     Unreadable or invalid files are skipped with one warning each; they are not cached, so they are

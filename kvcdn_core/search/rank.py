@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core import notices
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.manifest import ANY_PREFIX
 from kvcdn_core.model_files import fingerprint_differences
-from kvcdn_core.search.index import Entry, Warn, _stderr_warning, scan
+from kvcdn_core.search.index import Entry, Warn, scan
 
 # -- matching and ranking -------------------------------------------------------------------
 
@@ -257,7 +258,7 @@ def infer_model(entries: list[Entry], directory) -> str:
 
 
 def search(
-    directory, query: str, model_ref: str | None = None, revision: str | None = None, warn: Warn = _stderr_warning
+    directory, query: str, model_ref: str | None = None, revision: str | None = None, warn: Warn = notices.warn
 ) -> Search:
     """Scan ``directory``, tokenize ``query`` the way the model's contexts are, and rank."""
     from kvcdn_core.model_files import fingerprint as model_fingerprint

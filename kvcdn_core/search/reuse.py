@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core import notices
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.manifest import Manifest
-from kvcdn_core.search.index import Warn, _stderr_warning
+from kvcdn_core.search.index import Warn
 from kvcdn_core.search.rank import Ranking, Search, common_prefix, usable_tokens
 
 
@@ -72,7 +73,7 @@ def prefill_reusing(
     chunk: int | None = None,
     progress: bool = False,
     force: bool = False,
-    warn: Warn = _stderr_warning,
+    warn: Warn = notices.warn,
 ) -> Prefilled:
     """Load the best usable artifact, crop it to the usable prefix and prefill the rest of the query.
 

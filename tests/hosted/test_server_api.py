@@ -383,7 +383,23 @@ def test_signed_urls_refuse_tampering_and_expiry(local_server, org_key, small_kv
 
 
 @pytest.mark.parametrize(
-    "name", ["a/b.kv", "../up.kv", "..", "bad\x00name", "tab\tname", "back\\slash", " lead", "", "x" * 256, "del\x7f"]
+    "name",
+    [
+        "/abs.kv",
+        "a//b.kv",
+        "a/",
+        "./a.kv",
+        "a/./b.kv",
+        "../up.kv",
+        "..",
+        "bad\x00name",
+        "tab\tname",
+        "back\\slash",
+        " lead",
+        "",
+        "x" * 256,
+        "del\x7f",
+    ],
 )
 def test_bad_names_are_refused(local_server, org_key, small_kv, name):
     key = org_key("names")

@@ -159,6 +159,7 @@ def test_the_name_check_itself(name):
         check_name(name)
     assert refused.value.status == 422 and refused.value.code == "invalid_name"
     assert check_name("cafe\u0301") == "caf\u00e9"
+    assert check_name("team/q3/doc.kv") == "team/q3/doc.kv"  # parts, as storage keys have
 
 
 def test_names_are_stored_in_nfc(local_server, org_key, small_kv):

@@ -12,7 +12,7 @@ import random
 import time
 from typing import Any
 
-from kvcdn_core import KvcdnError
+from kvcdn_core import KvcdnError, warn
 from kvcdn_hosted import credentials, oidc
 from kvcdn_hosted.apikey import validate_api_key
 from kvcdn_hosted.config import Settings
@@ -146,17 +146,14 @@ class HostedClient:
         return {}
 
     def _warn_plain_http(self) -> None:
-        """Say once, on stderr, when a credential is about to cross the network unencrypted."""
+        """Warn once when a credential is about to cross the network unencrypted."""
         if self.credential is None or self.api_url in _warned_plain_http:
             return
         if insecure_remote(self.api_url):
             _warned_plain_http.add(self.api_url)
-            import click
-
-            click.echo(
-                f"warning: sending your credential over plain http to {self.api_url}; "
-                "use https for anything but a loopback address",
-                err=True,
+            warn(
+                f"sending your credential over plain http to {self.api_url}; "
+                "use https for anything but a loopback address"
             )
 
     def require_credential(self, what: str) -> Credential:

@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvcdn_core import KvcdnError, config_home
+from kvcdn_core import KvcdnError, config_home, warn
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -100,10 +100,7 @@ def read_config_file(path: Path | None = None) -> dict[str, str]:
         if key not in ENV:
             if (str(path), key) not in _WARNED:  # settings are read more than once per command
                 _WARNED.add((str(path), key))
-                print(
-                    f"warning: config file {path}: unknown setting '{key}' ignored (known: {', '.join(ENV)})",
-                    file=sys.stderr,
-                )
+                warn(f"config file {path}: unknown setting '{key}' ignored (known: {', '.join(ENV)})")
             continue
         if not isinstance(value, str):
             raise KvcdnError(f"config file {path}: '{key}' must be a string, got {type(value).__name__}")

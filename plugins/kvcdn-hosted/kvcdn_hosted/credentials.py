@@ -12,12 +12,11 @@ import contextlib
 import json
 import os
 import stat
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import KvcdnError, atomic_open, config_home
+from kvcdn_core import KvcdnError, atomic_open, config_home, warn
 
 FILE_NAME = "credentials.json"
 _held = threading.local()
@@ -36,7 +35,7 @@ def load() -> dict[str, Any]:
         return {}
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         # Someone widened it by hand: secrets must stay private, so narrow it back and say so.
-        print(f"warning: {path} was readable by others; its mode is now 0600", file=sys.stderr)
+        warn(f"{path} was readable by others; its mode is now 0600")
         os.chmod(path, 0o600)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -78,7 +78,7 @@ def device_login(
     *,
     scope: str = DEFAULT_SCOPE,
     resource: str | None = None,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None],
     open_browser: Callable[[str], Any] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
@@ -171,7 +171,7 @@ def pkce_login(
     scope: str = DEFAULT_SCOPE,
     resource: str | None = None,
     timeout_s: float = 300.0,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None],
     open_browser: Callable[[str], Any] | None = None,
 ) -> dict[str, Any]:
     """Authorization code + PKCE on a loopback redirect; return the token response."""

@@ -1,23 +1,50 @@
 """The hosted endpoint as a kvcdn storage backend, and the hosted API calls behind it.
 
 URIs: ``kvcdn://`` (the configured ``api_url``) or ``kvcdn+https://host[:port]`` /
-``kvcdn+http://host[:port]`` (that endpoint). Keys are artifact ids; ``put_file`` uploads with the
-key as the artifact's name. Credentials come from the usual settings (env, config, stored login).
+``kvcdn+http://host[:port]`` (that endpoint). Credentials come from the usual settings (env,
+config, stored login).
+
+As a :class:`~kvcdn_core.StorageBackend`, a key is an artifact's *name* in the caller's own tenant
+(what ``kvcdn upload --name`` gives; ``team/doc.kv`` lists under the prefix ``team/``):
+
+- ``put_file`` uploads and, in the same server-side step as the confirm, deletes the tenant's other
+  artifacts of that name (``replace``): a name holds one object, and of racing writers the last
+  one confirmed stays. The upload gets a new artifact id.
+- reads and ``list`` see the tenant's ready artifacts; a name that several artifacts share
+  (uploaded with ``kvcdn upload`` without replacing) reads as the one confirmed last, and
+  ``delete`` removes all of them.
+- ``stores = "kv"``: the server checks every upload, so only valid ``.kv`` artifacts are taken;
+  anything else is refused with :class:`~kvcdn_core.NotSupported` before a request is made.
+- ``rename`` is not offered (``unsupported``): the API has none, and copy plus delete would give
+  the artifact a new id and break every reference to the old one.
 """
 
 from __future__ import annotations
 
+import threading
+import unicodedata
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from kvcdn_core import KvcdnError, ObjectInfo, StorageBackend
+from kvcdn_core import (
+    ArtifactError,
+    KvcdnError,
+    NotSupported,
+    ObjectInfo,
+    ObjectNotFound,
+    StorageBackend,
+    check_prefix,
+    safe_key,
+)
 from kvcdn_hosted import wire
 
 #: confirm makes the server read and hash the whole object: allow a floor plus time per byte
 CONFIRM_BASE_S = 60.0
 CONFIRM_BYTES_PER_S = 20 * (1 << 20)
 CONFIRM_POLL_S = 1.0
+#: how often a read resolves a name again when a concurrent replace deleted what it found
+RESOLVE_ATTEMPTS = 5
 
 
 def confirm_timeout(size: int) -> float:
@@ -34,15 +61,35 @@ def _id(artifact_id: str) -> str:
     return artifact_id
 
 
+def _name(key: str) -> str:
+    """A storage key as an artifact name: a valid key, already in the Unicode NFC the server keeps."""
+    if unicodedata.normalize("NFC", safe_key(key)) != key:
+        raise KvcdnError(f"invalid storage key '{key}': the hosted endpoint keeps names in Unicode NFC")
+    return key
+
+
+def _recency(record: dict[str, Any]) -> tuple[float, str, str]:
+    """Orders artifacts of one name: the one confirmed last reads as the name's object (by the
+    microsecond ``confirmed_at_unix``, else the ISO second; then by id, so that ties are stable)."""
+    return (
+        float(record.get("confirmed_at_unix") or 0.0),
+        record.get("confirmed_at") or "",
+        record.get("artifact_id") or "",
+    )
+
+
 class HostedStorage(StorageBackend):
-    """Artifacts on a kvcdn hosted endpoint (``kvcdn serve``)."""
+    """Artifacts on a kvcdn hosted endpoint (``kvcdn serve``); as storage, keyed by artifact name."""
 
     schemes: ClassVar[tuple[str, ...]] = ("kvcdn", "kvcdn+http", "kvcdn+https")
+    stores: ClassVar[str] = "kv"
+    unsupported: ClassVar[frozenset[str]] = frozenset({"rename"})
 
     def __init__(self, settings, *, quiet: bool = True):
         self.settings = settings
         self.quiet = quiet
         self._client = None
+        self._client_lock = threading.Lock()
 
     @classmethod
     def from_uri(cls, uri: str) -> HostedStorage:
@@ -58,11 +105,12 @@ class HostedStorage(StorageBackend):
 
     @property
     def client(self):
-        if self._client is None:
-            from kvcdn_hosted.client import HostedClient
+        with self._client_lock:  # one client (one connection pool) for every thread
+            if self._client is None:
+                from kvcdn_hosted.client import HostedClient
 
-            self._client = HostedClient(self.settings)
-        return self._client
+                self._client = HostedClient(self.settings)
+            return self._client
 
     def close(self) -> None:
         if self._client is not None:
@@ -71,8 +119,11 @@ class HostedStorage(StorageBackend):
 
     # -- the hosted API ------------------------------------------------------------------------
 
-    def upload(self, source: Path, name: str, visibility: str = "private") -> dict[str, Any]:
-        """Upload a checked ``.kv`` file; return the confirmed artifact record."""
+    def upload(self, source: Path, name: str, visibility: str = "private", replace: bool = False) -> dict[str, Any]:
+        """Upload a checked ``.kv`` file; return the confirmed artifact record.
+
+        ``replace``: the confirm also deletes the caller's other artifacts of this name.
+        """
         from kvcdn_core import artifact
         from kvcdn_hosted import transfer
 
@@ -95,10 +146,10 @@ class HostedStorage(StorageBackend):
         artifact_id = grant.get("artifact_id")
         if not artifact_id:
             raise KvcdnError("upload: the server's answer has no artifact_id")
-        confirm_body = None
+        confirm_body: dict[str, Any] | None = {"replace": True} if replace else None
         parts = (grant.get("multipart") or {}).get("parts") if isinstance(grant.get("multipart"), dict) else None
         if parts:
-            confirm_body = {"parts": self._upload_parts(source, parts, grant["multipart"])}
+            confirm_body = {**(confirm_body or {}), "parts": self._upload_parts(source, parts, grant["multipart"])}
         else:
             if str(grant.get("method", "PUT")).upper() != "PUT" or not grant.get("url"):
                 raise KvcdnError("upload: the server offered no PUT url")
@@ -181,12 +232,15 @@ class HostedStorage(StorageBackend):
             done.append({"part_number": number, "etag": response.headers.get("ETag", "")})  # verbatim
         return done
 
-    def artifacts(self, page_size: int = 100) -> list[dict[str, Any]]:
-        """Every artifact the credential can see, following the pagination cursor."""
+    def artifacts(self, page_size: int = 100, prefix: str = "") -> list[dict[str, Any]]:
+        """Every artifact the credential can see (whose name starts with ``prefix``), following the
+        pagination cursor."""
         found: list[dict[str, Any]] = []
         cursor = None
         for _ in range(10_000):
-            params = {"limit": page_size}
+            params: dict[str, Any] = {"limit": page_size}
+            if prefix:
+                params["prefix"] = prefix
             if cursor:
                 params["cursor"] = cursor
             page = self.client.json("GET", wire.ARTIFACTS, what="list", params=params)
@@ -212,9 +266,12 @@ class HostedStorage(StorageBackend):
         )
 
     def download(self, artifact_id: str, target: Path) -> Path:
+        return self._fetch(self.download_grant(artifact_id), Path(target))
+
+    def _fetch(self, grant: dict[str, Any], target: Path) -> Path:
+        """Download what a download-url answer grants, checked by size and sha256, atomically."""
         from kvcdn_hosted import transfer
 
-        grant = self.download_grant(artifact_id)
         url = grant.get("download_url") or grant.get("url")
         if not url:
             raise KvcdnError("download: the server's answer has no download_url")
@@ -248,30 +305,69 @@ class HostedStorage(StorageBackend):
             "POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0, idempotent=True
         )  # no side effects: a retry only repeats the work
 
-    # -- StorageBackend --------------------------------------------------------------------------
+    # -- StorageBackend: keys are artifact names -----------------------------------------------
+
+    def _named(self, key: str) -> list[dict[str, Any]]:
+        """The caller's ready artifacts called ``key``, the one confirmed last first."""
+        _name(key)
+        found = [a for a in self.artifacts(prefix=key) if a.get("name") == key and a.get("status", "ready") == "ready"]
+        return sorted(found, key=_recency, reverse=True)
+
+    def _current(self, key: str) -> dict[str, Any] | None:
+        named = self._named(key)
+        return named[0] if named else None
 
     def put_file(self, key: str, source: Path) -> None:
-        self.upload(Path(source), name=key)
+        from kvcdn_core import artifact
+
+        _name(key)
+        try:
+            artifact.read_header(source)
+        except ArtifactError as exc:
+            raise NotSupported(f"the hosted endpoint stores only .kv artifacts: {exc}") from None
+        self.upload(Path(source), name=key, replace=True)
 
     def get_file(self, key: str, target: Path) -> None:
-        self.download(key, Path(target))
+        """The artifact called ``key``, checked against its sha256, written atomically to ``target``."""
+        for _ in range(RESOLVE_ATTEMPTS):
+            record = self._current(key)
+            if record is None:
+                break
+            response = self.client.request(
+                "POST",
+                wire.path(wire.DOWNLOAD_URL, artifact_id=_id(record["artifact_id"])),
+                what=f"download {key}",
+                ok=(200, 404),
+                idempotent=True,
+            )
+            if response.status_code == 404:
+                continue  # replaced or deleted since it was listed: look the name up again
+            self._fetch(response.json(), Path(target))
+            return
+        raise ObjectNotFound(f"no artifact named '{key}' on {self.client.api_url}")
 
     def open_read(self, key: str):
         """The artifact, downloaded and checked against its sha256 before anything is read from it."""
         return super().open_read(key)
 
-    def exists(self, key: str) -> bool:
-        response = self.client.request(
-            "GET", wire.path(wire.ARTIFACT, artifact_id=_id(key)), what=f"artifact {key}", ok=(200, 404)
-        )
-        return response.status_code == 200
+    def size_of(self, key: str) -> int | None:
+        record = self._current(key)
+        return None if record is None else int(record.get("size_bytes") or 0)
 
     def delete(self, key: str) -> None:
-        self.remove(key)
+        for record in self._named(key):
+            self.client.request(
+                "DELETE",
+                wire.path(wire.ARTIFACT, artifact_id=_id(record["artifact_id"])),
+                what=f"delete {key}",
+                ok=(200, 204, 404),  # 404: a concurrent delete or replace got there first
+            )
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return [
-            ObjectInfo(a["artifact_id"], int(a.get("size_bytes") or 0))
-            for a in self.artifacts()
-            if str(a.get("artifact_id", "")).startswith(prefix)
-        ]
+        newest: dict[str, dict[str, Any]] = {}
+        for a in self.artifacts(prefix=check_prefix(prefix)):
+            name = str(a.get("name") or "")
+            if name.startswith(prefix) and a.get("status", "ready") == "ready":
+                if name not in newest or _recency(a) > _recency(newest[name]):
+                    newest[name] = a
+        return [ObjectInfo(name, int(newest[name].get("size_bytes") or 0)) for name in sorted(newest)]

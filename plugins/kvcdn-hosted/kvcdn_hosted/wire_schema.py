@@ -85,6 +85,8 @@ class ConfirmRequest(Strict):
     #: the original client's confirm: the sha256 and size it uploaded (checked against the bytes)
     digest: Sha256 | None = None
     size_bytes: int | None = Field(None, ge=0)
+    #: delete the caller's other ready artifacts of this name in the same step (the storage backend's overwrite)
+    replace: bool = False
 
 
 class InferRequest(Strict):

@@ -256,11 +256,9 @@ def test_credentials_over_plain_http_to_a_remote_host_warn_once(config_home, mon
     monkeypatch.setenv("KVCDN_API_KEY", KEY)
     monkeypatch.setenv("KVCDN_API_URL", "http://192.0.2.1:9")
     monkeypatch.setattr(client, "_warned_plain_http", set())
-    echoed = []
-    import click
+    from kvcdn_core import KvcdnWarning
 
-    monkeypatch.setattr(click, "echo", lambda message=None, err=False, **kw: echoed.append((message, err)))
-    with client.HostedClient(load_settings()) as c:
+    with client.HostedClient(load_settings()) as c, pytest.warns(KvcdnWarning) as seen:
         c._warn_plain_http()
         c._warn_plain_http()
-    assert len(echoed) == 1 and echoed[0][1] and "plain http" in echoed[0][0]
+    assert len(seen) == 1 and "plain http" in str(seen[0].message)

@@ -29,13 +29,13 @@ def test_saved_private_and_atomically(config_home):
     assert credentials.clear() and not path.exists()
 
 
-def test_widened_mode_is_narrowed(config_home, capsys):
+def test_widened_mode_is_narrowed(config_home, recwarn):
     credentials.update(api_key=KEY)
     path = credentials.credentials_path()
     os.chmod(path, 0o644)
     assert credentials.load()["api_key"] == KEY
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert "readable by others" in capsys.readouterr().err
+    assert any("readable by others" in str(w.message) for w in recwarn)
 
 
 def test_corrupt_file_is_a_clear_error(config_home):

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl
+from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl, note
 
 __version__ = "0.1.0"
 
@@ -123,7 +122,7 @@ def verdict(architecture: str, config: dict[str, Any], say=None) -> type[Generic
         return f"kvcdn cannot serve {architecture} exactly: {REFUSED[architecture]}"
     record = read_record(architecture)
     if record is None:
-        (say or _stderr)(
+        (say or note)(
             f"{architecture}: no family plugin claims it; validating it on a tiny config of "
             "its own class (once per transformers version) ..."
         )
@@ -135,10 +134,6 @@ def verdict(architecture: str, config: dict[str, Any], say=None) -> type[Generic
         f"no family plugin claims {architecture}, and the generic adapter's guard failed on a tiny "
         f"config of it ({failed['phase']}: {failed['detail']}); not served"
     )
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
 
 
 @hookimpl

@@ -123,6 +123,11 @@ def redact_access_log() -> None:
 
 def build_services(config: ServerConfig, storage=None, engine=None) -> Services:
     storage = storage or open_storage(config.storage_uri)
+    if type(storage).stores != "bytes" or "rename" in type(storage).unsupported:
+        # uploads are kept as they arrive, checked, then renamed out of the upload URL's reach
+        raise KvcdnError(
+            f"storage '{config.storage_uri}' cannot hold a server's objects: it must store any bytes and rename"
+        )
     engine = engine or open_database(config.database_url)
     limit = RateLimit(engine)
     return Services(

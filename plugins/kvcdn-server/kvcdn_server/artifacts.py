@@ -74,7 +74,8 @@ _INVISIBLE = {"\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u180e"}
 
 def check_name(name: str) -> str:
     """The NFC form of an artifact name, or 422: names are shown in terminals, so no controls, bidi
-    overrides, invisible characters or lone surrogates."""
+    overrides, invisible characters or lone surrogates; ``/`` only between parts (``team/doc.kv``,
+    the keys of the client's storage backend), never a path that could climb."""
     problem = None
     if any(unicodedata.category(c) == "Cs" for c in name):
         raise ApiError(422, "invalid_name", "artifact name must not contain lone surrogates")
@@ -83,9 +84,11 @@ def check_name(name: str) -> str:
         problem = "must be 1 to 255 characters"
     elif any(unicodedata.category(c) in ("Cc", "Cf", "Co", "Zl", "Zp") or c in _INVISIBLE for c in name):
         problem = "must not contain control, format (bidi, zero-width) or private-use characters"
-    elif "/" in name or "\\" in name:
-        problem = "must not contain '/' or '\\'"
-    elif ".." in name or name == ".":
+    elif "\\" in name:
+        problem = "must not contain '\\'"
+    elif any(part in ("", ".") for part in name.split("/")):
+        problem = "must not start or end with '/' nor have an empty or '.' part between slashes"
+    elif ".." in name:
         problem = "must not contain '..'"
     elif name != name.strip():
         problem = "must not start or end with white space"
@@ -129,6 +132,8 @@ def view(row, owner: bool = True) -> dict[str, Any]:
         "sha256": row.sha256,
         "created_at": now_iso(row.created_at),
         "confirmed_at": now_iso(row.confirmed_at) if row.confirmed_at else None,
+        # the same instant to the microsecond: orders artifacts confirmed within one second
+        "confirmed_at_unix": round(row.confirmed_at, 6) if row.confirmed_at else None,
         "manifest": manifest,
     }
     if owner:
@@ -175,13 +180,19 @@ class ArtifactStore:
         row = self.row(artifact_id)
         return row if row is not None and row.status == "ready" else None
 
-    def list_ready(self, tenant: str, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
+    def list_ready(
+        self, tenant: str, limit: int, cursor: str | None, prefix: str = ""
+    ) -> tuple[list[dict], str | None]:
+        """One page of the tenant's ready artifacts (those whose name starts with ``prefix``), by id."""
         query = (
             sa.select(artifacts)
             .where(artifacts.c.tenant == tenant, artifacts.c.status == "ready")
             .order_by(artifacts.c.id)
             .limit(limit + 1)
         )
+        if prefix:
+            # substr, not LIKE: exact in both databases (SQLite's LIKE ignores case)
+            query = query.where(sa.func.substr(artifacts.c.name, 1, len(prefix)) == prefix)
         if cursor is not None:
             query = query.where(artifacts.c.id > cursor)
         with self.reads.connect() as c:
@@ -436,9 +447,15 @@ class ArtifactStore:
         parts: list[dict[str, Any]] | None,
         digest: str | None = None,
         size: int | None = None,
+        replace: bool = False,
     ) -> dict[str, Any]:
         """Check the uploaded bytes and make the artifact ``ready``; any refusal fails the upload
-        (its reservation goes back) with a one-line 422, so an upload is never left stuck."""
+        (its reservation goes back) with a one-line 422, so an upload is never left stuck.
+
+        ``replace``: the tenant's other ready artifacts of the same name are deleted in the same
+        transaction, so that a name never shows two objects and, of racing replacements, the last
+        one confirmed stays (the tenant's usage row is locked first: confirms of one tenant that
+        replace queue there)."""
         check_id(artifact_id)
         row = self.row(artifact_id)
         if row is None or row.tenant != tenant:
@@ -461,7 +478,10 @@ class ArtifactStore:
             except BaseException:
                 self._end(artifact_id, ("confirming",), "failed", "the server could not check the upload")
                 raise
+            replaced = []
             with self.db.begin() as c:
+                if replace:
+                    self._lock_usage(c, tenant)
                 done = self._move(
                     c,
                     artifact_id,
@@ -471,9 +491,39 @@ class ArtifactStore:
                     confirmed_at=time.time(),
                     manifest=json.dumps(summary, sort_keys=True),
                 )
-        if not done:
+                if done and replace:
+                    replaced = self._drop_others_named(c, tenant, row.name, artifact_id)
+                # read in the same transaction: a delete or a later replace may remove it right after
+                confirmed = (
+                    c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first() if done else None
+                )
+        for old in replaced:
+            self._remove_objects(old.id, old.multipart_id)
+        if confirmed is None:
             raise ApiError(409, "upload_failed", "the upload was deleted or expired while it was confirmed")
-        return view(self.row(artifact_id))
+        return view(confirmed)
+
+    @staticmethod
+    def _lock_usage(c, tenant: str) -> None:
+        """Hold the tenant's usage row until the transaction ends: confirms that replace and deletes
+        of one tenant queue there (a no-op update takes the row lock on every database)."""
+        c.execute(usage.update().where(usage.c.tenant == tenant).values(artifacts=usage.c.artifacts))
+
+    def _drop_others_named(self, c, tenant: str, name: str, keep: str) -> list:
+        """Delete the tenant's other ready artifacts called ``name`` and give their quota back; the
+        caller removes their objects once the transaction is committed."""
+        rows = c.execute(
+            sa.select(artifacts.c.id, artifacts.c.size_bytes, artifacts.c.multipart_id).where(
+                artifacts.c.tenant == tenant,
+                artifacts.c.name == name,
+                artifacts.c.status == "ready",
+                artifacts.c.id != keep,
+            )
+        ).all()
+        for old in rows:
+            c.execute(artifacts.delete().where(artifacts.c.id == old.id))
+            self._release(c, tenant, old.size_bytes)
+        return rows
 
     def _check(self, row, parts, digest, size) -> dict[str, Any]:
         if row.multipart_id:
@@ -535,6 +585,8 @@ class ArtifactStore:
     def delete(self, tenant: str, artifact_id: str) -> None:
         check_id(artifact_id)
         with self.db.begin() as c:
+            # the tenant's usage row first, as a replacing confirm takes it: one lock order, no deadlock
+            self._lock_usage(c, tenant)
             row = c.execute(
                 sa.select(artifacts).where(artifacts.c.id == artifact_id, artifacts.c.tenant == tenant)
             ).first()

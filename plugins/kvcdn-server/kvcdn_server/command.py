@@ -158,10 +158,26 @@ def serve(
         "-H 'Content-Type: application/json' -d '{\"org_slug\": \"my-org\"}'",
         err=True,
     )
+    show_telemetry_events()
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, proxy_headers=True, server_header=False)
     )
     server.run(sockets=[sock])
+
+
+def show_telemetry_events() -> None:
+    """Telemetry events the server has no collector for: one JSON line each on stderr, as they are."""
+    import logging
+    import sys
+
+    from kvcdn_server.telemetry import events
+
+    if not events.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        events.addHandler(handler)
+    events.setLevel(logging.INFO)
+    events.propagate = False
 
 
 def check_local_models(models: list[str]) -> None:

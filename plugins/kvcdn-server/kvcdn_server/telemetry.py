@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import sys
 import threading
 import time
 
@@ -18,6 +17,8 @@ from kvcdn_server.db import telemetry_limits
 RATE_PER_S = 20.0
 RATE_BURST = 100
 log = logging.getLogger("kvcdn.telemetry")
+#: where events go without a collector: one JSON line each (``kvcdn serve`` writes them to stderr)
+events = logging.getLogger("kvcdn.telemetry.events")
 
 
 class RateLimit:
@@ -86,7 +87,7 @@ class TelemetrySink:
         if not self.limit.allow(client):
             return False
         if not self.url:
-            sys.stderr.write(json.dumps({"telemetry": event}, sort_keys=True) + "\n")
+            events.info(json.dumps({"telemetry": event}, sort_keys=True))
             return True
         if self._thread is None:
             self._thread = threading.Thread(target=self._forward, name="kvcdn-telemetry", daemon=True)

@@ -24,11 +24,12 @@ SYNC_INTERVAL_S = 30.0
 class Source:
     """The ``source`` of a connector: :attr:`directory` to search and save in, maybe a remote store."""
 
-    def __init__(self, uri: str, create: bool = False, warn: Callable[[str], None] = print):
+    def __init__(self, uri: str, create: bool = False, warn: Callable[[str], None] | None = None):
         from kvcdn_core import LocalStorage, open_storage
+        from kvcdn_core import warn as warn_person
 
         self.uri = uri
-        self._warn = warn
+        self._warn = warn or warn_person
         self._last_sync = float("-inf")
         backend = open_storage(uri)
         if isinstance(backend, LocalStorage):

@@ -54,17 +54,24 @@ def confirm_upload(identity: Auth, artifact_id: str, s: Svc, body: ConfirmReques
     check_id(artifact_id)
     parts = [p.model_dump() for p in body.parts] if body and body.parts else None
     return s.store.confirm(
-        identity.tenant, artifact_id, parts, body.digest if body else None, body.size_bytes if body else None
+        identity.tenant,
+        artifact_id,
+        parts,
+        body.digest if body else None,
+        body.size_bytes if body else None,
+        replace=bool(body and body.replace),
     )
 
 
 @router.get(wire.ARTIFACTS)
-def list_artifacts(identity: Auth, s: Svc, limit: int = 50, cursor: str | None = None):
+def list_artifacts(identity: Auth, s: Svc, limit: int = 50, cursor: str | None = None, prefix: str = ""):
     if not 1 <= limit <= 500:
         raise validation("limit: must be between 1 and 500")
     if cursor is not None and not UUID.match(cursor):
         raise validation("cursor: not a cursor this server issued")
-    page, next_cursor = s.store.list_ready(identity.tenant, limit, cursor)
+    if len(prefix) > 255:
+        raise validation("prefix: at most 255 characters")
+    page, next_cursor = s.store.list_ready(identity.tenant, limit, cursor, prefix)
     return {"artifacts": page, "next_cursor": next_cursor}
 
 
