@@ -9,17 +9,19 @@ on a model with trained weights (the numbers in docs/quantization.md come from o
    cache (``runtime.load_cache``), quantized against unquantized, median of several runs.
 3. Quality: random weights say little about quantization error, so this trains a small Qwen3-style
    model (4 layers, hidden 128) for a few minutes on CPU on the docstrings of Python's standard
-   library, then, over many held-out contexts and questions, compares each scheme's continuation
-   with a full prefill: free-running token agreement, exact sequences, and teacher-forced max logit
-   difference and KL divergence.
+   library, then, over many 512-token slices of held-out docstrings, compares each scheme with the
+   float32 cache of the same context (:func:`quality`, shared with ``quant_smollm2.py``):
+   teacher-forced argmax agreement and KL divergence over the next tokens of the text, and whether
+   a greedy continuation stays identical.
 
-    OMP_NUM_THREADS=1 python benchmarks/quant_report.py [--train-seconds 180] [--contexts 24] [--json out.json]
+    OMP_NUM_THREADS=1 python benchmarks/quant_report.py [--train-seconds 180] [--contexts 32] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import math
 import random
@@ -52,9 +54,11 @@ def installed(schemes):
 
 
 def label(scheme, params):
-    if not params and scheme in ("int4", "int2"):
-        return f"{scheme} r128"
-    return scheme + (" r0" if params.get("residual") == 0 else "")
+    """The scheme's name, with its residual window where it has one (``int4 r128``, ``int4 r0``)."""
+    from kvcdn_core.registry import quantizer_for
+
+    residual = {**quantizer_for(scheme).default_params, **params}.get("residual")
+    return scheme if residual is None else f"{scheme} r{residual}"
 
 
 def quantize_file(src: Path, scheme: str, params: dict, out: Path) -> Path:
@@ -140,13 +144,18 @@ def compression_and_speed(workdir: Path) -> dict:
 # -- 3: quality on a trained model -------------------------------------------------------------------
 
 
+def library_files(root: Path) -> list[Path]:
+    """The standard library's modules, one package level deep, less tests, IDLE, lib2to3, tkinter
+    and whatever is installed in its site-packages."""
+    skip = ("idlelib", "lib2to3", "tkinter", "test", "site-packages", "dist-packages")
+    paths = sorted(root.glob("*.py")) + sorted(root.glob("*/*.py"))
+    return [p for p in paths if "test" not in p.parts[-2:] and p.parent.name not in skip]
+
+
 def stdlib_docstrings() -> list[str]:
     """Docstrings of the standard library's own modules, read with ast (nothing is imported)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
-    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if "test" in path.parts[-2:] or path.parent.name in ("idlelib", "lib2to3", "tkinter", "test"):
-            continue
+    for path in library_files(Path(sysconfig.get_paths()["stdlib"])):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
@@ -234,107 +243,213 @@ def train_model(workdir: Path, train_docs, seconds: float, seed: int = 0) -> tup
     }
 
 
-def quality(workdir: Path, model_dir: Path, eval_docs, contexts: int, n: int, schemes=None) -> list[dict]:
+def stdlib_sources() -> list[tuple[str, str]]:
+    """The standard library's own source files and its LICENSE.txt: ``(path relative to it, text)``.
+
+    Varied text (code, comments, docstrings, legal prose) that every Python install carries, so the
+    contexts cut from it need no download.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in [root / "LICENSE.txt", *library_files(root)]:
+        try:
+            out.append((path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def text_slices(tokenizer, texts, lengths, per_length: int, continuation: int, seed: int = 0) -> list[dict]:
+    """``per_length`` cases per context length, cut at a random token offset of a random text.
+
+    A case is a context of that many tokens and the ``continuation`` tokens that follow it in the
+    text. Texts are taken in a shuffled order, each once per length while there are enough; the
+    choice depends only on ``seed``, the texts and the tokenizer, and every case records its
+    ``source`` and token ``start`` so that it can be cut again.
+    """
+    rng = random.Random(seed)
+    token_ids = {}
+    cases = []
+    for length in lengths:
+        need = length + continuation
+        candidates = [i for i, (_, text) in enumerate(texts) if len(text) >= need]  # a token has >= 1 character
+        rng.shuffle(candidates)
+        picked = 0
+        for i in itertools.islice(itertools.cycle(candidates), 20 * per_length):
+            if i not in token_ids:
+                token_ids[i] = tokenizer(texts[i][1], add_special_tokens=False)["input_ids"]
+            ids = token_ids[i]
+            if len(ids) < need:
+                continue
+            start = rng.randrange(len(ids) - need + 1)
+            cases.append(
+                {
+                    "source": texts[i][0],
+                    "start": start,
+                    "tokens": length,
+                    "context": ids[start : start + length],
+                    "continuation": ids[start + length : start + need],
+                }
+            )
+            picked += 1
+            if picked == per_length:
+                break
+        if picked < per_length:
+            raise SystemExit(f"error: only {picked} of {per_length} contexts of {need} tokens found in the texts")
+    return cases
+
+
+def continue_from(session, header, continuation: list[int], greedy_n: int):
+    """The cache of ``header``, loaded from disk: its logits for ``continuation`` fed in one pass
+    (teacher forcing, one row per token) and its ``greedy_n`` greedy tokens after the first one."""
     import torch
 
-    from kvcdn_core import artifact, runtime
-    from kvcdn_core.verify import cached, reference
+    from kvcdn_core import runtime
 
-    session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
-    tok = session.tokenizer
-    cases, pending = [], []
-    for doc in eval_docs:  # held-out docstrings, joined until a context has 384-512 tokens
-        pending += tok(doc)["input_ids"] + [tok.eos_token_id]
-        if len(pending) >= 400:
-            cut = min(len(pending) - 8, 512)
-            cases.append((pending[:cut], pending[cut : cut + 8]))  # context, then the next 8 tokens as the question
-            pending = []
-        if len(cases) == contexts:
-            break
-    schemes = installed(schemes or SCHEMES + WITH_RESIDUAL)
-    stats = {
-        label(s, p): {"match": 0, "exact": 0, "max_dlogit": 0.0, "kl": [], "tf_agree": 0, "flip_margins": []}
-        for s, p in schemes
-    }
-    total, margins = 0, []
-    for k, (ctx_ids, q_ids) in enumerate(cases):
-        cache, _ = runtime.prefill(session, ctx_ids, progress=False)
-        src = runtime.save_cache(session, cache, ctx_ids, f"eval context {k}", workdir / "eval.kv")
-        ref_ids, ref_logits = reference(session, ctx_ids, q_ids, n)
-        total += n
-        ref_margins = [float(v[0] - v[1]) for v in (step.topk(2).values for step in ref_logits)]
+    cache, _ = runtime.load_cache(session, header, verify_hashes=False)
+    greedy_ids, _ = runtime.greedy(session, cache, continuation[:1], greedy_n)
+    cache, _ = runtime.load_cache(session, header, verify_hashes=False)
+    with torch.inference_mode():
+        ids = torch.tensor([continuation], device=session.model.device)
+        logits, _ = session.adapter.forward(session.model, ids, cache)
+    return logits[0].float().cpu(), greedy_ids
+
+
+def quality(workdir: Path, session, cases: list[dict], schemes, greedy_n: int = 16) -> dict:
+    """Each scheme against the float32 cache of the same context, over every case.
+
+    The context's float32 cache is saved as an artifact and quantized; both are loaded from disk
+    and fed the case's continuation. Per step: argmax agreement and KL(float32 || quantized) of the
+    next-token distributions, max abs logit difference, and the float32 top-2 margin of a flipped
+    step; and whether ``greedy_n`` greedy tokens after the continuation's first token are identical.
+    Returns the per-case results and one summary row per scheme and context length.
+    """
+    from kvcdn_core import artifact, runtime
+    from kvcdn_core.verify import _step_stats
+
+    schemes = installed(schemes)
+    results, margins = [], []
+    for k, case in enumerate(cases):
+        cache, _ = runtime.prefill(session, case["context"], progress=False)
+        name = f"{case['source']}@{case['start']}"
+        base = runtime.save_cache(session, cache, case["context"], name, workdir / "case.kv")
+        ref_logits, ref_ids = continue_from(session, artifact.read_header(base), case["continuation"], greedy_n)
+        ref_margins = [float(v[0] - v[1]) for v in ref_logits.topk(2, dim=-1).values]
         margins += ref_margins
         for scheme, params in schemes:
-            s = stats[label(scheme, params)]
-            header = artifact.read_header(quantize_file(src, scheme, params, workdir / "eval.q.kv"))
-            ids, _, _ = cached(session, header, q_ids, n)
-            _, logits, _ = cached(session, header, q_ids, n, forced=ref_ids)
-            s["match"] += sum(a == b for a, b in zip(ref_ids, ids))
-            s["exact"] += ids == ref_ids
-            for step, (a, b) in enumerate(zip(ref_logits, logits)):
-                if int(a.argmax()) != int(b.argmax()):
-                    s["flip_margins"].append(ref_margins[step])
-                s["max_dlogit"] = max(s["max_dlogit"], float((a - b).abs().max()))
-                pa, pb = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
-                s["kl"].append(max(float((pa.exp() * (pa - pb)).sum()), 0.0))
-                s["tf_agree"] += int(a.argmax()) == int(b.argmax())
-        log(f"  context {k + 1}/{len(cases)} ({len(ctx_ids)} tokens)")
-    rows = []
-    for name, s in stats.items():
-        rows.append(
-            {
-                "scheme": name,
-                "contexts": len(cases),
-                "token_agreement": s["match"] / total,
-                "exact_sequences": s["exact"],
-                "teacher_forced_argmax": s["tf_agree"] / total,
-                "max_abs_logit_diff": s["max_dlogit"],
-                "mean_kl": statistics.mean(s["kl"]),
-                "max_kl": max(s["kl"]),
-                "largest_flipped_margin": max(s["flip_margins"], default=None),
-            }
-        )
-    near = sum(m < 0.05 for m in margins)
+            header = artifact.read_header(quantize_file(base, scheme, params, workdir / "case.q.kv"))
+            logits, ids = continue_from(session, header, case["continuation"], greedy_n)
+            steps = [_step_stats(a, b) for a, b in zip(ref_logits, logits)]
+            kls = [s["kl_divergence"] for s in steps]
+            results.append(
+                {
+                    "case": k,
+                    "tokens": case["tokens"],
+                    "scheme": label(scheme, params),
+                    "agreement": statistics.mean(s["argmax_agree"] for s in steps),
+                    "mean_kl": statistics.mean(kls),
+                    "max_kl": max(kls),
+                    "max_abs_logit_diff": max(s["max_abs_logit_diff"] for s in steps),
+                    "largest_flipped_margin": max(
+                        (m for m, s in zip(ref_margins, steps) if not s["argmax_agree"]), default=None
+                    ),
+                    "greedy_identical": ids == ref_ids,
+                }
+            )
+        log(f"  context {k + 1}/{len(cases)} ({name}, {case['tokens']} tokens)")
     return {
-        "rows": rows,
-        "steps": total,
-        "reference_steps_with_margin_below_0.05": near,
+        "cases": [{key: c[key] for key in ("source", "start", "tokens")} for c in cases],
+        "continuation": len(cases[0]["continuation"]),
+        "greedy": greedy_n,
+        "steps": len(margins),
+        "reference_steps_with_margin_below_0.05": sum(m < 0.05 for m in margins),
         "median_reference_margin": statistics.median(margins),
+        "results": results,
+        "rows": summarize(results),
     }
 
 
-def print_quality(q: dict, n: int) -> None:
-    """The quality table of :func:`quality` as markdown (what docs/quantization.md shows)."""
-    print(
-        f"{q['rows'][0]['contexts'] if q['rows'] else 0} held-out contexts of 400-512 tokens, "
-        f"8-token questions, {n} greedy tokens; {q['steps']} reference steps, "
-        f"{q['reference_steps_with_margin_below_0.05']} of them near-ties (top-2 margin < 0.05), "
-        f"median margin {q['median_reference_margin']:.2f}\n"
-    )
-    print(
-        "| scheme | token agreement | exact sequences | teacher-forced argmax | largest margin flipped | "
-        "max abs logit diff | mean KL | max KL |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in q["rows"]:
-        flipped = "-" if r["largest_flipped_margin"] is None else f"{r['largest_flipped_margin']:.3f}"
-        print(
-            f"| {r['scheme']} | {100 * r['token_agreement']:.1f}% | {r['exact_sequences']}/{r['contexts']} | "
-            f"{100 * r['teacher_forced_argmax']:.1f}% | {flipped} | {r['max_abs_logit_diff']:.3f} | "
-            f"{r['mean_kl']:.2e} | {r['max_kl']:.2e} |"
+def percentile(values, q: int) -> float:
+    """The ``q``-th percentile (linear interpolation between the nearest ranks)."""
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """One row per scheme and context length: the mean over contexts and how far the worst ones fall."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["scheme"], r["tokens"]), []).append(r)
+    rows = []
+    for (scheme, tokens), group in groups.items():
+        agreement = [r["agreement"] for r in group]
+        kl = [r["mean_kl"] for r in group]
+        flips = [r["largest_flipped_margin"] for r in group if r["largest_flipped_margin"] is not None]
+        rows.append(
+            {
+                "scheme": scheme,
+                "tokens": tokens,
+                "contexts": len(group),
+                "agreement_mean": statistics.mean(agreement),
+                "agreement_p5": percentile(agreement, 5),
+                "agreement_min": min(agreement),
+                "kl_mean": statistics.mean(kl),
+                "kl_p95": percentile(kl, 95),
+                "kl_max": max(r["max_kl"] for r in group),
+                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in group),
+                "largest_flipped_margin": max(flips, default=None),
+                "greedy_identical": sum(r["greedy_identical"] for r in group),
+            }
         )
+    return sorted(rows, key=lambda r: r["tokens"])  # stable: the schemes keep their order
+
+
+def print_quality(q: dict) -> None:
+    """The quality table of :func:`quality` as markdown (what docs/quantization.md shows)."""
+    lengths = sorted({c["tokens"] for c in q["cases"]})
+    print(
+        f"{len(q['cases'])} contexts of {' and '.join(map(str, lengths))} tokens; each scheme against the float32 "
+        f"cache, teacher-forced over the next {q['continuation']} tokens of the text ({q['steps']} steps per "
+        f"scheme, {q['reference_steps_with_margin_below_0.05']} of them near-ties with a float32 top-2 margin "
+        f"< 0.05, median margin {q['median_reference_margin']:.2f}), then {q['greedy']} greedy tokens. "
+        "Agreement: share of steps with the same argmax, per context (mean, 5th percentile and minimum over "
+        "contexts). KL: mean per context (mean and 95th percentile over contexts), and the largest of one step.\n"
+    )
+    print(
+        "| scheme | context tokens | agreement mean | p5 | min | KL mean | KL p95 | KL max (one step) | "
+        "largest margin flipped | greedy identical |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in q["rows"]:
+        flipped = "-" if r["largest_flipped_margin"] is None else f"{r['largest_flipped_margin']:.2f}"
+        print(
+            f"| {r['scheme']} | {r['tokens']} | {100 * r['agreement_mean']:.1f}% | {100 * r['agreement_p5']:.1f}% | "
+            f"{100 * r['agreement_min']:.1f}% | {r['kl_mean']:.2e} | {r['kl_p95']:.2e} | {r['kl_max']:.2e} | "
+            f"{flipped} | {r['greedy_identical']}/{r['contexts']} |"
+        )
+
+
+def print_cases(q: dict) -> None:
+    """The contexts, ``source@start`` (token offset), so that a reader can cut them again."""
+    for tokens in sorted({c["tokens"] for c in q["cases"]}):
+        names = [f"{c['source']}@{c['start']}" for c in q["cases"] if c["tokens"] == tokens]
+        print(f"- {tokens} tokens: " + ", ".join(f"`{n}`" for n in names))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-seconds", type=float, default=180)
     parser.add_argument("--contexts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--continuation", type=int, default=64, help="teacher-forced tokens per context")
+    parser.add_argument("--greedy", type=int, default=16, help="greedy tokens per context")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args(argv)
     import torch
 
+    from kvcdn_core import runtime
     from kvcdn_core.contracts.adapter import quiet_transformers
 
     quiet_transformers()
@@ -348,8 +463,11 @@ def main(argv=None) -> int:
     held = max(args.contexts * 8, len(docs) // 10)
     log(f"training on {len(docs) - held} docstrings for {args.train_seconds:.0f}s")
     model_dir, report["training"] = train_model(workdir, docs[held:], args.train_seconds)
-    log("quality against a full prefill")
-    report["quality"] = quality(workdir, model_dir, docs[:held], args.contexts, args.n)
+    log("quality against the float32 cache")
+    session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
+    held_out = [("held-out docstrings", session.tokenizer.eos_token.join(docs[:held]))]
+    cases = text_slices(session.tokenizer, held_out, [512], args.contexts, args.continuation)
+    report["quality"] = quality(workdir, session, cases, SCHEMES + WITH_RESIDUAL, args.greedy)
     c = report["compression"]
     print(f"\n### Compression ({c['tokens']} tokens, {c['layout']}; float16 artifact {c['float16_bytes']:,} bytes)\n")
     print("| scheme | file bytes | ratio vs float16 | dequantize (GB/s of float16 out) | load into cache (ms) |")
@@ -362,7 +480,7 @@ def main(argv=None) -> int:
         f"\n### Quality (trained model: {t['steps']} steps, {t['tokens_seen']:,} tokens seen, "
         f"final loss {t['final_loss']:.2f}, {t['seconds']}s)\n"
     )
-    print_quality(report["quality"], args.n)
+    print_quality(report["quality"])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
