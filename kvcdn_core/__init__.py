@@ -40,6 +40,7 @@ _EXPORTS = {
     "MLA_LATENT": "kvcdn_core.artifact",
     "LINEAR_ATTENTION": "kvcdn_core.artifact",
     "RECURRENT_STATE": "kvcdn_core.artifact",
+    "LINEAR_AND_FULL_ATTENTION": "kvcdn_core.artifact",
     "TOKEN_IDS": "kvcdn_core.artifact",
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",

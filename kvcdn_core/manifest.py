@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvcdn_core.artifact import COMPUTE_DTYPES, LINEAR_ATTENTION, RECURRENT_STATE, reuse_mode
+from kvcdn_core.artifact import COMPUTE_DTYPES, STATE_KINDS, reuse_mode
 
 ANY_PREFIX = "any_prefix"
 WHOLE_PREFIX = "whole_prefix"
@@ -50,8 +50,8 @@ class LayerEntry:
 
     @property
     def keeps_state(self) -> bool:
-        """A running state (linear attention, recurrent) rather than per-token keys and values."""
-        return self.kind in (LINEAR_ATTENTION, RECURRENT_STATE)
+        """A running state (linear attention, recurrent) rather than only per-token keys and values."""
+        return self.kind in STATE_KINDS
 
 
 @dataclasses.dataclass(frozen=True)

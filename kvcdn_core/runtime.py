@@ -272,7 +272,7 @@ def _converter(session: Session, manifest: dict):
     kept = {
         name
         for layer in manifest["layers"]
-        if layer["kind"] in (fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
+        if layer["kind"] in fmt.STATE_KINDS
         for name in layer.get("tensors", {}).values()
     }
 
