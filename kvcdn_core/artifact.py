@@ -64,7 +64,7 @@ MLA_LATENT = "mla_latent"
 LINEAR_ATTENTION = "linear_attention"
 RECURRENT_STATE = "recurrent_state"
 #: One cache layer holding both a linear-attention (Mamba) state and full-attention keys/values
-#: (Falcon-H1, Zamba, Zamba2). Added after the first release: an older reader refuses it as unknown.
+#: (Falcon-H1, Zamba, Zamba2). Added after the other kinds: a reader without it refuses it as unknown.
 LINEAR_AND_FULL_ATTENTION = "linear_and_full_attention"
 LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, LINEAR_ATTENTION, RECURRENT_STATE, LINEAR_AND_FULL_ATTENTION)
 #: Roles of a ``linear_and_full_attention`` layer: keys and values, and one or more states

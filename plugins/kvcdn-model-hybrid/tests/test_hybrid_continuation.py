@@ -19,7 +19,10 @@ pytestmark = pytest.mark.slow  # real model runs on every tiny shape
 NEW = ("BambaForCausalLM", "FalconH1ForCausalLM", "ZambaForCausalLM", "Zamba2ForCausalLM")
 SHAPES = [(arch, variant) for arch in (*NEW, "JambaForCausalLM") for variant in config_variants(HybridAdapter, arch)]
 QUESTION = " Which ship was missing, and where was it found?"
-TOL = dict(rtol=1e-4, atol=1e-4)
+#: Float32 rounding between a one-pass prefill and any continuation: on the tiny Zamba (logits up to
+#: ~10) transformers' own token-by-token continuation differs from the one pass by 4.2e-4 already. A
+#: lost state or wrong positions differ by more than 1e-2 (the controls below).
+TOL = dict(rtol=1e-4, atol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -151,5 +154,9 @@ def test_manifest_records_state_and_attention_layers(architecture, session_of, t
         assert set(layer["tensors"]) == {"key", "value", "conv_state", "recurrent_state"}
         assert layer["conv_kernel"] == manifest["tensors"][layer["tensors"]["conv_state"]]["shape"][-1]
         assert manifest["tensors"][layer["tensors"]["key"]]["shape"][-2] == len(ids)
-    with pytest.raises(KvcdnError, match="'linear_and_full_attention', reusable only as the whole prefix"):
+    first = next(layer for layer in manifest["layers"] if layer["kind"] not in fmt.CROPPABLE_KINDS)
+    if architecture == "FalconH1ForCausalLM":  # every layer holds a state and keys/values
+        assert first["kind"] == fmt.LINEAR_AND_FULL_ATTENTION
+    with pytest.raises(KvcdnError, match=f"layer {first['index']} is '{first['kind']}', reusable only as the whole"):
         session.adapter.crop(cache, manifest["layers"], len(ids) - 1, len(ids))
+    assert session.adapter.crop(cache, manifest["layers"], len(ids), len(ids)) is cache
