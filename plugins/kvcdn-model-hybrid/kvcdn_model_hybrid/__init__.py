@@ -135,6 +135,16 @@ class HybridAdapter(StateAndAttentionLayers, LinearAttentionLayers, ModelAdapter
         "Zamba2ForCausalLM": _ZAMBA2,
     }
     validation_variants = {
+        # Attention first, MQA with 8 query heads, a wider Mamba state: the seeded scan on another shape.
+        "JambaForCausalLM": [
+            dict(
+                _variant="attn-first-8q-kv1-state16",
+                attn_layer_offset=0,
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                mamba_d_state=16,
+            )
+        ],
         "Lfm2ForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, tie_word_embeddings=True)],
         "GraniteMoeHybridForCausalLM": [
             dict(_variant="mamba-mamba-attn", num_hidden_layers=3, layer_types=["mamba", "mamba", "attention"])
