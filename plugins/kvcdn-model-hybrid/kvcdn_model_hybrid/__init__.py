@@ -46,41 +46,18 @@ _LFM2_LAYERS = ["conv", "full_attention", "conv", "full_attention"]
 
 
 #: Falcon-H1's Mamba2 mixer beside attention in every layer (``mamba_d_ssm`` = 8 heads x 16).
-_FALCON_H1 = dict(
-    TINY_DECODER,
-    mamba_d_ssm=128,
-    mamba_n_heads=8,
-    mamba_d_head=16,
-    mamba_n_groups=1,
-    mamba_d_state=16,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_chunk_size=32,
-)
-#: Zamba: Mamba layers, and a shared attention block run on the "hybrid" ones (head width 2 x hidden
-#: / heads: the block reads the hidden state concatenated with the input embeddings).
-_ZAMBA = dict(
+_FALCON_H1 = dict(TINY_DECODER, **_MAMBA2, mamba_d_ssm=128)
+#: Zamba and Zamba2: Mamba layers, and a shared attention block run on the "hybrid" ones (head width
+#: 2 x hidden / heads: the block reads the hidden state concatenated with the input embeddings).
+_SHARED_BLOCK = dict(
     TINY_DECODER,
     num_hidden_layers=4,
     layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
     head_dim=32,
-    n_mamba_heads=2,
-    mamba_d_state=8,
-    mamba_dt_rank=8,
-    time_step_max=0.5,
 )
-#: Zamba2: Mamba2 layers (8 heads x 16) and shared attention blocks on the "hybrid" ones (head width
-#: 2 x hidden / heads, as in Zamba).
-_ZAMBA2 = dict(
-    TINY_DECODER,
-    num_hidden_layers=4,
-    layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
-    head_dim=32,
-    n_mamba_heads=8,
-    mamba_d_state=16,
-    mamba_ngroups=1,
-    chunk_size=32,
-)
+_ZAMBA = dict(_SHARED_BLOCK, n_mamba_heads=2, mamba_d_state=8, mamba_dt_rank=8, time_step_max=0.5)
+#: Zamba2's Mamba2 layers: 8 heads x 16.
+_ZAMBA2 = dict(_SHARED_BLOCK, n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=1, chunk_size=32)
 #: Bamba: Mamba2 layers with attention at ``attn_layer_indices``.
 _BAMBA = dict(TINY_DECODER, **_MAMBA2, num_hidden_layers=4, attn_layer_indices=[1, 3])
 

@@ -17,30 +17,20 @@ import sys
 
 from kvcdn_model_ssm import scan
 
-#: Zamba mixer attributes :func:`continue_zamba_mixer` reads.
+#: Zamba mixer attributes :func:`continue_zamba_mixer` reads: Mamba's, with per-head x/Δ weights.
 ZAMBA_ATTRIBUTES = (
-    "in_proj",
-    "conv1d",
+    *(a for a in scan.MIXER_ATTRIBUTES if a not in ("x_proj", "dt_proj")),
     "x_proj_weight",
     "dt_proj_weight",
     "dt_proj_bias",
-    "out_proj",
-    "A_log",
-    "D",
-    "activation",
-    "conv_kernel_size",
-    "time_step_rank",
-    "ssm_state_size",
     "n_mamba_heads",
     "mamba_head_dim",
-    "layer_idx",
 )
 
 
 def supports_zamba(mixer) -> bool:
     """Whether :func:`continue_zamba_mixer` computes what this mixer would."""
-    module = sys.modules.get(type(mixer).__module__)
-    return all(hasattr(mixer, a) for a in ZAMBA_ATTRIBUTES) and hasattr(module, "causal_conv1d_fn")
+    return scan.supports(mixer, ZAMBA_ATTRIBUTES)
 
 
 def continue_zamba_mixer(mixer, hidden_states, cache):

@@ -11,6 +11,7 @@ from kvcdn_model_hybrid import HybridAdapter, seeded
 from kvcdn_core import ModelAdapter, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.testing import assert_chunked_prefill_exact
 from kvcdn_core.tiny import build_tiny_model, config_variants
 from kvcdn_core.validation import long_context
 
@@ -86,15 +87,7 @@ def test_question_on_a_restored_artifact_equals_the_full_prefill(architecture, v
 @pytest.mark.parametrize("architecture", [*NEW, "JambaForCausalLM"])
 def test_chunked_prefill_gives_the_one_pass_cache(architecture, session_of):
     session = session_of(architecture)
-    ids = context_ids(session)
-    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
-    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=64, progress=False)
-    _, one = session.adapter.export_cache(session.model, one_cache)
-    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
-    assert sorted(one) == sorted(chunked)
-    for name in one:
-        torch.testing.assert_close(chunked[name], one[name], **TOL, msg=name)
-    torch.testing.assert_close(chunk_logits, one_logits, **TOL)
+    assert_chunked_prefill_exact(session, context_ids(session), chunk=64, **TOL)
 
 
 @pytest.mark.parametrize("architecture", ["ZambaForCausalLM", "JambaForCausalLM"])

@@ -33,12 +33,13 @@ MIXER_ATTRIBUTES = (
 FALCON_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
-def supports(mixer) -> bool:
-    """Whether :func:`continue_mixer` computes what this mixer would (weights used as plain tensors)."""
+def supports(mixer, attributes=MIXER_ATTRIBUTES) -> bool:
+    """Whether a continuation reading ``attributes`` (by default :func:`continue_mixer`'s) computes
+    what this mixer would (weights used as plain tensors)."""
     module = sys.modules.get(type(mixer).__module__)
     if hasattr(getattr(mixer, "config", None), "_is_quantized"):
         return False  # quantized linears: their .weight is not the matrix the mixer multiplies by
-    return all(hasattr(mixer, a) for a in MIXER_ATTRIBUTES) and hasattr(module, "causal_conv1d_fn")
+    return all(hasattr(mixer, a) for a in attributes) and hasattr(module, "causal_conv1d_fn")
 
 
 def continue_mixer(mixer, hidden_states, cache):
