@@ -111,3 +111,14 @@ def test_an_unprintable_unknown_kind_is_not_echoed(tmp_path):
     with pytest.raises(ArtifactError, match="unknown kind") as err:
         artifact._check_manifest_types(path, manifest)
     assert "\x1b" not in str(err.value).replace("\\x1b", "")
+
+
+def test_validate_reports_the_kind_as_a_feature():
+    """`kvcdn validate --format json` and the README table say what was proven: this kind included."""
+    import transformers
+
+    from kvcdn_core.validation import exercised
+
+    cfg = transformers.FalconH1Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    proven = exercised(cfg, [{"kind": KIND}, {"kind": KIND}])
+    assert KIND in proven["features"] and proven["layer_kinds"] == [KIND]

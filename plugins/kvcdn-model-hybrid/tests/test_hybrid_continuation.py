@@ -153,3 +153,23 @@ def test_manifest_records_state_and_attention_layers(architecture, session_of, t
     with pytest.raises(KvcdnError, match=f"layer {first['index']} is '{first['kind']}', reusable only as the whole"):
         session.adapter.crop(cache, manifest["layers"], len(ids) - 1, len(ids))
     assert session.adapter.crop(cache, manifest["layers"], len(ids), len(ids)) is cache
+
+
+@pytest.mark.parametrize("architecture", ["BambaForCausalLM", "FalconH1ForCausalLM", "ZambaForCausalLM"])
+def test_bfloat16_keeps_the_float32_state_and_verifies(architecture, tmp_path):
+    """Under bfloat16 the SSM state stays float32 through save and load, and 32 tokens verify.
+    (Zamba2's tiny model meets an exact bfloat16 tie at step 24, whichever way the context is
+    prefilled, so it is left out here; it is exact in float32 above.)"""
+    from kvcdn_core.verify import run_verify
+
+    path = build_tiny_model(HybridAdapter, architecture, tmp_path / "model")
+    session = runtime.load_session(str(path), device="cpu", dtype="bfloat16", adapter_cls=HybridAdapter)
+    ids = context_ids(session)
+    cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
+    header = fmt.read_header(runtime.save_cache(session, cache, ids, "ctx", tmp_path / "bf16.kv"))
+    restored_cache, _ = runtime.load_cache(session, header)
+    states = [layer for layer in restored_cache.layers if getattr(layer, "recurrent_states", None)]
+    assert states and all(layer.recurrent_states[0].dtype == torch.float32 for layer in states)
+    assert all(layer.conv_states[0].dtype == torch.bfloat16 for layer in states)
+    result = run_verify(session, header, "\n\nQ: Summarize the key claim in one sentence.\nA:", 32)
+    assert result.passed, result.as_dict()
