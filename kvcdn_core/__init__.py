@@ -41,6 +41,7 @@ _EXPORTS = {
     "MLA_LATENT": "kvcdn_core.artifact",
     "LINEAR_ATTENTION": "kvcdn_core.artifact",
     "RECURRENT_STATE": "kvcdn_core.artifact",
+    "LINEAR_AND_FULL_ATTENTION": "kvcdn_core.artifact",
     "TOKEN_IDS": "kvcdn_core.artifact",
     # the manifest, typed: layer entries adapters build and read, and the whole manifest
     "LayerEntry": "kvcdn_core.manifest",

@@ -63,7 +63,15 @@ SLIDING_WINDOW = "sliding_window"
 MLA_LATENT = "mla_latent"
 LINEAR_ATTENTION = "linear_attention"
 RECURRENT_STATE = "recurrent_state"
-LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, LINEAR_ATTENTION, RECURRENT_STATE)
+#: One cache layer holding both a linear-attention (Mamba) state and full-attention keys/values
+#: (Falcon-H1, Zamba, Zamba2). Added after the other kinds: a reader without it refuses it as unknown.
+LINEAR_AND_FULL_ATTENTION = "linear_and_full_attention"
+LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, LINEAR_ATTENTION, RECURRENT_STATE, LINEAR_AND_FULL_ATTENTION)
+#: Roles of a ``linear_and_full_attention`` layer: keys and values, and one or more states
+#: (``conv_state``, ``recurrent_state``, then ``conv_state.1``... for a layer with several).
+_STATE_ROLE = re.compile(r"(conv_state|recurrent_state)(\.[1-9][0-9]*)?")
+#: Kinds holding a running state (kept in its own, often wider, dtype) rather than only keys/values.
+STATE_KINDS = (LINEAR_ATTENTION, RECURRENT_STATE, LINEAR_AND_FULL_ATTENTION)
 #: Kinds whose cache can be cropped to any shorter prefix.
 CROPPABLE_KINDS = (FULL_ATTENTION, MLA_LATENT)
 
@@ -293,6 +301,12 @@ def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
     for i, layer in enumerate(manifest["layers"]):
         expect(isinstance(layer, dict), f"layer {i} is not an object")
         expect(_is_count(layer.get("index")), f"layer {i} has no non-negative integer index")
+        if isinstance(layer.get("kind"), str) and layer["kind"] not in LAYER_KINDS and _is_label(layer["kind"]):
+            raise _fail(
+                path,
+                f"layer {i} has kind {layer['kind']!r}, which this kvcdn does not know (it reads "
+                f"{', '.join(LAYER_KINDS)}); a newer kvcdn probably wrote it: upgrade kvcdn to read it",
+            )
         expect(layer.get("kind") in LAYER_KINDS, f"layer {i} has unknown kind {layer.get('kind')!r}")
         tensors = layer.get("tensors", {})
         expect(
@@ -305,6 +319,16 @@ def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
             expect(
                 _is_count(layer.get("window")) and layer["window"] > 0 and _is_count(layer.get("cumulative_length")),
                 f"layer {i} lacks an integer window and cumulative_length",
+            )
+        if layer["kind"] == LINEAR_AND_FULL_ATTENTION:
+            roles = set(tensors)
+            expect(
+                {"key", "value"} <= roles
+                and len(roles) > 2
+                and all(_STATE_ROLE.fullmatch(r) for r in roles - {"key", "value"})
+                and _is_count(layer.get("conv_kernel")),
+                f"layer {i} ('{LINEAR_AND_FULL_ATTENTION}') needs key, value, state tensors "
+                "(conv_state, recurrent_state...) and an integer conv_kernel",
             )
 
 

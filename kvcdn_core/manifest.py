@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvcdn_core.artifact import COMPUTE_DTYPES, CROPPABLE_KINDS, LINEAR_ATTENTION, RECURRENT_STATE
+from kvcdn_core.artifact import COMPUTE_DTYPES, CROPPABLE_KINDS, STATE_KINDS
 
 ANY_PREFIX = "any_prefix"
 WHOLE_PREFIX = "whole_prefix"
@@ -84,8 +84,8 @@ class LayerEntry:
 
     @property
     def keeps_state(self) -> bool:
-        """A running state (linear attention, recurrent) rather than per-token keys and values."""
-        return self.kind in (LINEAR_ATTENTION, RECURRENT_STATE)
+        """A running state (linear attention, recurrent) rather than only per-token keys and values."""
+        return self.kind in STATE_KINDS
 
     @property
     def croppable(self) -> bool:

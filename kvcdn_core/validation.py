@@ -244,12 +244,12 @@ def exercised(config, layers: Sequence[LayerEntry]) -> dict[str, Any]:
     """What one validated model proved: its cache-layer kinds, features and attention shape.
 
     ``features`` uses the names of the README support table: ``sliding_window``, ``mla``, ``moe``,
-    ``linear_attention``, ``recurrent_state``, ``rope:<type>`` (a RoPE scaling other than the
+    ``linear_attention``, ``recurrent_state``, ``linear_and_full_attention``, ``rope:<type>`` (a RoPE scaling other than the
     default) and ``tied_embeddings``.
     """
     cfg = config.get_text_config(decoder=True)
     kinds = sorted({layer.kind for layer in layers})
-    features = [kind for kind in (fmt.SLIDING_WINDOW, fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE) if kind in kinds]
+    features = [kind for kind in (fmt.SLIDING_WINDOW, *fmt.STATE_KINDS) if kind in kinds]
     if fmt.MLA_LATENT in kinds:
         features.append("mla")
     if any((getattr(cfg, key, None) or 0) > 1 for key in _EXPERT_KEYS):

@@ -113,8 +113,14 @@ class ModelAdapter:
 
         return guarded_forward(self, model, input_ids, cache, self._run)
 
+    def forward_kwargs(self, model: Model, input_ids: torch.Tensor, cache: Cache) -> dict[str, Any]:
+        """More keyword arguments for the model call: none here. A family whose forward needs them
+        returns them (the hybrid family passes explicit position ids, as ``generate()`` does)."""
+        return {}
+
     def _run(self, model: Model, input_ids: torch.Tensor, cache: Cache) -> tuple[torch.Tensor, Cache]:
-        out = model(input_ids=input_ids, use_cache=True, **{cache_keyword(model): cache})
+        extra = self.forward_kwargs(model, input_ids, cache)
+        out = model(input_ids=input_ids, use_cache=True, **{cache_keyword(model): cache}, **extra)
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = getattr(out, "past_key_values", None)

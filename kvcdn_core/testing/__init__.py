@@ -36,7 +36,31 @@ def assert_adapter_contract(adapter_cls, architecture: str, workdir: Path, n: in
     assert not failed, "; ".join(f"{r.phase}: {r.detail}" for r in failed)
 
 
+def assert_chunked_prefill_exact(
+    session, ids: list[int], chunk: int = 64, rtol: float = 1e-4, atol: float = 1e-4
+) -> None:
+    """A prefill of ``ids`` in ``chunk``-token pieces gives the one-pass cache (every exported
+    tensor) and last logits, within float32 rounding: a state carried across chunks is not lost."""
+    import torch
+
+    from kvcdn_core import runtime
+
+    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
+    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=chunk, progress=False)
+    _, one = session.adapter.export_cache(session.model, one_cache)
+    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
+    assert sorted(one) == sorted(chunked)
+    for name in one:
+        torch.testing.assert_close(chunked[name], one[name], rtol=rtol, atol=atol, msg=name)
+    torch.testing.assert_close(chunk_logits, one_logits, rtol=rtol, atol=atol)
+
+
 from kvcdn_core.testing.quantizer import assert_quantizer_contract  # noqa: E402
 from kvcdn_core.testing.storage import assert_storage_contract  # noqa: E402
 
-__all__ = ["assert_adapter_contract", "assert_quantizer_contract", "assert_storage_contract"]
+__all__ = [
+    "assert_adapter_contract",
+    "assert_chunked_prefill_exact",
+    "assert_quantizer_contract",
+    "assert_storage_contract",
+]

@@ -39,8 +39,6 @@ REFUSED = {
     "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
     "LongcatFlashForCausalLM": "transformers 5.24's own forward crashes on its MLA attention "
     "(head-count mismatch), so there is no reference to be exact against",
-    "BambaForCausalLM": "continuing from a restored Mamba2 state diverges from a full prefill in "
-    "transformers 5.24 (token match 1/16 on a tiny config), so it cannot be exact",
     "RwkvForCausalLM": "RWKV keeps its recurrent state outside transformers' Cache API, so there is no "
     "cache object to save and restore",
 }

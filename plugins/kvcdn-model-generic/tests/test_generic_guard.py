@@ -13,7 +13,9 @@ from kvcdn_model_generic.shrink import shrink
 from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model
 
 PASSES = "PersimmonForCausalLM"  # plain full attention: no family claims it in this repository
-FAILS = "FalconH1ForCausalLM"  # one cache layer holding a Mamba state and keys/values: no kvcdn kind
+#: xLSTM keeps its recurrent state in its own xLSTMCache, outside transformers' Cache API: given a
+#: cache kvcdn can export, its forward fails, so the guard's round trip fails and nothing is served.
+FAILS = "xLSTMForCausalLM"
 
 
 def real_config(architecture: str) -> dict:

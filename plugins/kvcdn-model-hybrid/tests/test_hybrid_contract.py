@@ -4,11 +4,27 @@ from kvcdn_model_hybrid import HybridAdapter
 from kvcdn_core import artifact as fmt
 from kvcdn_core.testing import assert_adapter_contract
 
+#: The layer kinds each architecture's tiny default config writes.
+KINDS = {
+    "JambaForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
+    "GraniteMoeHybridForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
+    "Lfm2ForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
+    "Lfm2MoeForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
+    "BambaForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
+    "FalconH1ForCausalLM": {fmt.LINEAR_AND_FULL_ATTENTION},
+    "ZambaForCausalLM": {fmt.LINEAR_ATTENTION, fmt.LINEAR_AND_FULL_ATTENTION},
+    "Zamba2ForCausalLM": {fmt.LINEAR_ATTENTION, fmt.LINEAR_AND_FULL_ATTENTION},
+}
+
+
+def test_every_architecture_has_its_kinds():
+    assert set(KINDS) == set(HybridAdapter.architectures)
+
 
 @pytest.mark.parametrize("architecture", HybridAdapter.architectures)
 def test_adapter_contract(architecture, tmp_path):
     assert_adapter_contract(HybridAdapter, architecture, tmp_path)
     manifest = fmt.read_manifest(tmp_path / f"{architecture}.kv")
     kinds = {layer["kind"] for layer in manifest["layers"]}
-    assert kinds == {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION}
+    assert kinds == KINDS[architecture]
     assert manifest["reuse"] == "whole_prefix"

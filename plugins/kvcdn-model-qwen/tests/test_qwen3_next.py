@@ -12,6 +12,7 @@ from kvcdn_model_qwen import QwenAdapter
 from kvcdn_core import LayerEntry, Manifest, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.testing import assert_chunked_prefill_exact
 from kvcdn_core.validation import long_context
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
@@ -60,15 +61,7 @@ def test_manifest_records_linear_and_full_layers(session_of, tmp_path):
 
 def test_chunked_prefill_gives_the_one_pass_state(session_of):
     session = session_of(NEXT)
-    ids = ids_of(session, 150)
-    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
-    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=64, progress=False)
-    _, one = session.adapter.export_cache(session.model, one_cache)
-    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
-    assert sorted(one) == sorted(chunked)
-    for name in one:
-        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=1e-4, msg=name)
-    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=1e-4)
+    assert_chunked_prefill_exact(session, ids_of(session, 150), chunk=64)
 
 
 def test_multi_token_question_on_restored_state(session_of, tmp_path):

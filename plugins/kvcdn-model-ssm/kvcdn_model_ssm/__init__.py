@@ -49,17 +49,11 @@ class SSMAdapter(ModelAdapter):
         all-recurrent cache has no sequence length to skip by). On models whose multi-token path
         restarts from zeros, the mixers' scan is seeded with the cached state.
         """
-        import torch
-
         if input_ids.shape[1] == 1 or not self._restarts_from_zero(model, cache):
             return super().forward(model, input_ids, cache)
         if seed_mixers(model):
             return super().forward(model, input_ids, cache)
-        pieces = []
-        for t in range(input_ids.shape[1]):
-            logits, cache = super().forward(model, input_ids[:, t : t + 1], cache)
-            pieces.append(logits)
-        return torch.cat(pieces, dim=1), cache
+        return scan.step_by_step(super().forward, model, input_ids, cache)
 
     def _restarts_from_zero(self, model, cache) -> bool:
         if model.config.model_type not in STATE_DROPPING_MODEL_TYPES:
@@ -93,35 +87,10 @@ class SSMAdapter(ModelAdapter):
 def seed_mixers(model) -> bool:
     """Make each Mamba/FalconMamba mixer of ``model`` continue multi-token input from the cache.
 
-    Wraps the mixers' ``forward`` once per model; returns False (and changes nothing) when a mixer
-    lacks what :func:`kvcdn_model_ssm.scan.continue_mixer` reads.
+    Returns False (and changes nothing) when a mixer lacks what
+    :func:`kvcdn_model_ssm.scan.continue_mixer` reads.
     """
-    done = getattr(model, "_kvcdn_seeded_mixers", None)
-    if done is not None:
-        return done
-    mixers = [m for m in model.modules() if type(m).__name__ in MIXER_CLASSES]
-    ok = bool(mixers) and all(scan.supports(m) for m in mixers)
-    if ok:
-        for mixer in mixers:
-            mixer.forward = _seeded_forward(mixer, mixer.forward)
-    model._kvcdn_seeded_mixers = ok
-    return ok
-
-
-def _seeded_forward(mixer, inner):
-    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
-        idx = mixer.layer_idx
-        if (
-            cache is not None
-            and attention_mask is None
-            and hidden_states.shape[1] > 1
-            and cache.has_previous_state(idx)
-            and not cache.is_recording_past(idx)
-        ):
-            return scan.continue_mixer(mixer, hidden_states, cache)
-        return inner(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-
-    return forward
+    return scan.seed_mixers(model, MIXER_CLASSES, scan.continue_mixer, scan.supports)
 
 
 @hookimpl

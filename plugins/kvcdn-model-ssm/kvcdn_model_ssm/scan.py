@@ -33,12 +33,13 @@ MIXER_ATTRIBUTES = (
 FALCON_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
-def supports(mixer) -> bool:
-    """Whether :func:`continue_mixer` computes what this mixer would (weights used as plain tensors)."""
+def supports(mixer, attributes=MIXER_ATTRIBUTES) -> bool:
+    """Whether a continuation reading ``attributes`` (by default :func:`continue_mixer`'s) computes
+    what this mixer would (weights used as plain tensors)."""
     module = sys.modules.get(type(mixer).__module__)
     if hasattr(getattr(mixer, "config", None), "_is_quantized"):
         return False  # quantized linears: their .weight is not the matrix the mixer multiplies by
-    return all(hasattr(mixer, a) for a in MIXER_ATTRIBUTES) and hasattr(module, "causal_conv1d_fn")
+    return all(hasattr(mixer, a) for a in attributes) and hasattr(module, "causal_conv1d_fn")
 
 
 def continue_mixer(mixer, hidden_states, cache):
@@ -76,15 +77,73 @@ def continue_mixer(mixer, hidden_states, cache):
     dt = F.softplus(dt)
 
     x = x.transpose(1, 2)  # [B, I, T]
-    A = -torch.exp(mixer.A_log.float())
+    y, h = selective_scan(x, dt, -torch.exp(mixer.A_log.float()), B, C, state, dtype)
+    y = (y + x * mixer.D.float()[None, :, None]) * F.silu(gate)
+    cache.update_recurrent_state(h, idx)
+    return mixer.out_proj(y.transpose(1, 2).to(dtype))
+
+
+def selective_scan(x, dt, A, B, C, state, dtype):
+    """transformers' torch selective scan, started from ``state`` instead of zeros.
+
+    ``x`` and ``dt`` (time step after bias and softplus) are [b, I, T], ``A`` [I, S], ``B`` and ``C``
+    [b, T, S], ``state`` [b, I, S] or None. Returns the scan output [b, I, T] (before the D skip and
+    the gate) and the last state, in float32 as the model keeps it.
+    """
+    import torch
+
     decay = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
     inject = dt[:, :, :, None] * B[:, None, :, :].float() * x[:, :, :, None].float()
     h = state.float() if state is not None else torch.zeros_like(inject[:, :, 0])
     outputs = []
-    for t in range(seq_len):
+    for t in range(x.shape[-1]):
         h = decay[:, :, t] * h + inject[:, :, t]
         outputs.append(torch.matmul(h.to(dtype), C[:, t, :].unsqueeze(-1))[:, :, 0])
-    y = torch.stack(outputs, dim=-1)
-    y = (y + x * mixer.D.float()[None, :, None]) * F.silu(gate)
-    cache.update_recurrent_state(h, idx)
-    return mixer.out_proj(y.transpose(1, 2).to(dtype))
+    return torch.stack(outputs, dim=-1), h
+
+
+def seed_mixers(model, classes, continue_fn, supports) -> bool:
+    """Wrap the ``forward`` of every mixer of ``model`` whose class is named in ``classes``, once per
+    model, so that multi-token input on a cached state runs ``continue_fn(mixer, hidden, cache)``.
+
+    Returns False (and changes nothing) when a mixer fails ``supports(mixer)``; the caller then feeds
+    tokens one at a time (:func:`step_by_step`).
+    """
+    done = getattr(model, "_kvcdn_seeded_mixers", None)
+    if done is not None:
+        return done
+    mixers = [m for m in model.modules() if type(m).__name__ in classes]
+    ok = bool(mixers) and all(supports(m) for m in mixers)
+    if ok:
+        for mixer in mixers:
+            mixer.forward = _seeded_forward(mixer, mixer.forward, continue_fn)
+    model._kvcdn_seeded_mixers = ok
+    return ok
+
+
+def _seeded_forward(mixer, inner, continue_fn):
+    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+        idx = mixer.layer_idx
+        if (
+            cache is not None
+            and attention_mask is None
+            and hidden_states.shape[1] > 1
+            and cache.has_previous_state(idx)
+            and not cache.is_recording_past(idx)
+        ):
+            return continue_fn(mixer, hidden_states, cache)
+        return inner(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
+    return forward
+
+
+def step_by_step(forward, model, input_ids, cache):
+    """``forward(model, input_ids, cache)`` one token at a time, through the model's single-step path
+    (which continues from the cached state): exact, slower on long inputs."""
+    import torch
+
+    pieces = []
+    for t in range(input_ids.shape[1]):
+        logits, cache = forward(model, input_ids[:, t : t + 1], cache)
+        pieces.append(logits)
+    return torch.cat(pieces, dim=1), cache
