@@ -38,12 +38,17 @@ _EXPORTS = {
     "FULL_ATTENTION": "kvcdn_core.artifact",
     "SLIDING_WINDOW": "kvcdn_core.artifact",
     "MLA_LATENT": "kvcdn_core.artifact",
+    "MLA_INDEXED": "kvcdn_core.artifact",
     "LINEAR_ATTENTION": "kvcdn_core.artifact",
     "RECURRENT_STATE": "kvcdn_core.artifact",
     "TOKEN_IDS": "kvcdn_core.artifact",
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",
     "is_linear_attention": "kvcdn_core.linear_attention",
+    # multi-head latent attention layers, with DeepSeek sparse attention's indexer (DeepSeek, GLM-MoE-DSA)
+    "MlaLayers": "kvcdn_core.mla",
+    "mla_widths": "kvcdn_core.mla",
+    "ungroup_mla_heads": "kvcdn_core.mla",
     # models: files, fingerprint, tiny validation configs, the validation run
     "resolve_model_dir": "kvcdn_core.model_files",
     "fingerprint": "kvcdn_core.model_files",

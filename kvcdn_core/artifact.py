@@ -61,11 +61,17 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 MLA_LATENT = "mla_latent"
+#: An MLA latent with DeepSeek sparse attention's indexer keys (DeepSeek-V3.2, GLM-MoE-DSA).
+MLA_INDEXED = "mla_indexed"
 LINEAR_ATTENTION = "linear_attention"
 RECURRENT_STATE = "recurrent_state"
-LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, LINEAR_ATTENTION, RECURRENT_STATE)
+LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, MLA_INDEXED, LINEAR_ATTENTION, RECURRENT_STATE)
+#: Tensor roles of MLA layer entries: the latent and the rotary key, and (``mla_indexed`` only) the
+#: DSA indexer key; and the integer widths an ``mla_indexed`` entry must give.
+MLA_ROLES = ("latent", "rotary_key", "indexer_key")
+MLA_INDEXED_WIDTHS = ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
 #: Kinds whose cache can be cropped to any shorter prefix.
-CROPPABLE_KINDS = (FULL_ATTENTION, MLA_LATENT)
+CROPPABLE_KINDS = (FULL_ATTENTION, MLA_LATENT, MLA_INDEXED)
 
 REQUIRED_MANIFEST_KEYS = ("kvcdn_version", "created_at", "model", "compute_dtype", "token_count", "layers", "tensors")
 
@@ -293,7 +299,15 @@ def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
     for i, layer in enumerate(manifest["layers"]):
         expect(isinstance(layer, dict), f"layer {i} is not an object")
         expect(_is_count(layer.get("index")), f"layer {i} has no non-negative integer index")
-        expect(layer.get("kind") in LAYER_KINDS, f"layer {i} has unknown kind {layer.get('kind')!r}")
+        if layer.get("kind") not in LAYER_KINDS:
+            kind = layer.get("kind")
+            if not _is_label(kind):
+                raise _fail(path, f"corrupted: manifest layer {i} has no printable kind")
+            raise _fail(
+                path,
+                f"refused: layer {i} has kind {kind[:64]!r}, unknown to this kvcdn (it reads "
+                f"{', '.join(LAYER_KINDS)}); an artifact written by a newer kvcdn needs a kvcdn that reads it",
+            )
         tensors = layer.get("tensors", {})
         expect(
             isinstance(tensors, dict) and all(isinstance(v, str) for v in tensors.values()),
@@ -305,6 +319,13 @@ def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
             expect(
                 _is_count(layer.get("window")) and layer["window"] > 0 and _is_count(layer.get("cumulative_length")),
                 f"layer {i} lacks an integer window and cumulative_length",
+            )
+        if layer["kind"] == MLA_INDEXED:
+            expect(
+                set(MLA_ROLES) <= set(tensors)
+                and all(_is_count(layer.get(k)) and layer[k] > 0 for k in MLA_INDEXED_WIDTHS),
+                f"layer {i} ({MLA_INDEXED}) lacks the {'/'.join(MLA_ROLES)} tensors or an integer "
+                f"{', '.join(MLA_INDEXED_WIDTHS)}",
             )
 
 

@@ -1,4 +1,4 @@
-"""kvcdn model family: DeepSeek-V2 and DeepSeek-V3, with their multi-head latent attention (MLA) cache.
+"""kvcdn model family: DeepSeek-V2, V3 and V3.2, with their multi-head latent attention (MLA) cache.
 
 MLA does not cache per-head keys and values. Each token leaves two small vectors per layer:
 
@@ -6,39 +6,32 @@ MLA does not cache per-head keys and values. Each token leaves two small vectors
   head's non-rotary key and its value are decompressed (``kv_b_proj``) at attention time;
 - the rotary key, ``qk_rope_head_dim`` wide, rotated at the token's position and shared by all heads.
 
-transformers (5.x) caches exactly these two, in a ``DynamicLayer`` whose ``keys`` are the latent and
-whose ``values`` are the rotary key, each viewed as one head. That layer type looks like full
-attention to the base adapter, so this plugin exports and imports it itself: the manifest says
-``mla_latent`` with the widths, and the tensors are named ``latent`` and ``rotary_key``. A cache whose
-shapes are not those of the latent (a transformers version that caches decompressed heads, say) is
-refused rather than written under a wrong name.
+DeepSeek-V3.2 adds DeepSeek sparse attention (DSA): a lightning indexer caches one more small key per
+token and layer, and each query attends only to the ``index_topk`` keys it scores highest. The export
+and import of all three (and the refusals) live in core (:class:`kvcdn_core.MlaLayers`), shared with
+GLM-MoE-DSA; this plugin names the architectures and their tiny validation shapes. The manifest says
+``mla_latent`` (V2, V3) or ``mla_indexed`` (V3.2), with the widths; tensors are ``latent``,
+``rotary_key`` and ``indexer_key``.
 
-``num_key_value_heads`` means nothing to MLA: every head decompresses its own key and value from the
-shared latent, and no weight depends on it. transformers 5.x still divides the decompressed heads
-into key-value groups by it, so a config whose ``num_key_value_heads`` differs from
-``num_attention_heads`` (valid, and produced by converters that copy a GQA default) crashes in the
-attention kernel. The adapter loads such a model with one key-value head per attention head, which
-is what the weights compute; the cache (the latent) is the same either way.
+``num_key_value_heads`` means nothing to MLA, but transformers 5.x still groups the decompressed heads
+by it and crashes when it differs from ``num_attention_heads``; the adapter loads such a model with
+one key-value head per attention head (:func:`kvcdn_core.ungroup_mla_heads`), which is what the
+weights compute.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvcdn_core import ArtifactError, KvcdnError, ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, MlaLayers, ModelAdapter, hookimpl, mla_widths, ungroup_mla_heads
 from kvcdn_core import artifact as fmt
 
 __version__ = "0.1.0"
 
-LATENT = "latent"
-ROTARY_KEY = "rotary_key"
+LATENT, ROTARY_KEY, INDEXER_KEY = fmt.MLA_ROLES
+__all__ = ["INDEXER_KEY", "LATENT", "ROTARY_KEY", "DeepseekAdapter", "mla_widths", "ungroup_mla_heads"]
 
 _MLA = dict(
-    hidden_size=64,
-    intermediate_size=128,
+    TINY_DECODER,
     moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
     num_key_value_heads=4,
     kv_lora_rank=32,
     qk_rope_head_dim=8,
@@ -48,30 +41,19 @@ _MLA = dict(
     num_experts_per_tok=2,
     n_shared_experts=1,
     first_k_dense_replace=1,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
 )
 
-
-def mla_widths(config) -> tuple[int, int]:
-    """``(kv_lora_rank, qk_rope_head_dim)``: the widths of the latent and of the rotary key."""
-    return int(config.kv_lora_rank), int(config.qk_rope_head_dim)
-
-
-def ungroup_mla_heads(model) -> None:
-    """One key-value head per attention head: MLA decompresses a key and value for every head.
-
-    Without this, attention repeats the already per-head keys ``heads / num_key_value_heads`` times
-    and the shapes no longer match (see the module docstring).
-    """
-    for module in model.modules():
-        if hasattr(module, "kv_lora_rank") and hasattr(module, "num_key_value_groups"):
-            module.num_key_value_groups = 1
+#: DeepSeek sparse attention, scaled down: each query attends to its 16 best-scored keys, far fewer
+#: than the validation context (96+ tokens), so the selection decides what the model sees. At least
+#: 16 indexer heads (V3.2 has 64): with 4, about 5% of the scores are exactly 0 (every head's ReLU
+#: is 0), top-k then picks among exact ties, and torch breaks ties differently for different key
+#: counts, so transformers' own chunked prefill stops matching its one-pass prefill (3/16 tokens).
+_DSA = dict(_MLA, q_lora_rank=32, index_topk=16, index_head_dim=16, index_n_heads=16)
 
 
-class DeepseekAdapter(ModelAdapter):
+class DeepseekAdapter(MlaLayers, ModelAdapter):
     family = "deepseek"
-    architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
     validation_configs = {
         # DeepSeek-V2-Lite layout: no query compression, greedy expert routing, plain rotary.
         "DeepseekV2ForCausalLM": dict(_MLA, q_lora_rank=None, topk_method="greedy"),
@@ -92,6 +74,8 @@ class DeepseekAdapter(ModelAdapter):
                 "mscale_all_dim": 1.0,
             },
         ),
+        # DeepSeek-V3.2: V3's layout plus the DSA indexer on every layer.
+        "DeepseekV32ForCausalLM": dict(_DSA, n_group=2, topk_group=1),
     }
 
     validation_variants = {
@@ -127,62 +111,31 @@ class DeepseekAdapter(ModelAdapter):
             # No query compression (V3-style routing), non-interleaved rotary.
             dict(_variant="no-q-lora", q_lora_rank=None, num_key_value_heads=1, rope_interleave=False),
         ],
+        "DeepseekV32ForCausalLM": [
+            # Grouped heads (8:2), a wider indexer with fewer heads selecting 24 keys, YaRN rotary.
+            dict(
+                _variant="8q-kv2-yarn",
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                qk_rope_head_dim=16,
+                index_topk=24,
+                index_head_dim=32,
+                index_n_heads=32,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
+            ),
+            # Three layers selecting only 8 keys each, a narrower latent, tied embeddings.
+            dict(_variant="3l-top8-tied", num_hidden_layers=3, index_topk=8, kv_lora_rank=16, tie_word_embeddings=True),
+        ],
     }
-
-    def load(self, model_dir, device, dtype):
-        model, tokenizer = super().load(model_dir, device, dtype)
-        ungroup_mla_heads(model)
-        return model, tokenizer
-
-    def layer_kind(self, layer) -> str:
-        from transformers.cache_utils import DynamicLayer
-
-        if type(layer) is DynamicLayer:
-            return fmt.MLA_LATENT
-        raise KvcdnError(
-            f"cache layer type {type(layer).__name__} is not an MLA latent layer the deepseek adapter "
-            "knows; no artifact was written"
-        )
-
-    def export_cache(self, model, cache):
-        layers, tensors = super().export_cache(model, cache)
-        rank, rope = mla_widths(model.config)
-        for entry in layers:
-            latent = tensors[entry["tensors"][LATENT]]
-            rotary = tensors[entry["tensors"][ROTARY_KEY]]
-            if latent.shape[1] != 1 or latent.shape[-1] != rank or rotary.shape[-1] != rope:
-                raise KvcdnError(
-                    f"layer {entry['index']} caches tensors of shape {list(latent.shape)} and "
-                    f"{list(rotary.shape)}, not the MLA latent ({rank}) and rotary key ({rope}) this "
-                    "adapter stores; this transformers version caches DeepSeek differently, no "
-                    "artifact was written"
-                )
-            entry["kv_lora_rank"], entry["qk_rope_head_dim"] = rank, rope
-        return layers, tensors
-
-    def export_layer(self, index: int, layer) -> tuple[dict, dict[str, Any]]:
-        entry = {"kind": self.layer_kind(layer)}
-        return entry, {LATENT: layer.keys, ROTARY_KEY: layer.values}
-
-    def import_cache(self, model, layers, tensors, device):
-        rank, rope = mla_widths(model.config)
-        for entry in layers:
-            if entry["kind"] != fmt.MLA_LATENT:
-                raise ArtifactError(
-                    f"layer {entry['index']} is '{entry['kind']}' in the artifact, the model caches '{fmt.MLA_LATENT}'"
-                )
-            if (entry.get("kv_lora_rank"), entry.get("qk_rope_head_dim")) != (rank, rope):
-                raise ArtifactError(
-                    f"layer {entry['index']} holds a latent of {entry.get('kv_lora_rank')} and a rotary "
-                    f"key of {entry.get('qk_rope_head_dim')}, the model uses {rank} and {rope}"
-                )
-        return super().import_cache(model, layers, tensors, device)
-
-    def import_layer(self, entry: dict, named: dict[str, Any], layer) -> None:
-        self.layer_kind(layer)
-        latent, rotary = named[LATENT], named[ROTARY_KEY]
-        layer.lazy_initialization(latent, rotary)
-        layer.keys, layer.values = latent, rotary
 
 
 @hookimpl

@@ -95,7 +95,7 @@ def test_a_cache_of_decompressed_heads_is_refused(session):
         keys = torch.zeros(1, config.num_attention_heads, 5, config.qk_nope_head_dim + config.qk_rope_head_dim)
         values = torch.zeros(1, config.num_attention_heads, 5, config.v_head_dim)
         cache.update(keys, values, index)
-    with pytest.raises(KvcdnError, match="caches DeepSeek differently"):
+    with pytest.raises(KvcdnError, match="caches MLA differently"):
         session.adapter.export_cache(session.model, cache)
 
 
