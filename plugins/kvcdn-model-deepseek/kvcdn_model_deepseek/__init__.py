@@ -29,8 +29,10 @@ __version__ = "0.1.0"
 LATENT, ROTARY_KEY, INDEXER_KEY = fmt.MLA_ROLES
 __all__ = ["INDEXER_KEY", "LATENT", "ROTARY_KEY", "DeepseekAdapter", "mla_widths", "ungroup_mla_heads"]
 
+#: TINY_DECODER less its head_dim: an MLA head is qk_nope_head_dim + qk_rope_head_dim wide, and
+#: transformers derives ``head_dim`` (the rotary width) from qk_rope_head_dim unless a config gives it.
 _MLA = dict(
-    TINY_DECODER,
+    {key: value for key, value in TINY_DECODER.items() if key != "head_dim"},
     moe_intermediate_size=32,
     num_key_value_heads=4,
     kv_lora_rank=32,

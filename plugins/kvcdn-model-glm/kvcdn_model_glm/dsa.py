@@ -13,7 +13,8 @@ from __future__ import annotations
 from kvcdn_core import TINY_DECODER, MlaLayers, ModelAdapter
 
 _DSA = dict(
-    TINY_DECODER,
+    # An MLA head is qk_nope_head_dim + qk_rope_head_dim wide; transformers derives head_dim.
+    {key: value for key, value in TINY_DECODER.items() if key != "head_dim"},
     num_hidden_layers=3,
     num_key_value_heads=4,
     moe_intermediate_size=32,
