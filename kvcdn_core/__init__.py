@@ -54,6 +54,8 @@ _EXPORTS = {
     "fingerprint": "kvcdn_core.model_files",
     "fingerprint_differences": "kvcdn_core.model_files",
     "TINY_DECODER": "kvcdn_core.tiny",
+    "TINY_MLA": "kvcdn_core.tiny",
+    "TINY_DEEPSEEK_MOE": "kvcdn_core.tiny",
     "validate_tiny": "kvcdn_core.validation",
     # quantized artifacts
     "dequantize_tensors": "kvcdn_core.quant",

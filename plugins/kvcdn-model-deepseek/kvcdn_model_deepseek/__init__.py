@@ -21,7 +21,7 @@ weights compute.
 
 from __future__ import annotations
 
-from kvcdn_core import TINY_DECODER, MlaLayers, ModelAdapter, hookimpl, mla_widths, ungroup_mla_heads
+from kvcdn_core import TINY_DEEPSEEK_MOE, TINY_MLA, MlaLayers, ModelAdapter, hookimpl, mla_widths, ungroup_mla_heads
 from kvcdn_core import artifact as fmt
 
 __version__ = "0.1.0"
@@ -29,21 +29,17 @@ __version__ = "0.1.0"
 LATENT, ROTARY_KEY, INDEXER_KEY = fmt.MLA_ROLES
 __all__ = ["INDEXER_KEY", "LATENT", "ROTARY_KEY", "DeepseekAdapter", "mla_widths", "ungroup_mla_heads"]
 
-#: TINY_DECODER less its head_dim: an MLA head is qk_nope_head_dim + qk_rope_head_dim wide, and
-#: transformers derives ``head_dim`` (the rotary width) from qk_rope_head_dim unless a config gives it.
-_MLA = dict(
-    {key: value for key, value in TINY_DECODER.items() if key != "head_dim"},
-    moe_intermediate_size=32,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-)
+_MLA = dict(TINY_MLA, **TINY_DEEPSEEK_MOE)
+
+#: A YaRN rotary (4x) for the variants that stretch a 64-token original window.
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 
 #: DeepSeek sparse attention, scaled down: each query attends to its 16 best-scored keys, far fewer
 #: than the validation context (96+ tokens), so the selection decides what the model sees. At least
@@ -88,16 +84,7 @@ class DeepseekAdapter(MlaLayers, ModelAdapter):
                 _variant="kv2-yarn",
                 num_key_value_heads=2,
                 v_head_dim=8,
-                rope_parameters={
-                    "rope_type": "yarn",
-                    "rope_theta": 10000.0,
-                    "factor": 4.0,
-                    "original_max_position_embeddings": 64,
-                    "beta_fast": 32.0,
-                    "beta_slow": 1.0,
-                    "mscale": 0.707,
-                    "mscale_all_dim": 0.707,
-                },
+                rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707),
             ),
             # More heads than key-value heads by 8, a wider rotary key, tied embeddings.
             dict(
@@ -123,16 +110,7 @@ class DeepseekAdapter(MlaLayers, ModelAdapter):
                 index_topk=24,
                 index_head_dim=32,
                 index_n_heads=32,
-                rope_parameters={
-                    "rope_type": "yarn",
-                    "rope_theta": 10000.0,
-                    "factor": 4.0,
-                    "original_max_position_embeddings": 64,
-                    "beta_fast": 32.0,
-                    "beta_slow": 1.0,
-                    "mscale": 1.0,
-                    "mscale_all_dim": 1.0,
-                },
+                rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
             ),
             # Three layers selecting only 8 keys each, a narrower latent, tied embeddings.
             dict(_variant="3l-top8-tied", num_hidden_layers=3, index_topk=8, kv_lora_rank=16, tie_word_embeddings=True),

@@ -20,18 +20,14 @@ QUESTION = " What did the keeper write?"
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    from kvcdn_core.tiny import build_tiny_model
-
-    model_dir = build_tiny_model(DeepseekAdapter, ARCH, tmp_path_factory.mktemp("v32"))
-    return runtime.load_session(str(model_dir), device="cpu", dtype="float32")
+def session(tiny_session):
+    return tiny_session(DeepseekAdapter, ARCH)
 
 
 @pytest.fixture(scope="module")
 def artifact(session, tmp_path_factory):
-    context = long_context(96, session.tokenizer)
-    path, _ = runtime.generate(session, context, tmp_path_factory.mktemp("kv") / "doc.kv", progress=False)
-    return fmt.read_header(path)
+    path = tmp_path_factory.mktemp("kv") / "doc.kv"
+    return fmt.read_header(runtime.generate(session, long_context(96, session.tokenizer), path, progress=False)[0])
 
 
 def test_artifact_holds_latent_rotary_key_and_indexer_keys(session, artifact):

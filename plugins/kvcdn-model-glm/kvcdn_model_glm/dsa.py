@@ -10,23 +10,13 @@ architecture and its tiny validation shapes.
 
 from __future__ import annotations
 
-from kvcdn_core import TINY_DECODER, MlaLayers, ModelAdapter
+from kvcdn_core import TINY_DEEPSEEK_MOE, TINY_MLA, MlaLayers, ModelAdapter
 
 _DSA = dict(
-    # An MLA head is qk_nope_head_dim + qk_rope_head_dim wide; transformers derives head_dim.
-    {key: value for key, value in TINY_DECODER.items() if key != "head_dim"},
+    TINY_MLA,
+    **TINY_DEEPSEEK_MOE,
     num_hidden_layers=3,
-    num_key_value_heads=4,
-    moe_intermediate_size=32,
-    kv_lora_rank=32,
     q_lora_rank=32,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
     n_group=1,
     topk_group=1,
     # Each query attends to its 16 best-scored keys, far fewer than the validation context (96+
