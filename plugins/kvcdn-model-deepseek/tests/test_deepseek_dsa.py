@@ -11,6 +11,7 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.testing import assert_prefix_reuse
+from kvcdn_core.tiny import config_variants
 from kvcdn_core.validation import long_context
 
 pytestmark = pytest.mark.slow  # real model runs
@@ -28,6 +29,12 @@ def session(tiny_session):
 def artifact(session, tmp_path_factory):
     path = tmp_path_factory.mktemp("kv") / "doc.kv"
     return fmt.read_header(runtime.generate(session, long_context(96, session.tokenizer), path, progress=False)[0])
+
+
+def test_every_shape_selects_fewer_keys_than_the_validation_context():
+    """kvcdn validate's context is at least 96 tokens: every shape's top-k must leave keys out."""
+    for config in config_variants(DeepseekAdapter, ARCH).values():
+        assert config["index_topk"] * 4 <= 96 and config["index_n_heads"] >= 16
 
 
 def test_artifact_holds_latent_rotary_key_and_indexer_keys(session, artifact):
