@@ -39,6 +39,7 @@ _EXPORTS = {
     "FULL_ATTENTION": "kvcdn_core.artifact",
     "SLIDING_WINDOW": "kvcdn_core.artifact",
     "MLA_LATENT": "kvcdn_core.artifact",
+    "MLA_INDEXED": "kvcdn_core.artifact",
     "LINEAR_ATTENTION": "kvcdn_core.artifact",
     "RECURRENT_STATE": "kvcdn_core.artifact",
     "LINEAR_AND_FULL_ATTENTION": "kvcdn_core.artifact",
@@ -50,10 +51,8 @@ _EXPORTS = {
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",
     "is_linear_attention": "kvcdn_core.linear_attention",
-    # multi-head latent attention layers (DeepSeek-V2/V3, Kimi Linear)
-    "MLALatentLayers": "kvcdn_core.mla",
-    "LATENT_ROLE": "kvcdn_core.mla",
-    "ROTARY_KEY_ROLE": "kvcdn_core.mla",
+    # multi-head latent attention layers, with DeepSeek sparse attention's indexer (DeepSeek, GLM-MoE-DSA, Kimi Linear)
+    "MlaLayers": "kvcdn_core.mla",
     "mla_widths": "kvcdn_core.mla",
     "ungroup_mla_heads": "kvcdn_core.mla",
     # models: files, fingerprint, tiny validation configs, the validation run
@@ -61,6 +60,8 @@ _EXPORTS = {
     "fingerprint": "kvcdn_core.model_files",
     "fingerprint_differences": "kvcdn_core.model_files",
     "TINY_DECODER": "kvcdn_core.tiny",
+    "TINY_MLA": "kvcdn_core.tiny",
+    "TINY_DEEPSEEK_MOE": "kvcdn_core.tiny",
     "validate_tiny": "kvcdn_core.validation",
     # quantized artifacts
     "dequantize_tensors": "kvcdn_core.quant",

@@ -61,19 +61,33 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 MLA_LATENT = "mla_latent"
+#: An MLA latent with DeepSeek sparse attention's indexer keys (DeepSeek-V3.2, GLM-MoE-DSA).
+MLA_INDEXED = "mla_indexed"
 LINEAR_ATTENTION = "linear_attention"
 RECURRENT_STATE = "recurrent_state"
 #: One cache layer holding both a linear-attention (Mamba) state and full-attention keys/values
 #: (Falcon-H1, Zamba, Zamba2). Added after the other kinds: a reader without it refuses it as unknown.
 LINEAR_AND_FULL_ATTENTION = "linear_and_full_attention"
-LAYER_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, MLA_LATENT, LINEAR_ATTENTION, RECURRENT_STATE, LINEAR_AND_FULL_ATTENTION)
+LAYER_KINDS = (
+    FULL_ATTENTION,
+    SLIDING_WINDOW,
+    MLA_LATENT,
+    MLA_INDEXED,
+    LINEAR_ATTENTION,
+    RECURRENT_STATE,
+    LINEAR_AND_FULL_ATTENTION,
+)
 #: Roles of a ``linear_and_full_attention`` layer: keys and values, and one or more states
 #: (``conv_state``, ``recurrent_state``, then ``conv_state.1``... for a layer with several).
 _STATE_ROLE = re.compile(r"(conv_state|recurrent_state)(\.[1-9][0-9]*)?")
 #: Kinds holding a running state (kept in its own, often wider, dtype) rather than only keys/values.
 STATE_KINDS = (LINEAR_ATTENTION, RECURRENT_STATE, LINEAR_AND_FULL_ATTENTION)
+#: Tensor roles of MLA layer entries: the latent and the rotary key, and (``mla_indexed`` only) the
+#: DSA indexer key; and the integer widths an ``mla_indexed`` entry must give.
+MLA_ROLES = ("latent", "rotary_key", "indexer_key")
+MLA_INDEXED_WIDTHS = ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
 #: Kinds whose cache can be cropped to any shorter prefix.
-CROPPABLE_KINDS = (FULL_ATTENTION, MLA_LATENT)
+CROPPABLE_KINDS = (FULL_ATTENTION, MLA_LATENT, MLA_INDEXED)
 
 REQUIRED_MANIFEST_KEYS = ("kvcdn_version", "created_at", "model", "compute_dtype", "token_count", "layers", "tensors")
 
@@ -329,6 +343,13 @@ def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
                 and _is_count(layer.get("conv_kernel")),
                 f"layer {i} ('{LINEAR_AND_FULL_ATTENTION}') needs key, value, state tensors "
                 "(conv_state, recurrent_state...) and an integer conv_kernel",
+            )
+        if layer["kind"] == MLA_INDEXED:
+            expect(
+                set(MLA_ROLES) <= set(tensors)
+                and all(_is_count(layer.get(k)) and layer[k] > 0 for k in MLA_INDEXED_WIDTHS),
+                f"layer {i} ({MLA_INDEXED}) lacks the {'/'.join(MLA_ROLES)} tensors or an integer "
+                f"{', '.join(MLA_INDEXED_WIDTHS)}",
             )
 
 

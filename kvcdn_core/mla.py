@@ -1,24 +1,28 @@
-"""Multi-head latent attention (MLA) cache layers: DeepSeek-V2/V3 and Kimi Linear's global layers.
+"""Multi-head latent attention (MLA) cache layers, with or without DeepSeek sparse attention (DSA).
 
-MLA does not cache per-head keys and values. Each token leaves two small vectors per layer:
+Shared by every family whose attention is DeepSeek's MLA (DeepSeek-V2/V3/V3.2, GLM-MoE-DSA, Kimi Linear's global layers), so it
+lives next to the format's ``mla_latent`` and ``mla_indexed`` kinds rather than in one family plugin
+that the others would have to import.
 
-- the compressed latent, ``kv_a_layernorm(kv_a_proj_with_mqa(h)[:kv_lora_rank])``, from which every
-  head's non-rotary key and its value are decompressed (``kv_b_proj``) at attention time;
-- the rotary key, ``qk_rope_head_dim`` wide, shared by all heads.
+MLA does not cache per-head keys and values. Each token leaves two small vectors per layer, and
+transformers (5.x) caches exactly these in a ``DynamicLayer``, each viewed as one head:
 
-transformers (5.x) caches exactly these two, in a ``DynamicLayer`` whose ``keys`` are the latent and
-whose ``values`` are the rotary key, each viewed as one head. That layer type looks like full
-attention to the base adapter, so :class:`MLALatentLayers` exports and imports it itself: the
-manifest says ``mla_latent`` with the widths, and the tensors are named ``latent`` and
-``rotary_key``. A cache whose shapes are not those of the latent (a transformers version that caches
-decompressed heads, say) is refused rather than written under a wrong name.
+- ``keys``: the compressed latent, ``kv_a_layernorm(kv_a_proj_with_mqa(h)[:kv_lora_rank])``, from which
+  every head's non-rotary key and its value are decompressed (``kv_b_proj``) at attention time;
+- ``values``: the rotary key, ``qk_rope_head_dim`` wide, rotated at the token's position.
 
-``num_key_value_heads`` means nothing to MLA: every head decompresses its own key and value from the
-shared latent, and no weight depends on it. transformers 5.x still divides the decompressed heads
-into key-value groups by it, so a config whose ``num_key_value_heads`` differs from
-``num_attention_heads`` (valid, and produced by converters that copy a GQA default) crashes in the
-attention kernel. :meth:`MLALatentLayers.load` gives such a model one key-value head per attention
-head, which is what the weights compute; the cache (the latent) is the same either way.
+DeepSeek sparse attention adds a lightning indexer: a one-head key per token (``index_head_dim`` wide)
+that later queries score to pick the ``index_topk`` keys they attend to. transformers keeps it in the
+same layer (``DynamicIndexedLayer.indexer_keys``, ``[batch, tokens, index_head_dim]``). Without it a
+restored cache would select other keys, so it is stored too: kind ``mla_indexed``, a third tensor.
+A DSA layer that reuses an earlier layer's selection (GLM-MoE-DSA's ``"shared"`` indexer layers) has
+no indexer keys and is stored as plain ``mla_latent``.
+
+``num_key_value_heads`` means nothing to MLA (every head decompresses its own key and value from the
+shared latent; no weight depends on it), but transformers 5.x still divides the decompressed heads
+into key-value groups by it, so a config where the two counts differ crashes in the attention kernel.
+:func:`ungroup_mla_heads` sets one key-value head per attention head, which is what the weights
+compute; the cache is the same either way.
 """
 
 from __future__ import annotations
@@ -29,14 +33,26 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.manifest import LayerEntry
 
-#: Tensor roles of an ``mla_latent`` layer entry.
-LATENT_ROLE = "latent"
-ROTARY_KEY_ROLE = "rotary_key"
+LATENT, ROTARY_KEY, INDEXER_KEY = fmt.MLA_ROLES
+MLA_KINDS = (fmt.MLA_LATENT, fmt.MLA_INDEXED)
 
 
 def mla_widths(config) -> tuple[int, int]:
     """``(kv_lora_rank, qk_rope_head_dim)``: the widths of the latent and of the rotary key."""
     return int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+
+
+def has_indexer(config, index: int) -> bool:
+    """Whether layer ``index`` runs its own DSA indexer (and so caches indexer keys).
+
+    Every ``indexed_attention`` layer does, except GLM-MoE-DSA's ``"shared"`` ones, which reuse the
+    previous indexer layer's selection.
+    """
+    layer_types = getattr(config, "layer_types", None) or ()
+    if index >= len(layer_types) or layer_types[index] != "indexed_attention":
+        return False
+    indexer_types = getattr(config, "indexer_types", None)
+    return indexer_types is None or indexer_types[index] != "shared"
 
 
 def ungroup_mla_heads(model) -> None:
@@ -50,18 +66,26 @@ def ungroup_mla_heads(model) -> None:
             module.num_key_value_groups = 1
 
 
+def _is_indexed(layer) -> bool:
+    from transformers.cache_utils import DynamicIndexedLayer
+
+    return type(layer) is DynamicIndexedLayer
+
+
 if TYPE_CHECKING:  # a mixin of ModelAdapter subclasses: type-check it as one
     from kvcdn_core.contracts.adapter import ModelAdapter as _MixinBase
 else:
     _MixinBase = object
 
 
-class MLALatentLayers(_MixinBase):
-    """Adapter mixin: a model's plain ``DynamicLayer`` holds an MLA latent and rotary key.
+class MlaLayers(_MixinBase):
+    """Adapter mixin for MLA models: MLA latent layers, DSA layers with their indexer keys.
 
-    Any other attention layer type is refused (nothing written). Put it before ``ModelAdapter`` in the
-    bases, after :class:`~kvcdn_core.linear_attention.LinearAttentionLayers` for hybrids whose other
-    layers are linear attention (Kimi Linear).
+    Put it before :class:`~kvcdn_core.contracts.adapter.ModelAdapter` in the bases, after
+    :class:`~kvcdn_core.linear_attention.LinearAttentionLayers` for hybrids whose other layers are
+    linear attention (Kimi Linear). A layer of any other type, or tensors that are not one head of
+    the model's widths (a transformers version that caches decompressed heads, say), are refused
+    rather than written under a wrong name.
     """
 
     def load(self, model_dir, device, dtype):
@@ -72,6 +96,8 @@ class MLALatentLayers(_MixinBase):
     def layer_kind(self, layer) -> str:
         from transformers.cache_utils import DynamicLayer
 
+        if _is_indexed(layer):
+            return fmt.MLA_INDEXED if layer.is_indexer_initialized else fmt.MLA_LATENT
         if type(layer) is DynamicLayer:
             return fmt.MLA_LATENT
         raise KvcdnError(
@@ -79,46 +105,90 @@ class MLALatentLayers(_MixinBase):
             "knows; no artifact was written"
         )
 
+    def export_layer(self, index: int, layer) -> tuple[LayerEntry, dict[str, Any]]:
+        kind = self.layer_kind(layer)
+        named = {LATENT: layer.keys, ROTARY_KEY: layer.values}
+        if kind == fmt.MLA_INDEXED:
+            if layer.indexer_position_ids is not None:
+                raise KvcdnError(
+                    f"layer {index} caches indexer positions, which the {self.family} adapter does not "
+                    "store; no artifact was written"
+                )
+            named[INDEXER_KEY] = layer.indexer_keys
+        return LayerEntry(index, kind), named
+
     def export_cache(self, model, cache):
         layers, tensors = super().export_cache(model, cache)
         rank, rope = mla_widths(model.config)
         typed = []
         for entry in layers:
-            if entry.kind != fmt.MLA_LATENT:
+            if entry.kind not in MLA_KINDS:
                 typed.append(entry)
                 continue
-            latent = tensors[entry.tensors[LATENT_ROLE]]
-            rotary = tensors[entry.tensors[ROTARY_KEY_ROLE]]
+            index = entry.index
+            latent = tensors[entry.tensors[LATENT]]
+            rotary = tensors[entry.tensors[ROTARY_KEY]]
             if latent.shape[1] != 1 or latent.shape[-1] != rank or rotary.shape[-1] != rope:
                 raise KvcdnError(
-                    f"layer {entry.index} caches tensors of shape {list(latent.shape)} and "
+                    f"layer {index} caches tensors of shape {list(latent.shape)} and "
                     f"{list(rotary.shape)}, not the MLA latent ({rank}) and rotary key ({rope}) this "
-                    "adapter stores; this transformers version caches MLA differently, no artifact was written"
+                    "adapter stores; this transformers version caches MLA differently, no "
+                    "artifact was written"
                 )
-            typed.append(entry.with_fields(kv_lora_rank=rank, qk_rope_head_dim=rope))
+            entry = entry.with_fields(kv_lora_rank=rank, qk_rope_head_dim=rope)
+            if (entry.kind == fmt.MLA_INDEXED) != has_indexer(model.config, index):
+                raise KvcdnError(
+                    f"layer {index} {'holds' if entry.kind == fmt.MLA_INDEXED else 'lacks'} DSA indexer "
+                    "keys where the model's config says otherwise; no artifact was written"
+                )
+            if entry.kind == fmt.MLA_INDEXED:
+                indexer = tensors[entry.tensors[INDEXER_KEY]]
+                width = int(model.config.index_head_dim)
+                if indexer.dim() != 3 or indexer.shape[1] != latent.shape[-2] or indexer.shape[-1] != width:
+                    raise KvcdnError(
+                        f"layer {index} caches indexer keys of shape {list(indexer.shape)}, not one "
+                        f"{width}-wide key per token; no artifact was written"
+                    )
+                entry = entry.with_fields(index_head_dim=width)
+            typed.append(entry)
         return typed, tensors
-
-    def export_layer(self, index: int, layer) -> tuple[LayerEntry, dict[str, Any]]:
-        entry = LayerEntry(index, self.layer_kind(layer))
-        return entry, {LATENT_ROLE: layer.keys, ROTARY_KEY_ROLE: layer.values}
 
     def import_cache(self, model, layers, tensors, device):
         rank, rope = mla_widths(model.config)
         for entry in layers:
-            if entry.kind != fmt.MLA_LATENT:
+            if entry.kind not in MLA_KINDS:
                 continue
+            index = entry.index
+            expected = fmt.MLA_INDEXED if has_indexer(model.config, index) else fmt.MLA_LATENT
+            if entry.kind != expected:
+                raise ArtifactError(f"layer {index} is '{entry.kind}' in the artifact, the model caches '{expected}'")
             stored = entry.family_fields.get("kv_lora_rank"), entry.family_fields.get("qk_rope_head_dim")
             if stored != (rank, rope):
                 raise ArtifactError(
-                    f"layer {entry.index} holds a latent of {stored[0]} and a rotary "
+                    f"layer {index} holds a latent of {stored[0]} and a rotary "
                     f"key of {stored[1]}, the model uses {rank} and {rope}"
+                )
+            width = entry.family_fields.get("index_head_dim")
+            if expected == fmt.MLA_INDEXED and width != int(model.config.index_head_dim):
+                raise ArtifactError(
+                    f"layer {index} holds indexer keys of width {width}, the model uses {model.config.index_head_dim}"
                 )
         return super().import_cache(model, layers, tensors, device)
 
     def import_layer(self, entry: LayerEntry, named: dict[str, Any], layer) -> None:
-        kind = self.layer_kind(layer)
-        if entry.kind != kind:
+        kind = self.layer_kind(layer)  # refuses a layer type this mixin does not know
+        if entry.kind not in MLA_KINDS:
             raise ArtifactError(f"layer {entry.index} is '{entry.kind}' in the artifact, the model caches '{kind}'")
-        latent, rotary = named[LATENT_ROLE], named[ROTARY_KEY_ROLE]
+        latent, rotary = named[LATENT], named[ROTARY_KEY]
         layer.lazy_initialization(latent, rotary)
         layer.keys, layer.values = latent, rotary
+        if entry.kind == fmt.MLA_INDEXED:
+            if not _is_indexed(layer):
+                raise ArtifactError(f"layer {entry.index} holds DSA indexer keys, the model's cache has none")
+            layer.lazy_initialization_indexer(named[INDEXER_KEY])
+            layer.indexer_keys = named[INDEXER_KEY]
+
+    def crop_layer(self, entry: LayerEntry, layer, n_tokens: int) -> None:
+        super().crop_layer(entry, layer, n_tokens)
+        if entry.kind == fmt.MLA_INDEXED:  # one indexer key per token: [batch, tokens, width]
+            layer.indexer_keys = layer.indexer_keys[:, :n_tokens, :]

@@ -83,6 +83,27 @@ TINY_DECODER = dict(
 )
 
 
+#: :data:`TINY_DECODER` for multi-head latent attention (DeepSeek's MLA, GLM-MoE-DSA): a 32-wide
+#: latent, an 8-wide rotary key and 16-wide plain key and value heads. Without ``head_dim``: an MLA
+#: head is ``qk_nope_head_dim + qk_rope_head_dim`` wide and transformers derives ``head_dim`` (the
+#: rotary width) from ``qk_rope_head_dim`` unless a config gives one (DeepSeek-V3's then wins).
+#: ``num_key_value_heads`` equals the head count: MLA has no key-value groups.
+TINY_MLA = dict(
+    {key: value for key, value in TINY_DECODER.items() if key != "head_dim"},
+    num_key_value_heads=TINY_DECODER["num_attention_heads"],
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+)
+
+#: The tiny mixture of experts of DeepSeek-lineage configs: 4 routed experts (2 per token), one
+#: shared, and a dense first layer.
+TINY_DEEPSEEK_MOE = dict(
+    moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1
+)
+
+
 def config_variants(adapter_cls, architecture: str) -> dict[str, dict]:
     """Variant name → tiny config kwargs of ``architecture``: ``default`` first, then the extras.
 

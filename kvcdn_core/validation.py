@@ -243,15 +243,20 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num
 def exercised(config, layers: Sequence[LayerEntry]) -> dict[str, Any]:
     """What one validated model proved: its cache-layer kinds, features and attention shape.
 
-    ``features`` uses the names of the README support table: ``sliding_window``, ``mla``, ``moe``,
+    ``features`` uses the names of the README support table: ``sliding_window``, ``mla``,
+    ``sparse_attention`` (DSA indexer keys), ``kv_sharing`` (layers reusing another's cache), ``moe``,
     ``linear_attention``, ``recurrent_state``, ``linear_and_full_attention``, ``rope:<type>`` (a RoPE scaling other than the
     default) and ``tied_embeddings``.
     """
     cfg = config.get_text_config(decoder=True)
     kinds = sorted({layer.kind for layer in layers})
     features = [kind for kind in (fmt.SLIDING_WINDOW, *fmt.STATE_KINDS) if kind in kinds]
-    if fmt.MLA_LATENT in kinds:
+    if fmt.MLA_LATENT in kinds or fmt.MLA_INDEXED in kinds:
         features.append("mla")
+    if fmt.MLA_INDEXED in kinds:
+        features.append("sparse_attention")
+    if any(layer.family_fields.get("shared_by") for layer in layers):
+        features.append("kv_sharing")
     if any((getattr(cfg, key, None) or 0) > 1 for key in _EXPERT_KEYS):
         features.append("moe")
     features += [f"rope:{t}" for t in rope_types(cfg) if t != "default"]

@@ -46,6 +46,15 @@ def test_recurrent_and_linear_kinds_are_features():
     assert {fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE} <= set(proven["features"])
 
 
+def test_sparse_attention_and_kv_sharing_are_features():
+    cfg = config("LlamaForCausalLM", tie_word_embeddings=False)
+    indexed = exercised(cfg, [{"kind": fmt.MLA_INDEXED}, {"kind": fmt.MLA_LATENT}])
+    assert indexed["layer_kinds"] == [fmt.MLA_INDEXED, fmt.MLA_LATENT]
+    assert indexed["features"] == ["mla", "sparse_attention"]
+    shared = exercised(cfg, [{"kind": fmt.FULL_ATTENTION, "shared_by": [2, 3]}, {"kind": fmt.FULL_ATTENTION}])
+    assert shared["features"] == ["kv_sharing"]
+
+
 def test_validate_json_reports_each_shape(run_kvcdn):
     code, out, err = run_kvcdn("validate", "--family", "deepseek", "--format", "json", "-q")
     assert code == 0, err
@@ -55,7 +64,9 @@ def test_validate_json_reports_each_shape(run_kvcdn):
         ("DeepseekV3ForCausalLM", "8q-kv2"),
     }
     for row in rows:
-        assert row["passed"] and row["layer_kinds"] == [fmt.MLA_LATENT]
+        sparse = row["architecture"] == "DeepseekV32ForCausalLM"
+        assert row["passed"] and row["layer_kinds"] == [fmt.MLA_INDEXED if sparse else fmt.MLA_LATENT]
         assert {"mla", "moe"} <= set(row["features"])
+        assert ("sparse_attention" in row["features"]) == sparse
     assert any(r["shape"]["kv_heads"] != r["shape"]["heads"] for r in rows)
     assert any("rope:yarn" in r["features"] for r in rows)

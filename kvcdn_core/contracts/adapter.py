@@ -131,7 +131,7 @@ class ModelAdapter:
     def export_cache(self, model: Model, cache: Cache) -> tuple[list[LayerEntry], Tensors]:
         """Named tensors and per-layer manifest entries for a cache."""
         layers, tensors = [], {}
-        for index, layer in enumerate(self.cache_layers(cache)):
+        for index, layer in self.stored_layers(cache):
             entry, named = self.export_layer(index, layer)
             names = {k: f"layers.{index}.{k}" for k in named}
             layers.append(dataclasses.replace(entry, index=index, tensors=names))
@@ -164,6 +164,14 @@ class ModelAdapter:
 
     def cache_layers(self, cache: Cache) -> list[CacheLayer]:
         return list(cache.layers)
+
+    def stored_layers(self, cache: Cache) -> list[tuple[int, CacheLayer]]:
+        """``(model layer index, layer)`` for each of :meth:`cache_layers`: the manifest's ``index``.
+
+        Every layer's own position, unless a family stores only some of the model's layers (Gemma 3n's
+        later layers reuse earlier layers' keys and values and own no cache).
+        """
+        return list(enumerate(self.cache_layers(cache)))
 
     def layer_kind(self, layer: CacheLayer) -> str:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer

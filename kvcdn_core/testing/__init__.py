@@ -1,6 +1,7 @@
 """Helpers for testing kvcdn plugins: in-process registration and the contract suites.
 
-- :func:`assert_adapter_contract` for model adapters,
+- :func:`assert_adapter_contract` for model adapters, and :func:`assert_prefix_reuse` for prefix
+  search over their artifacts,
 - :func:`assert_quantizer_contract` for quantization schemes,
 - :func:`assert_storage_contract` for storage backends.
 
@@ -55,12 +56,46 @@ def assert_chunked_prefill_exact(
     torch.testing.assert_close(chunk_logits, one_logits, rtol=rtol, atol=atol)
 
 
+def assert_prefix_reuse(session, workdir: Path, n: int = 16) -> int:
+    """Prefix search (``continue --dir``) over an artifact of ``session``'s model is exact.
+
+    Saves a long document, then continues a prompt that shares only the first two thirds of it:
+    search crops a croppable artifact (``any_prefix``) to the shared prefix and prefills the rest; a
+    ``whole_prefix`` one cannot be cropped, so the prompt is prefilled from scratch. Either way the
+    ``n`` greedy tokens must equal a full prefill's. Returns the tokens reused (0: from scratch).
+    """
+    from kvcdn_core import artifact, runtime, search
+    from kvcdn_core.manifest import ANY_PREFIX
+    from kvcdn_core.validation import TINY_QUESTION, long_context
+
+    document = long_context(160, session.tokenizer)
+    path, ids = runtime.generate(session, document, Path(workdir) / "document.kv", progress=False)
+    croppable = artifact.read_manifest(path)["reuse"] == ANY_PREFIX
+
+    def fail(message: str) -> None:
+        raise AssertionError(message)
+
+    found = search.search(workdir, document[: len(document) * 2 // 3] + TINY_QUESTION, session.model_ref, warn=fail)
+    found = found.retokenized(session.tokenizer, session.fingerprint)
+    reused = search.prefill_reusing(session, found.ranking, found.query_ids)
+    tokens = search.greedy_from(session, reused.cache, reused.logits, n)
+    expected, _ = runtime.greedy(session, session.adapter.new_cache(session.model), found.query_ids, n)
+    assert tokens == expected, f"continued from {reused.reused_tokens} reused tokens: {tokens} != {expected}"
+    assert len(set(expected)) >= 4, f"degenerate reference output {expected}: the check would prove nothing"
+    if croppable:
+        assert 0 < reused.reused_tokens < len(ids), f"reused {reused.reused_tokens} of {len(ids)} tokens, not a crop"
+    else:
+        assert reused.path is None, "a whole-prefix artifact was reused for a prompt that shares only a part of it"
+    return reused.reused_tokens
+
+
 from kvcdn_core.testing.quantizer import assert_quantizer_contract  # noqa: E402
 from kvcdn_core.testing.storage import assert_storage_contract  # noqa: E402
 
 __all__ = [
     "assert_adapter_contract",
     "assert_chunked_prefill_exact",
+    "assert_prefix_reuse",
     "assert_quantizer_contract",
     "assert_storage_contract",
 ]

@@ -10,7 +10,7 @@ from kvcdn_core.contracts.quantizer import KEY, VALUE, Quantizer
 from kvcdn_core.errors import KvcdnError
 
 #: Layer kinds a scheme may declare.
-LAYER_KINDS = (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW, fmt.MLA_LATENT, fmt.LINEAR_ATTENTION, fmt.RECURRENT_STATE)
+LAYER_KINDS = fmt.LAYER_KINDS
 
 
 def _tensors() -> list[tuple[str, Any]]:

@@ -1,4 +1,5 @@
-"""kvcdn model family: Gemma, Gemma 2 and Gemma 3 (the text-only ``Gemma3ForCausalLM``).
+"""kvcdn model family: Gemma, Gemma 2 and Gemma 3 (the text-only ``Gemma3ForCausalLM``); Gemma 3n's
+cross-layer KV sharing is :mod:`kvcdn_model_gemma.gemma3n`.
 
 Gemma 2 and 3 interleave sliding-window layers with global ones (``layer_types``) and Gemma 2 caps
 attention and final logits (softcapping). transformers builds a ``DynamicCache`` with one
@@ -11,6 +12,7 @@ repeats one token, which would let a broken cache pass.
 
 from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
 from kvcdn_model_gemma.recurrent import RecurrentGemmaAdapter
+from kvcdn_model_gemma.gemma3n import Gemma3nAdapter
 
 __version__ = "0.1.0"
 
@@ -43,4 +45,4 @@ class GemmaAdapter(ModelAdapter):
 
 @hookimpl
 def kvcdn_register_model_adapters():
-    return [GemmaAdapter, RecurrentGemmaAdapter]
+    return [GemmaAdapter, RecurrentGemmaAdapter, Gemma3nAdapter]

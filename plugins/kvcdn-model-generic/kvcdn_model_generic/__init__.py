@@ -33,10 +33,6 @@ GUARD_PHASES = ("roundtrip", "reference", "cache")
 
 #: Architectures transformers 5.24 ships that cannot be served exactly, and why (one line each).
 REFUSED = {
-    "DeepseekV32ForCausalLM": "DeepSeek sparse attention keeps a second, indexer cache "
-    "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
-    "GlmMoeDsaForCausalLM": "DeepSeek sparse attention keeps a second, indexer cache "
-    "(DynamicIndexedLayer) next to the MLA latent, which kvcdn does not export yet",
     "LongcatFlashForCausalLM": "transformers 5.24's own forward crashes on its MLA attention "
     "(head-count mismatch), so there is no reference to be exact against",
     "RwkvForCausalLM": "RWKV keeps its recurrent state outside transformers' Cache API, so there is no "

@@ -1,16 +1,20 @@
-"""kvcdn model family: GLM, GLM-4 and GLM-4.5 MoE (``GlmForCausalLM``, ``Glm4ForCausalLM``,
-``Glm4MoeForCausalLM``).
+"""kvcdn model family: GLM, GLM-4, GLM-4.5 MoE and GLM-MoE-DSA (``GlmForCausalLM``,
+``Glm4ForCausalLM``, ``Glm4MoeForCausalLM``, ``GlmMoeDsaForCausalLM``).
 
-Both use partial rotary embeddings (half of each head is rotated) and a standard transformers
-``DynamicCache`` of full-attention layers, so the base adapter does the export and import; this
-plugin names the architectures and their tiny validation configs. The older ChatGLM checkpoints
-(``ChatGLMModel``, remote code) are a different architecture and are not served.
+The first three use partial rotary embeddings (half of each head is rotated) and a standard
+transformers ``DynamicCache`` of full-attention layers, so the base adapter does the export and
+import; this plugin names the architectures and their tiny validation configs. GLM-MoE-DSA (GLM-5)
+caches DeepSeek's MLA latent and sparse-attention indexer keys instead: :mod:`kvcdn_model_glm.dsa`.
+The older ChatGLM checkpoints (``ChatGLMModel``, remote code) are a different architecture and are
+not served.
 """
 
 from kvcdn_core import TINY_DECODER as _COMMON
 from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_model_glm.dsa import GlmDsaAdapter
 
 __version__ = "0.1.0"
+__all__ = ["GlmAdapter", "GlmDsaAdapter"]
 
 
 class GlmAdapter(ModelAdapter):
@@ -41,4 +45,4 @@ class GlmAdapter(ModelAdapter):
 
 @hookimpl
 def kvcdn_register_model_adapters():
-    return [GlmAdapter]
+    return [GlmAdapter, GlmDsaAdapter]

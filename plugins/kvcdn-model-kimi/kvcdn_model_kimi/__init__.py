@@ -6,13 +6,13 @@ transformers 5.24 gives it one cache layer per decoder layer: a pure linear-atte
 short convolution over q, k, v and the delta-rule memory) for a KDA layer, a ``DynamicLayer`` holding
 the MLA latent and the shared key part for a global layer. Both kinds are core's:
 :class:`kvcdn_core.LinearAttentionLayers` records the first as ``linear_attention``, and
-:class:`kvcdn_core.MLALatentLayers` the second as ``mla_latent``. The KDA state summarises the whole
+:class:`kvcdn_core.MlaLayers` the second as ``mla_latent``. The KDA state summarises the whole
 prefix, so artifacts are reusable only as that prefix (cropping is refused). transformers' chunked
 KDA kernel takes the saved state as its initial state on multi-token input, so chunked prefill and a
 multi-token question on a restored cache are exact (``kvcdn validate --family kimi``).
 """
 
-from kvcdn_core import TINY_DECODER, LinearAttentionLayers, MLALatentLayers, ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, LinearAttentionLayers, MlaLayers, ModelAdapter, hookimpl
 
 __version__ = "0.1.0"
 
@@ -42,7 +42,7 @@ _KIMI = dict(
 )
 
 
-class KimiAdapter(LinearAttentionLayers, MLALatentLayers, ModelAdapter):
+class KimiAdapter(LinearAttentionLayers, MlaLayers, ModelAdapter):
     family = "kimi"
     architectures = ("KimiLinearForCausalLM",)
     validation_configs = {"KimiLinearForCausalLM": _KIMI}
