@@ -11,8 +11,8 @@ repeats one token, which would let a broken cache pass.
 """
 
 from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
-from kvcdn_model_gemma.recurrent import RecurrentGemmaAdapter
 from kvcdn_model_gemma.gemma3n import Gemma3nAdapter
+from kvcdn_model_gemma.recurrent import RecurrentGemmaAdapter
 
 __version__ = "0.1.0"
 

@@ -110,7 +110,6 @@ class Gemma3nAdapter(ModelAdapter):
             saved, model_readers = entry.family_fields.get("shared_by", []), readers.get(entry.index, [])
             if saved != model_readers:
                 raise ArtifactError(
-                    f"layer {entry.index} is shared by layers {saved} in the artifact, by {model_readers} "
-                    "in the model"
+                    f"layer {entry.index} is shared by layers {saved} in the artifact, by {model_readers} in the model"
                 )
         return super().import_cache(model, layers, tensors, device)

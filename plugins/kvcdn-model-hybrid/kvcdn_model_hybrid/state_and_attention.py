@@ -55,8 +55,7 @@ class StateAndAttentionLayers(_MixinBase):
             return super().import_layer(entry, named, layer)
         if entry.kind != LINEAR_AND_FULL_ATTENTION:
             raise ArtifactError(
-                f"layer {entry.index} is '{entry.kind}' in the artifact but "
-                f"'{LINEAR_AND_FULL_ATTENTION}' in the model"
+                f"layer {entry.index} is '{entry.kind}' in the artifact but '{LINEAR_AND_FULL_ATTENTION}' in the model"
             )
         keys, values = named["key"], named["value"]
         # Two positional tensors reach the attention part's initialisation (the layer dispatches on
