@@ -7,6 +7,7 @@ import pytest
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError
+from kvcdn_core.manifest import Manifest
 
 T = 7
 
@@ -43,7 +44,7 @@ def _write(path, **entry_changes):
 def test_an_indexed_mla_layer_is_read_and_croppable(tmp_path):
     header = _write(tmp_path / "a.kv")
     assert header.manifest["layers"][0]["kind"] == fmt.MLA_INDEXED
-    assert fmt.reuse_mode(header.manifest) == "any_prefix"
+    assert Manifest.from_dict(header.manifest).reuse == "any_prefix"
 
 
 @pytest.mark.parametrize(

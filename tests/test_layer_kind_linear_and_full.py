@@ -11,7 +11,7 @@ import torch
 
 from kvcdn_core import artifact
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.manifest import Manifest
+from kvcdn_core.manifest import LayerEntry, Manifest
 
 KIND = artifact.LINEAR_AND_FULL_ATTENTION
 #: The kinds of every reader before this kind was added.
@@ -50,7 +50,7 @@ def write(path, roles=SHAPES, **fields):
 def test_a_valid_layer_reads_and_is_whole_prefix(tmp_path):
     header = artifact.read_header(write(tmp_path / "a.kv"))
     assert header.manifest["layers"][1]["kind"] == KIND
-    assert artifact.reuse_mode(header.manifest) == "whole_prefix"
+    assert Manifest.from_dict(header.manifest).reuse == "whole_prefix"
     assert Manifest.from_dict(header.manifest).layers[1].keeps_state
     assert artifact.check_hashes(header) == []
 
@@ -120,5 +120,5 @@ def test_validate_reports_the_kind_as_a_feature():
     from kvcdn_core.validation import exercised
 
     cfg = transformers.FalconH1Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    proven = exercised(cfg, [{"kind": KIND}, {"kind": KIND}])
+    proven = exercised(cfg, [LayerEntry(0, KIND), LayerEntry(1, KIND)])
     assert KIND in proven["features"] and proven["layer_kinds"] == [KIND]

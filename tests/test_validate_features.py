@@ -48,10 +48,12 @@ def test_recurrent_and_linear_kinds_are_features():
 
 def test_sparse_attention_and_kv_sharing_are_features():
     cfg = config("LlamaForCausalLM", tie_word_embeddings=False)
-    indexed = exercised(cfg, [{"kind": fmt.MLA_INDEXED}, {"kind": fmt.MLA_LATENT}])
+    indexed = exercised(cfg, [LayerEntry(0, fmt.MLA_INDEXED), LayerEntry(1, fmt.MLA_LATENT)])
     assert indexed["layer_kinds"] == [fmt.MLA_INDEXED, fmt.MLA_LATENT]
     assert indexed["features"] == ["mla", "sparse_attention"]
-    shared = exercised(cfg, [{"kind": fmt.FULL_ATTENTION, "shared_by": [2, 3]}, {"kind": fmt.FULL_ATTENTION}])
+    shared = exercised(
+        cfg, [LayerEntry(0, fmt.FULL_ATTENTION, family_fields={"shared_by": [2, 3]}), LayerEntry(1, fmt.FULL_ATTENTION)]
+    )
     assert shared["features"] == ["kv_sharing"]
 
 

@@ -7,8 +7,8 @@ artifact is exact only if the restored indexer picks the same keys as a full pre
 import pytest
 from kvcdn_model_deepseek import INDEXER_KEY, LATENT, ROTARY_KEY, DeepseekAdapter
 
+from kvcdn_core import LayerEntry, runtime
 from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.testing import assert_prefix_reuse
 from kvcdn_core.tiny import config_variants
@@ -86,7 +86,9 @@ def test_prefix_search_crops_latent_and_indexer_exactly(session, tmp_path):
 
 def test_an_artifact_without_indexer_keys_is_refused(session, artifact):
     layers = [
-        dict(layer, kind=fmt.MLA_LATENT, tensors={k: v for k, v in layer["tensors"].items() if k != INDEXER_KEY})
+        LayerEntry.from_dict(
+            dict(layer, kind=fmt.MLA_LATENT, tensors={k: v for k, v in layer["tensors"].items() if k != INDEXER_KEY})
+        )
         for layer in artifact.manifest["layers"]
     ]
     with pytest.raises(ArtifactError, match="'mla_latent' in the artifact, the model caches 'mla_indexed'"):
@@ -94,7 +96,7 @@ def test_an_artifact_without_indexer_keys_is_refused(session, artifact):
 
 
 def test_another_indexer_width_is_refused(session, artifact):
-    layers = [dict(layer, index_head_dim=64) for layer in artifact.manifest["layers"]]
+    layers = [LayerEntry.from_dict(dict(layer, index_head_dim=64)) for layer in artifact.manifest["layers"]]
     with pytest.raises(ArtifactError, match="indexer keys of width 64"):
         session.adapter.import_cache(session.model, layers, fmt.load_tensors(artifact), "cpu")
 

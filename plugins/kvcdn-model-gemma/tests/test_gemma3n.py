@@ -4,8 +4,8 @@ import pytest
 from kvcdn_model_gemma import Gemma3nAdapter
 from kvcdn_model_gemma.gemma3n import sharing
 
+from kvcdn_core import LayerEntry, runtime
 from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.testing import assert_adapter_contract, assert_prefix_reuse
 from kvcdn_core.tiny import build_tiny_model, config_variants
@@ -73,11 +73,12 @@ def test_rebuilt_cache_is_the_prefill_cache(session, artifact):
 
 def test_another_sharing_is_refused(session, artifact):
     tensors = fmt.load_tensors(artifact)
-    moved = [dict(layer, shared_by=[5]) if layer["index"] == 1 else layer for layer in artifact.manifest["layers"]]
+    entries = [LayerEntry.from_dict(layer) for layer in artifact.manifest["layers"]]
+    moved = [entry.with_fields(shared_by=[5]) if entry.index == 1 else entry for entry in entries]
     with pytest.raises(ArtifactError, match=r"layer 1 is shared by layers \[5\] in the artifact, by \[3, 4\]"):
         session.adapter.import_cache(session.model, moved, tensors, "cpu")
     with pytest.raises(ArtifactError, match=r"stores the caches of layers \[0, 1\], this model's .* \[0, 1, 2\]"):
-        session.adapter.import_cache(session.model, artifact.manifest["layers"][:2], tensors, "cpu")
+        session.adapter.import_cache(session.model, entries[:2], tensors, "cpu")
 
 
 def test_a_windowed_artifact_is_not_cropped(session, artifact, tmp_path):
@@ -86,7 +87,8 @@ def test_a_windowed_artifact_is_not_cropped(session, artifact, tmp_path):
     assert assert_prefix_reuse(session, tmp_path) == 0
     cache, ids = runtime.load_cache(session, artifact)
     with pytest.raises(KvcdnError, match="layer 0 is 'sliding_window', reusable only as the whole prefix"):
-        session.adapter.crop(cache, artifact.manifest["layers"], 40, token_count=len(ids))
+        entries = [LayerEntry.from_dict(layer) for layer in artifact.manifest["layers"]]
+        session.adapter.crop(cache, entries, 40, token_count=len(ids))
 
 
 def test_an_all_global_artifact_is_cropped_exactly(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kvcdn_model_hybrid import HybridAdapter, seeded
 
-from kvcdn_core import ModelAdapter, runtime
+from kvcdn_core import LayerEntry, ModelAdapter, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.testing import assert_chunked_prefill_exact
@@ -147,12 +147,13 @@ def test_manifest_records_state_and_attention_layers(architecture, session_of, t
         assert set(layer["tensors"]) == {"key", "value", "conv_state", "recurrent_state"}
         assert layer["conv_kernel"] == manifest["tensors"][layer["tensors"]["conv_state"]]["shape"][-1]
         assert manifest["tensors"][layer["tensors"]["key"]]["shape"][-2] == len(ids)
+    entries = [LayerEntry.from_dict(layer) for layer in manifest["layers"]]
     first = next(layer for layer in manifest["layers"] if layer["kind"] not in fmt.CROPPABLE_KINDS)
     if architecture == "FalconH1ForCausalLM":  # every layer holds a state and keys/values
         assert first["kind"] == fmt.LINEAR_AND_FULL_ATTENTION
     with pytest.raises(KvcdnError, match=f"layer {first['index']} is '{first['kind']}', reusable only as the whole"):
-        session.adapter.crop(cache, manifest["layers"], len(ids) - 1, len(ids))
-    assert session.adapter.crop(cache, manifest["layers"], len(ids), len(ids)) is cache
+        session.adapter.crop(cache, entries, len(ids) - 1, len(ids))
+    assert session.adapter.crop(cache, entries, len(ids), len(ids)) is cache
 
 
 @pytest.mark.parametrize("architecture", ["BambaForCausalLM", "FalconH1ForCausalLM", "ZambaForCausalLM"])
