@@ -88,16 +88,6 @@ def lost_state_error(session, header, question: list[int], full, layers: list[in
 
 def assert_chunked_prefill_is_one_pass(session, n_tokens: int = 150, chunk: int = 64, atol: float = 1e-4) -> None:
     """Prefilling in chunks of ``chunk`` leaves the same cache tensors and last logits as one pass."""
-    import torch
+    from kvcdn_core.testing import assert_chunked_prefill_exact
 
-    from kvcdn_core import runtime
-
-    ids = context_ids(session, n_tokens)
-    one_cache, one_logits = runtime.prefill(session, ids, chunk=len(ids), progress=False)
-    chunk_cache, chunk_logits = runtime.prefill(session, ids, chunk=chunk, progress=False)
-    _, one = session.adapter.export_cache(session.model, one_cache)
-    _, chunked = session.adapter.export_cache(session.model, chunk_cache)
-    assert sorted(one) == sorted(chunked)
-    for name in one:
-        torch.testing.assert_close(chunked[name], one[name], rtol=1e-4, atol=atol, msg=name)
-    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-4, atol=atol)
+    assert_chunked_prefill_exact(session, context_ids(session, n_tokens), chunk=chunk, atol=atol)
