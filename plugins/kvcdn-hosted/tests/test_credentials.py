@@ -41,6 +41,7 @@ def test_widened_mode_is_narrowed(config_home, recwarn):
 def test_corrupt_file_is_a_clear_error(config_home):
     config_home.mkdir(parents=True)
     credentials.credentials_path().write_text("{not json")
+    credentials.credentials_path().chmod(0o600)  # only the content is wrong
     with pytest.raises(KvcdnError, match="kvcdn logout"):
         credentials.load()
 
