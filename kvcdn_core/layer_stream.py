@@ -17,12 +17,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
 from kvcdn_core.errors import ArtifactError
+from kvcdn_core.manifest import LayerEntry
 from kvcdn_core.tensor_io import TensorReader, as_tensor
 
 
@@ -46,12 +47,13 @@ class LayerStream:
         reader: TensorReader,
         cache,
         targets: list,
+        layers: Sequence[LayerEntry],
         source: LayerSource,
         verify_hashes: bool = True,
         workers: int = 1,
     ):
         self.adapter, self.reader, self.header, self.targets = adapter, reader, reader.header, targets
-        self.layers = self.header.manifest["layers"]
+        self.layers = layers
         self.source, self.verify, self.workers = source, verify_hashes, workers
         self.ready = [threading.Event() for _ in self.layers]
         self.errors: list[BaseException | None] = [None] * len(self.layers)
@@ -92,7 +94,7 @@ class LayerStream:
             finally:
                 self.reader.close()
 
-    def _finish(self, index: int, entry: dict) -> None:
+    def _finish(self, index: int, entry: LayerEntry) -> None:
         try:
             if self.verify:
                 bad = [name for name in self.source.stored_names(index) if not self.reader.hash_matches(name)]

@@ -248,9 +248,7 @@ def load_cache(
     layers = Manifest.from_dict(manifest).layers
     convert = _converter(session, manifest["compute_dtype"], layers)
     if stream and session.adapter.streams_layers(layers):
-        return _stream_cache(
-            session, header, _layer_source(session, header, layers, convert), len(layers), verify_hashes
-        )
+        return _stream_cache(session, header, _layer_source(session, header, layers, convert), layers, verify_hashes)
     if manifest.get("quantization"):
         from kvcdn_core.quant import dequantize_tensors
 
@@ -307,7 +305,7 @@ def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry
     return LayerSource(stored_names=quantized.stored_names, build=build)
 
 
-def _stream_cache(session: Session, header: fmt.Header, source, n_layers: int, verify_hashes: bool):
+def _stream_cache(session: Session, header: fmt.Header, source, layers: tuple[LayerEntry, ...], verify_hashes: bool):
     import torch
 
     from kvcdn_core import tensor_io
@@ -322,20 +320,9 @@ def _stream_cache(session: Session, header: fmt.Header, source, n_layers: int, v
     ids = tensor_io.as_tensor(reader, fmt.TOKEN_IDS).tolist()
     cache = session.adapter.new_cache(session.model)
     targets = session.adapter.cache_layers(cache)
-    if len(targets) != n_layers:
+    if len(targets) != len(layers):
         reader.close()
-        raise ArtifactError(f"artifact has {n_layers} cache layers, the loaded model has {len(targets)}")
+        raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
     workers = stream_workers(torch.get_num_threads())
-    LayerStream(_TypedImport(session.adapter), reader, cache, targets, source, verify_hashes, workers)
+    LayerStream(session.adapter, reader, cache, targets, layers, source, verify_hashes, workers)
     return cache, ids
-
-
-class _TypedImport:
-    """The adapter as :class:`~kvcdn_core.layer_stream.LayerStream` calls it: that module hands
-    ``import_layer`` the manifest's JSON entries, and adapters take :class:`LayerEntry`."""
-
-    def __init__(self, adapter):
-        self.adapter = adapter
-
-    def import_layer(self, entry: dict, named: dict, layer) -> None:
-        self.adapter.import_layer(LayerEntry.from_dict(entry), named, layer)
