@@ -62,7 +62,27 @@ def warn(message: str) -> None:
 def reporting() -> Iterator[None]:
     """Show on stderr what the library reports while the block runs: each :class:`KvcdnWarning` as
     ``warning: <message>``, each :class:`KvcdnNote` as it is (every one, not once per place), and
-    progress as a bar when stderr is a terminal. Other warnings are shown as Python shows them."""
+    progress as a bar when stderr is a terminal. Other warnings are shown as Python shows them.
+
+    Re-entrant: ``kvcdn``'s entry point and its command group both wrap their work in it, and an
+    inner block adds nothing (one bar, each warning once)."""
+    global _reporting
+    if _reporting:
+        yield
+        return
+    _reporting = True
+    try:
+        with _reporting_block():
+            yield
+    finally:
+        _reporting = False
+
+
+_reporting = False
+
+
+@contextlib.contextmanager
+def _reporting_block() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("always", KvcdnWarning)
         warnings.simplefilter("always", KvcdnNote)

@@ -148,3 +148,19 @@ def test_the_bar_is_drawn_only_on_a_terminal(tty, monkeypatch, capsys):
         assert err.startswith("\rsha256 [##############################] 2 B/2 B 100% ") and err.endswith("\n")
     else:
         assert err == ""
+
+
+def test_nested_reporting_draws_one_bar_and_shows_each_warning_once(monkeypatch, capsys):
+    """``kvcdn``'s entry point and its command group both report: the inner block adds nothing."""
+    from kvcdn_core import progress
+    from kvcdn_core.notices import warn
+    from kvcdn_core.render import reporting
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with reporting(), reporting():
+        with progress.Progress(2, "sha256", unit="bytes") as bar:
+            bar.update(2)
+        warn("once")
+    err = capsys.readouterr().err
+    assert err.count("\rsha256 [") == 1 and err.count("warning: once") == 1
+    assert err.count("\n") == 2  # one for the finished bar, one for the warning
