@@ -189,7 +189,14 @@ def reserved(database: str, tenant: str) -> tuple[int, int]:
 def test_a_server_refuses_a_backend_that_cannot_hold_its_objects(roomy_server, tmp_path):
     """``kvcdn serve --storage kvcdn+http://...`` stops with one line: uploads are raw bytes first."""
     result = subprocess.run(
-        [*services.kvcdn_executable(), "serve", "--storage", roomy_server.url.replace("http://", "kvcdn+http://")],
+        [
+            *services.kvcdn_executable(),
+            "serve",
+            "--port",  # any free port: the default may be held by another test or program
+            "0",
+            "--storage",
+            roomy_server.url.replace("http://", "kvcdn+http://"),
+        ],
         env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "d")},
         capture_output=True,
         text=True,
