@@ -120,8 +120,7 @@ def prefill(
     with torch.inference_mode(), Progress(len(ids), label, enabled=progress) as bar:
         for start in range(0, len(ids), chunk):
             piece = ids[start : start + chunk]
-            out, cache = session.adapter.forward(session.model, _ids_tensor(session, piece), cache)
-            logits = out[0, -1].float()
+            logits, cache = session.adapter.last_logits(session.model, _ids_tensor(session, piece), cache)
             bar.update(len(piece))
     return cache, logits
 
@@ -137,8 +136,8 @@ def greedy(session: Session, cache, prompt_ids: list[int], n: int, forced: list[
     if not prompt_ids:
         raise KvcdnError("the question has no tokens")
     with torch.inference_mode():
-        out, cache = session.adapter.forward(session.model, _ids_tensor(session, prompt_ids), cache)
-    return decode_from(session, cache, out[0, -1].float(), n, forced)
+        logits, cache = session.adapter.last_logits(session.model, _ids_tensor(session, prompt_ids), cache)
+    return decode_from(session, cache, logits, n, forced)
 
 
 def decode_from(session: Session, cache, logits, n: int, forced: list[int] | None = None):
@@ -154,8 +153,7 @@ def decode_from(session: Session, cache, logits, n: int, forced: list[int] | Non
             if i == n - 1:
                 break
             feed = forced[i] if forced is not None else nxt
-            out, cache = session.adapter.forward(session.model, _ids_tensor(session, [feed]), cache)
-            logits = out[0, -1].float()
+            logits, cache = session.adapter.last_logits(session.model, _ids_tensor(session, [feed]), cache)
     return tokens, step_logits
 
 
@@ -309,14 +307,14 @@ def _stream_cache(session: Session, header: fmt.Header, source, layers: tuple[La
     import torch
 
     from kvcdn_core import tensor_io
-    from kvcdn_core.cores import stream_workers
+    from kvcdn_core.cores import hash_workers, stream_workers
     from kvcdn_core.layer_stream import LayerStream
 
     reader = tensor_io.TensorReader(header)
     reader.fetch(*reader.span(fmt.TOKEN_IDS))
     if verify_hashes and not reader.hash_matches(fmt.TOKEN_IDS):
         reader.close()
-        raise ArtifactError(f"{header.path}: corrupted: sha256 mismatch in '{fmt.TOKEN_IDS}'")
+        raise ArtifactError(f"{header.path}: corrupted: {header.digest} mismatch in '{fmt.TOKEN_IDS}'")
     ids = tensor_io.as_tensor(reader, fmt.TOKEN_IDS).tolist()
     cache = session.adapter.new_cache(session.model)
     targets = session.adapter.cache_layers(cache)
@@ -324,5 +322,5 @@ def _stream_cache(session: Session, header: fmt.Header, source, layers: tuple[La
         reader.close()
         raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
     workers = stream_workers(torch.get_num_threads())
-    LayerStream(session.adapter, reader, cache, targets, layers, source, verify_hashes, workers)
+    LayerStream(session.adapter, reader, cache, targets, layers, source, verify_hashes, workers, hash_workers())
     return cache, ids

@@ -67,8 +67,8 @@ def run_benchmark(
     workdir.mkdir(parents=True, exist_ok=True)
 
     def forward(cache, piece):
-        out, cache = session.adapter.forward(session.model, runtime._ids_tensor(session, piece), cache)
-        return int(torch.argmax(out[0, -1])), cache
+        logits, cache = session.adapter.last_logits(session.model, runtime._ids_tensor(session, piece), cache)
+        return int(torch.argmax(logits)), cache
 
     with torch.inference_mode(), Progress(per_length * len(lengths), "benchmark", unit="runs", enabled=progress) as bar:
         tick = lambda: bar.update(1)  # noqa: E731

@@ -186,7 +186,7 @@ class Cancelled(Exception):
 
 
 class _StopBetweenSteps:
-    """A session's adapter whose ``forward`` refuses to run once the request is cancelled."""
+    """A session's adapter whose ``forward`` and ``last_logits`` refuse to run once the request is cancelled."""
 
     def __init__(self, adapter, cancel: threading.Event):
         self._adapter, self._cancel = adapter, cancel
@@ -198,6 +198,11 @@ class _StopBetweenSteps:
         if self._cancel.is_set():
             raise Cancelled()
         return self._adapter.forward(*args, **kwargs)
+
+    def last_logits(self, *args, **kwargs):
+        if self._cancel.is_set():
+            raise Cancelled()
+        return self._adapter.last_logits(*args, **kwargs)
 
 
 def tensor_bytes(obj: Any, depth: int = 4) -> int:
