@@ -10,7 +10,6 @@ that buffer without copying (:mod:`kvcdn_core.tensor_io`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -22,12 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import tensor_io
+from kvcdn_core import digests, tensor_io
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
 FORMAT_NAME = "kvcdn-kv"
-FORMAT_VERSION = 1
+#: The version written. 2: tensors carry BLAKE3 digests; 1 (still read): SHA-256 (:mod:`kvcdn_core.digests`).
+FORMAT_VERSION = 2
 META_FORMAT = "kvcdn.format"
 META_VERSION = "kvcdn.format_version"
 META_MANIFEST = "kvcdn.manifest"
@@ -55,7 +55,6 @@ TORCH_TO_ST = {torch_name: st for st, (_, torch_name) in DTYPES.items()}
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 #: ``token_ids`` dtypes → array type codes
 TOKEN_ID_CODES = {"I64": "q", "I32": "i"}
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 #: Layer kinds a manifest may name.
 FULL_ATTENTION = "full_attention"
@@ -101,10 +100,16 @@ class Header:
     entries: dict[str, dict[str, Any]]  # tensor name → {dtype, shape, data_offsets}
     data_start: int
     file_size: int
+    format_version: int = FORMAT_VERSION
 
     @property
     def token_count(self) -> int:
         return int(self.manifest["token_count"])
+
+    @property
+    def digest(self) -> str:
+        """The algorithm of the tensors' digests, which is also their key in the manifest entries."""
+        return digests.BY_FORMAT_VERSION[self.format_version]
 
 
 def _fail(path: Any, message: str) -> ArtifactError:
@@ -164,12 +169,12 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         raise _fail(
             path, f"format version {int(version)} is newer than this kvcdn reads ({FORMAT_VERSION}); upgrade kvcdn"
         )
-    if int(version) < 1:
+    if int(version) not in digests.BY_FORMAT_VERSION:
         raise _fail(path, f"unknown format version {int(version)}")
     manifest = _parse_json(path, meta.pop(META_MANIFEST, ""), "manifest")
     if not isinstance(manifest, dict):
         raise _fail(path, "corrupted: the manifest is not a JSON object")
-    result = Header(path, manifest, header, 8 + header_len, file_size)
+    result = Header(path, manifest, header, 8 + header_len, file_size, int(version))
     _validate(result)
     return result
 
@@ -179,13 +184,13 @@ def check_file(path: str | os.PathLike[str]) -> Header:
     manifest promises.
 
     For readers that accept a file from outside and keep it (the hosted server's confirm-upload):
-    any problem, structural, a tensor whose bytes do not hash to its manifest sha256, or a negative
+    any problem, structural, a tensor whose bytes do not hash to its manifest digest, or a negative
     token id, is an :class:`ArtifactError` (HTTP 422 there).
     """
     header = read_header(path)
     bad = check_hashes(header)
     if bad:
-        raise _fail(header.path, f"corrupted: sha256 mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
+        raise _fail(header.path, f"corrupted: {header.digest} mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
     read_token_ids(header.path, header)
     return header
 
@@ -266,8 +271,9 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
+def _check_manifest_types(h: Header) -> None:
     """The manifest's structure, so that later code can index it without surprises."""
+    path, manifest = h.path, h.manifest
     missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in manifest]
     if missing:
         raise _fail(path, f"corrupted: manifest lacks {', '.join(missing)}")
@@ -308,8 +314,8 @@ def _check_manifest_types(path: Any, manifest: dict[str, Any]) -> None:
             f"entry for tensor '{name}' lacks a dtype or a shape of non-negative integers",
         )
         expect(
-            isinstance(spec.get("sha256"), str) and _SHA256.fullmatch(spec["sha256"]) is not None,
-            f"entry for tensor '{name}' lacks a sha256",
+            isinstance(spec.get(h.digest), str) and digests.HEX.fullmatch(spec[h.digest]) is not None,
+            f"entry for tensor '{name}' lacks a {h.digest} digest (format version {h.format_version})",
         )
     expect(isinstance(manifest["layers"], list), "layers is not a list")
     for i, layer in enumerate(manifest["layers"]):
@@ -385,7 +391,7 @@ def _check_quantization(expect: Callable[[bool, str], None], q: dict[str, Any]) 
 
 def _validate(h: Header) -> None:
     path, manifest = h.path, h.manifest
-    _check_manifest_types(path, manifest)
+    _check_manifest_types(h)
     spans = []
     for name, entry in h.entries.items():
         if not (isinstance(entry, dict) and entry.keys() == {"dtype", "shape", "data_offsets"}):
@@ -465,7 +471,7 @@ def read_token_ids(path: str | os.PathLike[str], header: Header | None = None) -
 
 
 def check_hashes(header: Header) -> list[str]:
-    """Re-hash every tensor the manifest lists; return the names whose sha256 differs."""
+    """Re-hash every tensor the manifest lists; return the names whose digest differs."""
     from kvcdn_core import tensor_io
 
     return tensor_io.mismatched(header)
@@ -477,7 +483,7 @@ def load_tensors(
     """Read the whole data region once and return every tensor as a torch tensor.
 
     The tensors are views on one buffer laid out like the file, filled by one read (``O_DIRECT``
-    when the file is cold, see :mod:`kvcdn_core.tensor_io`), and each tensor's sha256 is checked by
+    when the file is cold, see :mod:`kvcdn_core.tensor_io`), and each tensor's digest is checked by
     worker threads while the read goes on. ``direct`` forces (True) or forbids (False) direct I/O.
     """
     from kvcdn_core import tensor_io
@@ -504,7 +510,7 @@ def write_artifact(path: str | os.PathLike[str], manifest: dict[str, Any], tenso
     """Write an artifact atomically: temporary file in the same directory, fsync, rename.
 
     ``tensors`` maps names to torch tensors and must include ``token_ids``. The manifest's
-    ``tensors`` table (dtype, shape, sha256) is filled in here.
+    ``tensors`` table (dtype, shape, digest) is filled in here.
     """
     from safetensors.torch import save_file
 
@@ -512,6 +518,7 @@ def write_artifact(path: str | os.PathLike[str], manifest: dict[str, Any], tenso
     if TOKEN_IDS not in tensors:
         raise ValueError("an artifact needs a token_ids tensor")
     manifest = dict(manifest)
+    algorithm = digests.BY_FORMAT_VERSION[FORMAT_VERSION]
     table = {}
     prepared = {}
     for name, t in tensors.items():
@@ -520,7 +527,7 @@ def write_artifact(path: str | os.PathLike[str], manifest: dict[str, Any], tenso
         table[name] = {
             "dtype": TORCH_TO_ST[str(t.dtype).removeprefix("torch.")],
             "shape": list(t.shape),
-            "sha256": hashlib.sha256(tensor_bytes(t)).hexdigest(),
+            algorithm: digests.hexdigest(algorithm, tensor_bytes(t), threads=2),
         }
     manifest["tensors"] = table
     manifest["token_count"] = int(prepared[TOKEN_IDS].numel())

@@ -44,7 +44,8 @@ def test_header_and_token_ids_read_without_tensors(tmp_path):
     assert header.manifest["token_count"] == 5
     assert fmt.read_token_ids(path) == [100, 101, 102, 103, 104]
     assert set(header.manifest["tensors"]) == {"layers.0.key", "layers.0.value", "token_ids"}
-    assert all(len(t["sha256"]) == 64 for t in header.manifest["tensors"].values())
+    assert header.format_version == 2 and header.digest == "blake3"
+    assert all(len(t["blake3"]) == 64 and "sha256" not in t for t in header.manifest["tensors"].values())
     assert fmt.check_hashes(header) == []
 
 
@@ -82,7 +83,7 @@ def test_corrupted_tensor_bytes_fail_the_hash_check(tmp_path):
     path.write_bytes(bytes(data))
     header = fmt.read_header(path)  # structure is intact
     assert fmt.check_hashes(header)
-    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+    with pytest.raises(ArtifactError, match="blake3 mismatch"):
         fmt.load_tensors(header)
 
 
@@ -122,8 +123,8 @@ def _rewrite_metadata(path, **changes):
 def test_newer_format_version_and_manifest_mismatch_are_refused(tmp_path):
     path = tmp_path / "a.kv"
     _write(path)
-    _rewrite_metadata(path, **{fmt.META_VERSION: "2"})
-    with pytest.raises(ArtifactError, match="newer than this kvcdn reads"):
+    _rewrite_metadata(path, **{fmt.META_VERSION: "3"})
+    with pytest.raises(ArtifactError, match="format version 3 is newer than this kvcdn reads"):
         fmt.read_header(path)
 
     _write(path)

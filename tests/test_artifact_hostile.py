@@ -59,19 +59,20 @@ def test_a_tensor_that_does_not_hash_to_its_manifest_fails_check_file(tmp_path):
     path = tmp_path / "flipped.kv"
     path.write_bytes(bytes(data))
     artifact.read_header(path)  # the structure is intact
-    with pytest.raises(ArtifactError, match="sha256 mismatch in 1 tensor.*'layers.0.value'"):
+    with pytest.raises(ArtifactError, match="blake3 mismatch in 1 tensor.*'layers.0.value'"):
         artifact.check_file(path)
 
 
 def test_negative_token_ids_are_refused(tmp_path):
-    import hashlib
     import struct
+
+    from kvcdn_core import digests
 
     parts = kvfiles.valid_parts()
     start, end = parts.entries[artifact.TOKEN_IDS]["data_offsets"]
     raw = struct.pack("<4q", 1, 2, -3, 4)
     parts.data = parts.data[:start] + raw
-    parts.manifest["tensors"][artifact.TOKEN_IDS]["sha256"] = hashlib.sha256(raw).hexdigest()
+    parts.manifest["tensors"][artifact.TOKEN_IDS][kvfiles.DIGEST] = digests.hexdigest(kvfiles.DIGEST, raw)
     path = tmp_path / "neg.kv"
     path.write_bytes(parts.to_bytes())
     artifact.read_header(path)

@@ -70,7 +70,7 @@ def test_tampered_artifact_fails_loudly(cli, qwen3_artifact, tmp_path):
     tampered.write_bytes(bytes(data))
     result = cli("verify", "--kv-path", tampered, "--n", "4")
     assert result.exit_code == 2
-    assert result.stderr.startswith("error: ") and "sha256 mismatch" in result.stderr
+    assert result.stderr.startswith("error: ") and "blake3 mismatch" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     result = cli("inspect", tampered, "--check")
     assert result.exit_code == 1 and "FAILED" in result.stdout
@@ -123,7 +123,7 @@ def test_inspect_human_form(cli, qwen3_artifact):
     assert result.exit_code == 0
     assert "Qwen3ForCausalLM (family qwen)" in result.stdout
     assert "2 full_attention" in result.stdout
-    assert "OK, every tensor matches its sha256" in result.stdout
+    assert "OK, every tensor matches its blake3" in result.stdout
 
 
 def test_input_errors_exit_2_with_one_line(cli, qwen3_dir, tmp_path):

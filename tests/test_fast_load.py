@@ -1,7 +1,9 @@
 """The fast load paths are exact: direct and buffered reads, whole and layer-streamed loads all
 continue like a full prefill of the same tokens (token ids, float32, tiny models, one of them with
 sliding-window layers); a quantized artifact streamed layer by layer gives the tensors and tokens of
-its whole load; and a corrupted layer fails loudly, when it is reached, instead of being used."""
+its whole load; and a corrupted layer fails loudly, when it is reached, instead of being used.
+Streamed loads run both ways of verifying: by a background worker (a core to spare) and by the
+model's own thread when it reaches the layer (torch has every core)."""
 
 from __future__ import annotations
 
@@ -43,13 +45,22 @@ def case(request, tiny_session, tmp_path_factory):
     return session, path, ids, question, expected
 
 
+@pytest.fixture(params=[1, 0], ids=["workers", "on-demand"])
+def verifiers(request, monkeypatch):
+    """The streamed load's background workers: 1, or 0 (the model's thread verifies each layer)."""
+    from kvcdn_core import cores
+
+    monkeypatch.setattr(cores, "stream_workers", lambda _torch_threads: request.param)
+    return request.param
+
+
 def _kinds(path):
     return {layer["kind"] for layer in fmt.read_header(path).manifest["layers"]}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("direct", [None, True, False], ids=["auto", "direct", "buffered"])
-def test_loaded_cache_continues_exactly_like_a_full_prefill(case, stream, direct, monkeypatch):
+def test_loaded_cache_continues_exactly_like_a_full_prefill(case, stream, direct, verifiers, monkeypatch):
     session, path, ids, question, expected = case
     if direct is not None:
         original = tensor_io.TensorReader.__init__
@@ -81,7 +92,7 @@ def test_load_tensors_is_bitwise_the_file_in_both_read_modes(case):
             assert tensors[name].dtype == t.dtype and tensors[name].equal(t), (direct, name)
 
 
-def test_the_model_starts_before_the_last_layer_is_read(case, monkeypatch):
+def test_the_model_starts_before_the_last_layer_is_read(case, verifiers, monkeypatch):
     """Pipelining, shown without a clock: the loader is held after the first layer of each kind
     (the masks are sized from them) until the model's first decoder layer has started, so that
     layer must run while later layers are still unread; a model that waited for the whole cache
@@ -129,17 +140,17 @@ def _corrupt_last_layer(path, tmp_path):
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_a_corrupted_layer_fails_loudly_and_is_never_used(case, tmp_path, direct, monkeypatch):
+def test_a_corrupted_layer_fails_loudly_and_is_never_used(case, tmp_path, direct, verifiers, monkeypatch):
     session, path, _, question, _ = case
     bad, last = _corrupt_last_layer(path, tmp_path)
     original = tensor_io.TensorReader.__init__
     monkeypatch.setattr(
         tensor_io.TensorReader, "__init__", lambda self, header, _direct=None: original(self, header, direct)
     )
-    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+    with pytest.raises(ArtifactError, match="blake3 mismatch"):
         runtime.load_cache(session, fmt.read_header(bad))
     cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=True)
-    with pytest.raises(ArtifactError, match=f"sha256 mismatch in layer {last} "):
+    with pytest.raises(ArtifactError, match=f"blake3 mismatch in layer {last} "):
         runtime.greedy(session, cache, question, N_NEW)
     # The bad layer was never imported: its cache layer is still empty.
     assert not _layer_filled(cache, last)
@@ -150,7 +161,7 @@ def _layer_filled(cache, index) -> bool:
     return getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
 
 
-def test_a_truncated_file_fails_the_streamed_load(case, tmp_path):
+def test_a_truncated_file_fails_the_streamed_load(case, tmp_path, verifiers):
     """Cut after its header was read: the reader hits the end early and the model is told."""
     session, path, _, question, _ = case
     header = fmt.read_header(path)
@@ -162,13 +173,38 @@ def test_a_truncated_file_fails_the_streamed_load(case, tmp_path):
         runtime.greedy(session, cache, question, N_NEW)
 
 
-def test_a_streamed_cache_copies_and_crops_like_a_plain_one(case):
+def test_a_streamed_cache_copies_and_crops_like_a_plain_one(case, verifiers):
     session, path, ids, question, expected = case
     cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
     twin = copy.deepcopy(cache)  # waits for the whole load, then a plain list of layers
     assert type(twin.layers) is list
     assert runtime.greedy(session, twin, question, N_NEW)[0] == expected
     assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
+
+
+def test_each_layer_is_verified_once_by_a_worker_or_by_the_model_thread(case, verifiers, monkeypatch):
+    """With a worker, the layers read before the model asks are finished in the background; with
+    none, the thread that runs the model verifies and imports every layer; never one twice."""
+    session, path, _, question, expected = case
+    finishers: list[tuple[int, str]] = []
+    adapter_cls = type(session.adapter)
+    original = adapter_cls.import_layer
+
+    def import_layer(self, entry, named, layer):
+        finishers.append((entry.index, threading.current_thread().name))
+        return original(self, entry, named, layer)
+
+    monkeypatch.setattr(adapter_cls, "import_layer", import_layer)
+    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    stream = cache.layers.stream
+    stream.thread.join(timeout=30)  # every byte read, and the workers done, before the model starts
+    assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
+    assert sorted(index for index, _ in finishers) == list(range(len(stream.layers)))
+    names = {name for _, name in finishers}
+    if verifiers:
+        assert all(name.startswith("kvcdn-layer") for name in names), names
+    else:
+        assert names == {threading.current_thread().name}
 
 
 def test_adapters_that_reshape_the_cache_load_whole(case):
@@ -192,7 +228,7 @@ def test_continue_streams_and_refuses_a_corrupted_layer_in_one_line(cli, qwen3_d
     bad, last = _corrupt_last_layer(qwen3_artifact, tmp_path)
     result = cli("continue", "--kv-path", bad, "--model", qwen3_dir, "--n", "4")
     assert result.exit_code == 2 and result.stdout == ""
-    assert result.stderr.startswith("error: ") and f"sha256 mismatch in layer {last} " in result.stderr
+    assert result.stderr.startswith("error: ") and f"blake3 mismatch in layer {last} " in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
@@ -225,7 +261,7 @@ def _layer_state(layer) -> dict:
 
 
 @pytest.mark.parametrize("scheme", QUANT_SCHEMES)
-def test_a_streamed_quantized_load_equals_the_whole_load(case, quantized, scheme):
+def test_a_streamed_quantized_load_equals_the_whole_load(case, quantized, scheme, verifiers):
     """Tensor for tensor (every layer's keys, values and sliding-window state), then token for
     token and logit for logit of the continuation."""
     import torch
@@ -253,18 +289,18 @@ def test_a_streamed_quantized_load_equals_the_whole_load(case, quantized, scheme
     assert all(a.equal(b) for a, b in zip(logits_whole, logits_streamed))
 
 
-def test_a_corrupted_quantized_layer_fails_only_when_reached(case, quantized, tmp_path):
+def test_a_corrupted_quantized_layer_fails_only_when_reached(case, quantized, tmp_path, verifiers):
     """int8 with the last layer's value codes corrupted: the whole load refuses the file; the
     streamed load hands out every earlier layer, and fails on the last one when the model gets there."""
     session, _, _, question, _ = case
     bad, last = _corrupt_last_layer(quantized["int8"], tmp_path)
-    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+    with pytest.raises(ArtifactError, match="blake3 mismatch"):
         runtime.load_cache(session, fmt.read_header(bad))
     cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=True)
     for index in range(last):
         assert cache.layers[index].keys.numel() > 0  # verified, dequantized, usable
-    with pytest.raises(ArtifactError, match=f"sha256 mismatch in layer {last} "):
+    with pytest.raises(ArtifactError, match=f"blake3 mismatch in layer {last} "):
         cache.layers[last]
-    with pytest.raises(ArtifactError, match=f"sha256 mismatch in layer {last} "):
+    with pytest.raises(ArtifactError, match=f"blake3 mismatch in layer {last} "):
         runtime.greedy(session, cache, question, N_NEW)
     assert not _layer_filled(cache, last)

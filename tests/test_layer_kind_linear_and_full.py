@@ -3,6 +3,7 @@ that does not know the kind (an older kvcdn) refuses the file with one clear lin
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -109,7 +110,7 @@ def test_an_unprintable_unknown_kind_is_not_echoed(tmp_path):
         header.manifest, layers=[header.manifest["layers"][0], dict(header.manifest["layers"][1], kind="x\x1b[2J")]
     )
     with pytest.raises(ArtifactError, match="unknown kind") as err:
-        artifact._check_manifest_types(path, manifest)
+        artifact._check_manifest_types(dataclasses.replace(header, manifest=manifest))
     assert "\x1b" not in str(err.value).replace("\\x1b", "")
 
 

@@ -1,5 +1,6 @@
 """Layer entries are typed in code and unchanged on disk: each cache layout's header is byte for byte
-the one pinned in tests/support/pinned_headers.json (written before layer entries were typed)."""
+the one pinned in tests/support/pinned_headers.json (written before layer entries were typed, and
+pinned again for format version 2, whose only change is the tensors' digest key, blake3 for sha256)."""
 
 from __future__ import annotations
 

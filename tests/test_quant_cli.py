@@ -332,7 +332,7 @@ def test_corrupted_quantized_artifacts_are_refused(doc, cli, tmp_path):
     raw[header.data_start + header.entries["layers.0.key.scale"]["data_offsets"][0]] ^= 0xFF
     bad = tmp_path / "bad.kv"
     bad.write_bytes(bytes(raw))
-    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+    with pytest.raises(ArtifactError, match="blake3 mismatch"):
         quant.dequantize_tensors(artifact.read_header(bad))
     manifest = dict(header.manifest)
     manifest["quantization"] = {**manifest["quantization"], "scheme": "int9"}

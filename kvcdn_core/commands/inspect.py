@@ -14,7 +14,11 @@ from kvcdn_core.render import emit_json
 
 @click.command("inspect")
 @click.argument("path")
-@click.option("--check", is_flag=True, help="Re-hash every tensor against the manifest's sha256.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Re-hash every tensor against its digest in the manifest (BLAKE3; SHA-256 in format 1).",
+)
 @format_option
 def command(path, check, fmt):
     """Show the manifest of the artifact at PATH (no model, no torch)."""
@@ -36,7 +40,7 @@ def command(path, check, fmt):
         data_bytes = header.file_size - header.data_start
         click.echo(f"path:          {header.path}")
         click.echo(
-            f"format:        {artifact.FORMAT_NAME} v{artifact.FORMAT_VERSION}, "
+            f"format:        {artifact.FORMAT_NAME} v{header.format_version} ({header.digest} digests), "
             f"written by kvcdn {m['kvcdn_version']} at {m['created_at']}"
         )
         click.echo(f"model:         {model.get('id')}" + (f" @ {model['revision']}" if model.get("revision") else ""))
@@ -59,7 +63,7 @@ def command(path, check, fmt):
         click.echo(f"context:       {len(context)} chars: {preview!r}{'...' if len(context) > 120 else ''}")
         if check:
             click.echo(
-                f"check:         {'OK, every tensor matches its sha256' if not bad else 'FAILED: ' + ', '.join(bad)}"
+                f"check:         {f'OK, every tensor matches its {header.digest}' if not bad else 'FAILED: ' + ', '.join(bad)}"
             )
     if bad:
-        raise CheckFailed(f"{len(bad)} tensor(s) do not match their sha256: {', '.join(bad[:5])}")
+        raise CheckFailed(f"{len(bad)} tensor(s) do not match their {header.digest}: {', '.join(bad[:5])}")

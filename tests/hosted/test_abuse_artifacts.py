@@ -14,7 +14,7 @@ from tests.support import kvfiles, services
 from tests.support.hosted import API, bearer, confirm, mint_key, put_bytes, upload
 
 #: the cases that reached 500, a stuck upload or a later crash before (issue 13, item 5), plus
-#: the padding of item 2 under the size cap, and a tensor whose bytes fail its sha256
+#: the padding of item 2 under the size cap, and a tensor whose bytes fail its digest
 CASES = [
     "format_version_list",
     "manifest_not_a_string",

@@ -7,15 +7,16 @@ server's abuse tests, so every reader is tried with the same inputs.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
 
-from kvcdn_core import artifact
+from kvcdn_core import artifact, digests
 
 #: how many context tokens the valid artifact holds; its tensors are tiny
 TOKENS = 4
+#: the digest algorithm of the format version written
+DIGEST = digests.BY_FORMAT_VERSION[artifact.FORMAT_VERSION]
 
 
 @dataclass
@@ -60,7 +61,7 @@ def valid_parts(model_id: str = "example/tiny", tokens: int = TOKENS) -> Parts:
     table, offset, data = {}, 0, bytearray()
     for name, (dtype, shape, raw) in tensors.items():
         parts.entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
-        table[name] = {"dtype": dtype, "shape": shape, "sha256": hashlib.sha256(raw).hexdigest()}
+        table[name] = {"dtype": dtype, "shape": shape, DIGEST: digests.hexdigest(DIGEST, raw)}
         offset += len(raw)
         data += raw
     parts.data = bytes(data)
@@ -79,6 +80,26 @@ def valid_parts(model_id: str = "example/tiny", tokens: int = TOKENS) -> Parts:
         "tensors": table,
     }
     return parts
+
+
+def parse(data: bytes) -> Parts:
+    """A `.kv` file's bytes taken apart (the inverse of :meth:`Parts.to_bytes`)."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    meta = header.pop("__metadata__")
+    manifest = json.loads(meta.pop(artifact.META_MANIFEST))
+    return Parts(entries=header, metadata=meta, manifest=manifest, data=data[8 + size :])
+
+
+def as_format_1(data: bytes) -> bytes:
+    """A `.kv` file as kvcdn wrote it before format version 2: the same tensors, SHA-256 digests."""
+    parts = parse(data)
+    parts.metadata[artifact.META_VERSION] = "1"
+    for name, spec in parts.manifest["tensors"].items():
+        start, end = parts.entries[name]["data_offsets"]
+        del spec[DIGEST]
+        spec["sha256"] = digests.hexdigest("sha256", parts.data[start:end])
+    return parts.to_bytes()
 
 
 def valid_bytes(**kwargs) -> bytes:
@@ -236,7 +257,7 @@ HOSTILE: dict[str, callable] = {
             },
         )
     ),
-    "sha256_missing": lambda: _changed(lambda p: p.manifest["tensors"]["layers.0.key"].pop("sha256")),
+    "digest_missing": lambda: _changed(lambda p: p.manifest["tensors"]["layers.0.key"].pop(DIGEST)),
     "nan_offset": lambda: valid_parts().to_bytes(
         header_text=_header_text(valid_parts()).replace('"data_offsets": [0, 32]', '"data_offsets": [0, NaN]')
     ),

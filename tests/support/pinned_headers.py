@@ -36,7 +36,7 @@ _TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00")
 
 def header_text(path: Path, model_dir: Path) -> str:
     """The manifest as written (its exact JSON text) and the safetensors tensor table, less the
-    time, the model path and the sha256s: the tensors' bytes depend on the CPU's float arithmetic,
+    time, the model path and the 64-digit hex digests: the tensors' bytes depend on the CPU's float arithmetic,
     and safetensors orders its metadata keys and pads the header as it likes; the format does not."""
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])

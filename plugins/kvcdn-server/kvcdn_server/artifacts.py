@@ -97,12 +97,12 @@ def check_name(name: str) -> str:
     return name
 
 
-def manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What listings show, read from the artifact's own manifest."""
+def manifest_summary(header: kvformat.Header) -> dict[str, Any]:
+    """What listings show, read from the artifact's own header."""
     return {
-        **kvformat.summary(manifest),
-        "format_version": kvformat.FORMAT_VERSION,
-        "kvcdn_version": manifest.get("kvcdn_version"),
+        **kvformat.summary(header.manifest),
+        "format_version": header.format_version,
+        "kvcdn_version": header.manifest.get("kvcdn_version"),
     }
 
 
@@ -556,7 +556,7 @@ class ArtifactStore:
             except (RecursionError, MemoryError, ValueError, TypeError, KeyError, AttributeError):
                 raise _Refused(422, "not_a_kv_artifact", "the upload is not a valid .kv artifact") from None
         try:
-            summary = manifest_summary(header.manifest)
+            summary = manifest_summary(header)
         except (ValueError, TypeError, KeyError, AttributeError):
             raise _Refused(422, "not_a_kv_artifact", "the upload's manifest is malformed") from None
         for hint, declared in json.loads(row.declared).items():

@@ -4,7 +4,7 @@ kvcdn's search index (:mod:`kvcdn_core.search`) ranks the artifacts under the so
 common token prefix with the prompt, among those of the engine's model fingerprint. Before the
 engine is told that tokens can be loaded, the chosen artifact is checked once per file version:
 every layer is full attention (vLLM's paged cache can take any block-aligned prefix of such a cache),
-the layer count and key/value shapes fit the engine's model, and every tensor's sha256 matches its
+the layer count and key/value shapes fit the engine's model, and every tensor's digest matches its
 manifest. An artifact that fails is skipped with one warning line and the next best one is tried.
 """
 
@@ -122,7 +122,9 @@ class Catalog:
                     )
         bad = fmt.check_hashes(header)
         if bad:
-            raise ArtifactError(f"{path}: corrupted: sha256 mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
+            raise ArtifactError(
+                f"{path}: corrupted: {header.digest} mismatch in {len(bad)} tensor(s), first '{bad[0]}'"
+            )
 
     def _warn_once(self, message: str) -> None:
         """The index rescans a bad file at every search; the log gets one line per problem."""

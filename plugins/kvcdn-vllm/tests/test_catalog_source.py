@@ -68,7 +68,7 @@ def test_bad_artifacts_are_skipped_with_one_warning_each_and_the_next_best_wins(
         assert cat.best(list(range(64)) + [1], block_size=16, min_tokens=16).path == str(good)
     assert len(warnings) == 4, warnings
     for name, why in (
-        ("a-corrupt", "sha256 mismatch"),
+        ("a-corrupt", "blake3 mismatch"),
         ("a-foreign", "another model"),
         ("a-shape", "the engine needs"),
         ("a-junk", "not a kvcdn artifact"),

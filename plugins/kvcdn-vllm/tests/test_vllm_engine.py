@@ -300,7 +300,7 @@ def test_server_reuses_a_kvcdn_artifact_token_exact(engines):
 def test_server_skips_bad_artifacts_with_one_warning_each(engines):
     log, source = engines["server_log"], engines["source"]
     for name, why in (
-        ("0-corrupted.kv", "sha256 mismatch"),
+        ("0-corrupted.kv", "blake3 mismatch"),
         ("0-truncated.kv", "truncated"),
         ("0-foreign.kv", "another model"),
     ):
