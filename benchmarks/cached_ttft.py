@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from qwen3_shaped import QWEN3_06B, build_model  # noqa: E402
+from qwen3_shaped import QWEN3_06B, build_model, model_folder  # noqa: E402
 
 QUESTION = "\n\nQ: Summarize the key claim in one sentence.\nA:"
 #: Two medians further apart than this (max / min) are flagged as unstable.
@@ -79,8 +79,8 @@ def measure(session, path: Path, question_ids: list[int], reps: int, question: b
     samples: dict[str, list[float]] = {}
 
     def forward(cache):
-        out, _ = session.adapter.forward(session.model, torch.tensor([question_ids]), cache)
-        return int(torch.argmax(out[0, -1]))
+        logits, _ = session.adapter.last_logits(session.model, torch.tensor([question_ids]), cache)
+        return int(torch.argmax(logits))
 
     expected = forward(copy.deepcopy(resident))
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     schemes = parse_schemes(args.schemes, installed_schemes())
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcdn-cached-ttft-"))
     started = time.perf_counter()
-    model = args.model or str(build_model(work / f"qwen3-0.6b-shaped-v{args.vocab}", args.vocab))
+    model = args.model or str(build_model(model_folder(work, args.vocab), args.vocab))
     session = runtime.load_session(model, device="cpu", dtype="float32")
     threads = set_threads(args.threads)
     question_ids = session.adapter.encode_continuation(session.tokenizer, QUESTION)

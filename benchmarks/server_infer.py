@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cached_ttft import QUESTION, random_artifact  # noqa: E402
-from qwen3_shaped import QWEN3_06B, build_model  # noqa: E402
+from qwen3_shaped import QWEN3_06B, build_model, model_folder  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from kvcdn_server.inference import InferenceEngine, ModelPolicy
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcdn-server-infer-"))
-    model_dir = build_model(work / f"qwen3-0.6b-shaped-v{args.vocab}", args.vocab)
+    model_dir = build_model(model_folder(work, args.vocab), args.vocab)
     session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
     threads = set_threads(args.threads)
     path = random_artifact(session, args.tokens, work / f"server-{args.tokens}.kv")

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         evict(path)
         start = time.perf_counter()
         cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=stream)
-        session.adapter.forward(session.model, torch.tensor([question]), cache)
+        session.adapter.last_logits(session.model, torch.tensor([question]), cache)
         return time.perf_counter() - start
 
     load_start = os.getloadavg()[0]

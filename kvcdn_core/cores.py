@@ -3,10 +3,10 @@
 CPU timings swing when more threads want to run than there are cores: each parallel region of
 torch waits for its slowest thread, and a preempted thread makes it wait a scheduler tick. So
 torch gets the physical cores (the default of ``kvcdn benchmark --threads``), a whole load (nothing
-else runs) hashes on every core, and a load streamed under the model's forward verifies in the
-background only on the cores torch leaves free; where there are none, the model's thread verifies
-each layer itself when it reaches it (:mod:`kvcdn_core.layer_stream`). Reading costs no core: a
-cold file is read with ``O_DIRECT`` (:mod:`kvcdn_core.tensor_io`).
+else runs) hashes on every core, and a load is streamed under the model's forward
+(:mod:`kvcdn_core.layer_stream`) only where torch leaves a core free for its workers. A cold file
+is read with ``O_DIRECT`` (:mod:`kvcdn_core.tensor_io`), so the disk's wait costs no core, but
+filling fresh memory still costs the kernel's time.
 """
 
 from __future__ import annotations
@@ -43,6 +43,6 @@ def hash_workers() -> int:
 
 
 def stream_workers(torch_threads: int) -> int:
-    """Background threads of a load streamed under a forward that runs ``torch_threads`` threads:
-    the physical cores torch leaves free, up to the cap; 0 when torch has them all."""
+    """Workers of a load streamed under a forward that runs ``torch_threads`` threads: the physical
+    cores torch leaves free, up to the cap; 0 when torch has them all (then nothing is streamed)."""
     return max(0, min(MAX_HASH_WORKERS, physical_cores() - torch_threads))

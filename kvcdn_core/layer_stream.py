@@ -2,17 +2,18 @@
 
 A cached time to first token is the artifact's load plus the question's forward pass. The forward
 needs layer k's cache only when it reaches layer k, so the two can overlap: a background thread
-reads the layers in order, and the cache hands layer k to the model only once layer k is in,
-verified (its digests) and imported through the adapter. A layer that fails its check (or cannot be
-read) raises :class:`ArtifactError` at the moment the model asks for it: its bytes are never used.
+reads the layers in order, worker threads verify (its digests) and import each layer as soon as
+its bytes are in, and the cache hands layer k to the model only once layer k is verified. A layer
+that fails its check (or cannot be read) raises :class:`ArtifactError` at the moment the model asks
+for it: its bytes are never used. Whoever gets to a layer first finishes it: when the model reaches
+a layer whose bytes are in but that no worker has started, its own thread verifies and imports it
+rather than wait. The cached TTFT then tends to max(read, forward) instead of their sum.
 
-Who verifies depends on the cores. Reading costs no CPU (a cold file is read with ``O_DIRECT``),
-but hashing does. With a core that torch's threads leave free, worker threads verify each layer
-as soon as its bytes are in, and the model rarely waits. Without one, a worker would take cycles
-from torch's threads, and every parallel region of the forward would wait for the preempted one
-(measured: 3-27% slower than loading first); then the model's own thread verifies layer k when it
-reaches it, on every core, while torch's threads are idle. The cached TTFT then tends to
-max(read, forward) instead of their sum, plus the hashing where no core is free for it.
+The overlap needs a core that torch's threads leave free: the workers' hashing, and the kernel's
+work of reading into fresh memory, would otherwise preempt torch's threads, and every parallel
+region of the forward waits for its slowest thread. :func:`kvcdn_core.runtime.load_cache` streams
+only where :func:`kvcdn_core.cores.stream_workers` finds such a core (docs/benchmarks.md has the
+measurements).
 
 What a layer is made of is the caller's :class:`LayerSource`: a plain artifact's layer is its
 stored tensors; a quantized artifact's layer is its codes, scales and residual window, dequantized
@@ -48,9 +49,8 @@ class LayerSource:
 class LayerStream:
     """The background load of one artifact into an (initially empty) cache's layers.
 
-    ``workers``: threads that verify and import layers in the background; 0 leaves that to the
-    thread that asks for a layer, which then hashes on ``hashers`` threads (every core: torch's
-    threads wait meanwhile). Either way each layer is finished exactly once, by whoever comes first.
+    ``workers``: threads that verify and import layers as their bytes come in. Each layer is
+    finished exactly once, by a worker or by the thread that asks for it, whichever comes first.
     """
 
     def __init__(
@@ -63,11 +63,10 @@ class LayerStream:
         source: LayerSource,
         verify_hashes: bool = True,
         workers: int = 1,
-        hashers: int = 1,
     ):
         self.adapter, self.reader, self.header, self.targets = adapter, reader, reader.header, targets
         self.layers = layers
-        self.source, self.verify, self.workers, self.hashers = source, verify_hashes, workers, hashers
+        self.source, self.verify, self.workers = source, verify_hashes, max(1, workers)
         self.fetched = [threading.Event() for _ in self.layers]  # bytes in the buffer, or the read failed
         self.ready = [threading.Event() for _ in self.layers]  # verified and imported, or failed
         self.errors: list[BaseException | None] = [None] * len(self.layers)
@@ -88,7 +87,7 @@ class LayerStream:
             return  # a layer the artifact does not have: the cache's own business
         if not self.ready[index].is_set():
             self.fetched[index].wait()
-            self._finish(index, self.hashers)
+            self._finish(index)
         error = self.errors[index]
         if error is not None:
             raise error
@@ -100,31 +99,29 @@ class LayerStream:
     # -- the loader's side -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Read the layers in order; hand each to a background worker, if there are any."""
-        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvcdn-layer") if self.workers else None
+        """Read the layers in order; hand each to a worker once its bytes are in."""
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvcdn-layer")
         try:
             for index in range(len(self.layers)):
                 for name in sorted(self.source.stored_names(index), key=self.reader.span):
                     self.reader.fetch(*self.reader.span(name))
                 self.fetched[index].set()
-                if pool is not None:
-                    pool.submit(self._finish, index, 1)
+                pool.submit(self._finish, index)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the layer
             self._fail_from(exc)
         finally:
-            if pool is not None:
-                pool.shutdown()
+            pool.shutdown()
             self.reader.close()
 
-    def _finish(self, index: int, hashers: int) -> None:
-        """Verify, build and import layer ``index``, once; ``hashers`` threads hash its tensors."""
+    def _finish(self, index: int) -> None:
+        """Verify, build and import layer ``index``, unless someone already has."""
         with self._claims[index]:
             if self.ready[index].is_set():
                 return
             try:
                 if self.errors[index] is None:
                     if self.verify:
-                        self._check(index, hashers)
+                        self._check(index)
                     named = self.source.build(index, lambda name: as_tensor(self.reader, name))
                     self.adapter.import_layer(self.layers[index], named, self.targets[index])
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the layer
@@ -132,8 +129,8 @@ class LayerStream:
             finally:
                 self.ready[index].set()
 
-    def _check(self, index: int, hashers: int) -> None:
-        bad = [name for name in self.source.stored_names(index) if not self.reader.hash_matches(name, hashers)]
+    def _check(self, index: int) -> None:
+        bad = [name for name in self.source.stored_names(index) if not self.reader.hash_matches(name)]
         if bad:
             raise ArtifactError(
                 f"{self.header.path}: corrupted: {self.header.digest} mismatch in layer {index} "

@@ -238,15 +238,24 @@ def load_cache(
     With ``stream`` the cache comes back at once and fills layer by layer in the background
     (:mod:`kvcdn_core.layer_stream`): the model may start its forward pass while later layers are
     still read (and dequantized, for a quantized artifact), and meets each layer only once it is
-    verified. Used where the adapter allows it (:meth:`ModelAdapter.streams_layers`); otherwise a
-    full load. Both give the same tensors bit for bit.
+    verified. Used where the adapter allows it (:meth:`ModelAdapter.streams_layers`) and a core is
+    free for the loader next to torch's threads (:func:`kvcdn_core.cores.stream_workers`; without
+    one, streaming measured slower than loading first); otherwise a full load. Both give the same
+    tensors bit for bit.
     """
     check_model(session, header.manifest, force)
     manifest = header.manifest
     layers = Manifest.from_dict(manifest).layers
     convert = _converter(session, manifest["compute_dtype"], layers)
     if stream and session.adapter.streams_layers(layers):
-        return _stream_cache(session, header, _layer_source(session, header, layers, convert), layers, verify_hashes)
+        import torch
+
+        from kvcdn_core.cores import stream_workers
+
+        workers = stream_workers(torch.get_num_threads())
+        if workers:
+            source = _layer_source(session, header, layers, convert)
+            return _stream_cache(session, header, source, layers, verify_hashes, workers)
     if manifest.get("quantization"):
         from kvcdn_core.quant import dequantize_tensors
 
@@ -303,11 +312,10 @@ def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry
     return LayerSource(stored_names=quantized.stored_names, build=build)
 
 
-def _stream_cache(session: Session, header: fmt.Header, source, layers: tuple[LayerEntry, ...], verify_hashes: bool):
-    import torch
-
+def _stream_cache(
+    session: Session, header: fmt.Header, source, layers: tuple[LayerEntry, ...], verify_hashes: bool, workers: int
+):
     from kvcdn_core import tensor_io
-    from kvcdn_core.cores import hash_workers, stream_workers
     from kvcdn_core.layer_stream import LayerStream
 
     reader = tensor_io.TensorReader(header)
@@ -321,6 +329,5 @@ def _stream_cache(session: Session, header: fmt.Header, source, layers: tuple[La
     if len(targets) != len(layers):
         reader.close()
         raise ArtifactError(f"artifact has {len(layers)} cache layers, the loaded model has {len(targets)}")
-    workers = stream_workers(torch.get_num_threads())
-    LayerStream(session.adapter, reader, cache, targets, layers, source, verify_hashes, workers, hash_workers())
+    LayerStream(session.adapter, reader, cache, targets, layers, source, verify_hashes, workers)
     return cache, ids

@@ -145,11 +145,36 @@ def phase_cache(run: ValidationRun) -> PhaseResult:
     )
 
 
+def phase_fork(run: ValidationRun) -> PhaseResult:
+    """A fork of the loaded cache (:meth:`ModelAdapter.fork_cache`) continues exactly, and the cache
+    it was forked from is bitwise what the artifact holds afterwards: requests on a resident cache
+    cannot see each other."""
+    import torch
+
+    from kvcdn_core.verify import VerifyResult
+
+    if run.header is None or run.reference_ids is None:
+        return run.result("fork", False, "skipped: an earlier phase failed")
+    session = run.session
+    resident, _ = runtime.load_cache(session, run.header)
+    ids, _ = runtime.greedy(session, session.adapter.fork_cache(resident), run.question_ids, run.n)
+    res = VerifyResult(run.n, len(run.context_ids), len(run.question_ids), run.reference_ids, ids, "", "")
+    if not res.passed:
+        return run.result("fork", False, f"token match {res.matches}/{run.n} on the fork", res.first_divergence)
+    stored = fmt.load_tensors(run.header)
+    _, after = session.adapter.export_cache(session.model, resident)
+    changed = [name for name, t in after.items() if not torch.equal(stored[name], t.cpu())]
+    if changed:
+        return run.result("fork", False, f"continuing on the fork changed the original: {changed[0]}")
+    return run.result("fork", True, f"token match {res.matches}/{run.n}, original unchanged")
+
+
 #: (name, function) run in order; a later phase may rely on what an earlier one left on the run.
 PHASES: list[tuple[str, Callable[[ValidationRun], PhaseResult]]] = [
     ("roundtrip", phase_roundtrip),
     ("reference", phase_reference),
     ("cache", phase_cache),
+    ("fork", phase_fork),
 ]
 
 # The quantized path (issue 4): int8, checked on every family's real cache; see kvcdn_core.quant.

@@ -2,8 +2,8 @@
 continue like a full prefill of the same tokens (token ids, float32, tiny models, one of them with
 sliding-window layers); a quantized artifact streamed layer by layer gives the tensors and tokens of
 its whole load; and a corrupted layer fails loudly, when it is reached, instead of being used.
-Streamed loads run both ways of verifying: by a background worker (a core to spare) and by the
-model's own thread when it reaches the layer (torch has every core)."""
+Streamed loads run with one worker and with two (the cores torch leaves free); where torch has every
+core nothing is streamed."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def case(request, tiny_session, tmp_path_factory):
     return session, path, ids, question, expected
 
 
-@pytest.fixture(params=[1, 0], ids=["workers", "on-demand"])
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
 def verifiers(request, monkeypatch):
-    """The streamed load's background workers: 1, or 0 (the model's thread verifies each layer)."""
+    """The streamed load's workers, as if torch left that many cores free (whatever this machine has)."""
     from kvcdn_core import cores
 
     monkeypatch.setattr(cores, "stream_workers", lambda _torch_threads: request.param)
@@ -182,29 +182,65 @@ def test_a_streamed_cache_copies_and_crops_like_a_plain_one(case, verifiers):
     assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
 
 
-def test_each_layer_is_verified_once_by_a_worker_or_by_the_model_thread(case, verifiers, monkeypatch):
-    """With a worker, the layers read before the model asks are finished in the background; with
-    none, the thread that runs the model verifies and imports every layer; never one twice."""
-    session, path, _, question, expected = case
-    finishers: list[tuple[int, str]] = []
+def _imports(session, monkeypatch) -> list[tuple[int, str]]:
+    """``(layer index, thread name)`` of every ``import_layer`` call from now on."""
+    calls: list[tuple[int, str]] = []
     adapter_cls = type(session.adapter)
     original = adapter_cls.import_layer
 
     def import_layer(self, entry, named, layer):
-        finishers.append((entry.index, threading.current_thread().name))
+        calls.append((entry.index, threading.current_thread().name))
         return original(self, entry, named, layer)
 
     monkeypatch.setattr(adapter_cls, "import_layer", import_layer)
+    return calls
+
+
+def test_workers_finish_the_layers_read_before_the_model_asks(case, verifiers, monkeypatch):
+    session, path, _, question, expected = case
+    calls = _imports(session, monkeypatch)
     cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
     stream = cache.layers.stream
-    stream.thread.join(timeout=30)  # every byte read, and the workers done, before the model starts
+    stream.thread.join(timeout=30)  # every byte read and every layer finished before the model starts
     assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
-    assert sorted(index for index, _ in finishers) == list(range(len(stream.layers)))
-    names = {name for _, name in finishers}
-    if verifiers:
-        assert all(name.startswith("kvcdn-layer") for name in names), names
-    else:
-        assert names == {threading.current_thread().name}
+    assert sorted(index for index, _ in calls) == list(range(len(stream.layers)))  # each once
+    assert all(name.startswith("kvcdn-layer") for _, name in calls), calls
+
+
+def test_the_model_thread_finishes_a_layer_no_worker_has_started(case, verifiers, monkeypatch):
+    """Workers held back: the model's thread verifies and imports every layer itself, once each,
+    and the workers, let go afterwards, find them done."""
+    from kvcdn_core.layer_stream import LayerStream
+
+    session, path, _, question, expected = case
+    calls = _imports(session, monkeypatch)
+    model_done = threading.Event()
+    finish = LayerStream._finish
+
+    def held_finish(self, index):
+        if threading.current_thread().name.startswith("kvcdn-layer"):
+            model_done.wait(timeout=30)
+        finish(self, index)
+
+    monkeypatch.setattr(LayerStream, "_finish", held_finish)
+    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    try:
+        assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
+    finally:
+        model_done.set()
+    cache.layers.stream.thread.join(timeout=30)
+    assert sorted(index for index, _ in calls) == list(range(len(cache.layers.stream.layers)))
+    assert {name for _, name in calls} == {threading.current_thread().name}
+
+
+def test_without_a_spare_core_the_load_is_whole(case, monkeypatch):
+    from kvcdn_core import cores
+
+    session, path, _, question, expected = case
+    monkeypatch.setattr(cores, "stream_workers", lambda _torch_threads: 0)
+    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    assert not isinstance(cache.layers, GatedLayers)
+    assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
 
 
 def test_adapters_that_reshape_the_cache_load_whole(case):
@@ -222,7 +258,9 @@ def test_adapters_that_reshape_the_cache_load_whole(case):
     assert not Reshaping().streams_layers(layers)
 
 
-def test_continue_streams_and_refuses_a_corrupted_layer_in_one_line(cli, qwen3_dir, qwen3_artifact, tmp_path):
+def test_continue_streams_and_refuses_a_corrupted_layer_in_one_line(
+    cli, qwen3_dir, qwen3_artifact, tmp_path, verifiers
+):
     good = cli("continue", "--kv-path", qwen3_artifact, "--model", qwen3_dir, "--n", "4", "--format", "json")
     assert good.exit_code == 0, good.stderr
     bad, last = _corrupt_last_layer(qwen3_artifact, tmp_path)

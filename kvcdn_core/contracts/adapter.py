@@ -208,6 +208,29 @@ class ModelAdapter:
             and all(entry.kind in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers)
         )
 
+    def fork_cache(self, cache: Cache) -> Cache:
+        """A cache that a forward may extend without changing ``cache``: one per request on a
+        resident cache (the server) costs nothing where it can.
+
+        transformers' full-attention and sliding-window layers never write into their tensors: an
+        update concatenates and rebinds. Those are shared; a cache with any other layer (states
+        updated in place, a family's own layout) is deep-copied. ``kvcdn validate``'s ``fork`` phase
+        checks, for every family, that the original is bitwise unchanged after a continuation.
+        """
+        import copy
+
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        layers = list(cache.layers)
+        if not isinstance(cache, DynamicCache) or any(
+            type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers
+        ):
+            return copy.deepcopy(cache)
+        fork = copy.copy(cache)
+        fork.layers = [copy.copy(layer) for layer in layers]
+        return fork
+
     def cache_layers(self, cache: Cache) -> list[CacheLayer]:
         return list(cache.layers)
 

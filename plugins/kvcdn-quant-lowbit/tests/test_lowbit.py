@@ -123,12 +123,12 @@ def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
-def test_a_streamed_load_equals_the_whole_load(cls, tiny_session, tmp_path):
+def test_a_streamed_load_equals_the_whole_load(cls, tiny_session, tmp_path, monkeypatch):
     """Streamed layer by layer (each layer unpacked as it arrives) or loaded whole: the same cache,
     tensor for tensor, and the same continuation, token for token (float32, tiny Qwen3)."""
     from kvcdn_model_qwen import QwenAdapter
 
-    from kvcdn_core import runtime
+    from kvcdn_core import cores, runtime
     from kvcdn_core.layer_stream import GatedLayers
     from kvcdn_core.tiny import SAMPLE_TEXT
 
@@ -138,6 +138,7 @@ def test_a_streamed_load_equals_the_whole_load(cls, tiny_session, tmp_path):
     result = quant.quantize_cache(header.manifest, artifact.load_tensors(header), cls(group_size=16, residual=8))
     out = artifact.write_artifact(tmp_path / f"doc.{cls.scheme}.kv", result.manifest, result.tensors)
     whole, _ = runtime.load_cache(session, artifact.read_header(out))
+    monkeypatch.setattr(cores, "stream_workers", lambda _torch_threads: 1)  # streamed, whatever the cores
     streamed, streamed_ids = runtime.load_cache(session, artifact.read_header(out), stream=True)
     assert isinstance(streamed.layers, GatedLayers) and streamed_ids == ids
     for a, b in zip(whole.layers, streamed.layers):

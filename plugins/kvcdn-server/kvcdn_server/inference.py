@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import copy
 import dataclasses
 import logging
 import math
@@ -368,7 +367,7 @@ class InferenceEngine:
                 )
             if cancel.is_set():
                 return None
-            cache = copy.deepcopy(resident_cache)  # greedy appends to the cache it is given
+            cache = session.adapter.fork_cache(resident_cache)  # greedy extends the cache it is given
             stoppable = dataclasses.replace(session, adapter=_StopBetweenSteps(session.adapter, cancel))
             ids, _ = runtime.greedy(stoppable, cache, question_ids, n)
         except Cancelled:
