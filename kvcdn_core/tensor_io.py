@@ -21,12 +21,12 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, wait
 from typing import Any
 
 from kvcdn_core import digests
-from kvcdn_core.cores import hash_workers
+from kvcdn_core.cores import hash_workers, shared_pool
 from kvcdn_core.errors import ArtifactError
 
 #: safetensors dtype name → (bytes per element, torch dtype name)
@@ -66,12 +66,11 @@ class TensorReader:
         self.header = header
         self.path = header.path
         size = header.file_size
-        self.buffer = _private_buffer(max(_round_up(size, BLOCK), BLOCK))
+        self.buffer = private_buffer(max(_round_up(size, BLOCK), BLOCK))
         self.view = memoryview(self.buffer)
         self._have = bytearray(len(self.buffer) // BLOCK)
         self.direct = _want_direct(self.path) if direct is None else direct
         self._lock = threading.Lock()
-        self._readers: ThreadPoolExecutor | None = None
         self._fd = self._open()
 
     def _open(self) -> int:
@@ -85,9 +84,6 @@ class TensorReader:
             raise ArtifactError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
 
     def close(self) -> None:
-        if self._readers is not None:
-            self._readers.shutdown()
-            self._readers = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -113,14 +109,44 @@ class TensorReader:
 
     def fetch(self, start: int, end: int) -> None:
         """Make sure the file's bytes ``[start, end)`` are in the buffer (whole blocks are read)."""
+        first, last = self._missing(start, end)
+        if first < last:
+            for _ in self._pieces(first, last):
+                pass
+
+    def fetch_groups(self, groups: list[list[str]]) -> Iterator[tuple[int, BaseException | None]]:
+        """Read each group of tensors (a cache layer's), :data:`READERS` groups in flight, each
+        read by one thread; yield ``(index, error)`` in order as each group is in, ``error`` being
+        what stopped its read, or None.
+
+        In order, with a queue depth above one: a layer streamed under the model's forward is
+        wanted in layer order, while the file holds tensors by name (``layers.10`` before
+        ``layers.2``), and a small layer read alone leaves the disk idle between requests.
+        """
+        pool = shared_pool("read", READERS)
+
+        def read(names: list[str]) -> None:
+            for name in sorted(names, key=self.span):
+                first, last = self._missing(*self.span(name))
+                for piece in range(first, last, READ_PIECE):
+                    self._read_piece(piece, min(piece + READ_PIECE, last))
+
+        futures = [pool.submit(read, names) for names in groups]
+        try:
+            for index, future in enumerate(futures):
+                yield index, future.exception()
+        finally:
+            wait(futures)  # no read may outlive the file descriptor, whatever stopped the caller
+
+    def _missing(self, start: int, end: int) -> tuple[int, int]:
+        """The block-aligned file range ``[first, last)`` that covers ``[start, end)`` less the
+        blocks at either end that are already in."""
         first, last = start // BLOCK, _round_up(end, BLOCK) // BLOCK
         while first < last and self._have[first]:
             first += 1
         while last > first and self._have[last - 1]:
             last -= 1
-        if first < last:
-            for _ in self._pieces(first * BLOCK, last * BLOCK):
-                pass
+        return first * BLOCK, last * BLOCK
 
     def fetch_all(self, names: Iterable[str], on_tensor=None) -> None:
         """Read the data region front to back; call ``on_tensor(name)`` for each of ``names`` as
@@ -147,9 +173,7 @@ class TensorReader:
         if len(bounds) == 1:
             results = iter([self._read_piece(*bounds[0])])
         else:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvcdn-read")
-            results = self._readers.map(lambda bound: self._read_piece(*bound), bounds)
+            results = shared_pool("read", READERS).map(lambda bound: self._read_piece(*bound), bounds)
         for end in results:
             yield min(end, self.header.file_size)
 
@@ -214,8 +238,8 @@ def mismatched(header, direct: bool | None = None) -> list[str]:
 
 def _read_hashing(reader: TensorReader, names: list[str]) -> list[str]:
     futures: dict[str, Future] = {}
-    with ThreadPoolExecutor(max_workers=hash_workers()) as pool:
-        reader.fetch_all(names, lambda name: futures.__setitem__(name, pool.submit(reader.hash_matches, name)))
+    pool = shared_pool("hash", hash_workers())
+    reader.fetch_all(names, lambda name: futures.__setitem__(name, pool.submit(reader.hash_matches, name)))
     return [name for name in names if not futures[name].result()]
 
 
@@ -232,7 +256,7 @@ def as_tensor(reader: TensorReader, name: str) -> Any:
     return torch.frombuffer(reader.buffer, dtype=dtype, offset=start, count=(end - start) // width).view(entry["shape"])
 
 
-def _private_buffer(size: int) -> mmap.mmap:
+def private_buffer(size: int) -> mmap.mmap:
     """Anonymous memory for a file's bytes: private, with huge pages where offered.
 
     ``mmap.mmap(-1, n)`` alone is a *shared* mapping, which Linux backs with shmem pages: those get

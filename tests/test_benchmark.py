@@ -223,16 +223,30 @@ def test_resident_fraction_sees_a_read_file(tmp_path):
     assert fraction is None or fraction > 0.9  # just read, so in the page cache
 
 
-def _cached_ttft_script():
-    """benchmarks/cached_ttft.py as a module (the scripts folder is no package)."""
+def _script(name: str):
+    """A script of benchmarks/ as a module (the scripts folder is no package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cached_ttft.py"
-    spec = importlib.util.spec_from_file_location("cached_ttft", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _cached_ttft_script():
+    return _script("cached_ttft")
+
+
+def test_server_infer_times_the_engine_against_a_local_continue(qwen3_dir, tmp_path, capsys):
+    """benchmarks/server_infer.py runs the engine behind /v1/infer as it is today, on a tiny model."""
+    script = _script("server_infer")
+    argv = ["--model", str(qwen3_dir), "--tokens", "48", "--n", "3", "--reps", "2", "--threads", "1"]
+    assert script.main([*argv, "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "48 tokens, question" in out and "server / local:" in out
+    assert "same tokens from every request, local and server: yes" in out
 
 
 def test_cached_ttft_runs_twice_and_compares_every_median(qwen3_dir, tmp_path, capsys):

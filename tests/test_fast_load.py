@@ -93,10 +93,10 @@ def test_load_tensors_is_bitwise_the_file_in_both_read_modes(case):
 
 
 def test_the_model_starts_before_the_last_layer_is_read(case, verifiers, monkeypatch):
-    """Pipelining, shown without a clock: the loader is held after the first layer of each kind
-    (the masks are sized from them) until the model's first decoder layer has started, so that
-    layer must run while later layers are still unread; a model that waited for the whole cache
-    first would leave the loader held."""
+    """Pipelining, shown without a clock: every read past the first layer of each kind (the masks
+    are sized from them) is held until the model's first decoder layer has started, so that layer
+    must run while later layers are still unread; a model that waited for the whole cache first
+    would leave the reads held."""
     session, path, _, question, expected = case
     layers = fmt.read_header(path).manifest["layers"]
     firsts = {
@@ -107,15 +107,14 @@ def test_the_model_starts_before_the_last_layer_is_read(case, verifiers, monkeyp
     first_layer = [name for i in range(max(firsts.values()) + 1) for name in layers[i]["tensors"].values()]
     layer_zero_runs = threading.Event()
     held = []
-    fetch = tensor_io.TensorReader.fetch
+    read_piece = tensor_io.TensorReader._read_piece
 
-    def slow_fetch(self, start, end):
-        later = start >= max(self.span(name)[1] for name in first_layer)
-        if later and threading.current_thread().name == "kvcdn-layer-stream":
+    def slow_read(self, start, end):
+        if start >= max(self.span(name)[1] for name in first_layer):
             held.append(layer_zero_runs.wait(timeout=10))
-        fetch(self, start, end)
+        return read_piece(self, start, end)
 
-    monkeypatch.setattr(tensor_io.TensorReader, "fetch", slow_fetch)
+    monkeypatch.setattr(tensor_io.TensorReader, "_read_piece", slow_read)
     hook = session.model.model.layers[0].register_forward_pre_hook(lambda *_: layer_zero_runs.set())
     try:
         cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
@@ -124,6 +123,39 @@ def test_the_model_starts_before_the_last_layer_is_read(case, verifiers, monkeyp
         hook.remove()
     assert got == expected
     assert held and all(held), "the model did not start on layer 0 while later layers were unread"
+
+
+def test_layers_are_read_in_layer_order_several_at_a_time(case, verifiers, monkeypatch):
+    """The file holds tensors by name (layers.10 before layers.2); the stream asks for them in layer
+    order, with more than one read in flight."""
+    session, path, *_ = case
+    in_flight, most, order = [0], [0], []
+    lock = threading.Lock()
+    fetch_groups = tensor_io.TensorReader.fetch_groups
+    read_piece = tensor_io.TensorReader._read_piece
+
+    def counted_read(self, start, end):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            threading.Event().wait(0.01)  # long enough for the next reads to start
+            return read_piece(self, start, end)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    def recorded_groups(self, groups):
+        for index, error in fetch_groups(self, groups):
+            order.append(index)
+            yield index, error
+
+    monkeypatch.setattr(tensor_io.TensorReader, "_read_piece", counted_read)
+    monkeypatch.setattr(tensor_io.TensorReader, "fetch_groups", recorded_groups)
+    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    list(cache.layers)  # waits for every layer
+    assert order == list(range(len(cache.layers)))
+    assert most[0] > 1, "one read at a time"
 
 
 def _corrupt_last_layer(path, tmp_path):

@@ -7,6 +7,7 @@ tests need neither.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,29 +19,38 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
 def peers():
     spec = importlib.util.spec_from_file_location("peers_benchmark", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
-    return module
+    yield module
+    del sys.modules[spec.name]
 
 
-def test_save_runs_before_the_question_touches_the_state(peers, tmp_path):
-    """llama.cpp's state grows with the question: every save must come before the first cached run."""
-    path = tmp_path / "state"
+def test_saves_come_first_then_rounds_across_the_ways(peers, tmp_path):
+    """llama.cpp's state grows with the question: every save must come before the first cached run;
+    the other steps then run in rounds, way after way, so a drifting machine slows all alike."""
     calls = []
 
-    def step(name, token=None):
-        def run():
-            calls.append(name)
-            if name == "save":
-                path.write_bytes(b"x" * 1000)
-            return token
+    def way(tag, prefill_token):
+        path = tmp_path / tag
 
-        return run
+        def step(name, token=None):
+            def run():
+                calls.append(f"{tag}.{name}")
+                if name == "save":
+                    path.write_bytes(b"x" * 1000)
+                return token
 
-    row = peers.timed_row("f16", step("save"), step("load"), step("cached", 7), step("prefill", 7), path, reps=2)
-    assert calls == ["save"] * 3 + ["load"] * 3 + ["cached"] * 3 + ["prefill"] * 3
-    assert row["bytes"] == 1000 and row["kv"] == "f16" and row["same_token"] is True
-    row = peers.timed_row("f16", step("save"), step("load"), step("cached", 7), step("prefill", 8), path, reps=1)
-    assert row["same_token"] is False
+            return run
+
+        return peers.Way("f16", path, step("save"), step("load"), step("cached", 7), step("prefill", prefill_token))
+
+    rows = peers.time_ways({"a": way("a", 7), "b": way("b", 8), "c": None}, reps=2)
+    steps = ["load", "cached", "prefill"]
+    warmups = [f"{w}.{s}" for w in "ab" for s in steps]
+    rounds = [f"{w}.{s}" for w in "ab" for s in steps] * 2
+    assert calls == ["a.save"] * 3 + ["b.save"] * 3 + warmups + rounds
+    assert rows["a"]["bytes"] == 1000 and rows["a"]["kv"] == "f16" and rows["a"]["same_token"] is True
+    assert rows["b"]["same_token"] is False and rows["c"] is None
 
 
 def result(ttft_s, prefill_s, bytes_=4_000_000, load_s=0.002, same=True):
