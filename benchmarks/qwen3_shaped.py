@@ -158,6 +158,7 @@ def main(argv=None) -> int:
             "--format",
             "json",
             "-q",
+            "--force",  # the workdir's CSV of an earlier run is replaced
         )
     )
     print(
@@ -171,6 +172,7 @@ def main(argv=None) -> int:
             "1000",
             "--model",
             "Qwen3-0.6B-shaped, random weights, CPU float32",
+            "--force",
         )
     )
     print(
