@@ -9,9 +9,10 @@ the scheme's quantizer, then, each from a cold file (the page cache dropped with
 posix_fadvise(DONTNEED), as `kvcdn benchmark` does):
 
 - ``read``: a plain buffered read of the file into memory (the limit the load is held to);
-- ``load``: ``runtime.load_cache`` with its sha256 checks (and dequantization), and its parts:
-  ``load buffered`` (no direct I/O, no dequantization), ``load unverified`` (no sha256),
-  ``sha256 1 thread`` (hashing the file's bytes once on one core, from memory);
+- ``load``: ``runtime.load_cache`` with its digest checks (and dequantization), and its parts:
+  ``load buffered`` (no direct I/O, no dequantization), ``load unverified`` (no digests),
+  ``blake3 1 thread`` (the format's digest of the file's bytes once on one core, from memory: a
+  pure-CPU probe, the steadiest number a run gives);
 - ``fresh memory``: faulting in as much new memory as the file needs (private, huge pages, one byte
   written per page), as every load does for its buffer: no disk, no hashing, only the machine. On a
   virtual machine whose host reclaims freed memory it moves more between runs than anything else;
@@ -33,7 +34,6 @@ with the medians of each timed quantity side by side, their ratio, and a flag on
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -85,7 +85,7 @@ def measure(session, path: Path, question_ids: list[int], reps: int, question: b
     import torch
 
     from kvcdn_core import artifact as fmt
-    from kvcdn_core import runtime
+    from kvcdn_core import digests, runtime
     from kvcdn_core.benchmark import plain_read
     from kvcdn_core.pagecache import evict
 
@@ -123,7 +123,7 @@ def measure(session, path: Path, question_ids: list[int], reps: int, question: b
             )
             timed("fresh memory", lambda: touch_fresh(path.stat().st_size), cold=False, rep=rep)
             data = path.read_bytes()
-            timed("sha256 1 thread", lambda: hashlib.sha256(data).digest(), cold=False, rep=rep)  # noqa: F821 - timed before the del below
+            timed("blake3 1 thread", lambda: digests.hexdigest("blake3", data), cold=False, rep=rep)  # noqa: F821 - timed before the del below
             del data
             if question:
                 twin = copy.deepcopy(resident)

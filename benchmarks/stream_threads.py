@@ -1,6 +1,6 @@
 """How many loader threads a streamed load should use next to torch's: ratios taken within one run.
 
-The streamed load's workers (sha256, dequantization, import) run while torch runs the question's
+The streamed load's workers (digest checks, dequantization, import) run while torch runs the question's
 forward; on a small machine they compete for the same cores. This script times, for each torch
 thread count and each worker count, the cached first token loaded whole then asked (``TTFT``) and
 streamed under the question (``TTFT pipelined``), on a mid-size Qwen3 shape with a random cache,
