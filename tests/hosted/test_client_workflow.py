@@ -291,6 +291,7 @@ def test_download_stopped_half_way_leaves_no_file(signal_name, kv, local_server,
     import subprocess
 
     from tests.support.hosted_client import kvcdn_cmd
+    from tests.support.signals import popen_interruptible
 
     key = mint(kv, local_server, "stop")
     artifact_id = ok(kv(local_server, "upload", qwen3_artifact, "--name", "stop", key=key)).strip()
@@ -299,7 +300,7 @@ def test_download_stopped_half_way_leaves_no_file(signal_name, kv, local_server,
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCDN_")}
     env.update(KVCDN_API_URL=proxy.url, KVCDN_API_KEY=key, KVCDN_TELEMETRY="0")
-    proc = subprocess.Popen(
+    proc = popen_interruptible(
         [*kvcdn_cmd(), "download", artifact_id, "--output", out / "stop.kv"],
         env=env,
         stdout=subprocess.PIPE,

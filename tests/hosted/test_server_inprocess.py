@@ -395,8 +395,10 @@ def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
     import subprocess
     import sys
 
+    from tests.support.signals import popen_interruptible
+
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "KVCDN_ADMIN_SECRET": ""}
-    proc = subprocess.Popen(
+    proc = popen_interruptible(
         [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--storage", str(tmp_path / "o")],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
