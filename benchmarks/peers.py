@@ -1,7 +1,8 @@
 """kvcdn next to its peers: the same model and context through three ways of caching a prefill.
 
 - **kvcdn**: `runtime.save_cache` writes the artifact; the cached path is `runtime.load_cache`
-  (digests checked; streamed under the question's forward where torch leaves a core free) and the question.
+  (digests checked; streamed under the question's forward where torch leaves a core free) and the
+  question.
 - **transformers + safetensors**, written by hand as a user would without kvcdn: the cache's keys
   and values saved with `safetensors.torch.save_file`, loaded with `load_file` into a new
   `DynamicCache` (`cache.update` per layer), then the question. No integrity check.

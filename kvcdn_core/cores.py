@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-#: More hashing threads than this gain nothing: sha256 of 4 threads outruns the disks we read from.
+#: More hashing threads than this gain nothing: 4 threads hash faster than the disks we read from.
 MAX_HASH_WORKERS = 4
 
 

@@ -235,10 +235,6 @@ def _script(name: str):
     return module
 
 
-def _cached_ttft_script():
-    return _script("cached_ttft")
-
-
 def test_server_infer_times_the_engine_against_a_local_continue(qwen3_dir, tmp_path, capsys):
     """benchmarks/server_infer.py runs the engine behind /v1/infer as it is today, on a tiny model."""
     script = _script("server_infer")
@@ -250,7 +246,7 @@ def test_server_infer_times_the_engine_against_a_local_continue(qwen3_dir, tmp_p
 
 
 def test_cached_ttft_runs_twice_and_compares_every_median(qwen3_dir, tmp_path, capsys):
-    script = _cached_ttft_script()
+    script = _script("cached_ttft")
     argv = [
         "--lengths",
         "32,16",
@@ -292,7 +288,7 @@ def test_cached_ttft_runs_twice_and_compares_every_median(qwen3_dir, tmp_path, c
 
 
 def test_cached_ttft_flags_medians_more_than_ten_percent_apart(capsys):
-    script = _cached_ttft_script()
+    script = _script("cached_ttft")
     run1 = {512: {"none": {"bytes": 1, "load": [1.0, 1.0, 1.0], "read": [2.0]}}}
     run2 = {512: {"none": {"bytes": 1, "load": [1.0, 1.2, 1.3], "read": [2.1]}}}  # medians 1.0 vs 1.2; 2.0 vs 2.1
     assert script.print_stability([run1, run2]) == 1
