@@ -188,6 +188,43 @@ def test_a_corrupted_layer_fails_loudly_and_is_never_used(case, tmp_path, direct
     assert not _layer_filled(cache, last)
 
 
+def test_concurrent_loads_share_the_pools_and_stay_exact(case, tmp_path, verifiers):
+    """Loads in several threads at once (as the server's requests do) share the process's reader
+    and hashing pools: every good load is bitwise the file, every load of a corrupted copy fails,
+    and neither disturbs the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    session, path, *_ = case
+    bad, _ = _corrupt_last_layer(path, tmp_path)
+    reference = load_file(str(path))
+
+    def good(stream: bool) -> list[str]:
+        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=stream)
+        list(cache.layers)  # a streamed load: wait for every layer
+        _, tensors = session.adapter.export_cache(session.model, cache)
+        return [name for name, t in tensors.items() if not t.equal(reference[name])]
+
+    def corrupted(stream: bool) -> str:
+        try:
+            cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=stream)
+            list(cache.layers)
+        except ArtifactError as exc:
+            return str(exc)
+        return "loaded"
+
+    with ThreadPoolExecutor(6) as pool:
+        goods = [pool.submit(good, i % 2 == 1) for i in range(8)]
+        bads = [pool.submit(corrupted, i % 2 == 1) for i in range(4)]
+        raw = [pool.submit(fmt.load_tensors, fmt.read_header(path)) for _ in range(4)]
+    assert [f.result() for f in goods] == [[]] * 8  # every tensor of every good load is the file's
+    assert all("blake3 mismatch" in f.result() for f in bads), [f.result() for f in bads]
+    for f in raw:
+        tensors = f.result()
+        assert tensors.keys() == reference.keys() and all(tensors[n].equal(t) for n, t in reference.items())
+
+
 def _layer_filled(cache, index) -> bool:
     layer = cache.layers.unchecked()[index]
     return getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
