@@ -7,6 +7,7 @@ import pytest
 from kvcdn_core import registry
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.contracts.storage import StorageBackend
+from kvcdn_core.errors import KvcdnError
 from kvcdn_core.testing import assert_quantizer_contract, assert_storage_contract
 
 
@@ -161,3 +162,18 @@ def test_the_quantizer_suite_catches_a_decode_that_is_not_thread_safe():
 
     with pytest.raises(AssertionError, match="from several threads"):
         assert_quantizer_contract(Stateful)
+
+
+def test_the_quantizer_suite_catches_a_record_that_takes_a_core_name():
+    """A third party's record with ``shape`` passed the suite and was written, then every load refused it."""
+    cls = registry.quantizer_for("int8")
+
+    class Shapely(cls):
+        scheme = "int8-shapely"
+
+        def encode(self, role, x):
+            parts, record = super().encode(role, x)
+            return parts, {**record, "shape": "per-channel"}
+
+    with pytest.raises(KvcdnError, match="its record uses shape, which core reserves"):
+        assert_quantizer_contract(Shapely)

@@ -61,6 +61,12 @@ REFUSED_TARGETS = {
     "F64": "float64 is wider than any compute dtype kvcdn uses; use F32",
 }
 
+#: Names core writes into every quantized tensor's record, beside the scheme's own (and reads back
+#: on load): a scheme's ``encode`` record must not use them, or the manifest would lie to the loader.
+RESERVED_RECORD_KEYS = frozenset(
+    {"name", "action", "parts", "shape", "dtype", "role", "quantized_tokens", "residual_tokens", "empty", "reason"}
+)
+
 #: The two tensor roles: values are quantized per token, everything else like keys.
 KEY, VALUE = "key", "value"
 
@@ -135,6 +141,12 @@ class Quantizer:
         parts: Parts
         record: Record
         parts, record = ({}, {}) if body.numel() == 0 else self.encode(role, body.contiguous())
+        clash = sorted(RESERVED_RECORD_KEYS.intersection(record))
+        if clash:
+            raise KvcdnError(
+                f"scheme {self.scheme}: its record uses {', '.join(clash)}, which core reserves "
+                f"(reserved record keys: {', '.join(sorted(RESERVED_RECORD_KEYS))}); rename them in encode()"
+            )
         record = {
             "shape": list(tensor.shape),
             "dtype": _st_name(tensor.dtype),

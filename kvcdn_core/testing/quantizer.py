@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core.contracts.quantizer import KEY, VALUE, Quantizer
+from kvcdn_core.contracts.quantizer import KEY, VALUE, Quantizer, role_of
 from kvcdn_core.errors import KvcdnError
 
 #: Layer kinds a scheme may declare.
@@ -78,6 +78,56 @@ def assert_quantizer_contract(cls: type[Quantizer]) -> None:
     parts, record = cls().quantize(KEY, x)
     assert cls().dequantize(parts, record, torch.bfloat16).dtype == torch.bfloat16, "dequantize ignored dtype"
     _check_concurrent(cls)
+    _check_artifact_roundtrip(cls)
+
+
+def _check_artifact_roundtrip(cls: type[Quantizer]) -> None:
+    """A record must survive the artifact it is written into: quantize a one-layer cache with core's
+    quantizer workflow, write it with core's writer, read it back through the strict reader, and
+    dequantize from what the file holds. A record key that collides with core's fields fails here
+    (and in :meth:`Quantizer.quantize`), not on a user's first load."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from kvcdn_core.quant import quantize_cache
+
+    gen = torch.Generator().manual_seed(7)
+    tokens = 19
+    cache = {"layers.0.key": torch.randn(1, 2, tokens, 16, generator=gen)}
+    cache["layers.0.value"] = torch.randn(1, 2, tokens, 16, generator=gen)
+    ids = torch.arange(tokens, dtype=torch.long)
+    manifest = {
+        "kvcdn_version": "contract",
+        "created_at": "2026-01-01T00:00:00+00:00",
+        "model": {"id": "contract", "architecture": "ContractForCausalLM"},
+        "compute_dtype": "float32",
+        "token_count": tokens,
+        "layers": [
+            {"index": 0, "kind": fmt.FULL_ATTENTION, "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
+        ],
+    }
+    quantizer = cls()
+    if not quantizer.supports(fmt.FULL_ATTENTION):
+        return
+    result = quantize_cache(manifest, {**cache, fmt.TOKEN_IDS: ids}, quantizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = fmt.write_artifact(Path(tmp) / "contract.kv", result.manifest, result.tensors)
+            header = fmt.read_header(path)
+        except KvcdnError as exc:
+            raise AssertionError(f"{cls.scheme}: an artifact it quantized is refused by the reader: {exc}") from exc
+        stored = fmt.load_tensors(header)
+        records = header.manifest["quantization"]["layers"][0]["tensors"]
+        for local, full in (("key", "layers.0.key"), ("value", "layers.0.value")):
+            rec = records[local]
+            parts = {p: stored[f"{full}.{p}" if p else full] for p in rec["parts"]}
+            back = quantizer.dequantize(parts, rec, torch.float32)
+            x = cache[full]
+            assert list(back.shape) == list(x.shape), f"{cls.scheme}: {local} read back as {list(back.shape)}"
+            over = (back - x).abs() > quantizer.error_bound(role_of(local), x)
+            assert not bool(over.any()), f"{cls.scheme}: {local} read back from an artifact outside the error bound"
 
 
 def _check_concurrent(cls: type[Quantizer], threads: int = 4) -> None:
