@@ -258,6 +258,21 @@ class PluginHost:
                 f"plugin '{name}' and plugin '{winner}' both claim {line.partition(' (')[0]}; using '{winner}'"
             )
 
+    def contenders(self, kind: str, value: str) -> tuple[str, list[str]] | None:
+        """For a name two plugins claimed (``kind`` as in :data:`CLAIMS`: ``schemes``...): the plugin
+        whose class is used and the plugins that lost it; None when one plugin claims it alone."""
+        for hook_name, (claim_kind, _) in CLAIMS.items():
+            if claim_kind == kind:
+                self._classes(hook_name)
+        prefix = f"{kind.rstrip('s').replace('_', ' ')} {value} (used: "
+        winner, losers = "", []
+        for name, info in self.infos.items():
+            for line in info.overridden:
+                if line.startswith(prefix):
+                    winner = line[len(prefix) : -1]
+                    losers.append(name)
+        return (winner, sorted(losers)) if losers else None
+
     def _drop(self, name: str, exc: BaseException, what: str) -> None:
         for plugin_name, plugin in self.pm.list_name_plugin():
             group, _, short = plugin_name.partition(":")

@@ -33,7 +33,7 @@ from kvcdn_core.contracts.quantizer import (
 )
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.manifest import Manifest
-from kvcdn_core.registry import quantizer_for
+from kvcdn_core.registry import claim_note, quantizer_for
 
 
 def normalize_target_dtype(requested: str | None) -> tuple[str | None, str | None]:
@@ -214,7 +214,13 @@ class QuantizedLayers:
             )
         if target not in TARGET_DTYPES:
             raise ArtifactError(f"{header.path}: unknown quantization target dtype {target!r}")
-        self.quantizer = quantizer_for(scheme)(**params)
+        try:
+            self.quantizer = quantizer_for(scheme)(**params)
+        except KvcdnError as exc:
+            note = claim_note("schemes", scheme)
+            if not note:
+                raise
+            raise KvcdnError(f"{header.path}: {exc}{note}") from None
         self.dtype = getattr(torch, TARGET_DTYPES[target])
         self.layers = manifest.layers
         by_index = {rec.get("index"): rec for rec in layer_records}

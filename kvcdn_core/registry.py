@@ -134,6 +134,22 @@ def quantizer_for(scheme: str) -> type[Quantizer]:
     return cls
 
 
+def claim_note(kind: str, value: str) -> str:
+    """What to append to an error about ``value`` (a scheme, architecture or URI scheme; ``kind`` is
+    ``schemes``, ``architectures`` or ``uri_schemes``) when two plugins claim it: which one is used.
+    An error from the winner's class then says that another plugin's artifact may need the loser."""
+    contest = get_host().contenders(kind, value)
+    if contest is None:
+        return ""
+    winner, losers = contest
+    what = kind.rstrip("s").replace("_", " ")
+    others = ", ".join(f"'{name}'" for name in losers)
+    return (
+        f" ({what} {value} is provided by plugin '{winner}'; plugin {others} also claims it and is not used;"
+        " `kvcdn plugins` lists both)"
+    )
+
+
 # -- storage -------------------------------------------------------------------------------------
 
 

@@ -252,3 +252,50 @@ def test_plugins_lists_what_each_plugin_provides(run_kvcdn):
     code, out, _ = run_kvcdn("plugins")
     assert "lowbit: schemes: int4, int2" in out.splitlines()
     assert "local: uri schemes: file" in out.splitlines()
+
+
+def test_an_error_from_a_taken_over_scheme_names_both_plugins(kvcdn_host, recwarn, tmp_path):
+    """A third party's int6 artifact refused with only "takes no parameter group_size" left its user
+    guessing: another plugin had taken the scheme's name. The refusal now says which plugin is used."""
+    import torch
+
+    from kvcdn_core import artifact
+    from kvcdn_core.errors import KvcdnError
+    from kvcdn_core.quant import dequantize_tensors, quantize_cache
+    from kvcdn_core.registry import quantizer_for
+
+    int8 = quantizer_for("int8")
+
+    class Winner(int8):
+        scheme = "int6"
+
+    class Loser(int8):
+        scheme = "int6"
+        default_params = {**int8.default_params, "group_size": 32}
+
+    for name, cls in (("zzz-int6", Loser), ("aaa-int6", Winner)):
+        plugin = types.SimpleNamespace(kvcdn_register_quantizers=kvcdn_core.hookimpl(lambda cls=cls: [cls]))
+        kvcdn_host.register(plugin, name, "kvcdn.quantizers")
+    tokens = 6
+    manifest = {
+        "kvcdn_version": "test",
+        "created_at": "2026-01-01T00:00:00+00:00",
+        "model": {"id": "m", "architecture": "MForCausalLM"},
+        "compute_dtype": "float32",
+        "token_count": tokens,
+        "layers": [
+            {"index": 0, "kind": "full_attention", "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
+        ],
+    }
+    tensors = {
+        "layers.0.key": torch.randn(1, 1, tokens, 8),
+        "layers.0.value": torch.randn(1, 1, tokens, 8),
+        artifact.TOKEN_IDS: torch.arange(tokens),
+    }
+    result = quantize_cache(manifest, tensors, Loser())  # made where the other plugin was installed
+    path = artifact.write_artifact(tmp_path / "six.kv", result.manifest, result.tensors)
+    with pytest.raises(KvcdnError) as err:
+        dequantize_tensors(artifact.read_header(path))
+    message = str(err.value)
+    assert "takes no parameter group_size" in message
+    assert "scheme int6 is provided by plugin 'aaa-int6'; plugin 'zzz-int6' also claims it" in message
