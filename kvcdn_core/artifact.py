@@ -19,7 +19,7 @@ import sys
 from array import array
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kvcdn_core import digests, tensor_io
 from kvcdn_core.atomic import atomic_path
@@ -126,22 +126,40 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     path = Path(path)
     try:
         with open(path, "rb") as fh:
-            file_size = os.fstat(fh.fileno()).st_size
-            prefix = fh.read(8)
-            if len(prefix) < 8:
+            return read_header_from(fh, os.fstat(fh.fileno()).st_size, path)
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
+
+
+def _read_exact(stream: IO[bytes], n: int) -> bytes:
+    """Up to ``n`` bytes: fewer only at the end of the stream (a network stream may return less per read)."""
+    parts, got = [], 0
+    while got < n:
+        part = stream.read(n - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def read_header_from(stream: IO[bytes], file_size: int, path: Any) -> Header:
+    """:func:`read_header` of an artifact of ``file_size`` bytes open as ``stream`` (at its start):
+    a stored object's header without fetching its data. ``path`` names it in messages."""
+    try:
+        prefix = _read_exact(stream, 8)
+        if len(prefix) < 8:
+            raise _fail(path, f"not a kvcdn artifact: file is {file_size} bytes, too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            if header_len < 1 << 32 and header_len <= file_size - 8:
                 raise _fail(
-                    path, f"not a kvcdn artifact: file is {file_size} bytes, too short for a safetensors header"
+                    path, f"refused: header of {header_len} bytes is over the {MAX_HEADER_BYTES >> 20} MiB limit"
                 )
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                if header_len < 1 << 32 and header_len <= file_size - 8:
-                    raise _fail(
-                        path, f"refused: header of {header_len} bytes is over the {MAX_HEADER_BYTES >> 20} MiB limit"
-                    )
-                raise _fail(path, "not a kvcdn artifact: not a safetensors file (implausible header length)")
-            if header_len > file_size - 8:
-                raise _fail(path, f"truncated: header says {header_len} bytes, file has {file_size - 8}")
-            raw = fh.read(header_len)
+            raise _fail(path, "not a kvcdn artifact: not a safetensors file (implausible header length)")
+        if header_len > file_size - 8:
+            raise _fail(path, f"truncated: header says {header_len} bytes, file has {file_size - 8}")
+        raw = _read_exact(stream, header_len)
     except OSError as exc:
         raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
     try:

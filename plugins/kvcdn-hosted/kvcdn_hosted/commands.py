@@ -373,6 +373,9 @@ def list_cmd(fmt, long_, from_uri, api_url, api_key):
         items = [
             {"artifact_id": o.key, "name": o.key, "size_bytes": o.size} for o in backend.list() if o.key.endswith(".kv")
         ]
+        if long_:  # the long columns come from each artifact's header: read it, not the data
+            for item in items:
+                item["manifest"] = _stored_summary(backend, item["artifact_id"], item["size_bytes"])
     if fmt == "json":
         emit_json(items)
     elif fmt == "ids":
@@ -397,9 +400,21 @@ def list_cmd(fmt, long_, from_uri, api_url, api_key):
                 a.get("created_at"),
             ]
             if long_:
-                row += [m.get("architecture"), m.get("dtype"), m.get("quantization") or "none", a.get("sha256")]
+                quant = (m.get("quantization") or "none") if m else None  # unknown is "-", not "none"
+                row += [m.get("architecture"), m.get("dtype"), quant, a.get("sha256")]
             rows.append(tuple("-" if v is None else v for v in row))
         _table(rows)
+
+
+def _stored_summary(backend, key: str, size: int) -> dict | None:
+    """The listing facts of a stored artifact from its header alone; None when it has no readable one."""
+    from kvcdn_core import artifact
+
+    try:
+        with backend.open_read(key) as stream:
+            return artifact.summary(artifact.read_header_from(stream, size, key).manifest)
+    except KvcdnError:
+        return None
 
 
 def _store_key(artifact_id: str) -> str:

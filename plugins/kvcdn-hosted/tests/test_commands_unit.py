@@ -262,3 +262,23 @@ def test_credentials_over_plain_http_to_a_remote_host_warn_once(config_home, mon
         c._warn_plain_http()
         c._warn_plain_http()
     assert len(seen) == 1 and "plain http" in str(seen[0].message)
+
+
+def test_long_listing_of_a_plain_store_reads_each_header(config_home, kv_file, tmp_path):
+    """`list --long` showed QUANT none for a quantized artifact in a local store: it never read one."""
+    from kvcdn_core import artifact, quantizer_for
+    from kvcdn_core.quant import quantize_cache
+
+    store = tmp_path / "store"
+    store.mkdir()
+    header = artifact.read_header(kv_file)
+    result = quantize_cache(header.manifest, artifact.load_tensors(header), quantizer_for("int8")())
+    artifact.write_artifact(store / "small.kv", result.manifest, result.tensors)
+    (store / "plain.kv").write_bytes(kv_file.read_bytes())
+    (store / "junk.kv").write_bytes(b"\x01" * 40)
+    listed = run("list", "--from", store, "--long")
+    assert listed.exit_code == 0, listed.stderr
+    rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines()[1:]}
+    assert rows["small.kv"][-3:-1] == ["float32", "int8"]
+    assert rows["plain.kv"][-3:-1] == ["float32", "none"]
+    assert rows["junk.kv"][-3:-1] == ["-", "-"]  # no readable header: unknown, not "none"
