@@ -60,7 +60,22 @@ class PluginInfo:
     overridden: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The row ``kvcdn plugins`` shows, with the distribution's one-line description."""
+        return {**dataclasses.asdict(self), "description": description_of(self.distribution)}
+
+
+def description_of(distribution: str | None) -> str | None:
+    """A distribution's one-line description (``description`` in its pyproject.toml), or None.
+
+    Read from the installed metadata only when ``kvcdn plugins`` asks, never at start-up."""
+    if not distribution:
+        return None
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        return metadata(distribution).get("Summary") or None
+    except PackageNotFoundError:
+        return None
 
 
 def debug_enabled() -> bool:

@@ -170,24 +170,29 @@ def test_guide_model_family_example_installs_and_validates(tmp_path):
     site = tmp_path / "site"
     plugin_examples.install(plugin_examples.FAMILY, site, tmp_path / "build")
     contract = next(b for b in plugin_examples.fenced("python") if "assert_adapter_contract(" in b)
-    (tmp_path / "test_helium_contract.py").write_text(contract)
+    (tmp_path / "test_apertus_contract.py").write_text(contract)
     env = with_site(site)
     kvcdn = [sys.executable, "-m", "kvcdn_core"]
 
     plugins = subprocess.run([*kvcdn, "plugins", "--format", "json"], env=env, capture_output=True, text=True)
     assert plugins.returncode == 0, plugins.stderr
-    helium = [p for p in json.loads(plugins.stdout) if p.get("distribution") == plugin_examples.FAMILY]
-    assert helium and helium[0]["status"] == "loaded", plugins.stdout
-    assert helium[0]["version"] == "0.1.0" and helium[0]["provides"] == {"architectures": ["HeliumForCausalLM"]}
+    rows = json.loads(plugins.stdout)
+    family = [p for p in rows if p.get("distribution") == plugin_examples.FAMILY]
+    assert family and family[0]["status"] == "loaded", plugins.stdout
+    assert family[0]["version"] == "0.1.0" and family[0]["provides"] == {"architectures": ["ApertusForCausalLM"]}
+    # The guide's example must not take over a plugin shipped with kvcdn (nor lose to one).
+    assert all(not p.get("overridden") for p in rows), [
+        (p["name"], p["overridden"]) for p in rows if p.get("overridden")
+    ]
 
     validate = subprocess.run(
-        [*kvcdn, "validate", "--family", "helium", "--format", "json"], env=env, capture_output=True, text=True
+        [*kvcdn, "validate", "--family", "apertus", "--format", "json"], env=env, capture_output=True, text=True
     )
     assert validate.returncode == 0, validate.stdout + validate.stderr
-    assert "HeliumForCausalLM" in validate.stdout and "kvcdn-model-helium>=0.1" in validate.stdout
+    assert "ApertusForCausalLM" in validate.stdout and "kvcdn-model-apertus>=0.1" in validate.stdout
 
     contract_run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_helium_contract.py")],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_apertus_contract.py")],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -249,9 +249,11 @@ def test_plugins_lists_what_each_plugin_provides(run_kvcdn):
     assert rows["local"]["provides"]["uri_schemes"] == ["file"]
     assert rows["s3"]["provides"]["uri_schemes"] == ["s3"]
     assert {"generate", "verify", "plugins"} <= set(rows["core"]["provides"]["commands"])
+    assert rows["ernie"]["description"] == "kvcdn model family plugin: Baidu ERNIE 4.5 dense"  # pyproject's
     code, out, _ = run_kvcdn("plugins")
     assert "lowbit: schemes: int4, int2" in out.splitlines()
     assert "local: uri schemes: file" in out.splitlines()
+    assert "ernie: kvcdn model family plugin: Baidu ERNIE 4.5 dense" in out.splitlines()
 
 
 def test_an_error_from_a_taken_over_scheme_names_both_plugins(kvcdn_host, recwarn, tmp_path):

@@ -344,3 +344,24 @@ def test_corrupted_quantized_artifacts_are_refused(doc, cli, tmp_path):
     artifact.write_artifact(tmp_path / "newer.kv", manifest, tensors)
     with pytest.raises(ArtifactError, match="newer than this kvcdn reads"):
         quant.dequantize_tensors(artifact.read_header(tmp_path / "newer.kv"))
+
+
+def test_quant_help_lists_the_installed_schemes_with_a_plugin_one(kvcdn_host):
+    """`--scheme`'s help is asked of the registry when shown: a plugin's scheme appears with its description."""
+    import types
+
+    from click.testing import CliRunner
+
+    import kvcdn_core
+    from kvcdn_core.cli import make_cli
+    from kvcdn_core.registry import quantizer_for
+
+    class Six(quantizer_for("int8")):
+        scheme = "int6-help"
+        description = "six bits, for the help test"
+
+    plugin = types.SimpleNamespace(kvcdn_register_quantizers=kvcdn_core.hookimpl(lambda: [Six]))
+    kvcdn_host.register(plugin, "six", "kvcdn.quantizers")
+    out = CliRunner().invoke(make_cli(), ["quant", "--help"], terminal_width=400).stdout
+    assert "int6-help (six bits, for the help test)" in out
+    assert "int8 (symmetric int8, per-channel scales for keys, per-token scales for values)" in out

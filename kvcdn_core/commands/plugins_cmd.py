@@ -14,8 +14,8 @@ KINDS = ("architectures", "schemes", "uri_schemes", "commands")
 @click.command("plugins")
 @format_option
 def command(fmt):
-    """List discovered plugins: distribution, version, groups, hooks, status and error, and what
-    each provides (architectures, quantization schemes, URI schemes, commands).
+    """List discovered plugins: distribution, version, description, groups, hooks, status and error,
+    and what each provides (architectures, quantization schemes, URI schemes, commands).
 
     When two plugins claim the same name, core's built-ins win, then plugins by name; the claims
     that lost are listed under "overridden"."""
@@ -39,6 +39,9 @@ def _table(rows: list[dict]) -> None:
         if i["error"]:
             click.echo(f"{i['name']}: {i['error']}")
     click.echo("")
+    for i in rows:
+        if i["description"]:
+            click.echo(f"{i['name']}: {i['description']}")
     for i in rows:
         for kind in KINDS:
             if i["provides"].get(kind):

@@ -25,10 +25,17 @@ from kvcdn_core.paths import ensure_kv_suffix
 from kvcdn_core.render import render
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
-SCHEME_HELP = (
-    "int8 (per-channel keys, per-token values; default), int8-tensor (one scale per tensor), "
-    "fp8 (e4m3, per-token scales), int4 / int2 (grouped asymmetric; kvcdn-quant-lowbit plugin)"
-)
+
+class SchemeOption(click.Option):
+    """``--scheme``, whose help lists the schemes installed now (built-ins and plugins), each with its
+    one-line description: asked of the registry only when help is shown, never at start-up."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        from kvcdn_core.registry import quantizer_classes
+
+        schemes = "; ".join(f"{name} ({cls.description})" for name, cls in sorted(quantizer_classes().items()))
+        self.help = f"Quantization scheme [default: int8]. Installed: {schemes}."
+        return super().get_help_record(ctx)
 
 
 @click.command("quant")
@@ -40,7 +47,7 @@ SCHEME_HELP = (
     default=None,
     help="Quantized artifact [default: <input stem>.q8.kv for int8, <stem>.<scheme>.kv otherwise].",
 )
-@click.option("--scheme", default=None, help=f"Quantization scheme: {SCHEME_HELP}.")
+@click.option("--scheme", cls=SchemeOption, default=None, help="Quantization scheme (the installed ones: see --help).")
 @click.option(
     "--target-dtype",
     "target_dtype",

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "plugin-guide.md"
-FAMILY = "kvcdn-model-helium"
+FAMILY = "kvcdn-model-apertus"
 STORAGE = "kvcdn-storage-sqlite"
 QUANTIZER = "kvcdn-quant-bf16"
 
