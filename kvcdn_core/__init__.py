@@ -8,7 +8,7 @@ use, so importing this package stays cheap: it never imports torch or transforme
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -101,6 +101,76 @@ _EXPORTS = {
 #: Public modules: the `.kv` format (read, write, validate), model sessions (load, prefill, decode)
 #: and prefix search (index, rank, reuse).
 _MODULES = ("artifact", "runtime", "search")
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tests/test_public_api.py keeps it in step)
+    from kvcdn_core import artifact as artifact, runtime as runtime, search as search
+    from kvcdn_core.contracts.adapter import ModelAdapter as ModelAdapter
+    from kvcdn_core.contracts.quantizer import Quantizer as Quantizer, KEY as KEY, VALUE as VALUE, role_of as role_of
+    from kvcdn_core.contracts.storage import (
+        StorageBackend as StorageBackend,
+        ObjectInfo as ObjectInfo,
+        ObjectNotFound as ObjectNotFound,
+        NotSupported as NotSupported,
+        safe_key as safe_key,
+        check_prefix as check_prefix,
+    )
+    from kvcdn_core.numerics import (
+        round_up_param as round_up_param,
+        round_down_param as round_down_param,
+        safe_reciprocal as safe_reciprocal,
+    )
+    from kvcdn_core.artifact import (
+        FULL_ATTENTION as FULL_ATTENTION,
+        SLIDING_WINDOW as SLIDING_WINDOW,
+        MLA_LATENT as MLA_LATENT,
+        MLA_INDEXED as MLA_INDEXED,
+        LINEAR_ATTENTION as LINEAR_ATTENTION,
+        RECURRENT_STATE as RECURRENT_STATE,
+        LINEAR_AND_FULL_ATTENTION as LINEAR_AND_FULL_ATTENTION,
+        TOKEN_IDS as TOKEN_IDS,
+    )
+    from kvcdn_core.manifest import LayerEntry as LayerEntry, Manifest as Manifest, reuse_of as reuse_of
+    from kvcdn_core.linear_attention import (
+        LinearAttentionLayers as LinearAttentionLayers,
+        is_linear_attention as is_linear_attention,
+    )
+    from kvcdn_core.mla import MlaLayers as MlaLayers, mla_widths as mla_widths, ungroup_mla_heads as ungroup_mla_heads
+    from kvcdn_core.model_files import (
+        resolve_model_dir as resolve_model_dir,
+        fingerprint as fingerprint,
+        fingerprint_differences as fingerprint_differences,
+    )
+    from kvcdn_core.tiny import (
+        TINY_DECODER as TINY_DECODER,
+        TINY_MLA as TINY_MLA,
+        TINY_DEEPSEEK_MOE as TINY_DEEPSEEK_MOE,
+    )
+    from kvcdn_core.validation import validate_tiny as validate_tiny
+    from kvcdn_core.quant import dequantize_tensors as dequantize_tensors
+    from kvcdn_core.registry import (
+        adapter_for as adapter_for,
+        quantizer_for as quantizer_for,
+        open_storage as open_storage,
+    )
+    from kvcdn_core.builtin.local_storage import LocalStorage as LocalStorage
+    from kvcdn_core.errors import KvcdnError as KvcdnError, CheckFailed as CheckFailed, ArtifactError as ArtifactError
+    from kvcdn_core.notices import warn as warn, note as note, KvcdnWarning as KvcdnWarning, KvcdnNote as KvcdnNote
+    from kvcdn_core.atomic import (
+        atomic_open as atomic_open,
+        atomic_path as atomic_path,
+        atomic_write_stream as atomic_write_stream,
+        write_json_atomic as write_json_atomic,
+        fsync_dir as fsync_dir,
+    )
+    from kvcdn_core.paths import (
+        config_home as config_home,
+        cache_home as cache_home,
+        data_home as data_home,
+        ensure_kv_suffix as ensure_kv_suffix,
+    )
+    from kvcdn_core.progress import Progress as Progress, human_bytes as human_bytes
+    from kvcdn_core.render import emit_json as emit_json, render as render, print_table as print_table
+    from kvcdn_core.commands.common import format_option as format_option
 
 __all__ = ["__version__", "hookimpl", *_MODULES, *_EXPORTS]
 

@@ -73,9 +73,10 @@ def description_of(distribution: str | None) -> str | None:
     from importlib.metadata import PackageNotFoundError, metadata
 
     try:
-        return metadata(distribution).get("Summary") or None
+        meta = metadata(distribution)
     except PackageNotFoundError:
         return None
+    return (meta["Summary"] or None) if "Summary" in meta else None
 
 
 def debug_enabled() -> bool:

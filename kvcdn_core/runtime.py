@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kvcdn_core
 from kvcdn_core import artifact as fmt
@@ -19,12 +19,15 @@ from kvcdn_core.progress import Progress
 from kvcdn_core.registry import adapter_for
 from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
 
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvcdn_core.contracts.adapter import ModelAdapter
+
 
 @dataclasses.dataclass
 class Session:
     """A loaded model, its tokenizer, the adapter that drives it and its fingerprint."""
 
-    adapter: Any
+    adapter: ModelAdapter
     model: Any
     tokenizer: Any
     model_ref: str
