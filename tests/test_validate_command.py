@@ -123,3 +123,20 @@ def test_markdown_is_the_support_table(window_host):
         "| `Qwen2ForCausalLM` | testwindow | `pip install 'kvcdn[testwindow]'` | "
         "2 sliding_window(16) | sliding_window | 4q/2kv×16 | PASS |"
     )
+
+
+def test_the_summary_counts_architectures_by_name_and_shapes_apart():
+    """'108/108 architectures pass' counted 108 shapes of 65 architectures."""
+    import types
+
+    from kvcdn_core.commands.validate import ArchReport, pass_line
+
+    ok, bad = types.SimpleNamespace(passed=True), types.SimpleNamespace(passed=False)
+
+    def report(arch, variant, phase):
+        return ArchReport("f", "kvcdn[f]", arch, "tiny", phases=[phase], variant=variant)
+
+    reports = [report("A", "default", ok), report("A", "mha", ok), report("B", "default", ok), report("B", "x", bad)]
+    assert pass_line(reports) == "1/2 architectures pass (3/4 shapes)"
+    assert pass_line(reports[:3]) == "2/2 architectures pass (3/3 shapes)"
+    assert pass_line([]) == "0/0 architectures pass (none installed)"

@@ -183,9 +183,19 @@ def render_table(reports: list[ArchReport]) -> str:
     for r, p in failures:
         where = "" if p.first_divergence is None else f" (first divergence at token {p.first_divergence})"
         lines.append(f"{r.label} {p.phase}: {p.detail}{where}")
-    passed = sum(r.passed for r in reports)
-    lines.append(f"{passed}/{len(reports)} architectures pass" + ("" if reports else " (none installed)"))
+    lines.append(pass_line(reports))
     return "\n".join(lines)
+
+
+def pass_line(reports: list[ArchReport]) -> str:
+    """``65/65 architectures pass (108/108 shapes)``: an architecture, counted once by its name,
+    passes when every one of its tiny shapes does."""
+    if not reports:
+        return "0/0 architectures pass (none installed)"
+    names = list(dict.fromkeys(r.architecture for r in reports))
+    failed = {r.architecture for r in reports if not r.passed}
+    shapes = sum(r.passed for r in reports)
+    return f"{len(names) - len(failed)}/{len(names)} architectures pass ({shapes}/{len(reports)} shapes)"
 
 
 def _shape_text(shape: dict) -> str:
@@ -297,9 +307,10 @@ def command(family, model, revision, device, dtype, context_file, n, fmt, quiet)
         click.echo(render_markdown(reports))
     else:
         click.echo(render_table(reports))
-    failed = [r.architecture for r in reports if not r.passed]
+    failed = list(dict.fromkeys(r.architecture for r in reports if not r.passed))
     if failed:
-        raise CheckFailed(f"validation failed for {len(failed)} of {len(reports)} architectures: {', '.join(failed)}")
+        total = len({r.architecture for r in reports})
+        raise CheckFailed(f"validation failed for {len(failed)} of {total} architectures: {', '.join(failed)}")
 
 
 def _validate_families(family: str | None, workdir: Path, n: int, say) -> list:
