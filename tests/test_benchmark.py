@@ -144,13 +144,20 @@ def test_benchmark_then_plot_with_defaults(cli, qwen3_dir, tmp_path):
     assert "page cache: warm" in result.stdout
     assert "context: synthetic" in result.stdout and "prefill_s" in result.stdout
     assert f"threads: {physical_cores()}" in result.stdout  # the default, printed
-    assert "ttft_pipelined_s" in result.stdout and "limit_s" in result.stdout
+    assert "pipelined_s" in result.stdout and "speedup_pipe" in result.stdout
+    assert result.stdout.count("context: synthetic") == 1  # once, with how it was measured
+    assert max(len(line) for line in result.stdout.splitlines()[:2]) <= 100
 
     result = cli("plot")  # the newest CSV in the data directory
     assert result.exit_code == 0, result.stderr
     (png,) = (tmp_path / "xdg-data" / "kvcdn" / "plot").glob("*-amortized-cost.png")
     assert png_size(png.read_bytes()) == (840, 600)
     assert f"read {csv_path}" in result.stdout and "N*" in result.stdout
+    wide = cli(
+        "benchmark", "--model", qwen3_dir, "--lengths", "16", "--reps", "1", "--page-cache", "keep", "-q", "--wide"
+    )
+    assert wide.exit_code == 0, wide.stderr
+    assert "ttft_pipelined_s" in wide.stdout and "limit_s" in wide.stdout and "kv_attn_s" in wide.stdout
 
 
 def test_context_file_and_its_length(cli, qwen3_dir, context_file, tmp_path):

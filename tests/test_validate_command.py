@@ -82,7 +82,15 @@ def test_passing_family_as_json(window_host):
 
 def test_broken_adapter_fails_with_first_divergence(kvcdn_host):
     kvcdn_host.register(_Plugin(ForgetfulAdapter), "testforgetful", "kvcdn.models")
-    result = invoke(["-q"])
+    narrow = invoke(["-q"])
+    assert narrow.exit_code == 1, narrow.output
+    head, first = narrow.stdout.splitlines()[:2]
+    assert head.split() == ["FAMILY", "ARCHITECTURE", "CHECKS", "TOTAL"]
+    cells = first.split()
+    assert cells[:3] == ["testforgetful", "Qwen2ForCausalLM", "FAIL"]
+    assert cells[3].startswith("cache@")  # the first failed phase, at its first divergent token
+    assert max(len(head), len(first)) <= 100
+    result = invoke(["-q", "--wide"])
     assert result.exit_code == 1, result.output
     header, row = result.stdout.splitlines()[:2]
     assert header.split()[:5] == ["FAMILY", "ARCHITECTURE", "ROUNDTRIP", "REFERENCE", "CACHE"]

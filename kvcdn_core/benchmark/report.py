@@ -98,13 +98,13 @@ def as_json(result: BenchResult, session, reps: int, csv_path: Path) -> dict[str
     }
 
 
-def summary(result: BenchResult, session, reps: int, csv_path: Path) -> str:
+def summary(result: BenchResult, session, reps: int, csv_path: Path, wide: bool = False) -> str:
     """The table and the lines that say how it was measured (threads, load, context, page cache)."""
     start_load, end_load = result.load_average or (None, None)
     busy = f"; 1-minute load average {start_load} at the start, {end_load} at the end" if start_load is not None else ""
     return "\n".join(
         [
-            table(result.rows),
+            table(result.rows, wide),
             f"model: {session.model_ref} ({session.device}, {session.dtype}); "
             f"medians of {reps} run(s) after one discarded warm-up",
             f"threads: {result.threads}{busy}",
@@ -125,49 +125,52 @@ def warnings(rows: list[BenchRow]) -> list[str]:
     ]
 
 
-def table(rows: list[BenchRow]) -> str:
-    head = (
-        "tokens",
-        "scheme",
-        "prefill_s",
-        "kv_attn_s",
-        "load_s",
-        "ttft_cached_s",
-        "speedup_ttft",
-        "kv_MB",
-        "file_MB",
-        "load_GB/s",
-        "read_GB/s",
-        "first_tok",
-        "load/read",
-        "ttft_pipelined_s",
-        "limit_s",
-        "speedup_pipelined",
-    )
-    lines = [head]
-    for r in rows:
-        lines.append(
-            (
-                str(r.tokens),
-                r.scheme,
-                f"{r.prefill_s:.4f}",
-                f"{r.kv_attn_s:.4f}",
-                f"{r.load_s:.4f}",
-                f"{r.ttft_cached_s:.4f}",
-                _times(r.speedup_ttft),
-                f"{r.kv_mb:.2f}",
-                f"{r.artifact_bytes / 1e6:.2f}",
-                f"{r.load_gbps:.2f}",
-                f"{r.plain_read_gbps:.2f}",
-                {True: "same", False: "DIFFERS", None: "-"}[r.first_token_match],
-                f"{r.load_read_ratio:.2f}x",
-                f"{r.ttft_pipelined_s:.4f}",
-                f"{r.ttft_limit_s:.4f}",
-                _times(r.speedup_pipelined),
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+#: The narrow table's columns (within 100 characters): header → the cell of a row.
+NARROW = {
+    "tokens": lambda r: str(r.tokens),
+    "scheme": lambda r: r.scheme,
+    "prefill_s": lambda r: f"{r.prefill_s:.4f}",
+    "load_s": lambda r: f"{r.load_s:.4f}",
+    "ttft_s": lambda r: f"{r.ttft_cached_s:.4f}",
+    "speedup": lambda r: _times(r.speedup_ttft),
+    "pipelined_s": lambda r: f"{r.ttft_pipelined_s:.4f}",
+    "speedup_pipe": lambda r: _times(r.speedup_pipelined),
+    "first_tok": lambda r: _first_token(r),
+}
+#: The wide table (``--wide``): every measured column, named as in the CSV.
+WIDE = {
+    "tokens": lambda r: str(r.tokens),
+    "scheme": lambda r: r.scheme,
+    "prefill_s": lambda r: f"{r.prefill_s:.4f}",
+    "kv_attn_s": lambda r: f"{r.kv_attn_s:.4f}",
+    "load_s": lambda r: f"{r.load_s:.4f}",
+    "ttft_cached_s": lambda r: f"{r.ttft_cached_s:.4f}",
+    "speedup_ttft": lambda r: _times(r.speedup_ttft),
+    "kv_MB": lambda r: f"{r.kv_mb:.2f}",
+    "file_MB": lambda r: f"{r.artifact_bytes / 1e6:.2f}",
+    "load_GB/s": lambda r: f"{r.load_gbps:.2f}",
+    "read_GB/s": lambda r: f"{r.plain_read_gbps:.2f}",
+    "first_tok": lambda r: _first_token(r),
+    "load/read": lambda r: f"{r.load_read_ratio:.2f}x",
+    "ttft_pipelined_s": lambda r: f"{r.ttft_pipelined_s:.4f}",
+    "limit_s": lambda r: f"{r.ttft_limit_s:.4f}",
+    "speedup_pipelined": lambda r: _times(r.speedup_pipelined),
+}
+
+
+def table(rows: list[BenchRow], wide: bool = False) -> str:
+    """The measurements, one row per length and scheme: the main columns, or all with ``wide``.
+
+    Narrow names: ``ttft_s`` is ``ttft_cached_s``, ``speedup`` is ``speedup_ttft``, ``pipelined_s``
+    ``ttft_pipelined_s`` and ``speedup_pipe`` ``speedup_pipelined`` (the CSV and JSON keep every column)."""
+    columns = WIDE if wide else NARROW
+    lines = [tuple(columns), *(tuple(cell(r) for cell in columns.values()) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def _first_token(row: BenchRow) -> str:
+    return {True: "same", False: "DIFFERS", None: "-"}[row.first_token_match]
 
 
 def _times(ratio: float) -> str:

@@ -64,6 +64,7 @@ from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
     "--output", "-o", default=None, help="CSV path [default: $XDG_DATA_HOME/kvcdn/benchmark/<ms>-<model>-bench.csv]."
 )
 @force_output_option
+@click.option("--wide", is_flag=True, help="Print every measured column (the CSV and --format json always have them).")
 @format_option
 def command(
     model,
@@ -80,6 +81,7 @@ def command(
     page_cache,
     output,
     force,
+    wide,
     fmt,
 ):
     """Measure prefill against a cached continuation for several context lengths.
@@ -90,7 +92,7 @@ def command(
     pipelined under the question's forward (ttft_pipelined_s), and the limits they are held to: a
     plain read of the file (plain_read_s) and the question on the resident cache (question_s). One
     discarded warm-up, then REPS runs, medians. Writes a CSV (plot it with `kvcdn plot`) and prints
-    a table.
+    a table of the main columns within 100 characters (--wide: all of them).
     """
     from pathlib import Path
 
@@ -107,8 +109,6 @@ def command(
     session = runtime.load_session(model, revision, device, dtype)
     inputs.check_lengths(session, wanted)
     ids, source = inputs.context_ids(session, text, max(wanted))
-    if text is None and not quiet and fmt != "json":
-        click.echo(f"context: {source}", err=True)
     with measure.scratch_dir(path.parent) as work:
         result = measure.run_benchmark(
             session,
@@ -127,6 +127,6 @@ def command(
     if fmt == "json":
         emit_json(report.as_json(result, session, reps, path))
     else:
-        click.echo(report.summary(result, session, reps, path))
+        click.echo(report.summary(result, session, reps, path, wide))
     for line in report.warnings(result.rows):
         click.echo(line, err=True)

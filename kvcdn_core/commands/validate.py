@@ -170,14 +170,24 @@ def _cell(phase) -> str:
     return f"{status} {phase.seconds:.2f}s"
 
 
-def render_table(reports: list[ArchReport]) -> str:
+def render_table(reports: list[ArchReport], wide: bool = False) -> str:
+    """The table for people: one row per architecture and shape, failures spelled out below.
+
+    Narrow (the default, within 100 columns): one CHECKS cell per row, ``PASS 5/5`` or the first
+    failed phase (``FAIL cache@3``). ``wide``: a column per phase with its seconds, and the layers.
+    """
     names = phase_names(reports)
-    rows = [["FAMILY", "ARCHITECTURE", *[n.upper() for n in names], "LAYERS", "TOTAL"]]
-    for r in reports:
-        by_name = {p.phase: p for p in r.phases}
-        rows.append(
-            [r.family, r.label, *[_cell(by_name.get(n)) for n in names], r.layer_summary(), f"{r.seconds:.1f}s"]
-        )
+    if wide:
+        rows = [["FAMILY", "ARCHITECTURE", *[n.upper() for n in names], "LAYERS", "TOTAL"]]
+        for r in reports:
+            by_name = {p.phase: p for p in r.phases}
+            rows.append(
+                [r.family, r.label, *[_cell(by_name.get(n)) for n in names], r.layer_summary(), f"{r.seconds:.1f}s"]
+            )
+    else:
+        rows = [["FAMILY", "ARCHITECTURE", "CHECKS", "TOTAL"]]
+        for r in reports:
+            rows.append([r.family, r.label, _checks(r), f"{r.seconds:.1f}s"])
     lines = table_lines(rows)
     failures = [(r, p) for r in reports for p in r.phases if not p.passed]
     for r, p in failures:
@@ -185,6 +195,16 @@ def render_table(reports: list[ArchReport]) -> str:
         lines.append(f"{r.label} {p.phase}: {p.detail}{where}")
     lines.append(pass_line(reports))
     return "\n".join(lines)
+
+
+def _checks(report: ArchReport) -> str:
+    """``PASS 5/5``, or the first failed phase: ``FAIL cache@3`` (at its first divergent token)."""
+    failed = [p for p in report.phases if not p.passed]
+    if not failed:
+        return f"PASS {len(report.phases)}/{len(report.phases)}" if report.phases else "-"
+    first = failed[0]
+    at = "" if first.first_divergence is None else f"@{first.first_divergence}"
+    return f"FAIL {first.phase}{at}"
 
 
 def pass_line(reports: list[ArchReport]) -> str:
@@ -270,8 +290,9 @@ def render_markdown(reports: list[ArchReport]) -> str:
     show_default=True,
     help="table for people, json for tools, markdown for the README support table.",
 )
+@click.option("--wide", is_flag=True, help="table: a column per phase with its seconds, and the cache layers.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
-def command(family, model, revision, device, dtype, context_file, n, fmt, quiet):
+def command(family, model, revision, device, dtype, context_file, n, fmt, wide, quiet):
     """Check that every installed architecture (or one model) continues token-exact from its cache.
 
     For each architecture: build the family's tiny offline config (or load --model), generate an
@@ -306,7 +327,7 @@ def command(family, model, revision, device, dtype, context_file, n, fmt, quiet)
     elif fmt == "markdown":
         click.echo(render_markdown(reports))
     else:
-        click.echo(render_table(reports))
+        click.echo(render_table(reports, wide))
     failed = list(dict.fromkeys(r.architecture for r in reports if not r.passed))
     if failed:
         total = len({r.architecture for r in reports})
