@@ -142,7 +142,6 @@ def test_whole_prefix_artifacts_serve_only_queries_containing_them_whole(tmp_pat
 def test_concurrent_adds_and_removes_lose_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(index, "COMPACT_AFTER", 8)  # compactions run among the adds and removes
     root = root_for(4)
-    backend = LocalStorage(tmp_path)
     rng = np.random.default_rng(0)
     docs = {
         f"t{t}-a{i}": rng.integers(0, 50, size=int(rng.integers(1, 30))).tolist() for t in range(6) for i in range(12)

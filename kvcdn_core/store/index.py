@@ -265,7 +265,7 @@ class _State:
     dead: set[str] = dataclasses.field(default_factory=set)  # cancelled add ids, kept forever
     roots: dict[str, dict] = dataclasses.field(default_factory=dict)
 
-    def _chunk(self, key: str, chunk_tokens) -> None:
+    def _chunk(self, key: str, chunk_tokens) -> int:
         if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
             raise IndexCorrupt(f"index object '{key}' is corrupted (chunk size)")
         if self.chunk_tokens not in (None, chunk_tokens):
@@ -274,6 +274,7 @@ class _State:
                 "rebuild the index (kvcdn store check --repair)"
             )
         self.chunk_tokens = chunk_tokens
+        return chunk_tokens
 
     def merge_object(self, key: str, data: bytes) -> None:
         if key.startswith(BASES):
@@ -306,12 +307,12 @@ class _State:
             ok = False
         if not ok:
             raise IndexCorrupt(f"index object '{key}' is corrupted (operation fields); rebuild the index")
-        self._chunk(key, meta["chunk_tokens"])
+        chunk_tokens = self._chunk(key, meta["chunk_tokens"])
         self.roots.setdefault(
             root, {k: meta.get(k) for k in ("model", "compute_dtype", "quantization")} | {"root": root}
         )
         if op_id not in self.dead:
-            self.arts[op_id] = _art_from_ids(op_id, name, root, reuse, at, ids, self.chunk_tokens)
+            self.arts[op_id] = _art_from_ids(op_id, name, root, reuse, at, ids, chunk_tokens)
 
     def merge_base(self, key: str, meta: dict, a: dict[str, np.ndarray]) -> None:
         try:
@@ -502,7 +503,7 @@ class _Trie:
         last = a + _bisect(a, hi, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] == head) - a
         return first, last, best
 
-    def walk(self, starts: list[int], limit: int, whole: bool = False) -> list[int]:
+    def walk(self, starts: list[int], limit: int) -> list[int]:
         """Up to ``limit`` artifact ranks below the ``starts`` nodes, best first (a heap over subtree bests)."""
         heap: list[tuple[int, int, int, int]] = []  # (rank, kind, node, position)
         for s in starts:
@@ -747,13 +748,13 @@ def rebuild(backend, artifacts: Iterable[tuple[Any, Sequence[int]]] | None = Non
         artifacts = ((rec, store.token_ids(rec.name)) for rec in store.records())
     state = _State()
     at = time.time_ns()
-    for record, ids in artifacts:
-        ids = _check_ids(ids)
+    for record, token_ids in artifacts:
+        ids = _check_ids(token_ids)
         op_id = uuid.uuid4().hex
-        state._chunk("rebuild", int(getattr(record, "chunk_tokens", chainkeys.CHUNK_TOKENS)))
+        chunk_tokens = state._chunk("rebuild", int(getattr(record, "chunk_tokens", chainkeys.CHUNK_TOKENS)))
         state.roots.setdefault(str(record.root), {"root": str(record.root), **_describe(record)})
         state.arts[op_id] = _art_from_ids(
-            op_id, str(record.name), str(record.root), str(record.reuse), at, ids, state.chunk_tokens
+            op_id, str(record.name), str(record.root), str(record.reuse), at, ids, chunk_tokens
         )
     trie = _Trie(state)
     key = f"{BASES}{at:020d}-{uuid.uuid4().hex}.kvix"
