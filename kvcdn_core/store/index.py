@@ -416,7 +416,7 @@ class _Trie:
                     parent_of.append(i)
                     edge_tokens.append(toks)
             i += 1
-        n_roots, n = len(self.root_list), len(node_keys)
+        n_roots = len(self.root_list)
         self.n_roots = n_roots
         self.node_key = np.array(node_keys, dtype="S16") if node_keys else np.zeros(0, "S16")
         self.parent = np.array(parent_of, dtype=np.int32)
@@ -426,39 +426,105 @@ class _Trie:
             np.concatenate([[0], np.cumsum(lens, dtype=np.int64)[:-1]]) if lens.size else lens.astype(np.int64)
         )
         self.tokens = np.concatenate(edge_tokens).astype(np.uint32) if edge_tokens else np.zeros(0, np.uint32)
-        # children ranges, from the (sorted) parent array
-        idx = np.arange(n, dtype=np.int64)
-        self.child_lo = np.searchsorted(self.parent, idx, side="left").astype(np.int64)
-        self.child_hi = np.searchsorted(self.parent, idx, side="right").astype(np.int64)
-        # artifacts ending at each node (ranks ascending), and the best artifact below each node
-        big = np.iinfo(np.int64).max
-        self.rep = np.full(n, big, dtype=np.int64)
-        self.term: dict[int, list[int]] = {}
         self.art_node = np.full(len(arts), -1, dtype=np.int64)
         slot = {k: j for j, k in enumerate(node_keys[n_roots:], start=n_roots)}
         for k, ranks in ends.items():
-            node = slot[k]
-            self.term[node] = ranks  # ranks were appended in ascending order
-            self.rep[node] = ranks[0]
-            self.art_node[ranks] = node
-        for e in range(n - n_roots - 1, -1, -1):
-            node, p = e + n_roots, self.parent[e]
-            if self.rep[node] < self.rep[p]:
-                self.rep[p] = self.rep[node]
-        # per node, its children ordered by their best artifact (for the best-first walk)
+            self.art_node[ranks] = slot[k]
+        self.rest: dict[int, np.ndarray] = {}
+        for rank, art in enumerate(arts):
+            if art.reuse == WHOLE_PREFIX:
+                self.rest[rank] = np.asarray(art.rest, dtype=np.int64)
+        self._derive()
+
+    @classmethod
+    def from_base(cls, key: str, meta: dict, a: dict[str, np.ndarray]) -> _Trie:
+        """The trie of a base object as it is stored (no rebuild: the base is the trie's arrays)."""
+        self = cls.__new__(cls)
+        try:
+            self.chunk_tokens = int(meta["chunk_tokens"])
+            self.root_meta = [dict(r) for r in meta["roots"]]
+            self.root_list = [str(r["root"]) for r in self.root_meta]
+            self.root_index = {r: i for i, r in enumerate(self.root_list)}
+            self.superseded = set()
+            self.n_roots = n_roots = len(self.root_list)
+            self.node_key, self.parent = a["node_key"], a["parent"].astype(np.int64)
+            self.tok_off, self.tok_len = a["tok_off"].astype(np.int64), a["tok_len"].astype(np.int64)
+            n, tokens = self.node_key.shape[0], a["tokens"]
+            edges_end = int((self.tok_off + self.tok_len).max()) if self.tok_off.size else 0
+            self.tokens = tokens[:edges_end]
+            self.art_node = a["art_node"].astype(np.int64)
+            rows = meta["arts"]
+            if not (
+                self.chunk_tokens > 0
+                and self.root_list == sorted(self.root_list)
+                and all(_HEX.fullmatch(r) for r in self.root_list)
+                and self.parent.shape == (n - n_roots,) == self.tok_off.shape == self.tok_len.shape
+                and np.all(self.parent >= 0)
+                and np.all(self.parent < np.arange(n_roots, n))
+                and np.all(np.diff(self.parent) >= 0)
+                and np.all(self.tok_off >= 0)
+                and edges_end <= tokens.size
+                and self.art_node.shape == a["anchor"].shape == a["rest_off"].shape == (len(rows),)
+                and np.all(self.art_node < n)
+            ):
+                raise ValueError
+            self.arts, self.rest = [], {}
+            for i, (op_id, name, root_i, token_count, reuse_i, at) in enumerate(rows):
+                reuse = _REUSE[reuse_i]
+                art = _Art(str(op_id), str(name), self.root_list[root_i], int(token_count), reuse, int(at), [])
+                if reuse == WHOLE_PREFIX:
+                    off, size = int(a["rest_off"][i]), int(a["rest_len"][i])
+                    if off < 0 or off + size > tokens.size:
+                        raise ValueError
+                    art.anchor, art.rest = _kb(a["anchor"][i]), tokens[off : off + size].astype(np.int64)
+                    self.rest[i] = art.rest
+                    self.art_node[i] = -1
+                elif self.art_node[i] < n_roots:
+                    raise ValueError
+                self.arts.append(art)
+            if [(x.token_count, x.name) for x in self.arts] != sorted((x.token_count, x.name) for x in self.arts):
+                raise ValueError
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise IndexCorrupt(
+                f"index object '{key}' is corrupted ({type(exc).__name__}); rebuild the index "
+                "(kvcdn store check --repair)"
+            ) from None
+        self._derive()
+        return self
+
+    def _derive(self) -> None:
+        """What a lookup needs beyond the stored arrays: children ranges, the artifacts ending at each
+        node, the best artifact below each node, children by their best, the sorted key table."""
+        n_roots, n = self.n_roots, self.node_key.shape[0]
+        idx = np.arange(n, dtype=np.int64)
+        self.child_lo = np.searchsorted(self.parent, idx, side="left").astype(np.int64)
+        self.child_hi = np.searchsorted(self.parent, idx, side="right").astype(np.int64)
+        ranks = np.flatnonzero(self.art_node >= 0)
+        ends = self.art_node[ranks]
+        order = np.argsort(ends, kind="stable")
+        self.term_rank, term_node = ranks[order], ends[order]
+        self.term_lo = np.searchsorted(term_node, idx, side="left")
+        self.term_hi = np.searchsorted(term_node, idx, side="right")
+        self.rep = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(self.rep, ends, ranks)
+        levels, lo, hi = [], 0, n_roots  # breadth-first: each depth is a contiguous range of nodes
+        while lo < hi:
+            start, end = int(self.child_lo[lo]) + n_roots, int(self.child_hi[hi - 1]) + n_roots
+            if start >= end:
+                break
+            levels.append((start, end))
+            lo, hi = start, end
+        for start, end in reversed(levels):
+            np.minimum.at(self.rep, self.parent[start - n_roots : end - n_roots], self.rep[start:end])
         self.byrep = (
             np.lexsort((self.rep[n_roots:], self.parent)).astype(np.int64) + n_roots if n > n_roots else idx[:0]
         )
         order = np.argsort(self.node_key[n_roots:], kind="stable")
         self.sorted_keys = self.node_key[n_roots:][order]
         self.sorted_node = order.astype(np.int64) + n_roots
-        # whole-prefix artifacts by anchor key
         self.anchors: dict[bytes, list[int]] = {}
-        self.rest: dict[int, np.ndarray] = {}
-        for rank, art in enumerate(arts):
-            if art.reuse == WHOLE_PREFIX:
-                self.anchors.setdefault(art.anchor, []).append(rank)
-                self.rest[rank] = np.asarray(art.rest, dtype=np.int64)
+        for rank in sorted(self.rest):
+            self.anchors.setdefault(self.arts[rank].anchor, []).append(rank)
         self.nbytes = sum(
             x.nbytes for x in (self.node_key, self.parent, self.tok_len, self.tok_off, self.tokens)
         ) + sum(r.size * 4 for r in self.rest.values())
@@ -513,17 +579,16 @@ class _Trie:
         while heap and len(out) < limit:
             rank, kind, node, pos = heapq.heappop(heap)
             if kind == 0:  # a subtree: its own ends, and its children by their bests
-                ends = self.term.get(node)
-                if ends:
-                    heapq.heappush(heap, (ends[0], 1, node, 0))
+                t = int(self.term_lo[node])
+                if t < int(self.term_hi[node]):
+                    heapq.heappush(heap, (int(self.term_rank[t]), 1, node, t))
                 lo, hi = int(self.child_lo[node]), int(self.child_hi[node])
                 if lo < hi:
                     heapq.heappush(heap, (int(self.rep[self.byrep[lo]]), 2, node, lo))
             elif kind == 1:  # the artifacts ending at a node
                 out.append(rank)
-                ends = self.term[node]
-                if pos + 1 < len(ends):
-                    heapq.heappush(heap, (ends[pos + 1], 1, node, pos + 1))
+                if pos + 1 < int(self.term_hi[node]):
+                    heapq.heappush(heap, (int(self.term_rank[pos + 1]), 1, node, pos + 1))
             else:  # the next child of a node
                 child = int(self.byrep[pos])
                 heapq.heappush(heap, (int(self.rep[child]), 0, child, 0))
@@ -643,6 +708,7 @@ class Loaded:
     state: _State
     trie: _Trie
     bytes_read: int
+    lazy: tuple[str, bytes] | None = None  # a lone base taken as it is: its artifacts carry no edges
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -673,8 +739,26 @@ def load(backend, refresh: bool = True) -> Loaded:
         new = sorted(k for k in objects if k not in known)
         if cached is not None and not new:
             return cached
+        if cached is None and len(new) == 1 and new[0].startswith(BASES):  # compacted: take it as it is
+            data = backend.read_bytes(new[0])
+            if data is None:
+                continue
+            meta, arrays = _unpack(new[0], BASE_MAGIC, data)
+            trie = _Trie.from_base(new[0], meta, arrays)
+            dead = meta.get("dead")
+            if not isinstance(dead, list) or not all(isinstance(d, str) for d in dead):
+                raise IndexCorrupt(f"index object '{new[0]}' is corrupted (cancelled ids); rebuild the index")
+            state = _State(
+                trie.chunk_tokens, {a.id: a for a in trie.arts}, set(dead), {r["root"]: r for r in trie.root_meta}
+            )
+            loaded = Loaded({new[0]}, state, trie, len(data), (new[0], data))
+            with _LOCK:
+                _CACHE[backend] = loaded
+            return loaded
         state = _State()
-        if cached is not None:  # a copy: a concurrent reader may hold the cached one
+        if cached is not None and cached.lazy is not None:  # decode the lone base in full, then merge
+            state.merge_object(*cached.lazy)
+        elif cached is not None:  # a copy: a concurrent reader may hold the cached one
             old = cached.state
             state = _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
         read, vanished = 0, False
