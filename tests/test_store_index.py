@@ -212,3 +212,24 @@ def test_a_readd_replaces_and_the_index_is_compact(tmp_path):
     stored = index.stats(backend)["stored_bytes"]
     # the shared 2,048 tokens are kept once: 20 artifacts cost ~ 2,048 + 19 x 512 tokens of 4 bytes
     assert stored < 4 * (2048 + 20 * 512) + 20 * 400
+
+
+def test_a_lookup_reads_a_logarithmic_number_of_chunks_whatever_the_store_size(tmp_path, monkeypatch):
+    """Unrelated documents all hang off the root: the in-chunk refinement binary-searches them."""
+    rng = np.random.default_rng(1)
+    root = root_for(8)
+    counts = {}
+    for n in (16, 4096):
+        backend = LocalStorage(tmp_path / str(n))
+        docs = rng.integers(0, 1000, size=(n, 24)).tolist()
+        index.rebuild(backend, [(Rec(f"d{i}", root, 24, 8), d) for i, d in enumerate(docs)])
+        index.load(backend)
+        reads = []
+        real = index._Trie.edge_tokens
+        monkeypatch.setattr(index._Trie, "edge_tokens", lambda self, node: reads.append(node) or real(self, node))
+        query = docs[n // 2][:13] + [5000]  # shares one chunk and 5 tokens of the next
+        assert got(backend, root, query) == [(f"d{n // 2}", 13, 13)]
+        monkeypatch.setattr(index._Trie, "edge_tokens", real)
+        counts[n] = len(reads)
+    assert counts[4096] <= 3 * 12 + 4  # log2(4096) = 12 per binary search
+    assert counts[4096] - counts[16] <= 3 * (12 - 4) + 2
