@@ -129,3 +129,18 @@ def test_store_and_dir_are_one_or_the_other(tmp_path):
 def test_an_empty_store_asks_for_the_model(tmp_path):
     result = cli("search", "--store", tmp_path, "--query", "hello")
     assert result.exit_code == 2 and "pass --model" in result.output and result.output.count("\n") == 1
+
+
+def test_search_store_tree_continues_from_the_fetched_artifact(full, tmp_path):
+    store = tmp_path / "store"
+    put(full, tmp_path, store, "long", LONG)
+    prompt = LONG[: len(LONG) // 2] + QUESTION
+    ids = encode(full, prompt)
+    result = cli(
+        "search", "--store", store, "--query", prompt, "--tree", 2, "--tree-tokens", 4, "-q", "--format", "json"
+    )
+    assert result.exit_code == 0, result.output
+    tree = json.loads(result.output)["tree"]
+    assert tree["artifact"] == "long" and tree["reused_tokens"] == search.common_prefix(ids, encode(full, LONG))
+    first = tree["candidates"][0]
+    assert first["token_ids"] == reference(full, ids, 4)
