@@ -94,6 +94,7 @@ def test_continue_from_the_store_is_exact(full, tmp_path, case):
     by_dir = cli("search", "--dir", tmp_path / "made", "--query-file", tmp_path / "prompt.txt", "--format", "json")
     best_store, best_dir = json.loads(listed.output)["matches"][0], json.loads(by_dir.output)["matches"][0]
     assert best_store["name"] == "saved" and best_dir["path"].endswith("saved.kv")
+    assert (best_store["compute_dtype"], best_store["quantization"]) == ("float32", None)  # read from the record
     for field in ("prefix_tokens", "usable_tokens", "artifact_tokens"):
         assert best_store[field] == best_dir[field]
 
