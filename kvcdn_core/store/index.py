@@ -565,8 +565,8 @@ class _Trie:
             return lo, lo, 0
         head = tb[: 4 * best]
         # the children sharing ``best`` tokens are those whose first ``best`` tokens equal t's: a range
-        first = lo + _bisect(lo, a, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] < head) - lo
-        last = a + _bisect(a, hi, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] == head) - a
+        first = _bisect(lo, a, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] < head)
+        last = _bisect(a, hi, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] == head)
         return first, last, best
 
     def walk(self, starts: list[int], limit: int) -> list[int]:
@@ -612,11 +612,10 @@ class _Trie:
         meta = self.root_meta[r]
         hits = []
         if prefix > start_tokens:
-            starts = list(range(lo + self.n_roots, hi + self.n_roots)) if shared else [node]
-            if len(starts) > limit:  # only the ``limit`` best subtrees can hold the ``limit`` best artifacts
-                best = np.argpartition(self.rep[starts], limit - 1)[:limit]
-                starts = [starts[i] for i in best]
-            for rank in self.walk(starts, limit):
+            starts = np.arange(lo + self.n_roots, hi + self.n_roots) if shared else np.array([node])
+            if starts.size > limit:  # only the ``limit`` best subtrees can hold the ``limit`` best artifacts
+                starts = starts[np.argpartition(self.rep[starts], limit - 1)[:limit]]
+            for rank in self.walk([int(x) for x in starts], limit):
                 art = self.arts[rank]
                 hits.append(self._hit(art, meta, prefix, query.size))
         # whole-prefix artifacts the query contains whole, anchored on the root or one of its chunks
