@@ -7,6 +7,8 @@ prefix of it, reuses that prefix and prefills only the rest (token-exact with a 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from kvcdn_core.commands.common import force_option, format_option, model_options, open_artifact, read_text_file
@@ -29,23 +31,31 @@ from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
     help="Search this directory for the artifact sharing the longest prefix with --prompt-file "
     "[default: $XDG_DATA_HOME/kvcdn].",
 )
-@click.option("--prompt-file", default=None, help="UTF-8 file with the whole prompt (with --dir).")
+@click.option(
+    "--store",
+    "store",
+    default=None,
+    help="Look the prompt up in this chunk store's prefix index and fetch the best artifact from it.",
+)
+@click.option("--prompt-file", default=None, help="UTF-8 file with the whole prompt (with --dir or --store).")
 @click.option("--n", "n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate.")
 @force_option
 @format_option
-def command(model, revision, device, dtype, quiet, kv_path, question, directory, prompt_file, n, force, fmt):
+def command(model, revision, device, dtype, quiet, kv_path, question, directory, store, prompt_file, n, force, fmt):
     """Generate N tokens greedily, continuing from a saved artifact.
 
     With --kv-path: load the artifact and feed QUESTION after its context. With --prompt-file (and
     --dir): reuse the best saved artifact's usable prefix of the prompt, prefill the rest, and
     report how many prompt tokens were reused; the output is the same as a full prefill's.
     """
-    if directory is not None or prompt_file is not None:
+    if directory is not None or store is not None or prompt_file is not None:
         if kv_path is not None or question is not None:
             raise KvcdnError("--dir/--prompt-file and --kv-path/--question are two modes; pass one pair")
         if prompt_file is None:
-            raise KvcdnError("--dir needs --prompt-file")
-        return _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_file, n, force, fmt)
+            raise KvcdnError(f"--{'store' if store is not None else 'dir'} needs --prompt-file")
+        if directory is not None and store is not None:
+            raise KvcdnError("pass one of --dir and --store")
+        return _continue_prompt(model, revision, device, dtype, quiet, directory, store, prompt_file, n, force, fmt)
     if kv_path is None:
         raise KvcdnError("pass --kv-path (with --question), or --dir with --prompt-file")
     _continue_artifact(model, revision, device, dtype, kv_path, question or DEFAULT_QUESTION, n, force, fmt)
@@ -75,16 +85,27 @@ def _continue_artifact(model, revision, device, dtype, kv_path, question, n, for
         click.echo(text)
 
 
-def _continue_prompt(model, revision, device, dtype, quiet, directory, prompt_file, n, force, fmt):
+def _continue_prompt(model, revision, device, dtype, quiet, directory, store, prompt_file, n, force, fmt):
+    import tempfile
+
     from kvcdn_core import runtime, search
     from kvcdn_core.paths import data_home
     from kvcdn_core.render import warn
 
     prompt = read_text_file(prompt_file, "prompt file")
-    directory = directory or str(data_home())
-    found = search.search(directory, prompt, model, revision, warn=warn)
-    session, found = search.session_for_search(found, revision, device, dtype)
-    pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force, warn=warn)
+    with tempfile.TemporaryDirectory(prefix="kvcdn-store-") as tmp:
+        if store is not None:  # the best artifact is fetched from the store, then continued as from a directory
+            from kvcdn_core.search.store import fetch_best, search_store
+
+            found = fetch_best(search_store(store, prompt, model, revision), Path(tmp), warn=warn)
+        else:
+            found = search.search(directory or str(data_home()), prompt, model, revision, warn=warn)
+        session, found = search.session_for_search(found, revision, device, dtype)
+        pre = search.prefill_reusing(
+            session, found.ranking, found.query_ids, progress=not quiet, force=force, warn=warn
+        )
+    if store is not None and pre.path is not None:  # the temporary file is gone: name the artifact
+        pre.path = Path(pre.path.stem)
     ids = search.greedy_from(session, pre.cache, pre.logits, n)
     text = runtime.decode(session, ids)
     if fmt == "json":

@@ -6,6 +6,8 @@ continue from the best artifact.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from kvcdn_core.commands.common import force_option, format_option, model_options, read_text_file
@@ -32,6 +34,12 @@ def query_text(query: str | None, query_file: str | None, what: str = "query") -
     help="Directory searched recursively for .kv artifacts [default: $XDG_DATA_HOME/kvcdn, "
     "where generate writes by default].",
 )
+@click.option(
+    "--store",
+    "store",
+    default=None,
+    help="Look the query up in this chunk store's prefix index instead (a path, file://, s3://...).",
+)
 @click.option("--query", default=None, help="Text whose longest saved token prefix is wanted.")
 @click.option("--query-file", default=None, help="Read the query from a UTF-8 file instead.")
 @click.option("--limit", type=click.IntRange(1), default=10, show_default=True, help="Rows to show.")
@@ -48,19 +56,24 @@ def query_text(query: str | None, query_file: str | None, what: str = "query") -
 @force_option
 @format_option
 def command(
-    model, revision, device, dtype, quiet, directory, query, query_file, limit, tree_n, tree_tokens, force, fmt
+    model, revision, device, dtype, quiet, directory, store, query, query_file, limit, tree_n, tree_tokens, force, fmt
 ):
     """Rank the artifacts under DIR by the token prefix they share with the query.
 
     Reads only artifact headers and token ids, kept in a .kvcdn-index file per directory, and the
     model's tokenizer; skips artifacts of other models by fingerprint. --model defaults to the one
-    model the artifacts were made with.
+    model the artifacts were made with. With --store: looks the query up in the store's prefix index
+    (no artifact is read) and lists the artifacts sharing the longest prefix.
     """
     from kvcdn_core import search
     from kvcdn_core.paths import data_home
 
-    directory = directory or str(data_home())
     text = query_text(query, query_file)
+    if store is not None:
+        if directory is not None:
+            raise KvcdnError("pass one of --dir and --store")
+        return _search_store(model, revision, device, dtype, quiet, store, text, limit, tree_n, tree_tokens, force, fmt)
+    directory = directory or str(data_home())
     found = search.search(directory, text, model, revision, warn=warn)
     out = {
         "directory": directory,
@@ -84,6 +97,53 @@ def command(
         emit_json(out)
         return
     _print_table(found, out, limit)
+    if candidates is not None:
+        click.echo(pre.summary())
+        for i, c in enumerate(candidates, 1):
+            click.echo(f"[{i}] logprob {c.first_token_logprob:8.4f}  {c.text!r}")
+
+
+def _search_store(model, revision, device, dtype, quiet, store, text, limit, tree_n, tree_tokens, force, fmt):
+    import tempfile
+
+    from kvcdn_core import search
+    from kvcdn_core.search.store import fetch_best, search_store
+
+    found = search_store(store, text, model, revision, limit)
+    out = found.as_dict(limit)
+    pre = candidates = None
+    if tree_n:
+        with tempfile.TemporaryDirectory(prefix="kvcdn-store-") as tmp:
+            local = fetch_best(found, Path(tmp), warn=warn)
+            session, local = search.session_for_search(local, revision, device, dtype)
+            pre = search.prefill_reusing(
+                session, local.ranking, local.query_ids, progress=not quiet, force=force, warn=warn
+            )
+        candidates = search.tree(session, pre, tree_n, tree_tokens)
+        tree = {**pre.as_dict(), "candidates": [c.as_dict() for c in candidates]}
+        tree["artifact"] = Path(tree["artifact"]).stem if tree["artifact"] else None
+        out["tree"] = tree
+    if fmt == "json":
+        emit_json(out)
+        return
+    summary = f"query: {len(found.query_ids)} tokens; looked up in {store} ({found.roots} root(s) of {found.model_ref})"
+    if not out["matches"]:
+        click.echo(f"no match: no artifact in {store} shares a token prefix with the query ({summary})")
+    else:
+        rows = [("NAME", "PREFIX", "TOKENS", "USABLE", "REUSE", "DTYPE")]
+        for m in out["matches"]:
+            rows.append(
+                (
+                    m["name"],
+                    str(m["prefix_tokens"]),
+                    str(m["artifact_tokens"]),
+                    str(m["usable_tokens"]),
+                    m["reuse"],
+                    str(m["quantization"] or m["compute_dtype"]),
+                )
+            )
+        print_table(rows, right=(1, 2, 3))
+        click.echo(summary)
     if candidates is not None:
         click.echo(pre.summary())
         for i, c in enumerate(candidates, 1):

@@ -1,0 +1,861 @@
+"""The prefix index of a chunk store: which artifacts share the longest token prefix with a query.
+
+It is a trie over chain keys (:mod:`kvcdn_core.store.keys`): a node is a prefix of whole chunks
+(the root, or the chain key of its last chunk), an edge is one chunk (256 tokens, or fewer for an
+artifact's last, partial chunk) and carries its token ids once, however many artifacts share it.
+A lookup hashes the query's full chunks and probes their keys (a sorted key table, binary search):
+the deepest key present is the node where the query leaves the trie. Inside the next chunk the
+node's children are kept sorted by their token ids, so a binary search finds the child sharing
+the most tokens with the query: the match is exact to the token, and the cost depends on the
+query's chunk count and the matched node's fan-out (logarithmically), never on the store's size.
+Each node also knows the best artifact below it (fewest tokens, then name), so the best match and
+the next ones come out of a small heap walk.
+
+Whole-prefix artifacts (sliding-window, linear-attention or recurrent layers: their state is a
+snapshot of the whole prefix) add no edges: they are kept at the node of their last whole chunk
+with the remaining tokens, and a query finds them only when it contains them whole.
+
+Layout in the store (any :class:`~kvcdn_core.contracts.storage.StorageBackend`), write-once objects
+only, so concurrent writers on a plain object store never lose an update:
+
+- ``index/ops/<id>.add``: one artifact added (its name, root, reuse rule and token ids);
+- ``index/ops/<id>.del``: the add operations a remove cancelled;
+- ``index/base/<time>-<id>.kvix``: a compacted snapshot (the trie above, and every cancelled id).
+
+The index is the union of every object's operations, minus the cancelled adds. Compaction writes
+a new base holding the union of what it read, then deletes what it read: an operation is deleted
+only after it is durable in a newer object, and cancelled ids are kept, so no add is lost and no
+removed artifact comes back, whatever runs concurrently. Pure Python and numpy: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import re
+import struct
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.manifest import ANY_PREFIX, WHOLE_PREFIX
+from kvcdn_core.store import keys as chainkeys
+
+PREFIX = "index/"
+OPS = "index/ops/"
+BASES = "index/base/"
+OP_MAGIC = b"KVCDNIO1"
+BASE_MAGIC = b"KVCDNIB1"
+VERSION = 1
+#: Operation objects an add leaves before it compacts them into a new base.
+COMPACT_AFTER = 256
+#: Bytes of a chain key kept in the index: 128 bits, no collision in any plausible store.
+KEY_BYTES = 16
+_REUSE = (ANY_PREFIX, WHOLE_PREFIX)
+_HEX = re.compile(r"[0-9a-f]{64}")
+_ID = re.compile(r"[0-9a-f]{32}")
+_OBJECT = re.compile(r"index/(ops/[0-9a-f]{32}\.(add|del)|base/[0-9]{20}-[0-9a-f]{32}\.kvix)")
+
+
+class IndexCorrupt(KvcdnError):
+    """An index object that is not one this version wrote: refused, never half-read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """One artifact sharing a prefix with the query; ``prefix_tokens`` is exact to the token."""
+
+    name: str
+    root: str
+    prefix_tokens: int
+    usable_tokens: int
+    token_count: int
+    reuse: str
+    compute_dtype: str | None = None
+    quantization: str | None = None
+
+    def sort_key(self) -> tuple:
+        """The order of :func:`kvcdn_core.search.rank`: usable, prefix, usable fraction, unquantized, name."""
+        fraction = self.usable_tokens / self.token_count if self.token_count else 0.0
+        return (-self.usable_tokens, -self.prefix_tokens, -fraction, self.quantization is not None, self.name)
+
+
+def usable(prefix: int, token_count: int, query_tokens: int, reuse: str) -> int:
+    """Tokens a continuation can take (as :func:`kvcdn_core.search.usable_tokens`, kept torch- and search-free)."""
+    cap = max(query_tokens - 1, 0)
+    if reuse == ANY_PREFIX:
+        return min(prefix, cap)
+    return token_count if prefix == token_count and token_count <= cap else 0
+
+
+# -- object encoding: magic, u64 JSON length, JSON, padding to 8, arrays -----------------------------
+
+
+def _pack(magic: bytes, meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    specs = [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]
+    blob = json.dumps({**meta, "arrays": specs}, separators=(",", ":")).encode()
+    head = magic + struct.pack("<Q", len(blob)) + blob
+    parts = [head, b"\0" * ((-len(head)) % 8)]
+    for a in arrays.values():
+        raw = np.ascontiguousarray(a).tobytes()
+        parts += [raw, b"\0" * ((-len(raw)) % 8)]
+    return b"".join(parts)
+
+
+_DTYPES = {"<u4", "<i4", "<i8", "|S16", "|u1"}
+
+
+def _unpack(key: str, magic: bytes, data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    def bad(why: str) -> IndexCorrupt:
+        return IndexCorrupt(
+            f"index object '{key}' is corrupted or foreign ({why}); rebuild the index (kvcdn store check --repair)"
+        )
+
+    if data[:8] != magic:
+        raise bad("wrong magic")
+    try:
+        (n,) = struct.unpack_from("<Q", data, 8)
+        if n > len(data):
+            raise bad("truncated")
+        meta = json.loads(data[16 : 16 + n])
+        if not isinstance(meta, dict) or meta.get("v") != VERSION:
+            raise bad(f"version {meta.get('v') if isinstance(meta, dict) else '?'}, this kvcdn reads {VERSION}")
+        offset = 16 + n
+        offset += (-offset) % 8
+        arrays = {}
+        for name, dtype, shape in meta.pop("arrays"):
+            if dtype not in _DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise bad(f"array '{name}'")
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            size = count * dt.itemsize
+            if offset + size > len(data):
+                raise bad("truncated")
+            arrays[str(name)] = np.frombuffer(data, dtype=dt, count=count, offset=offset).reshape(shape)
+            offset += size + (-size) % 8
+        return meta, arrays
+    except IndexCorrupt:
+        raise
+    except (ValueError, TypeError, KeyError, struct.error) as exc:
+        raise bad(type(exc).__name__) from None
+
+
+# -- the operations: what add and remove write -------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Art:
+    """One indexed artifact: its edges (any-prefix) or its whole-prefix anchor and remaining tokens."""
+
+    id: str
+    name: str
+    root: str
+    token_count: int
+    reuse: str
+    at: int
+    edges: list[tuple[bytes, np.ndarray]]  # (16-byte chain key, token ids) per chunk, any-prefix only
+    anchor: bytes = b""  # whole-prefix: key of its last whole chunk (or its root)
+    rest: np.ndarray | None = None  # whole-prefix: its tokens after the anchor
+
+
+def _k16(hexkey: str) -> bytes:
+    return bytes.fromhex(hexkey)[:KEY_BYTES]
+
+
+def _art_from_ids(op_id, name, root, reuse, at, ids: np.ndarray, chunk_tokens: int) -> _Art:
+    keys = chainkeys.chain(root, ids, chunk_tokens)
+    if reuse == ANY_PREFIX:
+        edges = [(_k16(k), ids[i * chunk_tokens : (i + 1) * chunk_tokens]) for i, k in enumerate(keys)]
+        return _Art(op_id, name, root, int(ids.size), reuse, at, edges)
+    whole = ids.size // chunk_tokens
+    anchor = _k16(keys[whole - 1]) if whole else _k16(root)
+    return _Art(op_id, name, root, int(ids.size), reuse, at, [], anchor, ids[whole * chunk_tokens :])
+
+
+def _describe(record) -> dict[str, Any]:
+    """Model, compute dtype and quantization of a record, for the roots table (search picks roots by them)."""
+    compute_dtype = getattr(record, "compute_dtype", None)
+    quantization = getattr(record, "quantization", None)
+    header = getattr(record, "header", None)
+    if compute_dtype is None and isinstance(header, str):
+        try:
+            manifest = json.loads(json.loads(header)["__metadata__"]["kvcdn.manifest"])
+            compute_dtype = manifest.get("compute_dtype")
+            quant = manifest.get("quantization")
+            quantization = quant.get("scheme") if isinstance(quant, dict) and quant else None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+    return {
+        "model": dict(getattr(record, "model", None) or {}),
+        "compute_dtype": compute_dtype,
+        "quantization": quantization if isinstance(quantization, str) or quantization is None else None,
+    }
+
+
+def _check_ids(token_ids) -> np.ndarray:
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max)):
+        raise KvcdnError("token ids must be a flat sequence of non-negative 32-bit integers")
+    return ids
+
+
+def add(backend, record, token_ids, now: Callable[[], int] = time.time_ns) -> str:
+    """Index ``record`` (an :class:`ArtifactRecord` or anything with ``name``, ``root``, ``reuse``,
+    ``chunk_tokens``, ``model``) under its token ids: one new write-once object. Returns its id.
+
+    Called after the record is written, so a reader that finds the artifact in the index finds its
+    record and chunks.
+    """
+    ids = _check_ids(token_ids)
+    name, root, reuse = str(record.name), str(record.root), str(record.reuse)
+    chunk_tokens = int(getattr(record, "chunk_tokens", chainkeys.CHUNK_TOKENS))
+    if not name or not _HEX.fullmatch(root) or reuse not in _REUSE or chunk_tokens <= 0:
+        raise KvcdnError(f"cannot index '{name}': bad name, root, reuse rule or chunk size")
+    token_count = int(getattr(record, "token_count", ids.size))
+    if token_count != ids.size:
+        raise KvcdnError(f"cannot index '{name}': the record says {token_count} tokens, {ids.size} given")
+    op_id = uuid.uuid4().hex
+    meta = {
+        "v": VERSION,
+        "op": "add",
+        "id": op_id,
+        "name": name,
+        "root": root,
+        "reuse": reuse,
+        "chunk_tokens": chunk_tokens,
+        "at": int(now()),
+        **_describe(record),
+    }
+    backend.write_bytes(f"{OPS}{op_id}.add", _pack(OP_MAGIC, meta, {"ids": ids.astype("<u4")}))
+    if len(backend.list(OPS)) > COMPACT_AFTER:
+        compact(backend)
+    return op_id
+
+
+def remove(backend, record, token_ids=None) -> int:
+    """Cancel every indexed add of ``record.name`` (one new write-once object); returns how many.
+
+    ``token_ids`` is accepted for symmetry with :func:`add` and not needed: the cancelled adds are
+    named by id.
+    """
+    name = str(getattr(record, "name", record))
+    index = load(backend)
+    targets = sorted(a for a, art in index.state.arts.items() if art.name == name)
+    if targets:
+        op_id = uuid.uuid4().hex
+        meta = {"v": VERSION, "op": "del", "id": op_id, "name": name, "targets": targets}
+        backend.write_bytes(f"{OPS}{op_id}.del", _pack(OP_MAGIC, meta, {}))
+    return len(targets)
+
+
+# -- the merged state: every operation read, minus the cancelled ones -------------------------------
+
+
+@dataclasses.dataclass
+class _State:
+    chunk_tokens: int | None = None
+    arts: dict[str, _Art] = dataclasses.field(default_factory=dict)  # live adds by id
+    dead: set[str] = dataclasses.field(default_factory=set)  # cancelled add ids, kept forever
+    roots: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+    def _chunk(self, key: str, chunk_tokens) -> int:
+        if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+            raise IndexCorrupt(f"index object '{key}' is corrupted (chunk size)")
+        if self.chunk_tokens not in (None, chunk_tokens):
+            raise IndexCorrupt(
+                f"index object '{key}' uses {chunk_tokens}-token chunks, the index {self.chunk_tokens}; "
+                "rebuild the index (kvcdn store check --repair)"
+            )
+        self.chunk_tokens = chunk_tokens
+        return chunk_tokens
+
+    def merge_object(self, key: str, data: bytes) -> None:
+        if key.startswith(BASES):
+            self.merge_base(key, *_unpack(key, BASE_MAGIC, data))
+            return
+        meta, arrays = _unpack(key, OP_MAGIC, data)
+        try:
+            if meta["op"] == "del":
+                targets = [str(t) for t in meta["targets"]]
+                if not all(_ID.fullmatch(t) for t in targets):
+                    raise ValueError
+                self.dead.update(targets)
+                for t in targets:
+                    self.arts.pop(t, None)
+                return
+            op_id, name, root, reuse, at = meta["id"], meta["name"], meta["root"], meta["reuse"], int(meta["at"])
+            ids = arrays["ids"].astype(np.int64)
+            ok = (
+                meta["op"] == "add"
+                and _ID.fullmatch(op_id)
+                and key == f"{OPS}{op_id}.add"
+                and isinstance(name, str)
+                and name
+                and _HEX.fullmatch(root)
+                and reuse in _REUSE
+                and ids.ndim == 1
+                and (not ids.size or ids.max() <= np.iinfo(np.int32).max)
+            )
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise IndexCorrupt(f"index object '{key}' is corrupted (operation fields); rebuild the index")
+        chunk_tokens = self._chunk(key, meta["chunk_tokens"])
+        self.roots.setdefault(
+            root, {k: meta.get(k) for k in ("model", "compute_dtype", "quantization")} | {"root": root}
+        )
+        if op_id not in self.dead:
+            self.arts[op_id] = _art_from_ids(op_id, name, root, reuse, at, ids, chunk_tokens)
+
+    def merge_base(self, key: str, meta: dict, a: dict[str, np.ndarray]) -> None:
+        try:
+            self._chunk(key, meta["chunk_tokens"])
+            roots = [dict(r) for r in meta["roots"]]
+            self.dead.update(str(d) for d in meta["dead"])
+            node_key, parent = a["node_key"], a["parent"].astype(np.int64)
+            tok_off, tok_len, tokens = a["tok_off"], a["tok_len"], a["tokens"]
+            n_roots, n_nodes = len(roots), node_key.shape[0]
+            if not (
+                parent.shape == (n_nodes - n_roots,) == tok_off.shape == tok_len.shape
+                and np.all(parent < np.arange(n_roots, n_nodes))
+                and np.all(parent >= 0)
+                and np.all(tok_off >= 0)
+                and np.all(tok_off + tok_len <= tokens.size)
+                and a["art_node"].shape == a["anchor"].shape == (len(meta["arts"]),)
+                and np.all(a["art_node"] < n_nodes)
+            ):
+                raise ValueError
+            for r in roots:
+                if not _HEX.fullmatch(r["root"]):
+                    raise ValueError
+                self.roots.setdefault(r["root"], r)
+            for i, row in enumerate(meta["arts"]):
+                op_id, name, root_i, token_count, reuse_i, at = row
+                if not _ID.fullmatch(op_id) or op_id in self.dead:
+                    continue
+                reuse, root = _REUSE[reuse_i], roots[root_i]["root"]
+                node = int(a["art_node"][i])
+                if reuse == ANY_PREFIX:
+                    edges = []
+                    while node >= n_roots:
+                        e = node - n_roots
+                        edges.append((_kb(node_key[node]), tokens[tok_off[e] : tok_off[e] + tok_len[e]]))
+                        node = int(parent[e])
+                    edges.reverse()
+                    art = _Art(op_id, str(name), root, int(token_count), reuse, int(at), edges)
+                else:
+                    off, n = int(a["rest_off"][i]), int(a["rest_len"][i])
+                    if off < 0 or off + n > tokens.size:
+                        raise ValueError
+                    rest = tokens[off : off + n].astype(np.int64)
+                    art = _Art(op_id, str(name), root, int(token_count), reuse, int(at), [], _kb(a["anchor"][i]), rest)
+                if reuse == ANY_PREFIX and art.token_count != sum(t.size for _, t in art.edges):
+                    raise ValueError
+                self.arts[op_id] = art
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise IndexCorrupt(
+                f"index object '{key}' is corrupted ({type(exc).__name__}); rebuild the index "
+                "(kvcdn store check --repair)"
+            ) from None
+
+
+# -- the frozen trie: arrays a lookup walks ----------------------------------------------------------
+
+
+def _be(tokens: np.ndarray) -> bytes:
+    """Big-endian bytes: their byte order is the token ids' lexicographic order (shorter first)."""
+    return np.asarray(tokens, dtype=">u4").tobytes()
+
+
+class _Trie:
+    """The index as arrays: nodes (roots first, then edges in breadth-first order, each node's
+    children contiguous and sorted by tokens), the sorted key table, and per node the best artifact."""
+
+    def __init__(self, state: _State):
+        self.chunk_tokens = state.chunk_tokens or chainkeys.CHUNK_TOKENS
+        latest: dict[str, _Art] = {}
+        self.superseded: set[str] = set()
+        for art in state.arts.values():  # a name indexed twice without a remove: the newest wins
+            old = latest.get(art.name)
+            if old is None or (art.at, art.id) > (old.at, old.id):
+                latest[art.name] = art
+                if old is not None:
+                    self.superseded.add(old.id)
+            else:
+                self.superseded.add(art.id)
+        arts = sorted(latest.values(), key=lambda x: (x.token_count, x.name))
+        self.arts = arts
+        self.root_list = sorted(state.roots)
+        self.root_meta = [state.roots[r] for r in self.root_list]
+        node_keys = [_k16(r) for r in self.root_list]
+        self.root_index = {r: i for i, r in enumerate(self.root_list)}
+        children: dict[bytes, dict[bytes, np.ndarray]] = {}
+        ends: dict[bytes, list[int]] = {}
+        for rank, art in enumerate(arts):
+            parent = _k16(art.root)
+            for k, toks in art.edges:
+                children.setdefault(parent, {}).setdefault(k, toks)
+                parent = k
+            if art.edges:
+                ends.setdefault(parent, []).append(rank)
+        # breadth-first numbering: a node's children are contiguous, sorted by their tokens
+        parent_of, edge_tokens = [], []
+        i = 0
+        while i < len(node_keys):
+            kids = children.get(node_keys[i])
+            if kids:
+                for k, toks in sorted(kids.items(), key=lambda kv: _be(kv[1])):
+                    node_keys.append(k)
+                    parent_of.append(i)
+                    edge_tokens.append(toks)
+            i += 1
+        n_roots = len(self.root_list)
+        self.n_roots = n_roots
+        self.node_key = np.array(node_keys, dtype="S16") if node_keys else np.zeros(0, "S16")
+        self.parent = np.array(parent_of, dtype=np.int32)
+        lens = np.array([t.size for t in edge_tokens], dtype=np.int32)
+        self.tok_len = lens
+        self.tok_off = (
+            np.concatenate([[0], np.cumsum(lens, dtype=np.int64)[:-1]]) if lens.size else lens.astype(np.int64)
+        )
+        self.tokens = np.concatenate(edge_tokens).astype(np.uint32) if edge_tokens else np.zeros(0, np.uint32)
+        self.art_node = np.full(len(arts), -1, dtype=np.int64)
+        slot = {k: j for j, k in enumerate(node_keys[n_roots:], start=n_roots)}
+        for k, ranks in ends.items():
+            self.art_node[ranks] = slot[k]
+        self.rest: dict[int, np.ndarray] = {}
+        for rank, art in enumerate(arts):
+            if art.reuse == WHOLE_PREFIX:
+                self.rest[rank] = np.asarray(art.rest, dtype=np.int64)
+        self._derive()
+
+    @classmethod
+    def from_base(cls, key: str, meta: dict, a: dict[str, np.ndarray]) -> _Trie:
+        """The trie of a base object as it is stored (no rebuild: the base is the trie's arrays)."""
+        self = cls.__new__(cls)
+        try:
+            self.chunk_tokens = int(meta["chunk_tokens"])
+            self.root_meta = [dict(r) for r in meta["roots"]]
+            self.root_list = [str(r["root"]) for r in self.root_meta]
+            self.root_index = {r: i for i, r in enumerate(self.root_list)}
+            self.superseded = set()
+            self.n_roots = n_roots = len(self.root_list)
+            self.node_key, self.parent = a["node_key"], a["parent"].astype(np.int64)
+            self.tok_off, self.tok_len = a["tok_off"].astype(np.int64), a["tok_len"].astype(np.int64)
+            n, tokens = self.node_key.shape[0], a["tokens"]
+            edges_end = int((self.tok_off + self.tok_len).max()) if self.tok_off.size else 0
+            self.tokens = tokens[:edges_end]
+            self.art_node = a["art_node"].astype(np.int64)
+            rows = meta["arts"]
+            if not (
+                self.chunk_tokens > 0
+                and self.root_list == sorted(self.root_list)
+                and all(_HEX.fullmatch(r) for r in self.root_list)
+                and self.parent.shape == (n - n_roots,) == self.tok_off.shape == self.tok_len.shape
+                and np.all(self.parent >= 0)
+                and np.all(self.parent < np.arange(n_roots, n))
+                and np.all(np.diff(self.parent) >= 0)
+                and np.all(self.tok_off >= 0)
+                and edges_end <= tokens.size
+                and self.art_node.shape == a["anchor"].shape == a["rest_off"].shape == (len(rows),)
+                and np.all(self.art_node < n)
+            ):
+                raise ValueError
+            self.arts, self.rest = [], {}
+            for i, (op_id, name, root_i, token_count, reuse_i, at) in enumerate(rows):
+                reuse = _REUSE[reuse_i]
+                art = _Art(str(op_id), str(name), self.root_list[root_i], int(token_count), reuse, int(at), [])
+                if reuse == WHOLE_PREFIX:
+                    off, size = int(a["rest_off"][i]), int(a["rest_len"][i])
+                    if off < 0 or off + size > tokens.size:
+                        raise ValueError
+                    art.anchor, art.rest = _kb(a["anchor"][i]), tokens[off : off + size].astype(np.int64)
+                    self.rest[i] = art.rest
+                    self.art_node[i] = -1
+                elif self.art_node[i] < n_roots:
+                    raise ValueError
+                self.arts.append(art)
+            if [(x.token_count, x.name) for x in self.arts] != sorted((x.token_count, x.name) for x in self.arts):
+                raise ValueError
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise IndexCorrupt(
+                f"index object '{key}' is corrupted ({type(exc).__name__}); rebuild the index "
+                "(kvcdn store check --repair)"
+            ) from None
+        self._derive()
+        return self
+
+    def _derive(self) -> None:
+        """What a lookup needs beyond the stored arrays: children ranges, the artifacts ending at each
+        node, the best artifact below each node, children by their best, the sorted key table."""
+        n_roots, n = self.n_roots, self.node_key.shape[0]
+        idx = np.arange(n, dtype=np.int64)
+        self.child_lo = np.searchsorted(self.parent, idx, side="left").astype(np.int64)
+        self.child_hi = np.searchsorted(self.parent, idx, side="right").astype(np.int64)
+        ranks = np.flatnonzero(self.art_node >= 0)
+        ends = self.art_node[ranks]
+        order = np.argsort(ends, kind="stable")
+        self.term_rank, term_node = ranks[order], ends[order]
+        self.term_lo = np.searchsorted(term_node, idx, side="left")
+        self.term_hi = np.searchsorted(term_node, idx, side="right")
+        self.rep = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(self.rep, ends, ranks)
+        levels, lo, hi = [], 0, n_roots  # breadth-first: each depth is a contiguous range of nodes
+        while lo < hi:
+            start, end = int(self.child_lo[lo]) + n_roots, int(self.child_hi[hi - 1]) + n_roots
+            if start >= end:
+                break
+            levels.append((start, end))
+            lo, hi = start, end
+        for start, end in reversed(levels):
+            np.minimum.at(self.rep, self.parent[start - n_roots : end - n_roots], self.rep[start:end])
+        self.byrep = (
+            np.lexsort((self.rep[n_roots:], self.parent)).astype(np.int64) + n_roots if n > n_roots else idx[:0]
+        )
+        order = np.argsort(self.node_key[n_roots:], kind="stable")
+        self.sorted_keys = self.node_key[n_roots:][order]
+        self.sorted_node = order.astype(np.int64) + n_roots
+        self.anchors: dict[bytes, list[int]] = {}
+        for rank in sorted(self.rest):
+            self.anchors.setdefault(self.arts[rank].anchor, []).append(rank)
+        self.nbytes = sum(
+            x.nbytes for x in (self.node_key, self.parent, self.tok_len, self.tok_off, self.tokens)
+        ) + sum(r.size * 4 for r in self.rest.values())
+
+    # -- lookup ---------------------------------------------------------------------------------------
+
+    def edge_tokens(self, node: int) -> np.ndarray:
+        e = node - self.n_roots
+        return self.tokens[self.tok_off[e] : self.tok_off[e] + self.tok_len[e]]
+
+    def probe(self, keys16: list[bytes]) -> np.ndarray:
+        """Node of each key, -1 where absent (one binary search each)."""
+        if not keys16 or not self.sorted_keys.size:
+            return np.full(len(keys16), -1, dtype=np.int64)
+        q = np.array(keys16, dtype="S16")
+        pos = np.searchsorted(self.sorted_keys, q)
+        pos_c = np.minimum(pos, self.sorted_keys.size - 1)
+        return np.where(self.sorted_keys[pos_c] == q, self.sorted_node[pos_c], -1)
+
+    def best_child_range(self, node: int, t: np.ndarray) -> tuple[int, int, int]:
+        """Children of ``node`` sharing the most leading tokens with ``t``: (lo, hi, shared)."""
+        lo, hi = int(self.child_lo[node]), int(self.child_hi[node])
+        if lo == hi or not t.size:
+            return lo, lo, 0
+        tb = _be(t)
+        a, b = lo, hi  # first child whose tokens sort after t
+        while a < b:
+            mid = (a + b) // 2
+            if _be(self.edge_tokens(mid + self.n_roots)) <= tb:
+                a = mid + 1
+            else:
+                b = mid
+        best = 0
+        for c in (a - 1, a):
+            if lo <= c < hi:
+                best = max(best, _lcp(self.edge_tokens(c + self.n_roots), t))
+        if not best:
+            return lo, lo, 0
+        head = tb[: 4 * best]
+        # the children sharing ``best`` tokens are those whose first ``best`` tokens equal t's: a range
+        first = _bisect(lo, a, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] < head)
+        last = _bisect(a, hi, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] == head)
+        return first, last, best
+
+    def walk(self, starts: list[int], limit: int) -> list[int]:
+        """Up to ``limit`` artifact ranks below the ``starts`` nodes, best first (a heap over subtree bests)."""
+        heap: list[tuple[int, int, int, int]] = []  # (rank, kind, node, position)
+        for s in starts:
+            heap.append((int(self.rep[s]), 0, s, 0))
+        heapq.heapify(heap)
+        out: list[int] = []
+        while heap and len(out) < limit:
+            rank, kind, node, pos = heapq.heappop(heap)
+            if kind == 0:  # a subtree: its own ends, and its children by their bests
+                t = int(self.term_lo[node])
+                if t < int(self.term_hi[node]):
+                    heapq.heappush(heap, (int(self.term_rank[t]), 1, node, t))
+                lo, hi = int(self.child_lo[node]), int(self.child_hi[node])
+                if lo < hi:
+                    heapq.heappush(heap, (int(self.rep[self.byrep[lo]]), 2, node, lo))
+            elif kind == 1:  # the artifacts ending at a node
+                out.append(rank)
+                if pos + 1 < int(self.term_hi[node]):
+                    heapq.heappush(heap, (int(self.term_rank[pos + 1]), 1, node, pos + 1))
+            else:  # the next child of a node
+                child = int(self.byrep[pos])
+                heapq.heappush(heap, (int(self.rep[child]), 0, child, 0))
+                if pos + 1 < int(self.child_hi[node]):
+                    heapq.heappush(heap, (int(self.rep[self.byrep[pos + 1]]), 2, node, pos + 1))
+        return out
+
+    def lookup(self, root: str, query: np.ndarray, start_tokens: int, limit: int) -> list[Hit]:
+        r = self.root_index.get(root)
+        if r is None or not query.size:
+            return []
+        c = self.chunk_tokens
+        full = chainkeys.full_chain(root, query, c)
+        keys16 = [_k16(k) for k in full]
+        nodes = self.probe(keys16)
+        missing = np.flatnonzero(nodes < 0)
+        depth = int(missing[0]) if missing.size else len(full)  # chain: chunk i present => all before it
+        node = r if depth == 0 else int(nodes[depth - 1])
+        lo, hi, shared = self.best_child_range(node, query[depth * c : (depth + 1) * c])
+        prefix = depth * c + shared
+        meta = self.root_meta[r]
+        hits = []
+        if prefix > start_tokens:
+            starts = np.arange(lo + self.n_roots, hi + self.n_roots) if shared else np.array([node])
+            if starts.size > limit:  # only the ``limit`` best subtrees can hold the ``limit`` best artifacts
+                starts = starts[np.argpartition(self.rep[starts], limit - 1)[:limit]]
+            for rank in self.walk([int(x) for x in starts], limit):
+                art = self.arts[rank]
+                hits.append(self._hit(art, meta, prefix, query.size))
+        # whole-prefix artifacts the query contains whole, anchored on the root or one of its chunks
+        for d, anchor in enumerate([_k16(root), *keys16]):
+            for rank in self.anchors.get(anchor, ()):
+                art, rest = self.arts[rank], self.rest[rank]
+                if art.root != root:
+                    continue
+                piece = query[d * c : d * c + rest.size]
+                if piece.size == rest.size and np.array_equal(piece, rest) and art.token_count > start_tokens:
+                    hits.append(self._hit(art, meta, art.token_count, query.size))
+        return hits
+
+    @staticmethod
+    def _hit(art: _Art, meta: dict, prefix: int, q: int) -> Hit:
+        return Hit(
+            art.name,
+            art.root,
+            prefix,
+            usable(prefix, art.token_count, q, art.reuse),
+            art.token_count,
+            art.reuse,
+            meta.get("compute_dtype"),
+            meta.get("quantization"),
+        )
+
+    # -- the base object ------------------------------------------------------------------------------
+
+    def to_base(self, dead: Iterable[str]) -> bytes:
+        """The trie as a base object, with the cancelled ids (and the adds a newer one replaced)."""
+        rests = [self.rest.get(i, np.zeros(0, np.int64)) for i in range(len(self.arts))]
+        rest_len = np.array([r.size for r in rests], dtype=np.int64)
+        rest_off = self.tokens.size + np.concatenate([[0], np.cumsum(rest_len)[:-1]]).astype(np.int64)
+        tokens = np.concatenate([self.tokens, *[r.astype(np.uint32) for r in rests]])
+        anchor = np.array([a.anchor for a in self.arts], dtype="S16")
+        meta = {
+            "v": VERSION,
+            "chunk_tokens": self.chunk_tokens,
+            "roots": self.root_meta,
+            "arts": [
+                [a.id, a.name, self.root_index[a.root], a.token_count, _REUSE.index(a.reuse), a.at] for a in self.arts
+            ],
+            "dead": sorted(set(dead) | self.superseded),
+        }
+        arrays = {
+            "node_key": self.node_key,
+            "parent": self.parent.astype("<i4"),
+            "tok_off": self.tok_off.astype("<i8"),
+            "tok_len": self.tok_len.astype("<i4"),
+            "tokens": tokens.astype("<u4"),
+            "art_node": self.art_node.astype("<i8"),
+            "anchor": anchor,
+            "rest_off": rest_off.astype("<i8")[: len(self.arts)],
+            "rest_len": rest_len.astype("<i8"),
+        }
+        return _pack(BASE_MAGIC, meta, arrays)
+
+
+def _kb(x) -> bytes:
+    """A 16-byte key read back from an ``S16`` array (numpy drops trailing zero bytes)."""
+    return bytes(x).ljust(KEY_BYTES, b"\0")
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def _bisect(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
+    """First position in [lo, hi) where ``pred`` turns false (``pred`` true then false along the range)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+# -- loading, cached per backend ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Loaded:
+    """The index as last read from one backend: the objects read, the merged state, the trie."""
+
+    seen: set[str]
+    state: _State
+    trie: _Trie
+    bytes_read: int
+    lazy: tuple[str, bytes] | None = None  # a lone base taken as it is: its artifacts carry no edges
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _index_objects(backend) -> dict[str, int]:
+    found = {}
+    for info in backend.list(PREFIX):
+        if _OBJECT.fullmatch(info.key):
+            found[info.key] = info.size
+    return found
+
+
+def load(backend, refresh: bool = True) -> Loaded:
+    """The index of ``backend``: the cached one when no index object changed, else re-read.
+
+    Only objects not read before are read (the index is a union: what was read stays true). An
+    object deleted between the listing and the read was folded into a newer base: list again.
+    """
+    with _LOCK:
+        cached = _CACHE.get(backend)
+    if cached is not None and not refresh:
+        return cached
+    for _ in range(20):
+        objects = _index_objects(backend)
+        known = cached.seen if cached is not None else set()
+        new = sorted(k for k in objects if k not in known)
+        if cached is not None and not new:
+            return cached
+        if cached is None and len(new) == 1 and new[0].startswith(BASES):  # compacted: take it as it is
+            data = backend.read_bytes(new[0])
+            if data is None:
+                continue
+            meta, arrays = _unpack(new[0], BASE_MAGIC, data)
+            trie = _Trie.from_base(new[0], meta, arrays)
+            dead = meta.get("dead")
+            if not isinstance(dead, list) or not all(isinstance(d, str) for d in dead):
+                raise IndexCorrupt(f"index object '{new[0]}' is corrupted (cancelled ids); rebuild the index")
+            state = _State(
+                trie.chunk_tokens, {a.id: a for a in trie.arts}, set(dead), {r["root"]: r for r in trie.root_meta}
+            )
+            loaded = Loaded({new[0]}, state, trie, len(data), (new[0], data))
+            with _LOCK:
+                _CACHE[backend] = loaded
+            return loaded
+        state = _State()
+        if cached is not None and cached.lazy is not None:  # decode the lone base in full, then merge
+            state.merge_object(*cached.lazy)
+        elif cached is not None:  # a copy: a concurrent reader may hold the cached one
+            old = cached.state
+            state = _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
+        read, vanished = 0, False
+        for key in sorted(new, key=lambda k: (not k.startswith(BASES), k)):  # bases first
+            data = backend.read_bytes(key)
+            if data is None:
+                vanished = True
+                break
+            read += len(data)
+            state.merge_object(key, data)
+        if vanished:
+            continue
+        for dead in state.dead & state.arts.keys():
+            state.arts.pop(dead)
+        loaded = Loaded(known | set(new), state, _Trie(state), (cached.bytes_read if cached else 0) + read)
+        with _LOCK:
+            _CACHE[backend] = loaded
+        return loaded
+    raise KvcdnError("the index kept changing while it was read; try again")
+
+
+def lookup(
+    backend,
+    root: str,
+    query_ids: Sequence[int] | np.ndarray,
+    start_tokens: int = 0,
+    limit: int = 10,
+    refresh: bool = True,
+) -> list[Hit]:
+    """Artifacts of ``root`` sharing the longest prefix with the query, best first (rank's order).
+
+    Returns the any-prefix artifacts sharing the longest prefix (up to ``limit``, fewest tokens
+    first) and every whole-prefix artifact the query contains whole. A prefix counts only past
+    ``start_tokens`` (the tokenizer's own start tokens are no match).
+    """
+    trie = load(backend, refresh).trie
+    hits = trie.lookup(root, _check_ids(query_ids), start_tokens, max(1, limit))
+    hits.sort(key=Hit.sort_key)
+    return hits[:limit]
+
+
+def roots(backend, refresh: bool = True) -> list[dict]:
+    """The roots in the index, each with the model, compute dtype and quantization that made it."""
+    return list(load(backend, refresh).trie.root_meta)
+
+
+def compact(backend, now: Callable[[], int] = time.time_ns) -> str:
+    """Fold every index object read into one new base, then delete those objects. Returns its key."""
+    loaded = load(backend)
+    key = f"{BASES}{int(now()):020d}-{uuid.uuid4().hex}.kvix"
+    backend.write_bytes(key, loaded.trie.to_base(loaded.state.dead))
+    for old in sorted(loaded.seen):
+        backend.delete(old)
+    with _LOCK:
+        if _CACHE.get(backend) is loaded:
+            _CACHE[backend] = dataclasses.replace(loaded, seen={key})
+    return key
+
+
+def rebuild(backend, artifacts: Iterable[tuple[Any, Sequence[int]]] | None = None) -> int:
+    """Replace the index with one built from the store's records (after a crash, or a damaged index).
+
+    ``artifacts`` yields (record, token ids); by default the chunk store's records and their ids.
+    Objects written while it runs survive (only those listed first are deleted). Returns the count.
+    """
+    stale = list(_index_objects(backend))
+    if artifacts is None:
+        from kvcdn_core.store.chunkstore import ChunkStore
+
+        store = ChunkStore(backend)
+        artifacts = ((rec, store.token_ids(rec.name)) for rec in store.records())
+    state = _State()
+    at = time.time_ns()
+    for record, token_ids in artifacts:
+        ids = _check_ids(token_ids)
+        op_id = uuid.uuid4().hex
+        chunk_tokens = state._chunk("rebuild", int(getattr(record, "chunk_tokens", chainkeys.CHUNK_TOKENS)))
+        state.roots.setdefault(str(record.root), {"root": str(record.root), **_describe(record)})
+        state.arts[op_id] = _art_from_ids(
+            op_id, str(record.name), str(record.root), str(record.reuse), at, ids, chunk_tokens
+        )
+    trie = _Trie(state)
+    key = f"{BASES}{at:020d}-{uuid.uuid4().hex}.kvix"
+    backend.write_bytes(key, trie.to_base(()))
+    for old in stale:
+        backend.delete(old)
+    with _LOCK:
+        _CACHE.pop(backend, None)
+    return len(trie.arts)
+
+
+def stats(backend) -> dict[str, int]:
+    """Sizes for reports: artifacts, nodes, index bytes in the store and in memory."""
+    loaded = load(backend)
+    stored = sum(_index_objects(backend).values())
+    return {
+        "artifacts": len(loaded.trie.arts),
+        "nodes": int(loaded.trie.node_key.size),
+        "stored_bytes": stored,
+        "memory_bytes": int(loaded.trie.nbytes),
+    }
