@@ -116,6 +116,19 @@ def read_costs(path: str | Path) -> list[Cost]:
     return sorted(costs, key=lambda c: (c.tokens, c.scheme != "none", c.scheme))
 
 
+def non_monotonic(costs: list[Cost]) -> list[str]:
+    """Lines for prefills that took longer at fewer tokens: a prefill costs more with every token,
+    so such a pair is noise in the measurement (a busy machine), not a property of the model."""
+    prefill = {c.tokens: c.c_prefill for c in costs if c.scheme == "none"} or {c.tokens: c.c_prefill for c in costs}
+    lengths = sorted(prefill)
+    return [
+        f"prefill at {a} tokens ({prefill[a]:.4g} s) took longer than at {b} tokens ({prefill[b]:.4g} s): "
+        "a noisy measurement; run the benchmark again with more --reps on a quieter machine"
+        for a, b in zip(lengths, lengths[1:])
+        if prefill[a] > prefill[b]
+    ]
+
+
 def check_max_n(max_n: int) -> None:
     if max_n < 2:
         raise KvcdnError(f"--max-n must be at least 2 (reuse means two calls or more), got {max_n}")
@@ -214,6 +227,9 @@ def render_figure(costs: list[Cost], max_n: int, title: str):
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         colors = [f"C{i % 10}" for i in range(len(lengths))]
+        # One marker shape per scheme: break-even points of one length share its prefill cost (the
+        # same height) and often sit near N = 1 together, so shapes keep them apart to the eye.
+        shapes = ["o", "s", "^", "D", "v", "P"]
         handles = []
         for length, color in zip(lengths, colors):
             group = [c for c in costs if c.tokens == length]
@@ -226,8 +242,8 @@ def render_figure(costs: list[Cost], max_n: int, title: str):
                     ax.plot(
                         [c.n_star],
                         [c.c_prefill],
-                        marker="o",
-                        ms=7,
+                        marker=shapes[schemes.index(c.scheme) % len(shapes)],
+                        ms=7 - 1.5 * (schemes.index(c.scheme) % 3),
                         color=color,
                         markeredgecolor="black",
                         zorder=5,

@@ -37,6 +37,7 @@ EXPECTED_COLUMNS = [
     "ttft_limit_s",
     "speedup_pipelined",
     "threads",
+    "model",
 ]
 
 

@@ -189,3 +189,18 @@ def test_a_local_model_path_gives_a_sane_default_name(cli, tmp_path, monkeypatch
     assert result.exit_code == 0, result.stderr
     (png,) = (tmp_path / "xdg-data" / "kvcdn" / "plot").glob("*.png")
     assert png.name.endswith("-tiny-qwen3-amortized-cost.png"), png.name
+
+
+def test_a_prefill_slower_at_fewer_tokens_is_flagged(cli, tmp_path):
+    """A 64-token prefill slower than a 128-token one is noise; the plot says so instead of drawing it quietly."""
+    csv_path = write_csv(
+        tmp_path / "noisy.csv", [(64, "none", 0.5, 0.05), (128, "none", 0.3, 0.06), (256, "none", 0.9, 0.1)]
+    )
+    result = cli("plot", "--csv-path", csv_path, "--out", tmp_path / "noisy.png", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert "warning: prefill at 64 tokens (0.5 s) took longer than at 128 tokens (0.3 s)" in result.stderr
+    data = json.loads(result.stdout)
+    assert len(data["non_monotonic"]) == 1 and "64 tokens" in data["non_monotonic"][0]
+    quiet = write_csv(tmp_path / "quiet.csv", [(64, "none", 0.2, 0.05), (128, "none", 0.3, 0.06)])
+    result = cli("plot", "--csv-path", quiet, "--out", tmp_path / "quiet.png", "--format", "json")
+    assert "took longer" not in result.stderr and json.loads(result.stdout)["non_monotonic"] == []

@@ -221,6 +221,7 @@ def _measure_load(
         load_unverified_s=med["load_unverified_s"],
         first_token_match=all(t == expected for t in tokens),
         spread={**spread, **stats},
+        model=session.model_ref,
     )
 
 

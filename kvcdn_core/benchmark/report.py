@@ -34,6 +34,7 @@ CSV_COLUMNS = (
     "ttft_limit_s",
     "speedup_pipelined",
     "threads",
+    "model",
 )
 
 

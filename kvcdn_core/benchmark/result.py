@@ -40,6 +40,7 @@ class BenchRow:
     load_unverified_s: float = 0.0  # the same load without the sha256 check: what hashing costs
     first_token_match: bool | None = None
     spread: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    model: str = ""  # the model reference the run loaded (the CSV's last column; plot titles name it)
 
     @property
     def plain_read_gbps(self) -> float:

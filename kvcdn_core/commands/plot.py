@@ -31,11 +31,14 @@ def command(csv_path, model, out, max_n, force, fmt):
     """
     from pathlib import Path
 
-    from kvcdn_core import plot
+    from kvcdn_core import notices, plot
 
     plot.check_max_n(max_n)
     source = Path(csv_path) if csv_path else plot.newest_csv(model)
     costs = plot.read_costs(source)
+    noisy = plot.non_monotonic(costs)
+    for line in noisy:
+        notices.warn(line)
     name = model or plot.model_in_csv(source)
     title = "Amortized cost per call vs reuse count N" + (f"\n{name}" if name else f"\n{source.name}")
     path = Path(out) if out else plot.default_png_path(name)
@@ -48,6 +51,7 @@ def command(csv_path, model, out, max_n, force, fmt):
                 "png": str(path),
                 "title": title,
                 "max_n": max_n,
+                "non_monotonic": noisy,
                 "rows": [c.as_dict(max_n) for c in costs],
             }
         )
