@@ -98,3 +98,20 @@ def test_confirming_a_large_upload_keeps_the_server_rss_bounded(storage, large, 
         assert done.status_code == 200, done.text
         assert done.json()["size_bytes"] == path.stat().st_size
         assert peak - idle <= BUDGET, f"the confirm took the server from {idle >> 20} to {peak >> 20} MiB"
+
+
+def test_the_benchmark_script_runs_every_case(tmp_path, capsys):
+    """benchmarks/confirm_memory.py as docs/deployment.md runs it, on tiny artifacts: every case
+    answers as it should (200s, a 422 for the wrong digest) and gets a row."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "confirm_memory.py"
+    spec = importlib.util.spec_from_file_location("confirm_memory", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tiny = str(1 / 1024)
+    argv = ["--sizes", tiny, "--bad", tiny, "--concurrent", "2", "--concurrent-size", tiny]
+    assert script.main([*argv, "--workdir", str(tmp_path / "work")]) == 0
+    table = capsys.readouterr().out.split("| case |", 1)[1].splitlines()
+    assert [row.split(" | ")[2] for row in table[2:]] == ["200", "422", "200, 200"]
+    assert not list((tmp_path / "work").glob("*.kv"))
