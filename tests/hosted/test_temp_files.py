@@ -146,6 +146,21 @@ def test_a_live_confirm_on_another_replica_keeps_its_copy_by_its_lease(s3_app, s
     assert store.collect()["temp_files"] == 0 and copy.exists()
 
 
+def test_a_secret_files_temp_left_by_a_crash_at_start_up_is_collected(s3_app):
+    """Creating a secret file writes ``.<name>.<hex>.tmp`` in the server's home first; a crash
+    there leaves it. Collected once older than the grace; the home's other files are not touched."""
+    store, _, _ = s3_app
+    home = Path(store.config.home)
+    left = home / ".admin-secret.0a1b2c3d.tmp"
+    left.write_text("half")
+    other = home / ".not-ours.0a1b2c3d.tmp"
+    other.write_text("keep")
+    _age(other, GRACE + 60)
+    assert store.collect()["temp_files"] == 0 and left.exists()
+    assert store.collect(now=time.time() + GRACE + 1)["temp_files"] == 1
+    assert not left.exists() and other.exists() and (home / "admin-secret").exists()
+
+
 FAST_GC = {"KVCDN_GC_INTERVAL": "0.2", "KVCDN_ORPHAN_GRACE": "1", "KVCDN_LEASE_SECONDS": "1"}
 
 

@@ -61,6 +61,9 @@ TEMP_PREFIX = ".put-"
 COPY_PREFIX = ".copy-"
 #: the state whose live lease keeps a temp file of each kind
 TEMP_OWNER = {TEMP_PREFIX: "uploading", COPY_PREFIX: "confirming"}
+#: what creating a secret file at start-up leaves in the server's home if the process dies
+#: mid-write (``config._secret_file``)
+SECRET_TEMP = re.compile(r"\.(api-key-seed|admin-secret|url-signing-key)\.[0-9a-f]{8}\.tmp")
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -735,13 +738,14 @@ class ArtifactStore:
     def _sweep_temp(self, before: float, now: float) -> int:
         """Remove temp files left by work that stopped (a crash mid-PUT or mid-confirm).
 
-        Where they are: ``.put-*`` next to the objects (local storage), and everything in the
-        server's tmp dir (``.put-*``, ``.copy-*``, and what an older version left there). One is
+        Where they are: ``.put-*`` next to the objects (local storage), everything in the server's
+        tmp dir (``.put-*``, ``.copy-*``, and what an older version left there), and a secret's
+        temp file in the server's home (a crash while it was created). One is
         removed when nothing in it changed since ``before`` (the orphan grace), no work of this
         process uses it, and its upload holds no live lease for the work that made it (a PUT, a
         confirm: another replica may be doing it).
         """
-        places = {self.tmp_dir: True}
+        places = {self.tmp_dir: True, Path(self.config.home): False}
         places.setdefault(self.temp_dir(), False)
         removed = 0
         for directory, everything in places.items():
@@ -751,7 +755,7 @@ class ArtifactStore:
                 continue
             for path in entries:
                 prefix = next((p for p in TEMP_OWNER if path.name.startswith(p)), None)
-                if prefix is None and not everything:
+                if prefix is None and not everything and not SECRET_TEMP.fullmatch(path.name):
                     continue
                 with self._using_lock:
                     if path in self._using:
