@@ -53,7 +53,7 @@ LIVE = ("pending", "uploading", "uploaded", "confirming", "ready")
 OPEN = ("pending", "uploaded")
 #: how long rows of failed/expired uploads stay, so that a client's retry learns what happened
 KEEP_DEAD_ROWS = 86400
-#: Every temp file the server makes is named for its upload, so the collector can tell whose it is:
+#: The server's temp files are named for their upload, so the collector can tell whose they are:
 #: a PUT in progress streams to ``.put-<id>-<random>`` (next to the objects on local storage, else in
 #: the server's tmp dir), and a local copy of an S3 object (checked at confirm, loaded for inference)
 #: is the directory ``.copy-<id>-<random>`` in the tmp dir.
