@@ -204,13 +204,38 @@ def check_file(path: str | os.PathLike[str]) -> Header:
     For readers that accept a file from outside and keep it (the hosted server's confirm-upload):
     any problem, structural, a tensor whose bytes do not hash to its manifest digest, or a negative
     token id, is an :class:`ArtifactError` (HTTP 422 there).
+
+    Memory stays bounded whatever the file's size (:mod:`kvcdn_core.stream_check`): the tensors are
+    hashed as the file streams past, and the token ids are checked a piece at a time.
     """
     header = read_header(path)
     bad = check_hashes(header)
     if bad:
         raise _fail(header.path, f"corrupted: {header.digest} mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
-    read_token_ids(header.path, header)
+    _check_token_ids(header)
     return header
+
+
+def _check_token_ids(h: Header, piece: int = 1 << 20) -> None:
+    """No negative token id, read ``piece`` bytes at a time (an upload may hold billions of ids)."""
+    entry = h.entries[TOKEN_IDS]
+    code = TOKEN_ID_CODES[entry["dtype"]]
+    start, end = entry["data_offsets"]
+    width = array(code).itemsize
+    piece -= piece % width
+    with open(h.path, "rb") as fh:
+        fh.seek(h.data_start + start)
+        left = end - start
+        while left:
+            raw = fh.read(min(piece, left))
+            if not raw or len(raw) % width:
+                raise _fail(h.path, "truncated while reading token ids")
+            ids = array(code, raw)
+            if sys.byteorder != "little":
+                ids.byteswap()
+            if min(ids) < 0:
+                raise _fail(h.path, f"corrupted: '{TOKEN_IDS}' holds a negative token id")
+            left -= len(raw)
 
 
 # What the pre-parse scan counts: a whole JSON string (unrolled, so re matches it in one pass), or
@@ -489,10 +514,15 @@ def read_token_ids(path: str | os.PathLike[str], header: Header | None = None) -
 
 
 def check_hashes(header: Header) -> list[str]:
-    """Re-hash every tensor the manifest lists; return the names whose digest differs."""
-    from kvcdn_core import tensor_io
+    """Re-hash every tensor the manifest lists; return the names whose digest differs.
 
-    return tensor_io.mismatched(header)
+    Streams the file through two small buffers (:mod:`kvcdn_core.stream_check`), so checking costs
+    a few MiB of memory whatever the file's size; :func:`load_tensors` is the path that keeps the
+    bytes.
+    """
+    from kvcdn_core import stream_check
+
+    return stream_check.mismatched(header)
 
 
 def load_tensors(

@@ -25,10 +25,16 @@ HEX = re.compile(r"[0-9a-f]{64}")
 def hexdigest(algorithm: str, data: Any, threads: int = 1) -> str:
     """The hex digest of ``data`` (any buffer). ``threads`` above 1 lets BLAKE3 spread one buffer
     over every core; SHA-256 always runs on one. Both release the GIL while they hash."""
+    return hasher(algorithm, threads, data).hexdigest()
+
+
+def hasher(algorithm: str, threads: int = 1, data: Any = b"") -> Any:
+    """An incremental hasher (``update``, ``hexdigest``) of ``algorithm``: what a check that reads
+    a tensor in pieces feeds. ``threads`` as in :func:`hexdigest`."""
     if algorithm == "blake3":
         import blake3
 
-        return blake3.blake3(data, max_threads=blake3.blake3.AUTO if threads > 1 else 1).hexdigest()
+        return blake3.blake3(data, max_threads=blake3.blake3.AUTO if threads > 1 else 1)
     if algorithm == "sha256":
-        return hashlib.sha256(data).hexdigest()
+        return hashlib.sha256(data)
     raise ValueError(f"unknown digest algorithm {algorithm!r}")

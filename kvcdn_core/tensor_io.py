@@ -230,12 +230,6 @@ def read_checked(header, verify_hashes: bool = True, direct: bool | None = None)
     return reader
 
 
-def mismatched(header, direct: bool | None = None) -> list[str]:
-    """Names of the tensors whose bytes do not hash to the manifest's digest."""
-    with TensorReader(header, direct) as reader:
-        return _read_hashing(reader, list(header.manifest["tensors"]))
-
-
 def _read_hashing(reader: TensorReader, names: list[str]) -> list[str]:
     futures: dict[str, Future] = {}
     pool = shared_pool("hash", hash_workers())

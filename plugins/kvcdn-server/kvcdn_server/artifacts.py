@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -52,8 +53,17 @@ LIVE = ("pending", "uploading", "uploaded", "confirming", "ready")
 OPEN = ("pending", "uploaded")
 #: how long rows of failed/expired uploads stay, so that a client's retry learns what happened
 KEEP_DEAD_ROWS = 86400
-#: temp files of PUTs in progress: ``.put-<id>-<random>``
+#: The server's temp files are named for their upload, so the collector can tell whose they are:
+#: a PUT in progress streams to ``.put-<id>-<random>`` (next to the objects on local storage, else in
+#: the server's tmp dir), and a local copy of an S3 object (checked at confirm, loaded for inference)
+#: is the directory ``.copy-<id>-<random>`` in the tmp dir.
 TEMP_PREFIX = ".put-"
+COPY_PREFIX = ".copy-"
+#: the state whose live lease keeps a temp file of each kind
+TEMP_OWNER = {TEMP_PREFIX: "uploading", COPY_PREFIX: "confirming"}
+#: what creating a secret file at start-up leaves in the server's home if the process dies
+#: mid-write (``config._secret_file``)
+SECRET_TEMP = re.compile(r"\.(api-key-seed|admin-secret|url-signing-key)\.[0-9a-f]{8}\.tmp")
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -157,6 +167,9 @@ class ArtifactStore:
         self.config = config
         self.local = isinstance(storage, LocalStorage)
         self.tmp_dir = Path(config.home) / "tmp"
+        # temp files this process is using: the collector leaves them alone, whatever their age
+        self._using: set[Path] = set()
+        self._using_lock = threading.Lock()
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -412,7 +425,9 @@ class ArtifactStore:
         self.storage.delete(upload_key(artifact_id))
         directory = self.temp_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{artifact_id}-", dir=directory)
+        with self._using_lock:  # created and marked at once: the collector never sees it unmarked
+            fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{artifact_id}-", dir=directory)
+            self._using.add(Path(tmp))
         os.close(fd)
         ok = False
         try:
@@ -428,6 +443,7 @@ class ArtifactStore:
                 raise self._refuse_state(self.row(artifact_id), "upload to")
         finally:
             Path(tmp).unlink(missing_ok=True)
+            self._done_using(Path(tmp))
             if not ok:
                 with self.db.begin() as c:
                     self._move(c, artifact_id, ("uploading",), "pending", lease_until=None)
@@ -570,15 +586,26 @@ class ArtifactStore:
 
     @contextlib.contextmanager
     def local_copy(self, key: str):
-        """A local path of the object (the file itself on local storage)."""
+        """A local path of the object (the file itself on local storage; else a copy in
+        ``tmp/.copy-<id>-<random>/``, removed on exit, or by the collector after a crash)."""
         if self.local:
             yield self.storage.path_of(key)
             return
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.tmp_dir) as tmp:
-            target = Path(tmp) / "object.kv"
+        with self._using_lock:
+            tmp = Path(tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{key.rpartition('/')[2]}-", dir=self.tmp_dir))
+            self._using.add(tmp)
+        try:
+            target = tmp / "object.kv"
             self.storage.get_file(key, target)
             yield target
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._done_using(tmp)
+
+    def _done_using(self, path: Path) -> None:
+        with self._using_lock:
+            self._using.discard(path)
 
     # -- deletion ----------------------------------------------------------------------------
 
@@ -604,16 +631,19 @@ class ArtifactStore:
 
     # -- garbage collection ------------------------------------------------------------------
 
-    def collect(self) -> dict[str, int]:
+    def collect(self, now: float | None = None) -> dict[str, int]:
         """Reclaim what the database says is dead; return counts of what went.
 
         - open uploads whose session expired → ``expired`` (reservation released, bytes removed);
         - PUTs and confirms whose lease ran out (their server died) → ``failed``, the same;
-        - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, PUT temp files,
-          and S3 multipart uploads no open upload owns, older than the orphan grace period;
+        - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, temp files (of
+          PUTs, and copies of S3 objects) no live work holds, and S3 multipart uploads no open
+          upload owns, older than the orphan grace period;
         - rows of failed/expired uploads after a day (until then a retry learns what happened).
+
+        ``now``: the clock (tests pass one instead of waiting).
         """
-        now = time.time()
+        now = time.time() if now is None else now
         counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "multipart": 0, "rows": 0}
         with self.reads.connect() as c:
             due = c.execute(
@@ -641,7 +671,7 @@ class ArtifactStore:
                 if artifact_id not in alive and self._dead_long_enough(artifact_id, now - grace):
                     self.storage.delete(key)
                     counts["objects"] += 1
-        counts["temp_files"] = self._sweep_temp(now - grace)
+        counts["temp_files"] = self._sweep_temp(now - grace, now)
         counts["multipart"] = self._abort_orphan_multiparts(now - grace)
         with self.db.begin() as c:
             counts["rows"] = c.execute(
@@ -705,21 +735,42 @@ class ArtifactStore:
                 aborted += 1
         return aborted
 
-    def _sweep_temp(self, before: float) -> int:
+    def _sweep_temp(self, before: float, now: float) -> int:
+        """Remove temp files left by work that stopped (a crash mid-PUT or mid-confirm).
+
+        Where they are: ``.put-*`` next to the objects (local storage), everything in the server's
+        tmp dir (``.put-*``, ``.copy-*``, and what an older version left there), and a secret's
+        temp file in the server's home (a crash while it was created). One is
+        removed when nothing in it changed since ``before`` (the orphan grace), no work of this
+        process uses it, and its upload holds no live lease for the work that made it (a PUT, a
+        confirm: another replica may be doing it).
+        """
+        places = {self.tmp_dir: True, Path(self.config.home): False}
+        places.setdefault(self.temp_dir(), False)
         removed = 0
-        directory = self.temp_dir()
-        if not directory.is_dir():
-            return 0
-        for path in directory.glob(f"{TEMP_PREFIX}*"):
-            artifact_id = path.name[len(TEMP_PREFIX) : len(TEMP_PREFIX) + 36]
-            row = self.row(artifact_id)
-            writing = row is not None and row.status == "uploading" and (row.lease_until or 0) >= time.time()
+        for directory, everything in places.items():
             try:
-                old = path.stat().st_mtime < before
+                entries = list(directory.iterdir())
             except FileNotFoundError:
                 continue
-            if old and not writing:
-                path.unlink(missing_ok=True)
+            for path in entries:
+                prefix = next((p for p in TEMP_OWNER if path.name.startswith(p)), None)
+                if prefix is None and not everything and not SECRET_TEMP.fullmatch(path.name):
+                    continue
+                with self._using_lock:
+                    if path in self._using:
+                        continue
+                if prefix is not None:
+                    row = self.row(path.name[len(prefix) : len(prefix) + 36])
+                    if row is not None and row.status == TEMP_OWNER[prefix] and (row.lease_until or 0) >= now:
+                        continue
+                changed = _last_change(path)
+                if changed is None or changed >= before:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
                 removed += 1
         return removed
 
@@ -738,6 +789,21 @@ class _NotYet(Exception):
     def __init__(self, error: ApiError):
         super().__init__(error.message)
         self.error = error
+
+
+def _last_change(path: Path) -> float | None:
+    """The newest modification time of ``path`` and, for a directory, of everything in it (a copy
+    being downloaded changes inside its directory); None when it is gone."""
+    try:
+        newest = path.lstat().st_mtime
+        if path.is_dir() and not path.is_symlink():
+            for root, dirs, files in os.walk(path):
+                for name in dirs + files:
+                    with contextlib.suppress(FileNotFoundError):
+                        newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    except FileNotFoundError:
+        return None
+    return newest
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -42,6 +42,9 @@ MIN_PART_SIZE = 5 * MIB  # S3's smallest part (all but the last)
 MAX_PART_SIZE = 5 * 1024 * MIB  # S3's largest part and largest single PUT
 MAX_PARTS = 10_000
 DEFAULT_PART_SIZE = 512 * MIB
+#: Threads of one download and the writes it may queue (of 256 KiB each; boto3's default is 100).
+DOWNLOAD_THREADS = 4
+DOWNLOAD_QUEUE = 16
 
 
 def _env(name: str) -> str | None:
@@ -146,9 +149,15 @@ class S3Storage(StorageBackend):
             raise _error(exc, f"upload of '{key}'") from None
 
     def get_file(self, key: str, target: Path) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        # What a download holds in memory is about its queue of pending writes (DOWNLOAD_QUEUE
+        # pieces of 256 KiB) and one piece per thread: a few MiB, whatever the object's size (the
+        # hosted server downloads every upload it checks, several at once).
+        config = TransferConfig(max_concurrency=DOWNLOAD_THREADS, max_io_queue=DOWNLOAD_QUEUE)
         try:
             with atomic_open(target) as out:
-                self.client.download_fileobj(self.bucket, self._key(key), out)
+                self.client.download_fileobj(self.bucket, self._key(key), out, Config=config)
         except Exception as exc:
             if _is_missing(exc):
                 raise ObjectNotFound(f"no object '{key}' in {self!r}") from None
