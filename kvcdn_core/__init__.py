@@ -48,6 +48,7 @@ _EXPORTS = {
     "LayerEntry": "kvcdn_core.manifest",
     "Manifest": "kvcdn_core.manifest",
     "reuse_of": "kvcdn_core.manifest",
+    "manifest_of": "kvcdn_core.manifest",
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",
     "is_linear_attention": "kvcdn_core.linear_attention",
@@ -129,7 +130,12 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         LINEAR_AND_FULL_ATTENTION as LINEAR_AND_FULL_ATTENTION,
         TOKEN_IDS as TOKEN_IDS,
     )
-    from kvcdn_core.manifest import LayerEntry as LayerEntry, Manifest as Manifest, reuse_of as reuse_of
+    from kvcdn_core.manifest import (
+        LayerEntry as LayerEntry,
+        Manifest as Manifest,
+        reuse_of as reuse_of,
+        manifest_of as manifest_of,
+    )
     from kvcdn_core.linear_attention import (
         LinearAttentionLayers as LinearAttentionLayers,
         is_linear_attention as is_linear_attention,

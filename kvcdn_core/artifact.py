@@ -101,6 +101,8 @@ class Header:
     data_start: int
     file_size: int
     format_version: int = FORMAT_VERSION
+    #: The manifest typed, made once by :func:`kvcdn_core.manifest.manifest_of` and kept here.
+    typed_manifest: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def token_count(self) -> int:

@@ -12,11 +12,20 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvcdn_core.artifact import COMPUTE_DTYPES, CROPPABLE_KINDS, STATE_KINDS
+from kvcdn_core.artifact import COMPUTE_DTYPES, CROPPABLE_KINDS, STATE_KINDS, Header
 
 ANY_PREFIX = "any_prefix"
 WHOLE_PREFIX = "whole_prefix"
-__all__ = ["ANY_PREFIX", "COMPUTE_DTYPES", "WHOLE_PREFIX", "LayerEntry", "Manifest", "ModelInfo", "reuse_of"]
+__all__ = [
+    "ANY_PREFIX",
+    "COMPUTE_DTYPES",
+    "WHOLE_PREFIX",
+    "LayerEntry",
+    "Manifest",
+    "ModelInfo",
+    "manifest_of",
+    "reuse_of",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,3 +146,12 @@ class Manifest:
         """``any_prefix`` when every layer can be cropped (and the writer did not say otherwise), else
         ``whole_prefix``: then only the whole artifact can be a prefix of a longer prompt."""
         return WHOLE_PREFIX if WHOLE_PREFIX in (reuse_of(self.layers), self.declared_reuse) else ANY_PREFIX
+
+
+def manifest_of(header: Header) -> Manifest:
+    """A read header's manifest, typed once: every later call with the same header returns the same
+    object, so a command that opens, checks and loads an artifact parses its manifest one time."""
+    if header.typed_manifest is None:
+        header.typed_manifest = Manifest.from_dict(header.manifest)
+    typed: Manifest = header.typed_manifest
+    return typed

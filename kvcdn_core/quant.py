@@ -32,7 +32,7 @@ from kvcdn_core.contracts.quantizer import (
     role_of,
 )
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import Manifest
+from kvcdn_core.manifest import Manifest, manifest_of
 from kvcdn_core.registry import claim_note, quantizer_for
 
 
@@ -195,7 +195,7 @@ class QuantizedLayers:
         import torch
 
         self.path = header.path
-        manifest = Manifest.from_dict(header.manifest)
+        manifest = manifest_of(header)
         q = manifest.quantization or {}
         try:
             version = int(q.get("version", 1))

@@ -18,7 +18,7 @@ from kvcdn_core import artifact as fmt
 from kvcdn_core.atomic import write_json_atomic
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.manifest import Manifest
+from kvcdn_core.manifest import manifest_of
 from kvcdn_core.quant import quantize_cache
 from kvcdn_core.registry import quantizer_classes
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
@@ -102,7 +102,7 @@ def quantize_artifact(
     q = result.manifest["quantization"]
     original, quantized = header.file_size, out.stat().st_size
     errors = {role: stats.as_dict() for role, stats in sorted(result.errors.items())}
-    model = Manifest.from_dict(header.manifest).model
+    model = manifest_of(header).model
     event = QuantEvent(
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         input=str(source),

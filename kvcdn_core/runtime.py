@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import kvcdn_core
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, ModelInfo, reuse_of
+from kvcdn_core.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, ModelInfo, manifest_of, reuse_of
 from kvcdn_core.model_files import architecture_of, fingerprint, fingerprint_differences, read_config, resolve_model_dir
 from kvcdn_core.progress import Progress
 from kvcdn_core.registry import adapter_for
@@ -215,9 +215,8 @@ def generate(
     return save_cache(session, cache, ids, context, path), ids
 
 
-def check_model(session: Session, manifest: dict, force: bool = False) -> None:
+def check_model(session: Session, typed: Manifest, force: bool = False) -> None:
     """Refuse an artifact made with another model (by fingerprint), unless ``force``."""
-    typed = Manifest.from_dict(manifest)
     want = typed.model
     problems = [f"{part} differs" for part in fingerprint_differences(dataclasses.asdict(want), session.fingerprint)]
     if problems and not force:
@@ -246,10 +245,10 @@ def load_cache(
     one, streaming measured slower than loading first); otherwise a full load. Both give the same
     tensors bit for bit.
     """
-    check_model(session, header.manifest, force)
-    manifest = header.manifest
-    layers = Manifest.from_dict(manifest).layers
-    convert = _converter(session, manifest["compute_dtype"], layers)
+    typed = manifest_of(header)
+    check_model(session, typed, force)
+    layers = typed.layers
+    convert = _converter(session, typed.compute_dtype, layers)
     if stream and session.adapter.streams_layers(layers):
         import torch
 
@@ -259,7 +258,7 @@ def load_cache(
         if workers:
             source = _layer_source(session, header, layers, convert)
             return _stream_cache(session, header, source, layers, verify_hashes, workers)
-    if manifest.get("quantization"):
+    if typed.quantization:
         from kvcdn_core.quant import dequantize_tensors
 
         tensors = dequantize_tensors(header, session.device, verify_hashes)

@@ -290,3 +290,21 @@ def test_serve_refuses_a_missing_local_model(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --models: model directory './missing' does not exist"
+
+
+def test_continue_parses_the_manifest_once(cli, qwen3_artifact, monkeypatch):
+    """`continue --kv-path` opens, checks and loads one artifact: its manifest is typed one time
+    (it was three: open_artifact, check_model and load_cache each parsed the header's dict)."""
+    from kvcdn_core.manifest import Manifest
+
+    calls = []
+    parse = Manifest.from_dict.__func__
+
+    def counting(cls, data):
+        calls.append(data.get("token_count"))
+        return parse(cls, data)
+
+    monkeypatch.setattr(Manifest, "from_dict", classmethod(counting))
+    result = cli("continue", "--kv-path", qwen3_artifact, "--n", "2", "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    assert len(calls) == 1, calls

@@ -98,7 +98,7 @@ def artifact_path(explicit: str | None, command: str, model: str, for_writing: b
 def open_artifact(path: Path, model: str | None, revision: str | None, device: str, dtype: str):
     """Read an artifact's header and load the model it names (or ``model``): ``(session, header)``."""
     from kvcdn_core import artifact, runtime
-    from kvcdn_core.manifest import Manifest
+    from kvcdn_core.manifest import manifest_of
 
     header = artifact.read_header(path)
-    return runtime.session_for_artifact(Manifest.from_dict(header.manifest), model, revision, device, dtype), header
+    return runtime.session_for_artifact(manifest_of(header), model, revision, device, dtype), header

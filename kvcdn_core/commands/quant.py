@@ -149,12 +149,10 @@ def command(
             header = artifact.read_header(source)
             if do_verify:  # load and check the model before anything is written
                 from kvcdn_core import runtime
-                from kvcdn_core.manifest import Manifest
+                from kvcdn_core.manifest import manifest_of
 
-                session = runtime.session_for_artifact(
-                    Manifest.from_dict(header.manifest), model, revision, device, dtype
-                )
-                runtime.check_model(session, header.manifest)
+                session = runtime.session_for_artifact(manifest_of(header), model, revision, device, dtype)
+                runtime.check_model(session, manifest_of(header))
         else:
             from kvcdn_core import artifact, runtime
 

@@ -17,7 +17,7 @@ import click
 
 from kvcdn_core.commands.common import read_text_file
 from kvcdn_core.errors import CheckFailed, KvcdnError
-from kvcdn_core.manifest import LayerEntry, Manifest
+from kvcdn_core.manifest import LayerEntry, manifest_of
 from kvcdn_core.render import emit_json, table_lines
 
 
@@ -96,7 +96,7 @@ def validate_one(session, report: ArchReport, workdir: Path, n: int, context: st
     run, results = run_validation(session, report.architecture, workdir, n, context, **options)
     report.phases.extend(results)
     if run.header is not None:
-        report.layers = list(Manifest.from_dict(run.header.manifest).layers)
+        report.layers = list(manifest_of(run.header).layers)
     report.proven = exercised(session.model.config, report.layers)
 
 

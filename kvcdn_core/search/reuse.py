@@ -14,7 +14,7 @@ from typing import Any
 from kvcdn_core import artifact as fmt
 from kvcdn_core import notices
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import Manifest
+from kvcdn_core.manifest import manifest_of
 from kvcdn_core.search.index import Warn
 from kvcdn_core.search.rank import Ranking, Search, common_prefix, usable_tokens
 
@@ -25,7 +25,7 @@ def session_for_search(found: Search, revision: str | None = None, device: str =
     from kvcdn_core import runtime
 
     best = found.ranking.best_usable
-    manifest = Manifest.from_dict(fmt.read_header(best.path).manifest) if best is not None else None
+    manifest = manifest_of(fmt.read_header(best.path)) if best is not None else None
     session = runtime.session_for_artifact(manifest, found.model_ref, revision, device, dtype)
     return session, found.retokenized(session.tokenizer, session.fingerprint)
 
@@ -92,14 +92,10 @@ def prefill_reusing(
         except ArtifactError as exc:
             warn(f"skipping {match.path}: {str(exc).removeprefix(str(match.path) + ': ')}")
             continue
-        usable = usable_tokens(
-            common_prefix(ids, query_ids), len(ids), len(query_ids), Manifest.from_dict(header.manifest).reuse
-        )
+        usable = usable_tokens(common_prefix(ids, query_ids), len(ids), len(query_ids), manifest_of(header).reuse)
         if usable > 0:
             if usable < len(ids):
-                cache = session.adapter.crop(
-                    cache, Manifest.from_dict(header.manifest).layers, usable, token_count=len(ids)
-                )
+                cache = session.adapter.crop(cache, manifest_of(header).layers, usable, token_count=len(ids))
             cache, logits = runtime.prefill(
                 session, list(query_ids[usable:]), chunk=chunk, progress=progress, cache=cache
             )

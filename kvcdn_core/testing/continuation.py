@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcdn_core.manifest import Manifest
+from kvcdn_core.manifest import manifest_of
 
 
 def context_ids(session, n_tokens: int) -> list[int]:
@@ -63,7 +63,7 @@ def assert_reusable_only_whole(session, header) -> None:
     from kvcdn_core.errors import KvcdnError
 
     restored, ids = runtime.load_cache(session, header)
-    layers = Manifest.from_dict(header.manifest).layers
+    layers = manifest_of(header).layers
     assert header.manifest["reuse"] == "whole_prefix"
     state = next(layer for layer in layers if not layer.croppable)
     _, before = session.adapter.export_cache(session.model, restored)

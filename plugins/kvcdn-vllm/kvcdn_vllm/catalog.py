@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from kvcdn_core import ArtifactError, KvcdnError, Manifest, fingerprint_differences, search
+from kvcdn_core import ArtifactError, KvcdnError, fingerprint_differences, manifest_of, search
 from kvcdn_core import artifact as fmt
 
 
@@ -99,7 +99,7 @@ class Catalog:
     def check(self, header: fmt.Header) -> None:
         """Raise :class:`ArtifactError` unless the artifact fits the engine's paged cache."""
         path, manifest, shape = header.path, header.manifest, self.shape
-        layers = Manifest.from_dict(manifest).layers
+        layers = manifest_of(header).layers
         kinds = sorted({layer.kind for layer in layers} - {fmt.FULL_ATTENTION})
         if kinds:
             raise ArtifactError(f"{path}: has {', '.join(kinds)} layers; vLLM loads full-attention caches only")
