@@ -243,6 +243,8 @@ def _check_against_header(where: str, record: ArtifactRecord) -> None:
             entry is not None and len(entry["shape"]) >= 2 and entry["shape"][-2] == record.token_count,
             f"chunked tensor '{name}' is not a [..., tokens, inner] tensor of the header",
         )
+    offsets = [header.entries[n]["data_offsets"][0] for n in record.chunked]
+    expect(offsets == sorted(offsets), "chunked tensors are not in file order")
     per_token = sum(math.prod(token_bytes(header, n)) for n in record.chunked)
     if record.chunked and record.token_count:
         full, rest = divmod(record.token_count, record.chunk_tokens)
