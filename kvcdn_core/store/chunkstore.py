@@ -165,12 +165,16 @@ class ChunkStore:
         backend: StorageBackend,
         clock: Callable[[], float] = time.time,
         pending_ttl: float = PENDING_TTL,
+        chunk_tokens: int | None = None,
     ):
         if getattr(type(backend), "stores", "bytes") != "bytes":
             raise KvcdnError(f"{backend!r} keeps only .kv artifacts; a chunk store needs a backend that stores bytes")
         self.backend = backend
         self.clock = clock
         self.pending_ttl = pending_ttl
+        #: tokens per chunk of the puts (None: :data:`kvcdn_core.store.keys.CHUNK_TOKENS`); a
+        #: store mixing sizes stays correct (each record says its own) but shares nothing across them
+        self.chunk_tokens = chunk_tokens
 
     # -- records -----------------------------------------------------------------------------------
 
@@ -229,7 +233,7 @@ class ChunkStore:
     def put(self, path: str | os.PathLike[str], name: str | None = None, force: bool = False) -> PutReport:
         """Store the `.kv` file at ``path`` as ``name`` (default: the file's stem)."""
         from kvcdn_core import artifact
-        from kvcdn_core.store import pack
+        from kvcdn_core.store import keys, pack
 
         path = Path(path)
         name = check_name(name if name is not None else pack.file_stem(path))
@@ -237,7 +241,7 @@ class ChunkStore:
             raise KvcdnError(f"artifact '{name}' exists in the store; pass --force to replace it")
         header = artifact.check_file(path)  # structure, every tensor's digest, the token ids
         ids = artifact.read_token_ids(path, header)
-        cutter = pack.Cutter(header, ids)
+        cutter = pack.Cutter(header, ids, self.chunk_tokens or keys.CHUNK_TOKENS)
         planned = list(cutter.pieces())
         pieces = [p for p, _ in planned]
         marker = f"{PENDING}{uuid.uuid4().hex}.json"
