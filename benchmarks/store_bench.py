@@ -148,7 +148,9 @@ def chat(session, work: Path, turns: int, rng: random.Random) -> None:
     final = paths[-1].stat().st_size
     today = sum(p.stat().st_size for p in paths)
     print(f"\n(b) a {turns}-turn conversation, every turn saved ({len(ids):,} tokens at the end)")
-    print(f"    {'chunk':>6} {'stored':>12} {'/ final':>8} {'chunks':>10} {'partials':>10} {'tails':>10} {'records':>10}")
+    print("    chunk: tokens per chunk; final: the chunks the final turn holds; partials: the other turns'")
+    print("    partial last chunks; tails: every turn's tail (its token ids)")
+    print(f"    {'chunk':>6} {'stored':>12} {'/ final':>8} {'final':>10} {'partials':>10} {'tails':>10} {'records':>10}")
     print(f"    {'today':>6} {mb(today):>12} {today / final:>7.2f}x")
     for chunk_tokens in (256, 64, 16):
         store, reports, _ = put_all(paths, work / f"store-chat-{chunk_tokens}", chunk_tokens)
@@ -161,7 +163,7 @@ def chat(session, work: Path, turns: int, rng: random.Random) -> None:
             c.bytes for r in records for c in r.chunks if c.tokens < chunk_tokens and c.digest not in final_chunks
         )
         print(
-            f"    {chunk_tokens:>6} {mb(b['stored']):>12} {b['stored'] / final:>7.2f}x {mb(b['chunk_bytes'] - tails):>10} "
+            f"    {chunk_tokens:>6} {mb(b['stored']):>12} {b['stored'] / final:>7.2f}x {mb(b['chunk_bytes'] - tails - partials):>10} "
             f"{mb(partials):>10} {mb(tails):>10} {mb(b['record_bytes']):>10}"
         )
     print(f"    final conversation's own .kv: {mb(final)}; goal: stored <= 1.3x of it")

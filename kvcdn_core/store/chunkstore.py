@@ -443,7 +443,7 @@ class ChunkStore:
 
     def check(self, now: float | None = None) -> CheckReport:
         """Every chunk against its digest, every record's references; orphans counted (GC's work)."""
-        from kvcdn_core.store import pack
+        from kvcdn_core.digests import hexdigest
 
         now = self.clock() if now is None else now
         problems: list[str] = []
@@ -456,7 +456,7 @@ class ChunkStore:
             data = self.backend.read_bytes(info.key)
             if data is None:  # deleted meanwhile (a GC)
                 continue
-            if pack.digest_of(data) != digest:
+            if hexdigest("blake3", data) != digest:
                 problems.append(f"chunk {digest} is corrupted (its bytes do not hash to its name)")
             chunks[digest] = len(data)
         records = self.records(on_error=problems.append)
