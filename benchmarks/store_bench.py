@@ -132,8 +132,10 @@ def rag(session, work: Path, n: int, rng: random.Random) -> None:
     print(f"    stored / unique chunks' bytes          {b['stored'] / b['chunk_bytes']:.3f}x  (goal <= 1.1x)")
     print(f"    stored / ideal unique tokens' cache    {b['stored'] / (per_token * unique_tokens):.3f}x")
     print(f"    today / stored                         {today / b['stored']:.1f}x")
-    print(f"    put of {n} artifacts: {seconds:.1f} s, moved {mb(sum(r.bytes_moved for r in reports))}, "
-          f"saved {mb(sum(r.bytes_saved for r in reports))}")
+    print(
+        f"    put of {n} artifacts: {seconds:.1f} s, moved {mb(sum(r.bytes_moved for r in reports))}, "
+        f"saved {mb(sum(r.bytes_saved for r in reports))}"
+    )
 
 
 def chat(session, work: Path, turns: int, rng: random.Random) -> None:
@@ -150,7 +152,9 @@ def chat(session, work: Path, turns: int, rng: random.Random) -> None:
     print(f"\n(b) a {turns}-turn conversation, every turn saved ({len(ids):,} tokens at the end)")
     print("    chunk: tokens per chunk; final: the chunks the final turn holds; partials: the other turns'")
     print("    partial last chunks; tails: every turn's tail (its token ids)")
-    print(f"    {'chunk':>6} {'stored':>12} {'/ final':>8} {'final':>10} {'partials':>10} {'tails':>10} {'records':>10}")
+    print(
+        f"    {'chunk':>6} {'stored':>12} {'/ final':>8} {'final':>10} {'partials':>10} {'tails':>10} {'records':>10}"
+    )
     print(f"    {'today':>6} {mb(today):>12} {today / final:>7.2f}x")
     for chunk_tokens in (256, 64, 16):
         store, reports, _ = put_all(paths, work / f"store-chat-{chunk_tokens}", chunk_tokens)

@@ -35,7 +35,9 @@ def unpacked(store_dir, source, tmp_path):
 
 
 def verify(cli, path, model, n=8):
-    result = cli("verify", "--kv-path", path, "--model", model, "--question", QUESTION, "--n", n, "-q", "--format", "json")
+    result = cli(
+        "verify", "--kv-path", path, "--model", model, "--question", QUESTION, "--n", n, "-q", "--format", "json"
+    )
     assert result.exit_code in (0, 1), result.stderr
     return json.loads(result.stdout)
 
@@ -71,8 +73,18 @@ def test_smollm2_real_weights_token_exact_from_the_store(tmp_path, cli):
     out, record = unpacked(tmp_path / "store", source, tmp_path)
     assert len(record.chunks) >= 2
     result = cli(
-        "verify", "--kv-path", out, "--model", model, "--question", "\n\nQ: What happened in 1887?\nA:", "--n", 32,
-        "-q", "--format", "json",
+        "verify",
+        "--kv-path",
+        out,
+        "--model",
+        model,
+        "--question",
+        "\n\nQ: What happened in 1887?\nA:",
+        "--n",
+        32,
+        "-q",
+        "--format",
+        "json",
     )
     got = json.loads(result.stdout)
     assert result.exit_code == 0 and got["status"] == "PASS" and got["matches"] == 32, got

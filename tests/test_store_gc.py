@@ -66,7 +66,9 @@ def test_a_pending_marker_protects_its_chunks_until_it_expires(tmp_path, family)
     digests = store.record("base").digests
     store.delete("base")
     # a put in progress (its marker written, its record not yet) will reference base's chunks
-    store.backend.write_bytes("pending/p1.json", f'{{"created": {NOW}, "name": "x", "digests": {digests!r}}}'.replace("'", '"').encode())
+    store.backend.write_bytes(
+        "pending/p1.json", f'{{"created": {NOW}, "name": "x", "digests": {digests!r}}}'.replace("'", '"').encode()
+    )
     clock[0] = NOW + PENDING_TTL - 1
     assert store.gc().chunks_deleted == 0
     assert store.check().orphans == 0 and store.check().pending == 1

@@ -119,7 +119,9 @@ def inspect(name, uri, fmt):
     }
 
     def table(d):
-        click.echo(f"{d['name']}: {d['tokens']} tokens, {_mb(d['file_bytes'])}, reuse {d['reuse']}, model {d['model'].get('id')}")
+        click.echo(
+            f"{d['name']}: {d['tokens']} tokens, {_mb(d['file_bytes'])}, reuse {d['reuse']}, model {d['model'].get('id')}"
+        )
         click.echo(
             f"{len(record.chunks)} chunk(s) of {d['chunk_tokens']} tokens over {d['chunked_tensors']} tensor(s), "
             f"{d['shared_chunks']} shared with other artifacts"

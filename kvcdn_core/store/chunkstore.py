@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcdn_core.contracts.storage import ObjectNotFound, StorageBackend
-from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.errors import KvcdnError
 from kvcdn_core.store.record import HEX64, NAME, ArtifactRecord
 
 CHUNKS = "chunks/"
@@ -254,7 +254,9 @@ class ChunkStore:
                 if piece.digest in seen or self.backend.exists(chunk_key(piece.digest)):
                     saved += piece.size
                     continue
-                self.backend.write_bytes(chunk_key(piece.digest), pack.checked(gather(), piece.digest, piece.size, name))
+                self.backend.write_bytes(
+                    chunk_key(piece.digest), pack.checked(gather(), piece.digest, piece.size, name)
+                )
                 seen.add(piece.digest)
                 moved += piece.size
                 new += piece.key is not None
@@ -265,7 +267,9 @@ class ChunkStore:
             moved += len(body)
             for piece, gather in planned:  # a GC may have taken a chunk we found present: put it back
                 if not self.backend.exists(chunk_key(piece.digest)):
-                    self.backend.write_bytes(chunk_key(piece.digest), pack.checked(gather(), piece.digest, piece.size, name))
+                    self.backend.write_bytes(
+                        chunk_key(piece.digest), pack.checked(gather(), piece.digest, piece.size, name)
+                    )
                     moved += piece.size
             index = _index()
             if index is not None:
@@ -336,7 +340,7 @@ class ChunkStore:
     def chunk_table(self, name: str) -> tuple[ArtifactRecord, list[dict[str, Any]]]:
         """An artifact's chunks (and tail), each with how many other artifacts reference it."""
         record = self.record(name)
-        others = collections.Counter()
+        others: collections.Counter[str] = collections.Counter()
         for r in self.records(on_error=lambda _msg: None):
             if r.name != name:
                 others.update(set(r.digests))
@@ -468,7 +472,9 @@ class ChunkStore:
                 if digest not in chunks:
                     problems.append(f"artifact '{r.name}' references missing chunk {digest}")
                 elif chunks[digest] != size:
-                    problems.append(f"artifact '{r.name}' expects {size} bytes of chunk {digest}, it has {chunks[digest]}")
+                    problems.append(
+                        f"artifact '{r.name}' expects {size} bytes of chunk {digest}, it has {chunks[digest]}"
+                    )
         protected, live, _ = self._pending(now)
         orphans = {d: s for d, s in chunks.items() if d not in referenced and d not in protected}
         trash = len(self.backend.list(TRASH))

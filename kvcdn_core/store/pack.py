@@ -14,6 +14,7 @@ numpy views over a memory map of the file: one chunk's bytes are gathered at a t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -114,7 +115,7 @@ class Cutter:
         for i, key in enumerate(self.chain):
             data = self.chunk(i)
             t0, t1 = self.bounds[i]
-            yield Piece(key, t1 - t0, digest_of(data), len(data)), lambda i=i: self.chunk(i)
+            yield Piece(key, t1 - t0, digest_of(data), len(data)), functools.partial(self.chunk, i)
             del data
         if self.tail:
             data = self.tail_bytes()
@@ -195,7 +196,9 @@ def rebuild(record: ArtifactRecord, fetch: Callable[[str, int], bytes], target: 
                 offset = 0
                 for name in tail:
                     start, end = header.entries[name]["data_offsets"]
-                    out[base + start : base + end] = np.frombuffer(data, dtype=np.uint8, count=end - start, offset=offset)
+                    out[base + start : base + end] = np.frombuffer(
+                        data, dtype=np.uint8, count=end - start, offset=offset
+                    )
                     offset += end - start
                 del data
             out.flush()
