@@ -185,3 +185,40 @@ def test_token_ids_come_from_the_tail(store, tmp_path):
     write_kinds(path, ["sliding_window", "full_attention"], TOKENS)
     store.put(path, "a")
     assert store.token_ids("a") == artifact.read_token_ids(path)
+
+
+def test_put_and_get_hold_about_one_chunk_in_memory(store, tmp_path):
+    """A 4,096-token artifact of 16 MB goes in and out holding a few 1 MB chunks at most (the file
+    is read through a memory map and rebuilt in place), not the whole file."""
+    import tracemalloc
+
+    import torch
+
+    tokens = 4096
+    path = tmp_path / "big.kv"
+    manifest = {
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-12-01T00:00:00+00:00",
+        "model": {"id": "example/tiny", "architecture": "Qwen3ForCausalLM"},
+        "compute_dtype": "float32",
+        "layers": [{"index": 0, "kind": "full_attention", "tensors": {"key": "k", "value": "v"}}],
+        "quantization": None,
+    }
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(1, 8, tokens, 64, generator=gen) for n in ("k", "v")}
+    artifact.write_artifact(path, manifest, {**tensors, artifact.TOKEN_IDS: torch.arange(tokens)})
+    del tensors
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        store.put(path, "big")
+        _, put_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        store.get("big", tmp_path / "out.kv")
+        _, get_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    chunk = store.record("big").chunks[0].bytes
+    assert chunk == 1 << 20 and size > 16 * chunk
+    assert put_peak < 4 * chunk and get_peak < 4 * chunk, (put_peak, get_peak)
+    assert (tmp_path / "out.kv").read_bytes() == path.read_bytes()

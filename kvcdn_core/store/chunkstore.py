@@ -239,9 +239,10 @@ class ChunkStore:
         name = check_name(name if name is not None else pack.file_stem(path))
         if not force and self.backend.exists(record_key(name)):
             raise KvcdnError(f"artifact '{name}' exists in the store; pass --force to replace it")
-        header = artifact.check_file(path)  # structure, every tensor's digest, the token ids
+        header = artifact.read_header(path)
         ids = artifact.read_token_ids(path, header)
         cutter = pack.Cutter(header, ids, self.chunk_tokens or keys.CHUNK_TOKENS)
+        cutter.check_digests()  # a store keeps only what the file's manifest promises
         planned = list(cutter.pieces())
         pieces = [p for p, _ in planned]
         marker = f"{PENDING}{uuid.uuid4().hex}.json"
