@@ -103,7 +103,7 @@ class Cutter:
         bad = []
         for name, spec in h.manifest["tensors"].items():
             start, end = h.entries[name]["data_offsets"]
-            view = memoryview(self.data[h.data_start + start : h.data_start + end])
+            view = self.data[h.data_start + start : h.data_start + end]
             if digests.hexdigest(h.digest, view, threads=2) != spec[h.digest]:
                 bad.append(name)
         if bad:
