@@ -222,3 +222,57 @@ def test_put_and_get_hold_about_one_chunk_in_memory(store, tmp_path):
     assert chunk == 1 << 20 and size > 16 * chunk
     assert put_peak < 4 * chunk and get_peak < 4 * chunk, (put_peak, get_peak)
     assert (tmp_path / "out.kv").read_bytes() == path.read_bytes()
+
+
+def test_check_finds_chunk_keys_that_are_not_the_token_ids(store, tmp_path):
+    """The prefix index trusts a record's keys: check recomputes them from the header and the ids."""
+    path = tmp_path / "a.kv"
+    write_kinds(path, ["full_attention"], TOKENS)
+    store.put(path, "a")
+    assert store.check().ok
+    record = json.loads(store.backend.read_bytes(record_key("a")))
+    record["chunks"][0]["key"], record["chunks"][1]["key"] = record["chunks"][1]["key"], record["chunks"][0]["key"]
+    store.backend.write_bytes(record_key("a"), json.dumps(record).encode())
+    assert store.check().problems == ["artifact 'a': its chunk keys are not those of its token ids"]
+    record["chunks"][0]["key"], record["chunks"][1]["key"] = record["chunks"][1]["key"], record["chunks"][0]["key"]
+    record["root"] = "0" * 64
+    store.backend.write_bytes(record_key("a"), json.dumps(record).encode())
+    assert store.check().problems == ["artifact 'a': its root key is not that of its model and representation"]
+
+
+def test_a_record_whose_model_is_not_its_headers_is_refused(store, tmp_path):
+    path = tmp_path / "a.kv"
+    write_kinds(path, ["full_attention"], TOKENS)
+    store.put(path, "a")
+    record = json.loads(store.backend.read_bytes(record_key("a")))
+    record["model"]["id"] = "someone/else"
+    store.backend.write_bytes(record_key("a"), json.dumps(record).encode())
+    with pytest.raises(ArtifactError, match="model differs from the header's"):
+        store.record("a")
+
+
+def test_put_and_delete_keep_the_prefix_index(store, tmp_path, monkeypatch):
+    """put adds the artifact to the prefix index with its token ids; a forced put replaces the old
+    entries; delete removes them after the record (a stand-in module records the calls)."""
+    import sys
+    import types
+
+    calls = []
+    index = types.ModuleType("kvcdn_core.store.index")
+    index.add = lambda backend, record, ids: calls.append(("add", record.name, len(record.chunks), list(ids)))
+    index.remove = lambda backend, record, ids: calls.append(
+        ("remove", record.name, backend.exists(record_key(record.name)), list(ids))
+    )
+    monkeypatch.setitem(sys.modules, "kvcdn_core.store.index", index)
+    path = tmp_path / "a.kv"
+    write_kinds(path, ["full_attention"], TOKENS)
+    ids = artifact.read_token_ids(path)
+    store.put(path, "a")
+    store.put(path, "a", force=True)
+    store.delete("a")
+    assert calls == [
+        ("add", "a", 3, ids),
+        ("remove", "a", True, ids),  # the old entries, before the new record's are added
+        ("add", "a", 3, ids),
+        ("remove", "a", False, ids),  # after the record is gone
+    ]

@@ -476,6 +476,11 @@ class ChunkStore:
                     problems.append(
                         f"artifact '{r.name}' expects {size} bytes of chunk {digest}, it has {chunks[digest]}"
                     )
+        for r in records:
+            if r.chunks and all(d in chunks for d in r.digests):
+                problem = self._key_problem(r)
+                if problem:
+                    problems.append(problem)
         protected, live, _ = self._pending(now)
         orphans = {d: s for d, s in chunks.items() if d not in referenced and d not in protected}
         trash = len(self.backend.list(TRASH))
@@ -489,6 +494,21 @@ class ChunkStore:
             trash,
             problems,
         )
+
+    def _key_problem(self, record: ArtifactRecord) -> str | None:
+        """What is wrong with a record's root and chain keys, if anything: they must be those of its
+        header (model, representation) and token ids, since the prefix index trusts them."""
+        from kvcdn_core.store import keys, pack
+
+        if record.root != pack.root_of(record.parsed_header().manifest, record.chunk_tokens):
+            return f"artifact '{record.name}': its root key is not that of its model and representation"
+        try:
+            ids = self.token_ids(record.name)
+        except KvcdnError as exc:
+            return str(exc)
+        if [c.key for c in record.chunks] != keys.chain(record.root, ids, record.chunk_tokens):
+            return f"artifact '{record.name}': its chunk keys are not those of its token ids"
+        return None
 
 
 def _marker(data: bytes | None) -> tuple[float, list[str]] | None:

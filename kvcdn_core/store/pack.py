@@ -27,7 +27,7 @@ from kvcdn_core import artifact
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.store import keys
-from kvcdn_core.store.record import ArtifactRecord, ChunkRef, TailRef, token_bytes
+from kvcdn_core.store.record import MODEL_KEYS, ArtifactRecord, ChunkRef, TailRef, token_bytes
 
 
 def digest_of(data: bytes | memoryview) -> str:
@@ -65,6 +65,12 @@ def header_text(path: Path, header: artifact.Header) -> str:
     return raw.decode("utf-8")
 
 
+def root_of(manifest: dict, chunk_tokens: int = keys.CHUNK_TOKENS) -> str:
+    """The root key of an artifact's chains: its model fingerprint, representation and chunk size."""
+    rep = keys.representation(manifest["compute_dtype"], manifest.get("quantization"))
+    return keys.root_key(manifest["model"], rep, chunk_tokens)
+
+
 @dataclasses.dataclass
 class Piece:
     """One object to store: a chunk (``key`` set) or the tail (``key`` None)."""
@@ -84,10 +90,7 @@ class Cutter:
         self.chunked = chunked_names(header)
         self.tail = tail_names(header, self.chunked)
         self.data = np.memmap(header.path, dtype=np.uint8, mode="r")
-        manifest = header.manifest
-        self.root = keys.root_key(
-            manifest["model"], keys.representation(manifest["compute_dtype"], manifest.get("quantization"))
-        )
+        self.root = root_of(header.manifest, chunk_tokens)
         tokens = header.token_count
         self.chain = keys.chain(self.root, token_ids, chunk_tokens) if self.chunked and tokens else []
         self.bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
@@ -151,7 +154,7 @@ def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, p
         chunk_tokens=cutter.chunk_tokens,
         token_count=header.token_count,
         reuse=Manifest.from_dict(header.manifest).reuse,
-        model={k: model.get(k) for k in ("architecture", "config_sha256", "tokenizer_sha256", "weights_sha256", "id")},
+        model={k: model.get(k) for k in MODEL_KEYS},
         chunked=tuple(cutter.chunked),
         chunks=tuple(ChunkRef(p.key, p.digest, p.tokens, p.size) for p in pieces if p.key is not None),
         tail=TailRef(tail.digest, tail.size) if tail else None,
