@@ -224,3 +224,31 @@ def test_concurrent_puts_deletes_and_gcs_that_share_chunks(tmp_path, family):
     assert store.check().orphans == 0
     for name in remaining:
         assert exact(store, name, family[name], tmp_path), name
+
+
+def test_gc_refuses_to_run_past_an_unreadable_record(tmp_path, family, cli):
+    """A record GC cannot read may reference any chunk: GC deletes nothing and says which record."""
+    store = ChunkStore(LocalStorage(tmp_path / "store"))
+    store.put(family["base"], "base")
+    store.put(family["turn0"], "turn0")
+    store.backend.write_bytes("artifacts/turn0.json", b'{"format": "kvcdn-chunked", "version": 1')
+    store.delete("base")
+    before = store.backend.list("chunks/")
+    result = cli("store", "gc", "--store", tmp_path / "store")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "gc refused: record 'turn0'" in result.stderr
+    assert store.backend.list("chunks/") == before
+    listed = cli("store", "ls", "--store", tmp_path / "store")
+    assert listed.exit_code == 0 and "warning: record 'turn0'" in listed.stderr
+    checked = cli("store", "check", "--store", tmp_path / "store")
+    assert checked.exit_code == 1 and "record 'turn0': corrupted" in checked.stdout
+
+
+def test_a_store_needs_a_backend_that_keeps_bytes():
+    from kvcdn_core.errors import KvcdnError
+
+    class KvOnly(LocalStorage):
+        stores = "kv"
+
+    with pytest.raises(KvcdnError, match="keeps only .kv artifacts"):
+        ChunkStore(KvOnly("/nonexistent"))
