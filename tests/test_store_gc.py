@@ -252,3 +252,21 @@ def test_a_store_needs_a_backend_that_keeps_bytes():
 
     with pytest.raises(KvcdnError, match="keeps only .kv artifacts"):
         ChunkStore(KvOnly("/nonexistent"))
+
+
+def test_gc_on_a_backend_without_rename(tmp_path, family):
+    class NoRename(LocalStorage):
+        """Like the hosted backend: declares rename unsupported, and refuses it."""
+
+        unsupported = frozenset({"rename"})
+
+        def rename(self, source_key, target_key):
+            self.require("rename")
+
+    store = ChunkStore(NoRename(tmp_path / "store"))
+    store.put(family["base"], "base")
+    store.put(family["turn0"], "turn0")
+    store.delete("base")
+    assert store.gc().chunks_deleted == 2
+    assert store.check().ok and store.check().orphans == 0
+    assert exact(store, "turn0", family["turn0"], tmp_path)

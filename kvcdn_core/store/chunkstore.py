@@ -398,6 +398,17 @@ class ChunkStore:
         records = self.records(on_error=refuse)
         return {d for r in records for d in r.digests}, len(records)
 
+    def _move(self, source: str, target: str) -> None:
+        """Rename an object, or copy and delete it on a backend without rename (a chunk is small)."""
+        if "rename" not in type(self.backend).unsupported:
+            self.backend.rename(source, target)
+            return
+        data = self.backend.read_bytes(source)
+        if data is None:
+            raise ObjectNotFound(f"no object '{source}'")
+        self.backend.write_bytes(target, data)
+        self.backend.delete(source)
+
     def gc(self, now: float | None = None) -> GcReport:
         """Delete every chunk no record and no live pending marker references (see the module doc)."""
         now = self.clock() if now is None else now
@@ -417,7 +428,7 @@ class ChunkStore:
                 continue
             trash = f"{TRASH}{run}/{digest}"
             try:
-                self.backend.rename(info.key, trash)
+                self._move(info.key, trash)
             except ObjectNotFound:  # another GC took it first
                 continue
             moved.append((trash, digest))
@@ -430,7 +441,7 @@ class ChunkStore:
         for trash, digest in moved:
             if digest in keep:
                 try:
-                    self.backend.rename(trash, chunk_key(digest))
+                    self._move(trash, chunk_key(digest))
                     restored += 1
                 except ObjectNotFound:
                     pass
