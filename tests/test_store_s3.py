@@ -104,3 +104,54 @@ def test_the_store_commands(where, request, pair, tmp_path, cli):
     assert refused.exit_code == 2 and "exists in the store; pass --force" in refused.stderr
     missing = cli("store", "get", "nope", "--store", uri)
     assert missing.exit_code == 2 and refused.stderr.count("\n") == 1
+
+
+def test_concurrent_puts_deletes_and_gc_on_s3(s3_uri, tmp_path):
+    """Threads putting and deleting artifacts that share a prefix while GCs run, on S3."""
+    import threading
+
+    base = tmp_path / "base.kv"
+    tensors = write_kinds(base, ["full_attention"], 600, seed=1)
+    shared = {k: (v[..., :520, :] if v.dim() >= 2 else v[:520]) for k, v in tensors.items()}
+    paths = {"base": base}
+    for i in range(3):
+        paths[f"turn{i}"] = tmp_path / f"turn{i}.kv"
+        write_kinds(paths[f"turn{i}"], ["full_attention"], 560 + 40 * i, seed=5 + i, prefix_of=shared)
+    backend = open_storage(s3_uri)
+    errors = []
+    start = threading.Barrier(len(paths) + 1)
+
+    def worker(name):
+        try:
+            store = ChunkStore(backend)
+            start.wait()
+            for round_ in range(2):
+                store.put(paths[name], name, force=True)
+                if round_ == 0 or name == "turn1":
+                    store.delete(name)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def collector():
+        try:
+            start.wait()
+            for _ in range(3):
+                ChunkStore(backend).gc()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in paths] + [threading.Thread(target=collector)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store = ChunkStore(backend)
+    assert sorted(store.names()) == ["base", "turn0", "turn2"]
+    store.gc()
+    check = store.check()
+    assert check.ok and check.orphans == 0, check.problems
+    for name in store.names():
+        out = tmp_path / f"{name}.got.kv"
+        store.get(name, out)
+        assert out.read_bytes() == paths[name].read_bytes(), name
