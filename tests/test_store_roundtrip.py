@@ -276,3 +276,11 @@ def test_put_and_delete_keep_the_prefix_index(store, tmp_path, monkeypatch):
         ("add", "a", 3, ids),
         ("remove", "a", False, ids),  # after the record is gone
     ]
+
+
+def test_a_header_with_any_text_comes_back_byte_identical(store, tmp_path):
+    """The record keeps the header as JSON text inside JSON: quotes, backslashes, control
+    characters and non-ASCII text survive, and so does the header's padding."""
+    path = tmp_path / "a.kv"
+    write_kinds(path, ["full_attention"], 300, context='h\u00e9llo \u65e5\u672c "q" \\ \n\t\x01 \U0001f600 ')
+    round_trip(store, path, tmp_path)

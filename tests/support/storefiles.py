@@ -33,7 +33,9 @@ KINDS = {
 }
 
 
-def write_kinds(path: Path, kinds: list[str], tokens: int, seed: int = 0, prefix_of: dict | None = None) -> dict:
+def write_kinds(
+    path: Path, kinds: list[str], tokens: int, seed: int = 0, prefix_of: dict | None = None, context: str | None = None
+) -> dict:
     """Write an artifact with one layer per kind in ``kinds``; return its tensors.
 
     With ``prefix_of`` (the tensors of another artifact), every per-token tensor starts with that
@@ -67,6 +69,7 @@ def write_kinds(path: Path, kinds: list[str], tokens: int, seed: int = 0, prefix
         "compute_dtype": "float32",
         "layers": layers,
         "quantization": None,
+        "context": context,
     }
     artifact.write_artifact(path, manifest, tensors)
     return tensors
