@@ -164,6 +164,18 @@ def read_header_from(stream: IO[bytes], file_size: int, path: Any) -> Header:
         raw = _read_exact(stream, header_len)
     except OSError as exc:
         raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
+    return parse_header(path, raw, file_size)
+
+
+def parse_header(path: Any, raw: bytes, file_size: int) -> Header:
+    """Validate a header's bytes (what follows the 8-byte length) as :func:`read_header` does, for
+    a file of ``file_size`` bytes; ``path`` names the file (or the object) in messages.
+
+    For readers that hold the header apart from its file (the chunk store's records).
+    """
+    header_len = len(raw)
+    if header_len > MAX_HEADER_BYTES:
+        raise _fail(path, f"refused: header of {header_len} bytes is over the {MAX_HEADER_BYTES >> 20} MiB limit")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -31,10 +31,14 @@ print("HEAVY=" + ",".join(heavy), file=sys.stderr)
         ["inspect", "ARTIFACT", "--check"],
         ["verify", "--help"],
         ["generate", "--help"],
+        ["store", "--help"],
+        ["store", "ls", "--store", "STORE"],
+        ["store", "check", "--store", "STORE"],
     ],
 )
 def test_light_commands_do_not_import_torch(args, qwen3_artifact):
-    args = [str(qwen3_artifact) if a == "ARTIFACT" else a for a in args]
+    store = str(qwen3_artifact.parent / "no-store-here")
+    args = [str(qwen3_artifact) if a == "ARTIFACT" else store if a == "STORE" else a for a in args]
     proc = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True, timeout=120)
     heavy = [line for line in proc.stderr.splitlines() if line.startswith("HEAVY=")]
     assert heavy == ["HEAVY="], proc.stderr

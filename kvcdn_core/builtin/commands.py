@@ -22,6 +22,7 @@ def kvcdn_register_commands(cli: click.Group) -> None:
         plugins_cmd,
         quant,
         search,
+        store,
         validate,
         verify,
     )
@@ -38,5 +39,6 @@ def kvcdn_register_commands(cli: click.Group) -> None:
         search,
         quant,
         validate,
+        store,
     ):
         cli.add_command(module.command)

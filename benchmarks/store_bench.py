@@ -1,0 +1,195 @@
+"""Benchmark the chunk store's bytes: what `kvcdn store` keeps against today's layout (whole `.kv` files).
+
+Two workloads, built the way real use builds them, on a small Qwen3-shaped model made from config
+(random weights, float32, CPU): every artifact is a real prefill, and each one that continues
+another was prefilled *on that artifact's loaded cache*, so the bytes of a shared prefix are equal.
+
+(a) RAG: one 2,048-token prefix (a system prompt and documents) prefilled once and saved; 50
+    prompts, each the prefix's cache loaded and its own 512-token suffix prefilled on it, saved.
+    Stored bytes against the bytes of the unique chunks (every distinct object once, the ideal of a
+    content-addressed store) and against 50 whole `.kv` files.
+(b) Chat: a 20-turn conversation (turns of 100-300 tokens), every turn saved as an artifact after
+    continuing from the previous turn's. Stored bytes against the final conversation's own `.kv`
+    size and against 20 whole files. A turn's last, partial chunk is stored whole per turn: the
+    table says what those partial chunks cost, and what smaller chunks would give.
+
+    OMP_NUM_THREADS=1 python benchmarks/store_bench.py [--rag 50] [--turns 20] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: the model: 4 layers, 2 key-value heads of width 32, float32: 2 KiB of cache per token
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=16384,
+    tie_word_embeddings=False,
+)
+
+
+def build_model(out: Path) -> Path:
+    import torch
+
+    from kvcdn_core.tiny import model_class, train_tokenizer
+
+    tok = train_tokenizer()
+    cls = model_class("Qwen3ForCausalLM")
+    config = cls.config_class(
+        vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **MODEL
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    cls(config).to(torch.float32).eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def text_ids(session, rng: random.Random, n: int) -> list[int]:
+    """``n`` token ids of text (sentences of the sample text in a random order)."""
+    from kvcdn_core.tiny import SAMPLE_TEXT
+
+    sentences = [s.strip() + "." for s in SAMPLE_TEXT.replace("\n", " ").split(".") if s.strip()]
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += session.adapter.encode_continuation(session.tokenizer, " " + " ".join(rng.sample(sentences, 4)))
+    return ids[:n]
+
+
+def save(session, cache, ids, path: Path) -> Path:
+    from kvcdn_core import runtime
+
+    return runtime.save_cache(session, cache, ids, runtime.decode(session, ids), path)
+
+
+def continued(session, parent: Path | None, ids: list[int], new: list[int], path: Path) -> Path:
+    """The artifact of ``ids + new``: ``parent``'s cache loaded (or a new one) and ``new`` prefilled on it."""
+    from kvcdn_core import artifact, runtime
+
+    cache = runtime.load_cache(session, artifact.read_header(parent))[0] if parent else None
+    cache, _ = runtime.prefill(session, new, chunk=256, progress=False, cache=cache)
+    return save(session, cache, ids + new, path)
+
+
+def store_bytes(store) -> dict:
+    from kvcdn_core.store.chunkstore import ARTIFACTS, CHUNKS
+
+    chunks = sum(o.size for o in store.backend.list(CHUNKS))
+    records = sum(o.size for o in store.backend.list(ARTIFACTS))
+    return {"chunk_bytes": chunks, "record_bytes": records, "stored": chunks + records}
+
+
+def put_all(paths: list[Path], root: Path, chunk_tokens: int | None = None):
+    from kvcdn_core.builtin.local_storage import LocalStorage
+    from kvcdn_core.store.chunkstore import ChunkStore
+
+    store = ChunkStore(LocalStorage(root), chunk_tokens=chunk_tokens)
+    start = time.perf_counter()
+    reports = [store.put(p, p.stem) for p in paths]
+    return store, reports, time.perf_counter() - start
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def rag(session, work: Path, n: int, rng: random.Random) -> None:
+    prefix_ids = text_ids(session, rng, 2048)
+    prefix = continued(session, None, [], prefix_ids, work / "prefix.kv")
+    paths = []
+    for i in range(n):
+        paths.append(continued(session, prefix, prefix_ids, text_ids(session, rng, 512), work / f"rag{i:02d}.kv"))
+    store, reports, seconds = put_all(paths, work / "store-rag")
+    b = store_bytes(store)
+    today = sum(p.stat().st_size for p in paths)
+    per_token = store.record(paths[0].stem).chunks[0].bytes // 256
+    unique_tokens = 2048 + 512 * n
+    shared = [r.chunks_shared for r in reports[1:]]
+    print(f"\n(a) {n} artifacts of 2,048 shared + 512 own tokens ({per_token:,} bytes of cache per token)")
+    print(f"    chunks shared by each put after the first: {min(shared)}-{max(shared)} of {reports[0].chunks}")
+    rows = [
+        ("today: whole .kv files", today),
+        ("chunk store: stored (chunks + records)", b["stored"]),
+        ("  of which chunks and tails (unique objects)", b["chunk_bytes"]),
+        ("  of which records (headers, chunk lists)", b["record_bytes"]),
+        ("ideal: cache of the unique tokens", per_token * unique_tokens),
+    ]
+    for label, value in rows:
+        print(f"    {label:<46} {mb(value):>12}")
+    print(f"    stored / unique chunks' bytes          {b['stored'] / b['chunk_bytes']:.3f}x  (goal <= 1.1x)")
+    print(f"    stored / ideal unique tokens' cache    {b['stored'] / (per_token * unique_tokens):.3f}x")
+    print(f"    today / stored                         {today / b['stored']:.1f}x")
+    print(
+        f"    put of {n} artifacts: {seconds:.1f} s, moved {mb(sum(r.bytes_moved for r in reports))}, "
+        f"saved {mb(sum(r.bytes_saved for r in reports))}"
+    )
+
+
+def chat(session, work: Path, turns: int, rng: random.Random) -> None:
+    ids: list[int] = []
+    parent = None
+    paths = []
+    for t in range(turns):
+        new = text_ids(session, rng, rng.randint(100, 300))
+        parent = continued(session, parent, ids, new, work / f"turn{t:02d}.kv")
+        ids += new
+        paths.append(parent)
+    final = paths[-1].stat().st_size
+    today = sum(p.stat().st_size for p in paths)
+    print(f"\n(b) a {turns}-turn conversation, every turn saved ({len(ids):,} tokens at the end)")
+    print("    chunk: tokens per chunk; final: the chunks the final turn holds; partials: the other turns'")
+    print("    partial last chunks; tails: every turn's tail (its token ids)")
+    print(
+        f"    {'chunk':>6} {'stored':>12} {'/ final':>8} {'final':>10} {'partials':>10} {'tails':>10} {'records':>10}"
+    )
+    print(f"    {'today':>6} {mb(today):>12} {today / final:>7.2f}x")
+    for chunk_tokens in (256, 64, 16):
+        store, reports, _ = put_all(paths, work / f"store-chat-{chunk_tokens}", chunk_tokens)
+        b = store_bytes(store)
+        last = store.record(paths[-1].stem)
+        records = [store.record(p.stem) for p in paths]
+        tails = sum(r.tail.bytes for r in records if r.tail)
+        final_chunks = {c.digest for c in last.chunks}
+        partials = sum(
+            c.bytes for r in records for c in r.chunks if c.tokens < chunk_tokens and c.digest not in final_chunks
+        )
+        print(
+            f"    {chunk_tokens:>6} {mb(b['stored']):>12} {b['stored'] / final:>7.2f}x {mb(b['chunk_bytes'] - tails - partials):>10} "
+            f"{mb(partials):>10} {mb(tails):>10} {mb(b['record_bytes']):>10}"
+        )
+    print(f"    final conversation's own .kv: {mb(final)}; goal: stored <= 1.3x of it")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rag", type=int, default=50, help="artifacts sharing the 2,048-token prefix")
+    parser.add_argument("--turns", type=int, default=20, help="turns of the conversation")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from kvcdn_core import runtime
+
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="kvcdn-store-bench-") as tmp:
+        work = Path(tmp)
+        model = build_model(work / "model")
+        session = runtime.load_session(str(model), device="cpu", dtype="float32")
+        rag(session, work, args.rag, rng)
+        chat(session, work, args.turns, rng)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

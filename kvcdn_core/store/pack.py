@@ -1,0 +1,230 @@
+"""Cutting a `.kv` file into token chunks and a tail, and rebuilding the file byte for byte.
+
+Which tensors are cut (docs/store.md): those of layers whose cache crops to any prefix
+(:data:`kvcdn_core.artifact.CROPPABLE_KINDS`), shaped ``[..., tokens, inner]`` with ``tokens`` the
+artifact's token count, in an artifact without quantization. Chunk ``i`` holds, for each of them
+in file order, the C-order bytes of its slice ``[..., i*C:(i+1)*C, :]``. Everything else (token
+ids, sliding windows, recurrent and linear-attention states, a quantized artifact's parts) is the
+*tail*: those tensors' bytes concatenated in file order. The header is kept verbatim in the record,
+so the rebuilt file is the same bytes, whichever format version wrote it.
+
+numpy views over a memory map of the file: one chunk's bytes are gathered at a time. No torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import blake3
+import numpy as np
+
+from kvcdn_core import artifact
+from kvcdn_core.atomic import atomic_path
+from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.store import keys
+from kvcdn_core.store.record import MODEL_KEYS, ArtifactRecord, ChunkRef, TailRef, token_bytes
+
+
+def digest_of(data: bytes | memoryview) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def chunked_names(header: artifact.Header) -> list[str]:
+    """The tensors cut into chunks, in the order of their bytes in the file (see the module doc)."""
+    manifest = header.manifest
+    if manifest.get("quantization"):
+        return []
+    tokens = header.token_count
+    names: set[str] = set()
+    for layer in manifest["layers"]:
+        if layer["kind"] not in artifact.CROPPABLE_KINDS:
+            continue
+        for name in layer.get("tensors", {}).values():
+            shape = header.entries[name]["shape"]
+            if len(shape) >= 2 and shape[-2] == tokens:
+                names.add(name)
+    return sorted(names, key=lambda n: header.entries[n]["data_offsets"][0])
+
+
+def tail_names(header: artifact.Header, chunked: list[str] | tuple[str, ...]) -> list[str]:
+    skip = set(chunked)
+    names = [n for n in header.entries if n not in skip]
+    return sorted(names, key=lambda n: header.entries[n]["data_offsets"][0])
+
+
+def header_text(path: Path, header: artifact.Header) -> str:
+    """The header's bytes exactly (padding spaces kept), as text: it is UTF-8 JSON."""
+    with open(path, "rb") as fh:
+        fh.seek(8)
+        raw = fh.read(header.data_start - 8)
+    return raw.decode("utf-8")
+
+
+def root_of(manifest: dict, chunk_tokens: int = keys.CHUNK_TOKENS) -> str:
+    """The root key of an artifact's chains: its model fingerprint, representation and chunk size."""
+    rep = keys.representation(manifest["compute_dtype"], manifest.get("quantization"))
+    return keys.root_key(manifest["model"], rep, chunk_tokens)
+
+
+@dataclasses.dataclass
+class Piece:
+    """One object to store: a chunk (``key`` set) or the tail (``key`` None)."""
+
+    key: str | None
+    tokens: int
+    digest: str
+    size: int
+
+
+class Cutter:
+    """The chunks and tail of one `.kv` file, gathered on demand from a read-only memory map."""
+
+    def __init__(self, header: artifact.Header, token_ids: list[int], chunk_tokens: int = keys.CHUNK_TOKENS):
+        self.header = header
+        self.chunk_tokens = chunk_tokens
+        self.chunked = chunked_names(header)
+        self.tail = tail_names(header, self.chunked)
+        self.data = np.memmap(header.path, dtype=np.uint8, mode="r")
+        self.root = root_of(header.manifest, chunk_tokens)
+        tokens = header.token_count
+        self.chain = keys.chain(self.root, token_ids, chunk_tokens) if self.chunked and tokens else []
+        self.bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
+        if not self.chain:
+            self.bounds = []
+
+    def check_digests(self) -> None:
+        """Every tensor's bytes against its manifest digest, read through the memory map (the file
+        is never copied whole into memory); :class:`ArtifactError` naming the first mismatch."""
+        from kvcdn_core import digests
+
+        h = self.header
+        bad = []
+        for name, spec in h.manifest["tensors"].items():
+            start, end = h.entries[name]["data_offsets"]
+            view = self.data[h.data_start + start : h.data_start + end]
+            if digests.hexdigest(h.digest, view, threads=2) != spec[h.digest]:
+                bad.append(name)
+        if bad:
+            raise ArtifactError(f"{h.path}: corrupted: {h.digest} mismatch in {len(bad)} tensor(s), first '{bad[0]}'")
+
+    def _tensor(self, name: str) -> np.ndarray:
+        start, end = self.header.entries[name]["data_offsets"]
+        outer, inner = token_bytes(self.header, name)
+        base = self.header.data_start
+        return self.data[base + start : base + end].reshape(outer, self.header.token_count, inner)
+
+    def chunk(self, i: int) -> bytes:
+        """Chunk ``i``'s bytes: each chunked tensor's slice of its tokens, in file order."""
+        t0, t1 = self.bounds[i]
+        return b"".join(self._tensor(name)[:, t0:t1, :].tobytes() for name in self.chunked)
+
+    def tail_bytes(self) -> bytes:
+        base = self.header.data_start
+        spans = [self.header.entries[n]["data_offsets"] for n in self.tail]
+        return b"".join(self.data[base + a : base + b].tobytes() for a, b in spans)
+
+    def pieces(self) -> Iterator[tuple[Piece, Callable[[], bytes]]]:
+        """Each chunk then the tail, with a function that gathers its bytes (again) when wanted."""
+        for i, key in enumerate(self.chain):
+            data = self.chunk(i)
+            t0, t1 = self.bounds[i]
+            yield Piece(key, t1 - t0, digest_of(data), len(data)), functools.partial(self.chunk, i)
+            del data
+        if self.tail:
+            data = self.tail_bytes()
+            yield Piece(None, 0, digest_of(data), len(data)), self.tail_bytes
+
+
+def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, pieces: list[Piece]) -> ArtifactRecord:
+    """The record of a packed file, from its cutter and the pieces it produced."""
+    from kvcdn_core.manifest import Manifest
+
+    model = header.manifest["model"]
+    tail = next((p for p in pieces if p.key is None), None)
+    return ArtifactRecord(
+        name=name,
+        size=header.file_size,
+        header=header_text(path, header),
+        root=cutter.root,
+        chunk_tokens=cutter.chunk_tokens,
+        token_count=header.token_count,
+        reuse=Manifest.from_dict(header.manifest).reuse,
+        model={k: model.get(k) for k in MODEL_KEYS},
+        chunked=tuple(cutter.chunked),
+        chunks=tuple(ChunkRef(p.key, p.digest, p.tokens, p.size) for p in pieces if p.key is not None),
+        tail=TailRef(tail.digest, tail.size) if tail else None,
+    )
+
+
+def checked(data: bytes | None, digest: str, size: int, where: str) -> bytes:
+    """``data`` when it is the object named ``digest`` (BLAKE3) of ``size`` bytes; else one line."""
+    if data is None:
+        raise ArtifactError(f"{where}: chunk {digest} is missing from the store (run kvcdn store check)")
+    if len(data) != size or digest_of(data) != digest:
+        raise ArtifactError(f"{where}: chunk {digest} is corrupted (its bytes do not hash to its name)")
+    return data
+
+
+def rebuild(record: ArtifactRecord, fetch: Callable[[str, int], bytes], target: Path) -> int:
+    """Write the `.kv` file of ``record`` to ``target`` atomically; return the bytes fetched.
+
+    ``fetch(digest, size)`` returns an object's bytes checked against its digest
+    (:func:`checked`); one chunk is held at a time and written in place.
+    """
+    header = record.parsed_header()
+    raw = record.header.encode("utf-8")
+    chunked = list(record.chunked)
+    tail = tail_names(header, chunked)
+    fetched = 0
+    target = Path(target)
+    try:
+        with atomic_path(target) as tmp:
+            with open(tmp, "r+b") as fh:
+                fh.truncate(record.size)
+            out = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(record.size,))
+            out[:8] = np.frombuffer(struct.pack("<Q", len(raw)), dtype=np.uint8)
+            out[8 : header.data_start] = np.frombuffer(raw, dtype=np.uint8)
+            base, tokens = header.data_start, record.token_count
+            views = {}
+            for name in chunked:
+                start, end = header.entries[name]["data_offsets"]
+                outer, inner = token_bytes(header, name)
+                views[name] = out[base + start : base + end].reshape(outer, tokens, inner)
+            t0 = 0
+            for ref in record.chunks:
+                data = fetch(ref.digest, ref.bytes)
+                fetched += len(data)
+                offset = 0
+                for name in chunked:
+                    view = views[name]
+                    count = view.shape[0] * ref.tokens * view.shape[2]
+                    piece = np.frombuffer(data, dtype=np.uint8, count=count, offset=offset)
+                    view[:, t0 : t0 + ref.tokens, :] = piece.reshape(view.shape[0], ref.tokens, view.shape[2])
+                    offset += count
+                t0 += ref.tokens
+                del data
+            if record.tail is not None:
+                data = fetch(record.tail.digest, record.tail.bytes)
+                fetched += len(data)
+                offset = 0
+                for name in tail:
+                    start, end = header.entries[name]["data_offsets"]
+                    out[base + start : base + end] = np.frombuffer(
+                        data, dtype=np.uint8, count=end - start, offset=offset
+                    )
+                    offset += end - start
+                del data
+            out.flush()
+            del views, out
+    except OSError as exc:
+        raise KvcdnError(f"cannot write '{target}': {exc.strerror or exc}") from None
+    return fetched
+
+
+def file_stem(path: str | os.PathLike[str]) -> str:
+    return Path(path).name.removesuffix(".kv") or Path(path).name

@@ -1,0 +1,267 @@
+"""The artifact record: what a chunk store keeps of one artifact besides its chunks' bytes.
+
+A record is small JSON (``artifacts/<name>.json``): the `.kv` file's header bytes exactly, and the
+list of chunks and the tail that rebuild its data region (docs/store.md). It is outside input (any
+writer of the store, or a corrupted object), so :meth:`ArtifactRecord.from_json` checks every field
+and its consistency with the header before anything trusts it, and refuses with one line. Pure
+Python: no numpy, no torch (``kvcdn store ls`` reads records only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any
+
+from kvcdn_core import artifact
+from kvcdn_core.errors import ArtifactError
+
+FORMAT = "kvcdn-chunked"
+VERSION = 1
+#: Largest record accepted: the header (at most artifact.MAX_HEADER_BYTES) plus about 250 bytes per
+#: chunk, so a million-token artifact's record stays well under it.
+MAX_RECORD_BYTES = artifact.MAX_HEADER_BYTES + (8 << 20)
+#: Artifact names: safe as one storage key segment and on every file system; no leading dot
+#: (listings skip dot files, temporary files start with one).
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+HEX64 = re.compile(r"[0-9a-f]{64}")
+MODEL_KEYS = ("architecture", "config_sha256", "tokenizer_sha256", "weights_sha256", "id")
+_KEYS = {
+    "format",
+    "version",
+    "name",
+    "size",
+    "header",
+    "root",
+    "chunk_tokens",
+    "token_count",
+    "reuse",
+    "model",
+    "chunked",
+    "chunks",
+    "tail",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of a record: its chain key (which tokens), content digest (which bytes), size."""
+
+    key: str
+    digest: str
+    tokens: int
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailRef:
+    """Every tensor not cut into chunks, concatenated in file order, stored as one object."""
+
+    digest: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactRecord:
+    name: str
+    size: int
+    header: str
+    root: str
+    chunk_tokens: int
+    token_count: int
+    reuse: str
+    model: dict[str, str | None]
+    chunked: tuple[str, ...]
+    chunks: tuple[ChunkRef, ...]
+    tail: TailRef | None
+    format: str = FORMAT
+    version: int = VERSION
+
+    # -- derived -----------------------------------------------------------------------------------
+
+    @property
+    def digests(self) -> list[str]:
+        """Every object the record references (chunks, then the tail), in order, repeats kept."""
+        found = [c.digest for c in self.chunks]
+        return found + ([self.tail.digest] if self.tail else [])
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the chunks and the tail (the data region, without the header)."""
+        return sum(c.bytes for c in self.chunks) + (self.tail.bytes if self.tail else 0)
+
+    def parsed_header(self) -> artifact.Header:
+        """The `.kv` header, validated by the artifact reader for a file of :attr:`size` bytes."""
+        return artifact.parse_header(f"record '{self.name}'", self.header.encode("utf-8"), self.size)
+
+    # -- JSON --------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "version": self.version,
+            "name": self.name,
+            "size": self.size,
+            "header": self.header,
+            "root": self.root,
+            "chunk_tokens": self.chunk_tokens,
+            "token_count": self.token_count,
+            "reuse": self.reuse,
+            "model": dict(self.model),
+            "chunked": list(self.chunked),
+            "chunks": [c.to_dict() for c in self.chunks],
+            "tail": dataclasses.asdict(self.tail) if self.tail else None,
+        }
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str = "record") -> ArtifactRecord:
+        """Parse and check a record; :class:`ArtifactError` (one line) for anything malformed."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise ArtifactError(f"{where}: corrupted: not bytes")
+        if len(data) > MAX_RECORD_BYTES:
+            raise ArtifactError(f"{where}: refused: {len(data)} bytes is over the record limit")
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ArtifactError(f"{where}: corrupted: not UTF-8") from None
+        value = artifact._parse_json(where, text, "record")
+        record = _from_value(where, value)
+        _check_against_header(where, record)
+        return record
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _from_value(where: str, value: Any) -> ArtifactRecord:
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise ArtifactError(f"{where}: corrupted: {what}")
+
+    expect(isinstance(value, dict), "not a JSON object")
+    expect(value.get("format") == FORMAT, f"format is not {FORMAT!r}")
+    if value.get("version") != VERSION:
+        raise ArtifactError(f"{where}: record version {value.get('version')!r} is not one this kvcdn reads ({VERSION})")
+    unknown = sorted(set(value) - _KEYS)
+    expect(not unknown, f"unknown field {unknown[0] if unknown else ''!r}")
+    missing = sorted(_KEYS - set(value))
+    expect(not missing, f"lacks {', '.join(missing)}")
+    name = value["name"]
+    expect(isinstance(name, str) and NAME.fullmatch(name) is not None, "name is not a valid artifact name")
+    expect(_count(value["size"]), "size is not a non-negative integer")
+    expect(isinstance(value["header"], str), "header is not a string")
+    expect(isinstance(value["root"], str) and HEX64.fullmatch(value["root"]) is not None, "root is not a key")
+    expect(_count(value["chunk_tokens"]) and value["chunk_tokens"] > 0, "chunk_tokens is not a positive integer")
+    expect(_count(value["token_count"]), "token_count is not a non-negative integer")
+    expect(value["reuse"] in ("any_prefix", "whole_prefix"), "reuse is not any_prefix or whole_prefix")
+    model = value["model"]
+    expect(
+        isinstance(model, dict)
+        and set(model) <= set(MODEL_KEYS)
+        and all(v is None or isinstance(v, str) for v in model.values()),
+        "model is not an object of strings",
+    )
+    chunked = value["chunked"]
+    expect(
+        isinstance(chunked, list) and all(isinstance(n, str) for n in chunked) and len(set(chunked)) == len(chunked),
+        "chunked is not a list of distinct tensor names",
+    )
+    chunks = value["chunks"]
+    expect(isinstance(chunks, list), "chunks is not a list")
+    refs = []
+    for i, c in enumerate(chunks):
+        expect(
+            isinstance(c, dict)
+            and set(c) == {"key", "digest", "tokens", "bytes"}
+            and isinstance(c["key"], str)
+            and HEX64.fullmatch(c["key"]) is not None
+            and isinstance(c["digest"], str)
+            and HEX64.fullmatch(c["digest"]) is not None
+            and _count(c["tokens"])
+            and _count(c["bytes"]),
+            f"chunk {i} is not {{key, digest, tokens, bytes}}",
+        )
+        refs.append(ChunkRef(c["key"], c["digest"], c["tokens"], c["bytes"]))
+    tail = value["tail"]
+    expect(
+        tail is None
+        or (
+            isinstance(tail, dict)
+            and set(tail) == {"digest", "bytes"}
+            and isinstance(tail["digest"], str)
+            and HEX64.fullmatch(tail["digest"]) is not None
+            and _count(tail["bytes"])
+        ),
+        "tail is neither null nor {digest, bytes}",
+    )
+    return ArtifactRecord(
+        name=name,
+        size=value["size"],
+        header=value["header"],
+        root=value["root"],
+        chunk_tokens=value["chunk_tokens"],
+        token_count=value["token_count"],
+        reuse=value["reuse"],
+        model=dict(model),
+        chunked=tuple(chunked),
+        chunks=tuple(refs),
+        tail=TailRef(tail["digest"], tail["bytes"]) if tail else None,
+    )
+
+
+def token_bytes(header: artifact.Header, name: str) -> tuple[int, int]:
+    """``(outer, inner)`` of a chunked tensor: it is ``outer`` runs of ``tokens`` rows of ``inner``
+    bytes (shape ``[..., tokens, last]``)."""
+    entry = header.entries[name]
+    shape = entry["shape"]
+    return math.prod(shape[:-2]), shape[-1] * artifact.DTYPES[entry["dtype"]][0]
+
+
+def _check_against_header(where: str, record: ArtifactRecord) -> None:
+    """The record's chunk plan must be the one its header implies: the rebuild writes by it."""
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise ArtifactError(f"{where}: corrupted: {what}")
+
+    raw = record.header.encode("utf-8")
+    header = artifact.parse_header(where, raw, record.size)
+    expect(header.data_start == 8 + len(raw), "header length does not match the file")
+    expect(record.token_count == header.token_count, "token_count differs from the header's")
+    model = header.manifest["model"]
+    expect(record.model == {k: model.get(k) for k in MODEL_KEYS}, "model differs from the header's")
+    from kvcdn_core.manifest import Manifest
+
+    expect(record.reuse == Manifest.from_dict(header.manifest).reuse, "reuse differs from the header's")
+    for name in record.chunked:
+        entry = header.entries.get(name)
+        expect(
+            entry is not None and len(entry["shape"]) >= 2 and entry["shape"][-2] == record.token_count,
+            f"chunked tensor '{name}' is not a [..., tokens, inner] tensor of the header",
+        )
+    offsets = [header.entries[n]["data_offsets"][0] for n in record.chunked]
+    expect(offsets == sorted(offsets), "chunked tensors are not in file order")
+    per_token = sum(math.prod(token_bytes(header, n)) for n in record.chunked)
+    if record.chunked and record.token_count:
+        full, rest = divmod(record.token_count, record.chunk_tokens)
+        want = [record.chunk_tokens] * full + ([rest] if rest else [])
+        expect([c.tokens for c in record.chunks] == want, "chunks do not cut token_count by chunk_tokens")
+        expect(all(c.bytes == c.tokens * per_token for c in record.chunks), "a chunk's size is not its tokens' bytes")
+    else:
+        expect(not record.chunks, "chunks listed for an artifact without chunked tensors")
+    data = header.file_size - header.data_start
+    chunked_bytes = per_token * record.token_count if record.chunks else 0
+    tail_bytes = data - chunked_bytes
+    expect(
+        (record.tail.bytes if record.tail else 0) == tail_bytes and (record.tail is not None or tail_bytes == 0),
+        f"tail is not the {tail_bytes} bytes the chunks leave",
+    )

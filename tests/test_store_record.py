@@ -1,0 +1,135 @@
+"""The artifact record's parser: a record is outside input (any writer of the store), so whatever
+the bytes, parsing ends in a record that rebuilds its file or in one-line :class:`ArtifactError`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcdn_core.builtin.local_storage import LocalStorage
+from kvcdn_core.errors import ArtifactError
+from kvcdn_core.store.chunkstore import ChunkStore
+from kvcdn_core.store.record import ArtifactRecord
+from tests.support.storefiles import write_kinds
+
+FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow], database=None)
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["any_prefix", "whole_prefix", "kvcdn-chunked", "layers.0.key", "0" * 64, "", 256, 1])
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory):
+    """A valid record (JSON) of a 300-token artifact: two chunks and a tail."""
+    tmp = tmp_path_factory.mktemp("rec")
+    write_kinds(tmp / "a.kv", ["full_attention"], 300)
+    store = ChunkStore(LocalStorage(tmp / "store"))
+    store.put(tmp / "a.kv", "a")
+    return json.loads(store.backend.read_bytes("artifacts/a.json"))
+
+
+def _containers(value, path=()):
+    yield path, value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _containers(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _containers(v, (*path, i))
+
+
+def _parse(data: bytes):
+    try:
+        record = ArtifactRecord.from_json(data)
+    except ArtifactError as exc:
+        assert "\n" not in str(exc)
+        return None
+    # accepted: it must be consistent enough to rebuild from and to serialize again
+    assert ArtifactRecord.from_json(record.to_json()) == record
+    record.parsed_header()
+    return record
+
+
+def test_the_valid_record_parses_and_round_trips(valid):
+    record = _parse(json.dumps(valid).encode())
+    assert record is not None and len(record.chunks) == 2 and record.tail is not None
+
+
+@FUZZ
+@given(data=st.data())
+def test_structured_mutations_never_crash(valid, data):
+    doc = json.loads(json.dumps(valid))
+    spots = [(p, c) for p, c in _containers(doc) if isinstance(c, (dict, list)) and p[:1] != ("header",)]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path, container = data.draw(st.sampled_from(spots))
+        if isinstance(container, dict) and container:
+            key = data.draw(st.sampled_from(sorted(container)) | st.text(max_size=6))
+            if data.draw(st.booleans()):
+                container[key] = data.draw(json_values)
+            else:
+                container.pop(key, None)
+        elif isinstance(container, list) and container:
+            i = data.draw(st.integers(0, len(container) - 1))
+            container[i] = data.draw(json_values)
+    _parse(json.dumps(doc).encode())
+
+
+@FUZZ
+@given(cut=st.integers(0, 10_000), flip=st.integers(0, 255), at=st.integers(0, 10_000))
+def test_byte_damage_never_crashes(valid, cut, flip, at):
+    raw = bytearray(json.dumps(valid).encode())
+    at %= len(raw)
+    raw[at] ^= flip
+    _parse(bytes(raw[: len(raw) - cut % len(raw)]))
+
+
+@FUZZ
+@given(header_edit=st.sampled_from(['"F32"', '"I64"', "300", "299", "[0,", "kvcdn-kv", "  "]), at=st.integers(0, 10**6))
+def test_a_damaged_header_is_refused_or_consistent(valid, header_edit, at):
+    doc = dict(valid)
+    header = doc["header"]
+    at %= len(header)
+    doc["header"] = header[:at] + header_edit + header[at + len(header_edit) :]
+    _parse(json.dumps(doc).encode())
+
+
+@FUZZ
+@given(data=st.binary(max_size=2000))
+def test_random_bytes_are_refused(data):
+    assert _parse(data) is None
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda d: d.update(version=2), "record version 2 is not one this kvcdn reads"),
+        (lambda d: d.update(extra=1), "unknown field 'extra'"),
+        (lambda d: d.pop("tail"), "lacks tail"),
+        (lambda d: d.update(name="../x"), "name is not a valid artifact name"),
+        (lambda d: d["chunks"][0].update(digest="X" * 64), "chunk 0 is not"),
+        (lambda d: d["chunks"][0].update(bytes=1), "a chunk's size is not its tokens' bytes"),
+        (lambda d: d.update(size=d["size"] + 8), "truncated|trailing|tail is not"),
+        (lambda d: d["tail"].update(bytes=d["tail"]["bytes"] - 1), "tail is not the"),
+        (lambda d: d.update(chunked=["token_ids"]), "is not a \\[..., tokens, inner\\] tensor"),
+        (lambda d: d.update(token_count=True), "token_count is not"),
+    ],
+)
+def test_refusals_name_the_problem(valid, change, message):
+    doc = json.loads(json.dumps(valid))
+    change(doc)
+    with pytest.raises(ArtifactError, match=message):
+        ArtifactRecord.from_json(json.dumps(doc).encode(), "record 'a'")
