@@ -251,31 +251,25 @@ def test_a_record_whose_model_is_not_its_headers_is_refused(store, tmp_path):
         store.record("a")
 
 
-def test_put_and_delete_keep_the_prefix_index(store, tmp_path, monkeypatch):
-    """put adds the artifact to the prefix index with its token ids; a forced put replaces the old
-    entries; delete removes them after the record (a stand-in module records the calls)."""
-    import sys
-    import types
+def test_put_and_delete_keep_the_prefix_index(store, tmp_path):
+    """put adds the artifact to the prefix index with its token ids, a forced put replaces its
+    entries, and delete removes them: a lookup by the artifact's own tokens finds it, then not."""
+    from kvcdn_core.store import index
 
-    calls = []
-    index = types.ModuleType("kvcdn_core.store.index")
-    index.add = lambda backend, record, ids: calls.append(("add", record.name, len(record.chunks), list(ids)))
-    index.remove = lambda backend, record, ids: calls.append(
-        ("remove", record.name, backend.exists(record_key(record.name)), list(ids))
-    )
-    monkeypatch.setitem(sys.modules, "kvcdn_core.store.index", index)
     path = tmp_path / "a.kv"
     write_kinds(path, ["full_attention"], TOKENS)
     ids = artifact.read_token_ids(path)
+
+    def found() -> list[tuple[str, int]]:
+        return [(hit.name, hit.prefix_tokens) for hit in index.lookup(store.backend, root, ids + [1])]
+
     store.put(path, "a")
+    root = store.record("a").root
+    assert found() == [("a", len(ids))]
     store.put(path, "a", force=True)
+    assert found() == [("a", len(ids))]  # replaced, not doubled
     store.delete("a")
-    assert calls == [
-        ("add", "a", 3, ids),
-        ("remove", "a", True, ids),  # the old entries, before the new record's are added
-        ("add", "a", 3, ids),
-        ("remove", "a", False, ids),  # after the record is gone
-    ]
+    assert found() == []
 
 
 def test_a_header_with_any_text_comes_back_byte_identical(store, tmp_path):
@@ -284,3 +278,24 @@ def test_a_header_with_any_text_comes_back_byte_identical(store, tmp_path):
     path = tmp_path / "a.kv"
     write_kinds(path, ["full_attention"], 300, context='h\u00e9llo \u65e5\u672c "q" \\ \n\t\x01 \U0001f600 ')
     round_trip(store, path, tmp_path)
+
+
+def test_check_repair_rebuilds_a_lost_index(store, tmp_path):
+    """A put that died after its record but before its index entry: `store check --repair` finds it again."""
+    from click.testing import CliRunner
+
+    from kvcdn_core.cli import make_cli
+    from kvcdn_core.store import index
+
+    path = tmp_path / "a.kv"
+    write_kinds(path, ["full_attention"], TOKENS)
+    ids = artifact.read_token_ids(path)
+    store.put(path, "a")
+    root = store.record("a").root
+    for info in store.backend.list("index/"):  # the index entry is lost, the record stays
+        store.backend.delete(info.key)
+    assert index.lookup(store.backend, root, ids + [1]) == []
+    result = CliRunner().invoke(make_cli(), ["store", "check", "--store", str(store.backend.root), "--repair"])
+    assert result.exit_code == 0, result.output
+    assert "prefix index rebuilt: 1 artifact(s)" in result.stderr
+    assert [hit.name for hit in index.lookup(store.backend, root, ids + [1])] == ["a"]

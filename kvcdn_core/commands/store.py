@@ -147,10 +147,20 @@ def rm(name, uri, fmt):
 
 @command.command("check")
 @store_option
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Also rebuild the prefix index from the records (after a put or delete died between the two).",
+)
 @format_option
-def check(uri, fmt):
+def check(uri, repair, fmt):
     """Check every chunk against its digest and every record's references; exit 1 on a problem."""
-    report = _open(uri).check()
+    store = _open(uri)
+    report = store.check()
+    if repair:
+        from kvcdn_core.store import index
+
+        click.echo(f"prefix index rebuilt: {index.rebuild(store.backend)} artifact(s)", err=True)
 
     def table(d):
         click.echo(

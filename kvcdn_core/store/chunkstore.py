@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 import json
 import os
 import time
@@ -66,14 +65,6 @@ def check_name(name: str) -> str:
             f"invalid artifact name {name!r}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.', '_' or '-'"
         )
     return name
-
-
-def _index() -> Any:
-    """The prefix index module, when this kvcdn has it (it is maintained at put and delete)."""
-    try:
-        return importlib.import_module("kvcdn_core.store.index")
-    except ModuleNotFoundError:
-        return None
 
 
 @dataclasses.dataclass
@@ -194,11 +185,15 @@ class ChunkStore:
         return found
 
     def records(self, on_error: Callable[[str], None] | None = None) -> list[ArtifactRecord]:
-        """Every record, by name. A bad one raises, or with ``on_error`` is reported and skipped."""
+        """Every record, by name. A bad one raises, or with ``on_error`` is reported and skipped; one
+        deleted between the listing and its read (a concurrent delete) is not there."""
         found = []
         for name in self.names():
+            data = self.backend.read_bytes(record_key(name))
+            if data is None:  # deleted since the listing: gone, not damaged
+                continue
             try:
-                found.append(self.record(name))
+                found.append(ArtifactRecord.from_json(data, f"record '{name}'"))
             except KvcdnError as exc:
                 if on_error is None:
                     raise
@@ -272,11 +267,11 @@ class ChunkStore:
                         chunk_key(piece.digest), pack.checked(gather(), piece.digest, piece.size, name)
                     )
                     moved += piece.size
-            index = _index()
-            if index is not None:
-                if old is not None:
-                    index.remove(self.backend, old[0], old[1])
-                index.add(self.backend, record, ids)
+            from kvcdn_core.store import index
+
+            if old is not None:
+                index.remove(self.backend, old[0], old[1])
+            index.add(self.backend, record, ids)
         finally:
             self.backend.delete(marker)
         chunks = len(record.chunks)
@@ -307,12 +302,12 @@ class ChunkStore:
 
     def delete(self, name: str) -> ArtifactRecord:
         """Remove an artifact's record, then its index entries; GC reclaims its chunks."""
+        from kvcdn_core.store import index
+
         record = self.record(name)
-        index = _index()
-        ids = self.token_ids(name) if index is not None else None
+        ids = self.token_ids(name)
         self.backend.delete(record_key(name))
-        if index is not None:
-            index.remove(self.backend, record, ids)
+        index.remove(self.backend, record, ids)
         return record
 
     # -- listing -----------------------------------------------------------------------------------
