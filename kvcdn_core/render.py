@@ -53,11 +53,6 @@ def print_table(rows: Sequence[Sequence[Any]], right: Collection[int] = ()) -> N
         click.echo(line)
 
 
-def warn(message: str) -> None:
-    """A one-line warning on stderr."""
-    click.echo(f"warning: {message}", err=True)
-
-
 @contextlib.contextmanager
 def reporting() -> Iterator[None]:
     """Show on stderr what the library reports while the block runs: each :class:`KvcdnWarning` as
@@ -97,7 +92,7 @@ def _reporting_block() -> Iterator[None]:
             line: str | None = None,
         ) -> None:
             if issubclass(category, KvcdnWarning):
-                warn(str(message))
+                click.echo(f"warning: {message}", err=True)
             elif issubclass(category, KvcdnNote):
                 click.echo(str(message), err=True)
             else:

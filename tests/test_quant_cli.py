@@ -265,10 +265,10 @@ def test_dtype_is_the_compute_dtype_as_in_every_model_command(doc, cli):
     assert json.loads(result.stdout)["verification"] == "Match"
 
 
-def test_old_compute_dtype_spelling_still_works_with_a_warning(doc, cli):
-    result = cli("quant", "--input", doc, "--compute-dtype", "float32", "--verify", "--n", "4")
-    assert result.exit_code == 0, result.stderr
-    assert "warning: --compute-dtype is deprecated; use --dtype" in result.stderr
+def test_the_retired_compute_dtype_spelling_points_to_dtype(doc, cli):
+    """--compute-dtype was deprecated for a release; one way remains, and the refusal names it."""
+    result = cli("quant", "--input", doc, "--compute-dtype", "float32")
+    assert result.exit_code == 2 and "--compute-dtype" in result.stderr and "--dtype" in result.stderr
 
 
 def _fake_artifact(path, kinds):

@@ -61,7 +61,7 @@ def continue_from(session, directory, prompt, n=N):
     found = search.search(directory, prompt, session.model_ref, warn=pytest.fail)
     found = found.retokenized(session.tokenizer, session.fingerprint)
     pre = search.prefill_reusing(session, found.ranking, found.query_ids)
-    return found, pre, search.greedy_from(session, pre.cache, pre.logits, n)
+    return found, pre, runtime.decode_from(session, pre.cache, pre.logits, n)[0]
 
 
 @pytest.mark.parametrize("case", ["longer", "strict_prefix", "exact"])

@@ -90,23 +90,20 @@ def _continue_prompt(model, revision, device, dtype, quiet, directory, store, pr
 
     from kvcdn_core import runtime, search
     from kvcdn_core.paths import data_home
-    from kvcdn_core.render import warn
 
     prompt = read_text_file(prompt_file, "prompt file")
     with tempfile.TemporaryDirectory(prefix="kvcdn-store-") as tmp:
         if store is not None:  # the best artifact is fetched from the store, then continued as from a directory
             from kvcdn_core.search.store import fetch_best, search_store
 
-            found = fetch_best(search_store(store, prompt, model, revision), Path(tmp), warn=warn)
+            found = fetch_best(search_store(store, prompt, model, revision), Path(tmp))
         else:
-            found = search.search(directory or str(data_home()), prompt, model, revision, warn=warn)
+            found = search.search(directory or str(data_home()), prompt, model, revision)
         session, found = search.session_for_search(found, revision, device, dtype)
-        pre = search.prefill_reusing(
-            session, found.ranking, found.query_ids, progress=not quiet, force=force, warn=warn
-        )
+        pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)
     if store is not None and pre.path is not None:  # the temporary file is gone: name the artifact
         pre.path = Path(pre.path.stem)
-    ids = search.greedy_from(session, pre.cache, pre.logits, n)
+    ids = runtime.decode_from(session, pre.cache, pre.logits, n)[0]
     text = runtime.decode(session, ids)
     if fmt == "json":
         emit_json(

@@ -73,13 +73,6 @@ class SchemeOption(click.Option):
     help=f"Text fed after the context with --verify [default: {DEFAULT_QUESTION!r}].",
 )
 @model_options()
-@click.option(
-    "--compute-dtype",
-    "legacy_compute_dtype",
-    hidden=True,
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default=None,
-)
 @force_output_option
 @format_option
 def command(
@@ -98,7 +91,6 @@ def command(
     device,
     dtype,
     quiet,
-    legacy_compute_dtype,
     force,
     fmt,
 ):
@@ -106,12 +98,6 @@ def command(
     --verify check that continuing from it is token-exact against a full prefill."""
     from kvcdn_core import quant, quant_service
 
-    if legacy_compute_dtype is not None:  # the old spelling, before --dtype meant the compute dtype everywhere
-        click.echo(
-            "warning: --compute-dtype is deprecated; use --dtype (the compute dtype, as in every model command)",
-            err=True,
-        )
-        dtype = legacy_compute_dtype
     if bool(input_path) == bool(context_file):
         raise KvcdnError("pass exactly one of --input (an artifact) or --context-file (a document)")
     target, implied = quant.normalize_target_dtype(target_dtype)

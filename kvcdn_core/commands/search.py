@@ -12,7 +12,7 @@ import click
 
 from kvcdn_core.commands.common import force_option, format_option, model_options, read_text_file
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.render import emit_json, print_table, warn
+from kvcdn_core.render import emit_json, print_table
 
 
 def query_text(query: str | None, query_file: str | None, what: str = "query") -> str:
@@ -74,7 +74,7 @@ def command(
             raise KvcdnError("pass one of --dir and --store")
         return _search_store(model, revision, device, dtype, quiet, store, text, limit, tree_n, tree_tokens, force, fmt)
     directory = directory or str(data_home())
-    found = search.search(directory, text, model, revision, warn=warn)
+    found = search.search(directory, text, model, revision)
     out = {
         "directory": directory,
         "model": found.model_ref,
@@ -88,9 +88,7 @@ def command(
     pre = candidates = None
     if tree_n:
         session, found = search.session_for_search(found, revision, device, dtype)
-        pre = search.prefill_reusing(
-            session, found.ranking, found.query_ids, progress=not quiet, force=force, warn=warn
-        )
+        pre = search.prefill_reusing(session, found.ranking, found.query_ids, progress=not quiet, force=force)
         candidates = search.tree(session, pre, tree_n, tree_tokens)
         out["tree"] = {**pre.as_dict(), "candidates": [c.as_dict() for c in candidates]}
     if fmt == "json":
@@ -114,11 +112,9 @@ def _search_store(model, revision, device, dtype, quiet, store, text, limit, tre
     pre = candidates = None
     if tree_n:
         with tempfile.TemporaryDirectory(prefix="kvcdn-store-") as tmp:
-            local = fetch_best(found, Path(tmp), warn=warn)
+            local = fetch_best(found, Path(tmp))
             session, local = search.session_for_search(local, revision, device, dtype)
-            pre = search.prefill_reusing(
-                session, local.ranking, local.query_ids, progress=not quiet, force=force, warn=warn
-            )
+            pre = search.prefill_reusing(session, local.ranking, local.query_ids, progress=not quiet, force=force)
         candidates = search.tree(session, pre, tree_n, tree_tokens)
         tree = {**pre.as_dict(), "candidates": [c.as_dict() for c in candidates]}
         tree["artifact"] = Path(tree["artifact"]).stem if tree["artifact"] else None

@@ -11,7 +11,8 @@ import click
 
 from kvcdn_core.commands.common import check_new_output, force_output_option, format_option
 from kvcdn_core.errors import CheckFailed
-from kvcdn_core.render import print_table, render, warn
+from kvcdn_core.notices import warn
+from kvcdn_core.render import print_table, render
 
 store_option = click.option(
     "--store",
@@ -158,9 +159,7 @@ def check(uri, repair, fmt):
     store = _open(uri)
     report = store.check()
     if repair:
-        from kvcdn_core.store import index
-
-        click.echo(f"prefix index rebuilt: {index.rebuild(store.backend)} artifact(s)", err=True)
+        click.echo(f"prefix index rebuilt: {store.rebuild_index()} artifact(s)", err=True)
 
     def table(d):
         click.echo(

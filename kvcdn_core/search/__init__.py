@@ -22,7 +22,7 @@ from kvcdn_core.search.rank import (
     start_token_count,
     usable_tokens,
 )
-from kvcdn_core.search.reuse import Candidate, Prefilled, greedy_from, prefill_reusing, session_for_search, tree
+from kvcdn_core.search.reuse import Candidate, Prefilled, prefill_reusing, session_for_search, tree
 
 __all__ = [
     "ANY_PREFIX",
@@ -36,7 +36,6 @@ __all__ = [
     "Ranking",
     "Search",
     "common_prefix",
-    "greedy_from",
     "index_path",
     "infer_model",
     "load_adapter",

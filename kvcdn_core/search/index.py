@@ -29,7 +29,6 @@ from kvcdn_core.model_files import COMPATIBILITY_KEYS
 INDEX_NAME = ".kvcdn-index"
 INDEX_MAGIC = b"KVCDNIX1"
 INDEX_VERSION = 1
-FINGERPRINT_KEYS = COMPATIBILITY_KEYS
 
 Warn = Callable[[str], None]
 
@@ -78,7 +77,7 @@ def _entry_from_file(path: Path, st: os.stat_result) -> Entry:
         st.st_size,
         st.st_mtime_ns,
         st.st_ino,
-        {k: getattr(m.model, k) for k in ("id", *FINGERPRINT_KEYS)},
+        {k: getattr(m.model, k) for k in ("id", *COMPATIBILITY_KEYS)},
         m.token_count,
         m.reuse,
         m.compute_dtype,

@@ -104,13 +104,6 @@ def prefill_reusing(
     return Prefilled(cache, logits, len(query_ids), 0, None)
 
 
-def greedy_from(session, cache, logits, n: int) -> list[int]:
-    """Decode ``n`` tokens greedily, starting from the logits of the last prefilled token."""
-    from kvcdn_core import runtime
-
-    return runtime.decode_from(session, cache, logits, n)[0]
-
-
 @dataclasses.dataclass
 class Candidate:
     first_token_logprob: float

@@ -310,6 +310,13 @@ class ChunkStore:
         index.remove(self.backend, record, ids)
         return record
 
+    def rebuild_index(self) -> int:
+        """Rebuild the prefix index from the records (a put or delete that died between its record
+        and its index entry); returns how many artifacts it holds."""
+        from kvcdn_core.store import index
+
+        return index.rebuild(self.backend, ((rec, self.token_ids(rec.name)) for rec in self.records()))
+
     # -- listing -----------------------------------------------------------------------------------
 
     def listing(self, on_error: Callable[[str], None] | None = None) -> list[Listed]:

@@ -817,18 +817,13 @@ def compact(backend, now: Callable[[], int] = time.time_ns) -> str:
     return key
 
 
-def rebuild(backend, artifacts: Iterable[tuple[Any, Sequence[int]]] | None = None) -> int:
-    """Replace the index with one built from the store's records (after a crash, or a damaged index).
+def rebuild(backend, artifacts: Iterable[tuple[Any, Sequence[int]]]) -> int:
+    """Replace the index with one built from ``artifacts``, (record, token ids) pairs: the chunk
+    store's records (:meth:`ChunkStore.rebuild_index`), after a crash or a damaged index.
 
-    ``artifacts`` yields (record, token ids); by default the chunk store's records and their ids.
     Objects written while it runs survive (only those listed first are deleted). Returns the count.
     """
     stale = list(_index_objects(backend))
-    if artifacts is None:
-        from kvcdn_core.store.chunkstore import ChunkStore
-
-        store = ChunkStore(backend)
-        artifacts = ((rec, store.token_ids(rec.name)) for rec in store.records())
     state = _State()
     at = time.time_ns()
     for record, token_ids in artifacts:

@@ -78,7 +78,7 @@ def assert_prefix_reuse(session, workdir: Path, n: int = 16) -> int:
     found = search.search(workdir, document[: len(document) * 2 // 3] + TINY_QUESTION, session.model_ref, warn=fail)
     found = found.retokenized(session.tokenizer, session.fingerprint)
     reused = search.prefill_reusing(session, found.ranking, found.query_ids)
-    tokens = search.greedy_from(session, reused.cache, reused.logits, n)
+    tokens = runtime.decode_from(session, reused.cache, reused.logits, n)[0]
     expected, _ = runtime.greedy(session, session.adapter.new_cache(session.model), found.query_ids, n)
     assert tokens == expected, f"continued from {reused.reused_tokens} reused tokens: {tokens} != {expected}"
     assert len(set(expected)) >= 4, f"degenerate reference output {expected}: the check would prove nothing"
