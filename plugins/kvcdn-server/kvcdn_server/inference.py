@@ -139,16 +139,24 @@ class Slots:
 
     def acquire(self, tenant: str) -> None:
         with self._lock:
-            if sum(self._held.values()) >= self.total:
-                raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
-            if self._held[tenant] >= self.per_tenant:
-                raise ApiError(
-                    429,
-                    "busy",
-                    f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
-                    {"Retry-After": "1"},
-                )
+            self._refuse_when_busy(tenant)
             self._held[tenant] += 1
+
+    def check(self, tenant: str) -> None:
+        """429 now when ``tenant`` would get no slot: a refusal that costs no database query."""
+        with self._lock:
+            self._refuse_when_busy(tenant)
+
+    def _refuse_when_busy(self, tenant: str) -> None:
+        if sum(self._held.values()) >= self.total:
+            raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
+        if self._held[tenant] >= self.per_tenant:
+            raise ApiError(
+                429,
+                "busy",
+                f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
+                {"Retry-After": "1"},
+            )
 
     def release(self, tenant: str) -> None:
         with self._lock:
