@@ -291,9 +291,9 @@ def test_the_lru_keeps_within_its_budget_and_keeps_the_newest():
 # -- issue 26, item 5: limits before any model work, the slot freed with the 504 ------------------
 
 
-def test_an_over_long_question_is_refused_before_any_model_loads(serve, forward_calls, qwen3_artifact):
+def test_an_over_long_question_is_refused_before_any_model_loads(serve, forward_calls, qwen3_artifact, database_url):
     """Before, a 32,768-character question got 413 only after the model (and artifact) loaded."""
-    url, app, keys = serve()  # default limits: 1024 question tokens, so 16 KiB of question
+    url, app, keys = serve(KVCDN_DATABASE_URL=database_url)  # default limits: 1024 question tokens: 16 KiB
     artifact_id = _upload(url, keys["acme"], qwen3_artifact)
     engine = app.state.engine
     for question in ("x" * 32768, "é" * 8193):  # 32,768 bytes; 16,386 bytes in 8,193 characters
@@ -329,9 +329,16 @@ def blocked_loads(monkeypatch):
     state["release"].set()
 
 
-def test_a_timeout_during_a_model_load_frees_the_tenants_slot_at_once(serve, blocked_loads, qwen3_artifact):
+def test_a_timeout_during_a_model_load_frees_the_tenants_slot_at_once(
+    serve, blocked_loads, qwen3_artifact, database_url
+):
     """Before, the 504 came, but the slot stayed taken until the load ended (4.4 s in the audit)."""
-    url, app, keys = serve(KVCDN_INFER_TIMEOUT="60", KVCDN_INFER_CONCURRENCY="1", KVCDN_INFER_PER_TENANT="1")
+    url, app, keys = serve(
+        KVCDN_INFER_TIMEOUT="60",
+        KVCDN_INFER_CONCURRENCY="1",
+        KVCDN_INFER_PER_TENANT="1",
+        KVCDN_DATABASE_URL=database_url,
+    )
     artifact_id = _upload(url, keys["acme"], qwen3_artifact)
     engine = app.state.engine
     engine.timeout = 0.5  # the load below never ends by itself: this request must time out
