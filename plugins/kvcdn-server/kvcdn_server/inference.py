@@ -225,7 +225,9 @@ class _StopBetweenSteps:
             with self._turns.step(self._ticket, self._cancel):
                 if self._cancel.is_set():
                     raise Cancelled()
-                return method(*args, **kwargs)
+                result = method(*args, **kwargs)
+                _finish_on_device(result[0])
+                return result
         except TurnCancelled:
             raise Cancelled() from None
 
@@ -234,6 +236,15 @@ class _StopBetweenSteps:
 
     def last_logits(self, *args, **kwargs):
         return self._step(self._adapter.last_logits, args, kwargs)
+
+
+def _finish_on_device(logits) -> None:
+    """Wait for an accelerator to finish the pass, so that its turn (and its charge) covers the
+    device's work and not just the launch of its kernels; greedy reads the logits next anyway."""
+    if getattr(logits, "is_cuda", False):
+        import torch
+
+        torch.cuda.synchronize(logits.device)
 
 
 def tensor_bytes(obj: Any, depth: int = 4) -> int:
