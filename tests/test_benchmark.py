@@ -304,3 +304,15 @@ def test_cached_ttft_flags_medians_more_than_ten_percent_apart(capsys):
     assert "| 512 | none | load | 1.000 | 1.200 | 1.20 | **>10% apart** |" in out
     assert "| 512 | none | read | 2.000 | 2.100 | 1.05 |  |" in out
     assert "1 of 2 medians within 10% across the runs" in out
+
+
+@pytest.mark.slow
+@pytest.mark.hosted
+def test_server_fairness_runs_both_phases_against_a_real_server(tmp_path, capsys):
+    """benchmarks/server_fairness.py starts kvcdn serve, floods it as tenant A and times tenant B."""
+    script = _script("server_fairness")
+    argv = ["--reps", "2", "--flood", "2", "--a-n", "8", "--b-n", "2", "--pause", "0", "--hidden", "64"]
+    assert script.main([*argv, "--layers", "2", "--context", "1", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| idle |" in out and "| A floods |" in out and "B's median while A floods / idle:" in out
+    assert "same tokens in every answer of B: yes" in out

@@ -286,3 +286,129 @@ def test_the_lru_keeps_within_its_budget_and_keeps_the_newest():
     assert list(lru.items) == ["a", "d", "e"]
     lru.put("huge", "huge", 500)  # alone over the budget: it stays, everything else goes
     assert list(lru.items) == ["huge"]
+
+
+# -- issue 26, item 5: limits before any model work, the slot freed with the 504 ------------------
+
+
+def test_an_over_long_question_is_refused_before_any_model_loads(serve, forward_calls, qwen3_artifact, database_url):
+    """Before, a 32,768-character question got 413 only after the model (and artifact) loaded."""
+    url, app, keys = serve(KVCDN_DATABASE_URL=database_url)  # default limits: 1024 question tokens: 16 KiB
+    artifact_id = _upload(url, keys["acme"], qwen3_artifact)
+    engine = app.state.engine
+    for question in ("x" * 32768, "é" * 8193):  # 32,768 bytes; 16,386 bytes in 8,193 characters
+        r = _infer(url, keys["acme"], artifact_id, 4, question=question)
+        assert r.status_code == 413 and r.json()["error"] == "question_too_long", r.text
+        assert f"the question is {len(question.encode())} bytes" in r.json()["message"]
+    assert engine.models.items == {} and engine.artifacts.items == {} and forward_calls == []
+    assert engine.slots.in_use() == 0
+
+    url, app, keys = serve(KVCDN_INFER_MAX_QUESTION_BYTES="24")
+    artifact_id = _upload(url, keys["beta"], qwen3_artifact)
+    r = _infer(url, keys["beta"], artifact_id, 4, question=" the" * 7)  # 28 bytes
+    assert r.status_code == 413 and "at most 24" in r.json()["message"], r.text
+    assert app.state.engine.models.items == {}
+    assert _infer(url, keys["beta"], artifact_id, 4, question=" the" * 6).status_code == 200
+
+
+@pytest.fixture
+def blocked_loads(monkeypatch):
+    """Model loads wait for ``release`` (set it to let them finish); ``started`` counts them."""
+    from kvcdn_core import runtime
+
+    real = runtime.load_session
+    state = {"started": 0, "release": threading.Event()}
+
+    def slow_load(*args, **kwargs):
+        state["started"] += 1
+        assert state["release"].wait(60), "the test never released the load"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "load_session", slow_load)
+    yield state
+    state["release"].set()
+
+
+def test_a_timeout_during_a_model_load_frees_the_tenants_slot_at_once(
+    serve, blocked_loads, qwen3_artifact, database_url
+):
+    """Before, the 504 came, but the slot stayed taken until the load ended (4.4 s in the audit)."""
+    url, app, keys = serve(
+        KVCDN_INFER_TIMEOUT="60",
+        KVCDN_INFER_CONCURRENCY="1",
+        KVCDN_INFER_PER_TENANT="1",
+        KVCDN_DATABASE_URL=database_url,
+    )
+    artifact_id = _upload(url, keys["acme"], qwen3_artifact)
+    engine = app.state.engine
+    engine.timeout = 0.5  # the load below never ends by itself: this request must time out
+    r = _infer(url, keys["acme"], artifact_id, 2)
+    assert r.status_code == 504 and r.json()["error"] == "timeout", r.text
+    assert engine.slots.in_use() == 0  # at once, while the load goes on
+    assert blocked_loads["started"] == 1 and engine.models.items == {}
+
+    engine.timeout = 60.0
+    second: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: second.append(_infer(url, keys["acme"], artifact_id, 2)))
+    waiting.start()
+    try:
+        _wait(lambda: engine.slots.in_use() == 1 or second, 10.0)
+        assert not second, second[0].text  # admitted: not answered 429
+    finally:
+        blocked_loads["release"].set()  # the first request's load finishes for the cache
+        waiting.join()
+    assert second[0].status_code == 200, second[0].text
+    assert blocked_loads["started"] == 1  # the second request used the model the first one loaded
+
+
+# -- issue 26, item 6: fair turns on the model ------------------------------------------------------
+
+
+def test_a_light_tenant_computes_between_the_steps_of_a_long_request(
+    serve, forward_calls, monkeypatch, qwen3_artifact, tmp_path
+):
+    """B's request takes every turn from the moment it waits, until it is done; A's long one yields.
+
+    Each turn is charged one STEP on a clock that only the forward passes move, so who used more is
+    exact, however busy the machine is.
+    """
+    from kvcdn_core import ModelAdapter
+
+    url, app, keys = serve(KVCDN_INFER_TIMEOUT="60", KVCDN_INFER_CONCURRENCY="2")
+    engine = app.state.engine
+    now = [0.0]
+    engine.turns.clock = lambda: now[0]
+    threads: list[int] = []
+    stop_a = threading.Event()
+    slowed = ModelAdapter.forward
+
+    def counted(self, model, input_ids, cache):
+        if stop_a.is_set() and threading.get_ident() == threads[0]:
+            raise RuntimeError("the test ends A's request here")  # answered 422; A's slot freed
+        threads.append(threading.get_ident())
+        now[0] += STEP
+        return slowed(self, model, input_ids, cache)
+
+    monkeypatch.setattr(ModelAdapter, "forward", counted)
+    public = shutil.copy(qwen3_artifact, tmp_path / "doc.kv")
+    a_id, b_id = _upload(url, keys["acme"], public), _upload(url, keys["beta"], public)
+    for key, artifact_id in ((keys["acme"], a_id), (keys["beta"], b_id)):
+        assert _infer(url, key, artifact_id, 1).status_code == 200  # loaded; each tenant used one turn
+    del threads[:]
+    answers: list[httpx.Response] = []
+    flood = threading.Thread(target=lambda: answers.append(_infer(url, keys["acme"], a_id, 256)))
+    flood.start()
+    try:
+        _wait(lambda: len(threads) >= 10, 20.0)  # A's long request is well under way
+        assert _infer(url, keys["beta"], b_id, 4).status_code == 200  # 4 forward passes
+        after_b = len(threads)
+        _wait(lambda: len(threads) > after_b, 20.0)  # and A goes on
+    finally:
+        stop_a.set()
+        flood.join()
+    assert answers[0].status_code == 422, answers[0].text
+    a = threads[0]
+    b_steps = [i for i, ident in enumerate(threads) if ident != a]
+    assert len(b_steps) == 4 and b_steps[0] >= 10, threads
+    assert b_steps == list(range(b_steps[0], b_steps[0] + 4)), f"A computed between B's steps: {threads}"
+    _wait(lambda: engine.slots.in_use() == 0, 5.0)

@@ -88,6 +88,7 @@ class ServerConfig:
     infer_per_tenant: int
     infer_max_new_tokens: int
     infer_max_question_tokens: int
+    infer_max_question_bytes: int
     infer_max_context_tokens: int
     infer_model_bytes: int
     telemetry_url: str | None
@@ -237,6 +238,7 @@ def load_config(
         infer_per_tenant=_int_env("KVCDN_INFER_PER_TENANT", 0),
         infer_max_new_tokens=_int_env("KVCDN_INFER_MAX_NEW_TOKENS", 256, 1),
         infer_max_question_tokens=_int_env("KVCDN_INFER_MAX_QUESTION_TOKENS", 1024, 1),
+        infer_max_question_bytes=_int_env("KVCDN_INFER_MAX_QUESTION_BYTES", 0),
         infer_max_context_tokens=_int_env("KVCDN_INFER_MAX_CONTEXT_TOKENS", 32768, 1),
         infer_model_bytes=_int_env("KVCDN_INFER_MODEL_BYTES", 16 * GIB, 1),
         telemetry_url=os.environ.get("KVCDN_TELEMETRY_URL", "").strip() or None,

@@ -4,12 +4,18 @@ Shared by tenants that must not be able to starve each other or the server:
 
 * **Slots.** A fixed number of requests run at once, and one tenant holds at most its fair share of
   them (``ceil(slots / 2)`` unless configured). A request that finds no slot is refused at once
-  (429), never queued.
-* **Limits in tokens.** ``n`` new tokens, the question's tokens and the artifact's context tokens
-  are each capped; a request over a cap is refused (422 / 413) before any model work.
+  (429), never queued. A request holds its slot until it is answered, whatever the answer: a 504
+  frees it at once, even while a model or artifact load it started finishes for the caches.
+* **Turns.** Requests holding slots take turns on the model, one forward pass at a time, the next
+  turn to the tenant that computed least lately (:mod:`kvcdn_server.turns`): a long request yields
+  between decode steps, and a flooding tenant does not slow down one that computes little.
+* **Limits before any work.** ``n``, the question's size in bytes (a bound its tokens cannot fit
+  under) are refused (422 / 413) before a slot is taken, an artifact read or a model loaded; the
+  artifact's context tokens (from its header) before its model loads, and the question's tokens
+  once the tokenizer has counted them.
 * **Cancellation.** A request that runs past the timeout (504) or whose client disconnects is
-  cancelled: the decode loop checks between steps and stops, so the slot is free again within one
-  decode step, not when the computation would have ended.
+  cancelled: the decode loop checks between steps and stops, so the computation ends within one
+  decode step, not when it would have ended.
 * **Bounded memory.** Models and artifact caches stay resident in two LRUs budgeted in bytes (the
   parameters of a model, the tensors of a loaded cache); a cache larger than the whole budget is
   refused, so each request's private copy is bounded too.
@@ -38,12 +44,16 @@ from typing import Any
 
 from kvcdn_core import KvcdnError
 from kvcdn_server.errors import ApiError
+from kvcdn_server.turns import TurnCancelled, Turns
 
 log = logging.getLogger("kvcdn.server")
 #: per-key load locks are striped over this many locks, so their number stays bounded
 LOAD_LOCK_STRIPES = 64
 #: how often a waiting request checks whether its client is still there (seconds)
 DISCONNECT_POLL = 0.2
+#: the question's UTF-8 bytes allowed per token of ``max_question_tokens`` unless configured: real
+#: tokenizers average 2 to 6 bytes a token, so a question over this cannot fit in the token limit
+QUESTION_BYTES_PER_TOKEN = 16
 
 
 @dataclasses.dataclass
@@ -64,6 +74,7 @@ class InferLimits:
     timeout: float = 120.0
     max_new_tokens: int = 256
     max_question_tokens: int = 1024
+    max_question_bytes: int = 0  # 0: QUESTION_BYTES_PER_TOKEN * max_question_tokens
     max_context_tokens: int = 32768
     model_bytes: int = 16 << 30
     max_models: int = 2
@@ -75,6 +86,10 @@ class InferLimits:
     def tenant_slots(self) -> int:
         return min(self.slots, self.per_tenant or math.ceil(self.slots / 2))
 
+    @property
+    def question_bytes(self) -> int:
+        return self.max_question_bytes or QUESTION_BYTES_PER_TOKEN * self.max_question_tokens
+
     @classmethod
     def from_config(cls, config) -> InferLimits:
         return cls(
@@ -83,6 +98,7 @@ class InferLimits:
             timeout=config.infer_timeout,
             max_new_tokens=config.infer_max_new_tokens,
             max_question_tokens=config.infer_max_question_tokens,
+            max_question_bytes=config.infer_max_question_bytes,
             max_context_tokens=config.infer_max_context_tokens,
             model_bytes=config.infer_model_bytes,
             max_models=config.infer_max_models,
@@ -123,16 +139,24 @@ class Slots:
 
     def acquire(self, tenant: str) -> None:
         with self._lock:
-            if sum(self._held.values()) >= self.total:
-                raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
-            if self._held[tenant] >= self.per_tenant:
-                raise ApiError(
-                    429,
-                    "busy",
-                    f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
-                    {"Retry-After": "1"},
-                )
+            self._refuse_when_busy(tenant)
             self._held[tenant] += 1
+
+    def check(self, tenant: str) -> None:
+        """429 now when ``tenant`` would get no slot: a refusal that costs no database query."""
+        with self._lock:
+            self._refuse_when_busy(tenant)
+
+    def _refuse_when_busy(self, tenant: str) -> None:
+        if sum(self._held.values()) >= self.total:
+            raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
+        if self._held[tenant] >= self.per_tenant:
+            raise ApiError(
+                429,
+                "busy",
+                f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
+                {"Retry-After": "1"},
+            )
 
     def release(self, tenant: str) -> None:
         with self._lock:
@@ -185,23 +209,42 @@ class Cancelled(Exception):
 
 
 class _StopBetweenSteps:
-    """A session's adapter whose ``forward`` and ``last_logits`` refuse to run once the request is cancelled."""
+    """A session's adapter whose ``forward`` and ``last_logits`` each wait for a turn on the model,
+    and refuse to run once the request is cancelled."""
 
-    def __init__(self, adapter, cancel: threading.Event):
-        self._adapter, self._cancel = adapter, cancel
+    def __init__(self, adapter, cancel: threading.Event, turns: Turns, ticket: int):
+        self._adapter, self._cancel, self._turns, self._ticket = adapter, cancel, turns, ticket
 
     def __getattr__(self, name):
         return getattr(self._adapter, name)
 
-    def forward(self, *args, **kwargs):
+    def _step(self, method, args, kwargs):
         if self._cancel.is_set():
             raise Cancelled()
-        return self._adapter.forward(*args, **kwargs)
+        try:
+            with self._turns.step(self._ticket, self._cancel):
+                if self._cancel.is_set():
+                    raise Cancelled()
+                result = method(*args, **kwargs)
+                _finish_on_device(result[0])
+                return result
+        except TurnCancelled:
+            raise Cancelled() from None
+
+    def forward(self, *args, **kwargs):
+        return self._step(self._adapter.forward, args, kwargs)
 
     def last_logits(self, *args, **kwargs):
-        if self._cancel.is_set():
-            raise Cancelled()
-        return self._adapter.last_logits(*args, **kwargs)
+        return self._step(self._adapter.last_logits, args, kwargs)
+
+
+def _finish_on_device(logits) -> None:
+    """Wait for an accelerator to finish the pass, so that its turn (and its charge) covers the
+    device's work and not just the launch of its kernels; greedy reads the logits next anyway."""
+    if getattr(logits, "is_cuda", False):
+        import torch
+
+        torch.cuda.synchronize(logits.device)
 
 
 def tensor_bytes(obj: Any, depth: int = 4) -> int:
@@ -242,6 +285,7 @@ class InferenceEngine:
         self.limits = limits
         self.timeout = limits.timeout
         self.slots = Slots(limits.slots, limits.tenant_slots)
+        self.turns = Turns()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=limits.slots, thread_name_prefix="kvcdn-infer")
         self.models = _Lru(limits.model_bytes, limits.max_models)
         self.artifacts = _Lru(limits.cache_bytes)
@@ -274,20 +318,12 @@ class InferenceEngine:
         ``disconnected()`` says whether the client went away; it is polled while the request runs.
         On a timeout or a disconnect the computation is cancelled before its next decode step.
         """
-        if n > self.limits.max_new_tokens:
-            raise ApiError(
-                422, "too_many_tokens", f"n is {n}; this server decodes at most {self.limits.max_new_tokens} tokens"
-            )
+        self.check_request(question, n)
         self.slots.acquire(tenant)
         cancel = threading.Event()
         try:
-            future = self.pool.submit(self._infer, artifact_key, fetch_path, question, n, cancel)
-        except BaseException:
-            self.slots.release(tenant)
-            raise
-        future.add_done_callback(lambda _f: self.slots.release(tenant))
-        deadline = time.monotonic() + self.timeout
-        try:
+            future = self.pool.submit(self._infer, tenant, artifact_key, fetch_path, question, n, cancel)
+            deadline = time.monotonic() + self.timeout
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -299,6 +335,24 @@ class InferenceEngine:
                         raise ApiError(499, "client_closed_request", "the client disconnected") from None
         finally:
             cancel.set()  # a no-op once done; otherwise the decode loop stops at its next step
+            # The slot goes with the answer: a load still running finishes for the caches (it cannot
+            # be interrupted) but no longer counts against the tenant.
+            self.slots.release(tenant)
+
+    def check_request(self, question: str, n: int) -> None:
+        """Refuse what the request alone shows is over a limit: before a slot, an artifact or a model."""
+        if n > self.limits.max_new_tokens:
+            raise ApiError(
+                422, "too_many_tokens", f"n is {n}; this server decodes at most {self.limits.max_new_tokens} tokens"
+            )
+        size = len(question.encode("utf-8", "surrogatepass"))
+        if size > self.limits.question_bytes:
+            raise ApiError(
+                413,
+                "question_too_long",
+                f"the question is {size} bytes; this server takes at most {self.limits.question_bytes} "
+                f"(and {self.limits.max_question_tokens} tokens)",
+            )
 
     def _session(self, model_ref: str):
         from kvcdn_core import runtime
@@ -351,10 +405,12 @@ class InferenceEngine:
         return self._session(model_ref), cache, ids, model_id
 
     def _infer(
-        self, artifact_key: tuple, fetch_path, question: str, n: int, cancel: threading.Event
+        self, tenant: str, artifact_key: tuple, fetch_path, question: str, n: int, cancel: threading.Event
     ) -> InferResult | None:
         from kvcdn_core import runtime
 
+        if cancel.is_set():  # answered (504, 499) before a worker took it up: load nothing
+            return None
         try:
             session, resident_cache, context_ids, model_id = self._resident(artifact_key, fetch_path)
             question_ids = session.adapter.encode_continuation(session.tokenizer, question)
@@ -368,8 +424,11 @@ class InferenceEngine:
             if cancel.is_set():
                 return None
             cache = session.adapter.fork_cache(resident_cache)  # greedy extends the cache it is given
-            stoppable = dataclasses.replace(session, adapter=_StopBetweenSteps(session.adapter, cancel))
-            ids, _ = runtime.greedy(stoppable, cache, question_ids, n)
+            with self.turns.request(tenant) as ticket:
+                stoppable = dataclasses.replace(
+                    session, adapter=_StopBetweenSteps(session.adapter, cancel, self.turns, ticket)
+                )
+                ids, _ = runtime.greedy(stoppable, cache, question_ids, n)
         except Cancelled:
             return None
         except ApiError:

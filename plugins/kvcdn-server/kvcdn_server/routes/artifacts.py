@@ -106,6 +106,10 @@ def delete_artifact(identity: Auth, artifact_id: str, s: Svc):
 
 
 def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Request, s: Services):
+    # What needs no database first: a flood of requests over the limits, or finding no slot, is
+    # refused at the least cost (engine.run checks both again, then takes the slot).
+    s.engine.check_request(body.question, body.n)
+    s.engine.slots.check(identity.tenant)
     row = s.store.readable(identity.tenant, artifact_id)
     if row.status != "ready":
         raise not_found()
