@@ -24,6 +24,7 @@ from typing import IO, Any
 from kvcdn_core import digests, tensor_io
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.text import is_printable_text
 
 FORMAT_NAME = "kvcdn-kv"
 #: The version written. 2: tensors carry BLAKE3 digests; 1 (still read): SHA-256 (:mod:`kvcdn_core.digests`).
@@ -313,14 +314,9 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-# Control characters (C0, DEL, C1), bidi overrides and isolates, zero-width characters: nothing a
-# name or version needs, and what would let a file rewrite the terminal that prints it.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
-
-
 def _is_label(value: Any) -> bool:
-    """A string fit to print as a name: no control, bidi or zero-width characters."""
-    return isinstance(value, str) and _UNPRINTABLE.search(value) is None
+    """A string fit to print as a name: the text rule of every shown string (kvcdn_core.text)."""
+    return is_printable_text(value)
 
 
 def _is_count(value: Any) -> bool:

@@ -116,6 +116,20 @@ def _set(obj: dict, key: str, value):
     obj[key] = value
 
 
+#: a manifest label holding a character that draws nothing or reorders text, as listings show it
+LABEL_CASES = {
+    f"label_with_u{ord(ch):04x}": (lambda ch=ch, where=where: _changed(lambda p: _set(*where(p), f"x{ch}y")))
+    for ch, where in [
+        ("\u061c", lambda p: (p.manifest["model"], "id")),  # Arabic letter mark
+        ("\u2028", lambda p: (p.manifest["model"], "architecture")),  # line separator
+        ("\ue000", lambda p: (p.manifest["model"], "family")),  # private use
+        ("\u180e", lambda p: (p.manifest, "kvcdn_version")),  # Mongolian vowel separator
+        ("\u2060", lambda p: (p.manifest["model"], "id")),  # word joiner
+        ("\u3164", lambda p: (p.manifest["model"], "id")),  # Hangul filler
+    ]
+}
+
+
 def _deep(depth: int) -> str:
     return "[" * depth + "]" * depth
 
@@ -267,6 +281,8 @@ HOSTILE: dict[str, callable] = {
         lambda p: _set(p.manifest["model"], "architecture", "Qwen\u202eLMsuaC")
     ),
     "lone_surrogate": lambda: _changed(lambda p: _set(p.manifest["model"], "id", "x\ud800y")),
+    # issue 26: labels took what names refuse (the one text rule, kvcdn_core.text)
+    **LABEL_CASES,
     "header_not_json": lambda: frame(b"{not json at all}", b""),
     "header_not_utf8": lambda: frame(b'{"\xff": 1}', b""),
     "header_length_implausible": lambda: struct.pack("<Q", 1 << 62) + b"{}",

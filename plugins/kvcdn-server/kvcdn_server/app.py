@@ -175,8 +175,14 @@ def create_app(config: ServerConfig, storage=None, engine=None) -> FastAPI:
         stop.set()
         s.engine.shutdown()
 
+    # No trailing-slash redirects: their Location would be built from the request's Host header.
     app = FastAPI(
-        title="kvcdn hosted API", version=kvcdn_core.__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+        title="kvcdn hosted API",
+        version=kvcdn_core.__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        redirect_slashes=False,
     )
     app.state.services = s
     app.state.store = s.store

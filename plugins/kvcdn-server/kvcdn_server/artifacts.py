@@ -41,6 +41,7 @@ import sqlalchemy as sa
 
 from kvcdn_core import KvcdnError, LocalStorage
 from kvcdn_core import artifact as kvformat
+from kvcdn_core.text import nfc, text_problem
 from kvcdn_server.db import artifacts, readers, usage
 from kvcdn_server.errors import ApiError, not_found
 
@@ -78,33 +79,56 @@ def check_id(artifact_id: str) -> str:
     return artifact_id
 
 
-#: zero-width characters that are not in category Cf everywhere (the rest of Cf is refused too)
-_INVISIBLE = {"\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u180e"}
-
-
 def check_name(name: str) -> str:
-    """The NFC form of an artifact name, or 422: names are shown in terminals, so no controls, bidi
-    overrides, invisible characters or lone surrogates; ``/`` only between parts (``team/doc.kv``,
-    the keys of the client's storage backend), never a path that could climb."""
-    problem = None
-    if any(unicodedata.category(c) == "Cs" for c in name):
-        raise ApiError(422, "invalid_name", "artifact name must not contain lone surrogates")
-    name = unicodedata.normalize("NFC", name)
-    if not 1 <= len(name) <= 255:
-        problem = "must be 1 to 255 characters"
-    elif any(unicodedata.category(c) in ("Cc", "Cf", "Co", "Zl", "Zp") or c in _INVISIBLE for c in name):
-        problem = "must not contain control, format (bidi, zero-width) or private-use characters"
-    elif "\\" in name:
-        problem = "must not contain '\\'"
-    elif any(part in ("", ".") for part in name.split("/")):
-        problem = "must not start or end with '/' nor have an empty or '.' part between slashes"
-    elif ".." in name:
-        problem = "must not contain '..'"
-    elif name != name.strip():
-        problem = "must not start or end with white space"
+    """The NFC form of an artifact name, or 422.
+
+    Names keep the text rule of every shown string (:mod:`kvcdn_core.text`) and are kept in NFC,
+    so the composed and decomposed spellings of a name are one name. ``/`` separates parts
+    (``team/doc.kv``, the keys of the client's storage backend), and the path rules hold for the
+    name's NFKC form too, which folds look-alikes such as fullwidth dots (``．．/x``) into the
+    ASCII a path would be read as."""
+    problem = text_problem(name)
+    if problem is None:
+        name = nfc(name)
+        problem = text_problem(name)  # normalising can bring a combining mark to the front
+    if problem is None and not 1 <= len(name) <= 255:
+        problem = "be 1 to 255 characters"
+    if problem is None and name != name.strip():
+        problem = "not start or end with white space"
+    if problem is None:
+        problem = _path_problem(name) or _path_problem(unicodedata.normalize("NFKC", name))
     if problem:
-        raise ApiError(422, "invalid_name", f"artifact name {problem}")
+        raise ApiError(422, "invalid_name", f"artifact name must {problem}")
     return name
+
+
+def _path_problem(name: str) -> str | None:
+    if "\\" in name:
+        return "not contain '\\' (nor a look-alike of it)"
+    parts = name.split("/")
+    if any(part in ("", ".") for part in parts):
+        return "not start or end with '/' nor have an empty or '.' part between slashes (nor look-alikes)"
+    if ".." in name:
+        return "not contain '..' (nor a look-alike of it)"
+    return None
+
+
+def check_prefix_filter(prefix: str) -> str:
+    """A listing prefix in NFC (names are stored so), or 422 when it breaks the text rule."""
+    problem = text_problem(prefix)
+    if problem is None and len(prefix) > 255:
+        problem = "be at most 255 characters"
+    if problem:
+        raise ApiError(422, "validation_error", f"prefix: must {problem}")
+    return nfc(prefix)
+
+
+def check_hint(field: str, value: object) -> None:
+    """A declared manifest fact that is a string keeps the text rule (it is echoed in refusals)."""
+    if isinstance(value, str):
+        problem = text_problem(value) or (None if len(value) <= 255 else "be at most 255 characters")
+        if problem:
+            raise ApiError(422, "validation_error", f"manifest.{field}: must {problem}")
 
 
 def manifest_summary(header: kvformat.Header) -> dict[str, Any]:

@@ -83,6 +83,13 @@ def _is_loopback(host: str) -> bool:
     "[env KVCDN_INFER_DTYPE; default auto: float32 on CPU, bfloat16 on CUDA].",
 )
 @click.option(
+    "--forwarded-allow-ips",
+    default=None,
+    metavar="IP|NET,...",
+    help="Proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (addresses or networks, "
+    "* for any) [env KVCDN_FORWARDED_ALLOW_IPS; default: none, not even loopback].",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
@@ -101,6 +108,7 @@ def serve(
     infer_timeout,
     device,
     infer_dtype,
+    forwarded_allow_ips,
     log_level,
 ):
     """Serve the kvcdn hosted API: artifact upload/list/download/delete, API keys, inference.
@@ -127,6 +135,7 @@ def serve(
         device,
         database,
         infer_dtype,
+        forwarded_allow_ips,
     )
     check_local_models(config.models)
     sock = bind_socket(host, port)  # before any output: a busy port is the only line
@@ -159,8 +168,17 @@ def serve(
         err=True,
     )
     show_telemetry_events()
+    proxies = config.forwarded_allow_ips  # uvicorn would otherwise believe any loopback client
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, proxy_headers=True, server_header=False)
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            proxy_headers=bool(proxies),
+            forwarded_allow_ips=proxies or None,
+            server_header=False,
+        )
     )
     server.run(sockets=[sock])
 

@@ -94,6 +94,8 @@ class ServerConfig:
     telemetry_url: str | None
     telemetry_secret: str | None
     created_secrets: list[Path] = dataclasses.field(default_factory=list)
+    #: addresses (IPs or networks) whose X-Forwarded-For/-Proto are believed; none by default
+    forwarded_allow_ips: list[str] = dataclasses.field(default_factory=list)
 
 
 #: secrets given through the environment are at least this long
@@ -169,6 +171,21 @@ def check_issuer_url(url: str | None) -> str | None:
     return url  # exactly as given: tokens' ``iss`` must equal what the issuer's discovery states
 
 
+def parse_forwarded_allow_ips(raw: str) -> list[str]:
+    """``10.0.0.5,10.1.0.0/16`` → the proxies whose forwarded headers are believed (``*``: any)."""
+    import ipaddress
+
+    allowed = [part.strip() for part in raw.split(",") if part.strip()]
+    for item in allowed:
+        if item == "*":
+            continue
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise KvcdnError(f"--forwarded-allow-ips: '{item}' is not an IP address or network") from None
+    return allowed
+
+
 def _device(value: str) -> str:
     if value not in ("auto", "cpu", "cuda", "mps"):
         raise KvcdnError(f"inference device must be auto, cpu, cuda or mps, not '{value}'")
@@ -196,6 +213,7 @@ def load_config(
     device: str | None = None,
     database: str | None = None,
     dtype: str | None = None,
+    forwarded_allow_ips: str | None = None,
 ) -> ServerConfig:
     home = server_home()
     created: list[Path] = []
@@ -244,4 +262,7 @@ def load_config(
         telemetry_url=os.environ.get("KVCDN_TELEMETRY_URL", "").strip() or None,
         telemetry_secret=os.environ.get("KVCDN_TELEMETRY_SECRET", "").strip() or None,
         created_secrets=created,
+        forwarded_allow_ips=parse_forwarded_allow_ips(
+            forwarded_allow_ips if forwarded_allow_ips is not None else os.environ.get("KVCDN_FORWARDED_ALLOW_IPS", "")
+        ),
     )

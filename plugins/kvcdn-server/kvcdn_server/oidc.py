@@ -7,9 +7,10 @@ same ``aud``, and must not pass as an access token), the ``kid`` against the JWK
 most once per 30 s when an unknown ``kid`` shows up, so rotation works and junk tokens cannot hammer
 the issuer), the signature, ``iss``, ``aud``, ``exp`` and ``sub``.
 
-The keys are fetched from the discovery document's ``jwks_uri`` only when it is https on the
-issuer's own host (or http on a loopback issuer, for tests): a discovery document cannot send the
-server to another host or scheme.
+The keys are fetched from the discovery document's ``jwks_uri`` only when it is on the issuer's
+own origin (scheme, host and port): a discovery document cannot send the server to another host,
+scheme or port (another service on the issuer's machine could hold keys of its own). Such a
+document is logged once per fetch attempt and every token is refused with 401 until it changes.
 
 ``iss`` is compared with the issuer exactly as its discovery document states it (a trailing ``/``
 included); the configured URL may differ from it only by that trailing ``/``. When a refresh of the
@@ -37,7 +38,7 @@ RETRY_MIN = 30.0
 RETRY_MAX = 300.0
 #: JWT ``typ`` headers of access tokens (RFC 9068 §2.1), compared case-insensitively
 ACCESS_TOKEN_TYPES = ("at+jwt", "application/at+jwt")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass
@@ -65,6 +66,7 @@ class JwtVerifier:
         self._fetched_at = float("-inf")
         self._retry_at = float("-inf")  # no refresh before this after a failed one
         self._retry_wait = RETRY_MIN
+        self._failure: ApiError | None = None  # why the last fetch failed, while no keys are held
 
     def _fetch(self) -> None:
         try:
@@ -75,7 +77,15 @@ class JwtVerifier:
                 stated = meta.get("issuer")
                 if not isinstance(stated, str) or stated.rstrip("/") != self.base_url:
                     raise ValueError("discovery document names another issuer")
-                jwks = client.get(self._jwks_url(meta.get("jwks_uri")))
+                jwks_url = self._jwks_url(meta.get("jwks_uri"))
+                if jwks_url is None:
+                    log.error(
+                        "the issuer %s names jwks_uri %r, which is not on its origin; its tokens are refused",
+                        self.base_url,
+                        meta.get("jwks_uri"),
+                    )
+                    raise unauthorized("the issuer's keys are not on its own origin")
+                jwks = client.get(jwks_url)
                 jwks.raise_for_status()
                 keys = {}
                 for raw in jwks.json().get("keys", []):
@@ -89,18 +99,14 @@ class JwtVerifier:
             raise ApiError(503, "issuer_unavailable", f"cannot fetch the issuer's keys: {type(exc).__name__}") from None
         self.issuer = stated
         self._keys = keys
+        self._failure = None
         self._fetched_at = time.monotonic()
 
-    def _jwks_url(self, url) -> str:
-        """The discovery document's ``jwks_uri``, if it is on the issuer's host (else ValueError)."""
-        from urllib.parse import urlsplit
-
-        issuer = urlsplit(self.base_url)
-        target = urlsplit(url) if isinstance(url, str) else None
-        same_host = target is not None and target.hostname is not None and target.hostname == issuer.hostname
-        if not same_host or not (target.scheme == "https" or (target.scheme == "http" and target.hostname in LOOPBACK)):
-            raise ValueError("jwks_uri is not https on the issuer's host")
-        return url
+    def _jwks_url(self, url) -> str | None:
+        """The discovery document's ``jwks_uri`` if it is on the issuer's origin, else None."""
+        if isinstance(url, str) and _origin(url) is not None and _origin(url) == _origin(self.base_url):
+            return url
+        return None
 
     def _key(self, kid: str) -> jwt.PyJWK | None:
         with self._lock:
@@ -111,13 +117,16 @@ class JwtVerifier:
                 try:
                     self._fetch()
                     self._retry_wait = RETRY_MIN
-                except ApiError:
+                except ApiError as exc:
                     self._retry_at = now + self._retry_wait
                     self._retry_wait = min(self._retry_wait * 2, RETRY_MAX)
+                    self._failure = exc
                     if not self._keys:
                         raise
                     log.warning("the issuer's keys could not be refreshed; using the cached ones")
             elif due and not self._keys:
+                if self._failure is not None and self._failure.status == 401:
+                    raise self._failure
                 raise ApiError(503, "issuer_unavailable", "cannot fetch the issuer's keys (retrying later)")
             return self._keys.get(kid)
 
@@ -161,3 +170,18 @@ class JwtVerifier:
             raise unauthorized("token has no subject")
         email = claims.get("email") if isinstance(claims.get("email"), str) else None
         return TokenClaims(subject, self.issuer, email, oidc_customer_id(self.issuer, subject))
+
+
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """``(scheme, host, port)`` of an http(s) URL, the port made explicit; None for anything else."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS or not parts.hostname:
+        return None
+    return scheme, parts.hostname, port if port is not None else DEFAULT_PORTS[scheme]

@@ -253,8 +253,10 @@ class S3Storage(StorageBackend):
         if operation is None:
             raise ValueError(f"cannot presign {method}")
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
+        # Nothing but the length is signed (with Host): every client sends those two, and a signed
+        # header a client leaves out (the original kvcdn client sends no Content-Type) makes S3
+        # refuse the signature. An unsigned Content-Type a client does send is simply stored.
         if operation == "put_object":
-            params["ContentType"] = "application/octet-stream"
             if size is not None:
                 # Signed into the URL: S3 refuses a PUT of any other length.
                 params["ContentLength"] = int(size)

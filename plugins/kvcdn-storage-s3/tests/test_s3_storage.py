@@ -5,12 +5,18 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
 
 from kvcdn_core.errors import KvcdnError
 from kvcdn_storage_s3 import MIB, S3Storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository's tests.support
+from tests.support.sigv4 import sigv4_query_valid as _sigv4_query_valid  # noqa: E402
 
 BUCKET = "kvcdn-s3-test"
 
@@ -151,43 +157,6 @@ def test_registered_through_the_storage_hook(discovered_host, s3_env):
         open_storage("s3:///nobucket")
 
 
-def _sigv4_query_valid(url: str, method: str, headers: dict[str, str], secret: str) -> bool:
-    """Check a presigned URL's SigV4 signature for a request with ``headers``, as S3 does.
-
-    moto checks no signatures, so the test recomputes it: a URL whose signed headers include the
-    length is valid for exactly that length.
-    """
-    import hmac
-    from urllib.parse import parse_qsl, quote, urlsplit
-
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    given = dict(query)["X-Amz-Signature"]
-    signed = dict(query)["X-Amz-SignedHeaders"].split(";")
-    all_headers = {"host": parts.netloc, **{k.lower(): v for k, v in headers.items()}}
-    if any(name not in all_headers for name in signed):
-        return False
-    canonical_query = "&".join(
-        f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query) if k != "X-Amz-Signature"
-    )
-    canonical = "\n".join(
-        [
-            method,
-            parts.path,
-            canonical_query,
-            "".join(f"{name}:{all_headers[name].strip()}\n" for name in signed),
-            ";".join(signed),
-            "UNSIGNED-PAYLOAD",
-        ]
-    )
-    date, scope = dict(query)["X-Amz-Date"], dict(query)["X-Amz-Credential"].split("/", 1)[1]
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    key = ("AWS4" + secret).encode()
-    for piece in scope.split("/"):
-        key = hmac.new(key, piece.encode(), hashlib.sha256).digest()
-    return hmac.compare_digest(hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest(), given)
-
-
 def test_presigned_put_urls_sign_the_declared_size(s3_env):
     """S3 refuses a PUT whose Content-Length differs from the one signed into its URL."""
     store = S3Storage(BUCKET, "sized", part_size=5 * MIB)
@@ -196,6 +165,10 @@ def test_presigned_put_urls_sign_the_declared_size(s3_env):
     assert _sigv4_query_valid(url, "PUT", {**typ, "Content-Length": "1000"}, "testing")
     assert not _sigv4_query_valid(url, "PUT", {**typ, "Content-Length": "1001"}, "testing")
     assert not _sigv4_query_valid(url, "PUT", typ, "testing")
+    # The original kvcdn client's PUT: a sized body and no Content-Type. Only what every client
+    # sends may be signed, or real S3 refuses the signature (moto checks none).
+    assert parse_qs(urlsplit(url).query)["X-Amz-SignedHeaders"] == ["content-length;host"]
+    assert _sigv4_query_valid(url, "PUT", {"Content-Length": "1000"}, "testing")
     plan = store.start_multipart("big.kv", 6 * MIB + 7, 60)
     assert [p["size"] for p in plan["parts"]] == [5 * MIB, MIB + 7]
     for part in plan["parts"]:

@@ -9,7 +9,17 @@ from fastapi import APIRouter, Request, Response
 
 from kvcdn_hosted import wire
 from kvcdn_hosted.wire_schema import ConfirmRequest, InferRequest, UploadUrlRequest
-from kvcdn_server.artifacts import UUID, artifact_key, check_id, check_name, now_iso, upload_key, view
+from kvcdn_server.artifacts import (
+    UUID,
+    artifact_key,
+    check_hint,
+    check_id,
+    check_name,
+    check_prefix_filter,
+    now_iso,
+    upload_key,
+    view,
+)
 from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
 from kvcdn_server.errors import not_found, validation
 from kvcdn_server.services import Services
@@ -24,6 +34,8 @@ def upload_url(identity: Auth, body: UploadUrlRequest, s: Svc):
     except ValueError as exc:
         raise validation(str(exc)) from None
     name = check_name(name)
+    for field, value in hints.items():
+        check_hint(field, value)
     record = s.store.begin_upload(identity.tenant, name, body.size_bytes, sha256, body.visibility, hints)
     artifact_id, expires = record["id"], record["url_expires"]
     url, multipart, storage, ttl = None, None, s.storage, s.config.upload_ttl
@@ -69,8 +81,7 @@ def list_artifacts(identity: Auth, s: Svc, limit: int = 50, cursor: str | None =
         raise validation("limit: must be between 1 and 500")
     if cursor is not None and not UUID.match(cursor):
         raise validation("cursor: not a cursor this server issued")
-    if len(prefix) > 255:
-        raise validation("prefix: at most 255 characters")
+    prefix = check_prefix_filter(prefix)
     page, next_cursor = s.store.list_ready(identity.tenant, limit, cursor, prefix)
     return {"artifacts": page, "next_cursor": next_cursor}
 
