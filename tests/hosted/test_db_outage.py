@@ -274,13 +274,13 @@ def test_deleting_an_upload_while_its_confirm_runs_is_409_deleted(make_app, stor
 
 
 def test_postgresql_stopped_and_started_under_load_loses_and_strands_nothing(tmp_path):
-    """Six uploaders (two with 32 MiB files, whose confirms take a while) against ``kvcdn serve`` on
+    """Six uploaders (two with 64 MiB files, whose confirms take a while) against ``kvcdn serve`` on
     its own PostgreSQL, which is stopped while confirms are in flight and started again once every
     uploader has been answered 503 and the outage has outlasted the 3 s leases. While it is down every 5xx is ``503 database_unavailable`` with
     ``Retry-After``; afterwards every upload completes by retrying (confirms that got a 503 among
     them), downloads byte-exact, and nothing is left ``confirming``, ``uploading`` or pending."""
     small = [write_synthetic_kv(tmp_path / f"s{i}.kv", tokens=64, width=32, seed=i) for i in range(16)]
-    big = [write_synthetic_kv(tmp_path / f"b{i}.kv", tokens=8192, width=128, seed=100 + i) for i in range(4)]
+    big = [write_synthetic_kv(tmp_path / f"b{i}.kv", tokens=16384, width=128, seed=100 + i) for i in range(4)]
     work = [big[0::2], big[1::2], *(small[i::4] for i in range(4))]
     env = {
         "KVCDN_QUOTA_ARTIFACTS": "1000",
