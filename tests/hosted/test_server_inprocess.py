@@ -246,7 +246,15 @@ def test_the_collector_reclaims_orphans_and_never_a_live_object(make_app, tmp_pa
     temp = store.temp_dir() / f".put-{orphan}-abc"  # a PUT of a server that died
     temp.write_bytes(b"half")
     os.utime(temp, (time.time() - 5, time.time() - 5))
-    assert store.collect() == {"expired": 0, "failed": 0, "objects": 2, "temp_files": 1, "multipart": 0, "rows": 0}
+    assert store.collect() == {
+        "expired": 0,
+        "handed_back": 0,
+        "failed": 0,
+        "objects": 2,
+        "temp_files": 1,
+        "multipart": 0,
+        "rows": 0,
+    }
     assert _files(tmp_path) == [f"artifacts/{live['artifact_id']}", f"uploads/{waiting['artifact_id']}"]
     assert not temp.exists()
 

@@ -94,7 +94,7 @@ def test_a_crashed_confirms_copy_goes_once_its_lease_and_the_grace_have_passed(s
     counts = store.collect(now=start)
     assert counts["temp_files"] == 0 and copy.exists()  # the lease is live
     assert store.collect(now=start + store.config.lease_seconds + 1)["temp_files"] == 1
-    assert not copy.exists() and _status(store, artifact_id) == "failed"
+    assert not copy.exists() and _status(store, artifact_id) == "uploaded"  # handed back, bytes kept
     assert stray.exists()  # young yet
     assert store.collect(now=time.time() + GRACE + 1)["temp_files"] == 1
     assert not stray.exists() and list(store.tmp_dir.iterdir()) == []
@@ -166,7 +166,7 @@ FAST_GC = {"KVCDN_GC_INTERVAL": "0.2", "KVCDN_ORPHAN_GRACE": "1", "KVCDN_LEASE_S
 
 def test_kill_9_mid_s3_confirm_leaves_nothing_behind(database_url, moto_s3, tmp_path):
     """The audit's case with a real server: SIGKILL while the local copy of an S3 upload exists,
-    restart, and the collector removes the copy (and fails the upload)."""
+    restart, and the collector removes the copy (and hands the upload back for another confirm)."""
     home = tmp_path / "home"
     big = tmp_path / "big.kv"
     sha256 = write_large_kv(big, 96 << 20, seed=5)
@@ -187,7 +187,7 @@ def test_kill_9_mid_s3_confirm_leaves_nothing_behind(database_url, moto_s3, tmp_
     assert any(tmp.iterdir())  # the crash left the copy
     with services.kvcdn_server(home, args, env):
         deadline = time.monotonic() + 60
-        while any(tmp.iterdir()) or _row_status(database_url, plan["artifact_id"]) != "failed":
+        while any(tmp.iterdir()) or _row_status(database_url, plan["artifact_id"]) != "uploaded":
             assert time.monotonic() < deadline, f"left behind: {sorted(p.name for p in tmp.rglob('*'))}"
             time.sleep(0.1)
 

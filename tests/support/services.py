@@ -270,6 +270,19 @@ def moto_s3(bucket: str | None = "kvcdn-test") -> Iterator[MotoS3]:
 class Postgres:
     port: int
     directory: Path
+    #: ``pg_ctl`` with its user, data directory and log: ``stop``/``start`` append the action
+    pg_ctl: list[str] = dataclasses.field(default_factory=list)
+    options: str = ""
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (``fast``: sessions are cut, as in an outage); its data stays."""
+        subprocess.run([*self.pg_ctl, "-m", mode, "-w", "stop"], check=True, capture_output=True, timeout=60)
+
+    def start(self) -> None:
+        """Start it again on the same port; returns once it accepts connections."""
+        subprocess.run(
+            [*self.pg_ctl, "-o", self.options, "-w", "-t", "60", "start"], check=True, capture_output=True, timeout=70
+        )
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
@@ -324,33 +337,17 @@ def postgres(timeout: float = 60.0) -> Iterator[Postgres]:
         timeout=timeout,
     )
     options = f"-c listen_addresses=127.0.0.1 -p {port} -k {directory} -c fsync=off -c max_connections=200"
+    pg_ctl = [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log)]
     subprocess.run(
-        [
-            *as_user,
-            str(bindir / "pg_ctl"),
-            "-D",
-            str(data),
-            "-l",
-            str(log),
-            "-o",
-            options,
-            "-w",
-            "-t",
-            str(int(timeout)),
-            "start",
-        ],
+        [*pg_ctl, "-o", options, "-w", "-t", str(int(timeout)), "start"],
         check=True,
         capture_output=True,
         timeout=timeout + 10,
     )
     try:
-        yield Postgres(port, directory)
+        yield Postgres(port, directory, pg_ctl, options)
     finally:
-        subprocess.run(
-            [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],
-            capture_output=True,
-            timeout=timeout,
-        )
+        subprocess.run([*pg_ctl, "-m", "immediate", "-w", "stop"], capture_output=True, timeout=timeout)
         shutil.rmtree(directory, ignore_errors=True)
 
 

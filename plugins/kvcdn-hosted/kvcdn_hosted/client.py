@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from kvcdn_core import KvcdnError, warn
-from kvcdn_hosted import credentials, oidc
+from kvcdn_hosted import credentials, oidc, wire
 from kvcdn_hosted.apikey import validate_api_key
 from kvcdn_hosted.config import Settings
 
@@ -203,7 +203,7 @@ class HostedClient:
                     continue
                 raise KvcdnError(f"{what}: cannot reach {self.api_url} ({type(exc).__name__}: {exc})") from None
             retry = TRANSIENT_STATUSES if idempotent else UNPROCESSED_STATUSES
-            if response.status_code in retry and attempt + 1 < attempts:
+            if (response.status_code in retry or _not_done(response)) and attempt + 1 < attempts:
                 time.sleep(backoff_delay(attempt, response.headers.get("Retry-After")))
                 continue
             if response.status_code in ok:
@@ -223,6 +223,16 @@ class HostedClient:
 
 
 _warned_plain_http: set[str] = set()
+
+
+def _not_done(response) -> bool:
+    """A 503 whose code says the server changed nothing (its database was away): safe to resend."""
+    if response.status_code != 503:
+        return False
+    try:
+        return response.json().get("error") in wire.NOT_DONE_UNAVAILABLE
+    except (ValueError, AttributeError):
+        return False
 
 
 def insecure_remote(url: str) -> bool:

@@ -165,8 +165,10 @@ class HostedStorage(StorageBackend):
         record.setdefault("artifact_id", artifact_id)
         return record
 
-    def _confirm(self, artifact_id: str, body: dict | None, size: int, digest: str) -> dict[str, Any]:
-        """Confirm an upload; a retry that finds it already confirmed counts once the record shows it."""
+    def _confirm(self, artifact_id: str, body: dict | None, size: int, digest: str, again: int = 2) -> dict[str, Any]:
+        """Confirm an upload; a retry that finds it already confirmed counts once the record shows it,
+        and one whose confirm was handed back (an interrupted confirm: ``pending`` again) confirms
+        again, ``again`` more times at most."""
         import time
 
         client = self.client
@@ -204,6 +206,8 @@ class HostedStorage(StorageBackend):
                 if record.get("sha256") != digest or int(record.get("size_bytes") or -1) != size:
                     raise KvcdnError(f"upload confirm: artifact {artifact_id} was confirmed with other bytes")
                 return record
+            if record.get("status") == "pending" and again > 0:
+                return self._confirm(artifact_id, body, size, digest, again - 1)
             if time.monotonic() > deadline:
                 raise KvcdnError(
                     f"upload confirm: artifact {artifact_id} is still being checked; see `kvcdn list` in a while"

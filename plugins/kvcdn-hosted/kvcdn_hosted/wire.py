@@ -64,8 +64,12 @@ NOT_A_KV_ARTIFACT = "not_a_kv_artifact"
 MANIFEST_MISMATCH = "manifest_mismatch"
 RATE_LIMITED = "rate_limited"
 STORAGE_ERROR = "storage_error"
+DATABASE_UNAVAILABLE = "database_unavailable"
 INTERNAL_ERROR = "internal_error"
 
 #: a confirm answered with one of these may have been (or is being) done by an earlier attempt:
 #: the client waits for the artifact to show up as ready
 CONFIRM_MAYBE_DONE = frozenset({ALREADY_CONFIRMED, CONFIRM_IN_PROGRESS})
+#: a 503 with this code changed nothing the request asked for (the database could not be reached,
+#: or a confirm was handed back): any request, a POST too, may be sent again after ``Retry-After``
+NOT_DONE_UNAVAILABLE = frozenset({DATABASE_UNAVAILABLE})

@@ -210,7 +210,7 @@ def test_a_retried_confirm_that_finds_the_upload_confirmed_succeeds(endpoint, kv
     record = {
         "artifact_id": aid,
         "name": "x",
-        "status": "pending",
+        "status": "confirming",  # what the server shows while the first confirm still runs
         "sha256": hashlib.sha256(data).hexdigest(),
         "size_bytes": len(data),
     }
@@ -244,6 +244,52 @@ def test_a_retried_confirm_that_finds_the_upload_confirmed_succeeds(endpoint, kv
     assert json.loads(result.stdout)["artifact_id"] == aid and confirms == [] and len(reads) == 2
     assert timeouts == [storage.confirm_timeout(len(data))]
     assert storage.confirm_timeout(10 << 30) > 500  # a 10 GiB object gets minutes, not 60 s
+
+
+def test_an_upload_url_refused_503_database_unavailable_is_sent_again(endpoint, kv_file, monkeypatch):
+    """That code says the server changed nothing (its database was away): a POST is sent again."""
+    import hashlib
+
+    grant = _grant(endpoint.url)
+    aid = grant["artifact_id"]
+    data = kv_file.read_bytes()
+    record = {"artifact_id": aid, "name": "x", "status": "ready", "sha256": hashlib.sha256(data).hexdigest()}
+    answers = [(503, {"Retry-After": "0"}, {"error": "database_unavailable", "message": "try again"})] * 2 + [
+        (200, {}, grant)
+    ]
+    endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: answers.pop(0)
+    endpoint.routes[("PUT", "/put")] = lambda h: (200, {}, {})
+    endpoint.routes[("POST", f"/api/v1/artifacts/{aid}/confirm-upload")] = lambda h: (200, {}, record)
+    result = run("upload", kv_file, "--name", "x")
+    assert result.exit_code == 0, result.output
+    assert answers == [] and endpoint.count("POST", "/api/v1/artifacts/upload-url") == 3
+
+
+def test_a_confirm_handed_back_after_an_outage_is_confirmed_again(endpoint, kv_file, monkeypatch):
+    """The confirm's last transaction failed and so did its hand-back: 503, then the retry finds it
+    still confirming (409) until its lease runs out and it shows as pending again: confirm again."""
+    import hashlib
+
+    from kvcdn_hosted import storage
+
+    monkeypatch.setattr(storage, "CONFIRM_POLL_S", 0.01)
+    grant = _grant(endpoint.url)
+    aid = grant["artifact_id"]
+    data = kv_file.read_bytes()
+    record = {"artifact_id": aid, "name": "x", "sha256": hashlib.sha256(data).hexdigest(), "size_bytes": len(data)}
+    confirms = [
+        (503, {"Retry-After": "0"}, {"error": "database_unavailable", "message": "try again"}),
+        (409, {}, {"error": "confirm_in_progress", "message": "being confirmed"}),
+        (200, {}, {**record, "status": "ready"}),
+    ]
+    states = ["confirming", "confirming", "pending"]
+    endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: (200, {}, grant)
+    endpoint.routes[("PUT", "/put")] = lambda h: (200, {}, {})
+    endpoint.routes[("POST", f"/api/v1/artifacts/{aid}/confirm-upload")] = lambda h: confirms.pop(0)
+    endpoint.routes[("GET", f"/api/v1/artifacts/{aid}")] = lambda h: (200, {}, {**record, "status": states.pop(0)})
+    result = run("upload", kv_file, "--name", "x")
+    assert result.exit_code == 0, result.output
+    assert confirms == [] and states == []
 
 
 def test_credentials_over_plain_http_to_a_remote_host_warn_once(config_home, monkeypatch):

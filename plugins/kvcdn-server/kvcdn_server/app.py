@@ -11,6 +11,7 @@ import contextlib
 import logging
 import threading
 
+import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -23,7 +24,7 @@ from kvcdn_server.apikeys import OrgRegistry
 from kvcdn_server.artifacts import ArtifactStore
 from kvcdn_server.config import ServerConfig
 from kvcdn_server.db import open_database
-from kvcdn_server.errors import ApiError
+from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, outage_summary
 from kvcdn_server.inference import InferenceEngine
 from kvcdn_server.oidc import JwtVerifier
 from kvcdn_server.routes import account, admin, artifacts, blobs, telemetry
@@ -162,8 +163,12 @@ def create_app(config: ServerConfig, storage=None, engine=None) -> FastAPI:
                 s.limit.forget_idle()
                 if any(counts.values()):
                     log.info("garbage collection: %s", counts)
-            except Exception:
-                log.exception("garbage collection failed")
+            except Exception as exc:
+                if not is_database_outage(exc):
+                    log.exception("garbage collection failed")
+                else:  # one line per pass while the database is away, and leases are judged later
+                    s.store.note_outage()
+                    log.warning("garbage collection skipped: database unavailable (%s)", outage_summary(exc))
             if stop.wait(config.gc_interval):
                 return
 
@@ -216,6 +221,17 @@ def create_app(config: ServerConfig, storage=None, engine=None) -> FastAPI:
         return JSONResponse(
             {"error": wire.STORAGE_ERROR, "message": "the object store failed; try again"}, status_code=502
         )
+
+    @app.exception_handler(sa.exc.SQLAlchemyError)
+    async def database_failed(request, exc: sa.exc.SQLAlchemyError):
+        # Handled here, not by the catch-all below, whose middleware logs and re-raises (a traceback).
+        if not is_database_outage(exc):
+            return await crashed(request, exc)
+        s.store.note_outage()
+        log.warning(
+            "database unavailable: %s %s answered 503 (%s)", request.method, request.url.path, outage_summary(exc)
+        )
+        return _error_response(database_unavailable())
 
     @app.exception_handler(Exception)
     async def crashed(_request, exc: Exception):

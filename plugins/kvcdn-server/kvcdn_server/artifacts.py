@@ -13,9 +13,11 @@ usage row (``... WHERE artifacts + 1 <= quota AND bytes + size <= quota``): repl
 database cannot over-grant. Reservations are released when an upload fails, expires or is
 deleted. The state machine is documented in docs/hosted-api.md.
 
-Work that takes long (a PUT, a confirm) holds a *lease* on its row, renewed by a heartbeat; the
-garbage collector (:meth:`ArtifactStore.collect`) only reclaims uploads whose lease ran out (their
-server died) or whose session expired, and deletes objects only after the database says they are
+Work that takes long (a PUT, a confirm) holds a *lease* on its row, renewed by a heartbeat. Only a
+refusal (the bytes are wrong) fails an upload; work that stops for any other reason (the database
+or the object store went away, the server died) hands the upload back to where it was, so that a
+retry succeeds: at once when the work can still say so, else when its lease runs out (see
+:meth:`ArtifactStore.collect`). The collector deletes objects only after the database says they are
 dead.
 """
 
@@ -43,7 +45,7 @@ from kvcdn_core import KvcdnError, LocalStorage
 from kvcdn_core import artifact as kvformat
 from kvcdn_core.text import nfc, text_problem
 from kvcdn_server.db import artifacts, readers, usage
-from kvcdn_server.errors import ApiError, not_found
+from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, not_found
 
 log = logging.getLogger("kvcdn.server.store")
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -65,6 +67,9 @@ TEMP_OWNER = {TEMP_PREFIX: "uploading", COPY_PREFIX: "confirming"}
 #: what creating a secret file at start-up leaves in the server's home if the process dies
 #: mid-write (``config._secret_file``)
 SECRET_TEMP = re.compile(r"\.(api-key-seed|admin-secret|url-signing-key)\.[0-9a-f]{8}\.tmp")
+#: the ``error`` of an upload whose confirm was interrupted once (handed back); a second interruption
+#: fails it, so that a file that kills the server checking it cannot do so again and again
+INTERRUPTED = "its confirm was interrupted"
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -184,7 +189,11 @@ def view(row, owner: bool = True) -> dict[str, Any]:
 
 
 class ArtifactStore:
-    def __init__(self, engine: sa.Engine, storage, config):
+    def __init__(self, engine: sa.Engine, storage, config, clock=time.time):
+        self.clock = clock
+        #: when this process last failed to reach the database: leases are not judged for a lease
+        #: period after it, so that holders whose heartbeats could not get through renew them first
+        self.outage_at = float("-inf")
         self.db = engine
         self.reads = readers(engine)
         self.storage = storage
@@ -296,7 +305,7 @@ class ArtifactStore:
 
     def _move(self, c, artifact_id: str, frm: tuple[str, ...], to: str, **values) -> bool:
         """One conditional state change; true when this caller made it."""
-        now = time.time()
+        now = self.clock()
         result = c.execute(
             artifacts.update()
             .where(artifacts.c.id == artifact_id, artifacts.c.status.in_(frm))
@@ -342,9 +351,11 @@ class ArtifactStore:
                         c.execute(
                             artifacts.update()
                             .where(artifacts.c.id == artifact_id, artifacts.c.status == status)
-                            .values(lease_until=time.time() + self.config.lease_seconds)
+                            .values(lease_until=self.clock() + self.config.lease_seconds)
                         )
-                except Exception:
+                except Exception as exc:
+                    if is_database_outage(exc):
+                        self.note_outage()
                     log.warning("lease renewal of %s failed", artifact_id)
 
         thread = threading.Thread(target=beat, name="kvcdn-lease", daemon=True)
@@ -370,7 +381,7 @@ class ArtifactStore:
         if size > self.config.quota_bytes:
             raise ApiError(403, "quota_exceeded", f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
         self._ensure_usage_row(tenant)
-        now = time.time()
+        now = self.clock()
         url_expires = int(now) + self.config.upload_ttl
         record = {
             "id": str(uuid.uuid4()),
@@ -418,7 +429,7 @@ class ArtifactStore:
         }.get(row.status, ApiError(409, "conflict", f"cannot {doing} an upload that is {row.status}"))
 
     def _expire_if_due(self, row) -> None:
-        if row is not None and row.status in OPEN and row.expires_at < time.time():
+        if row is not None and row.status in OPEN and row.expires_at < self.clock():
             self._end(row.id, OPEN, "expired")
             raise ApiError(410, "upload_expired", "the upload expired before it was confirmed; start again")
 
@@ -431,22 +442,21 @@ class ArtifactStore:
         upload are removed first, so that the disk holds at most one copy (the quota reserved).
         """
         self._expire_if_due(self.row(artifact_id))
-        now = time.time()
+        now = self.clock()
+        free = [artifacts.c.status.in_(OPEN)]
+        if self._judging_leases(now):  # a PUT whose server stopped may be taken over
+            free.append(sa.and_(artifacts.c.status == "uploading", artifacts.c.lease_until < now))
         with self.db.begin() as c:
             took = c.execute(
                 artifacts.update()
-                .where(
-                    artifacts.c.id == artifact_id,
-                    sa.or_(
-                        artifacts.c.status.in_(OPEN),
-                        sa.and_(artifacts.c.status == "uploading", artifacts.c.lease_until < now),
-                    ),
-                )
+                .where(artifacts.c.id == artifact_id, sa.or_(*free))
                 .values(status="uploading", lease_until=now + self.config.lease_seconds, updated_at=now)
             ).rowcount
         if not took:
             raise self._refuse_state(self.row(artifact_id), "upload to")
+        # new bytes replace any earlier ones, also those an interrupted confirm had moved already
         self.storage.delete(upload_key(artifact_id))
+        self.storage.delete(artifact_key(artifact_id))
         directory = self.temp_dir()
         directory.mkdir(parents=True, exist_ok=True)
         with self._using_lock:  # created and marked at once: the collector never sees it unmarked
@@ -489,8 +499,13 @@ class ArtifactStore:
         size: int | None = None,
         replace: bool = False,
     ) -> dict[str, Any]:
-        """Check the uploaded bytes and make the artifact ``ready``; any refusal fails the upload
-        (its reservation goes back) with a one-line 422, so an upload is never left stuck.
+        """Check the uploaded bytes and make the artifact ``ready``.
+
+        A refusal (the bytes are wrong) fails the upload, its reservation going back, with a
+        one-line 422. Any other failure (the database or the object store went away, even in the
+        last transaction) hands the upload back to ``uploaded`` with its bytes, so that a retried
+        confirm checks them again and succeeds; when not even that can be written, the lease runs
+        out and the collector (or the retry) hands it back.
 
         ``replace``: the tenant's other ready artifacts of the same name are deleted in the same
         transaction, so that a name never shows two objects and, of racing replacements, the last
@@ -501,47 +516,101 @@ class ArtifactStore:
         if row is None or row.tenant != tenant:
             raise not_found()
         self._expire_if_due(row)
+        if row.status == "confirming" and self._lease_ran_out(row):
+            self._reclaim(artifact_id, "confirming", self.clock())  # its server stopped: take it back
         with self.db.begin() as c:
-            moved = self._move(c, artifact_id, OPEN, "confirming", lease_until=time.time() + self.config.lease_seconds)
+            moved = self._move(c, artifact_id, OPEN, "confirming", lease_until=self.clock() + self.config.lease_seconds)
         if not moved:
             raise self._refuse_state(self.row(artifact_id), "confirm")
         with self.lease(artifact_id, "confirming"):
             try:
                 summary = self._check(row, parts, digest, size)
-            except _Refused as refused:
-                self._end(artifact_id, ("confirming",), "failed", refused.error.message)
-                raise refused.error from None
-            except _NotYet as waiting:
-                with self.db.begin() as c:
-                    self._move(c, artifact_id, ("confirming",), "pending", lease_until=None)
-                raise waiting.error from None
-            except BaseException:
-                self._end(artifact_id, ("confirming",), "failed", "the server could not check the upload")
+            except Exception as exc:
+                raise self._check_failed(artifact_id, exc) from None
+            try:
+                confirmed, replaced = self._make_ready(tenant, artifact_id, row.name, summary, replace)
+            except Exception:
+                with contextlib.suppress(Exception):  # the database may still be away: the lease covers it
+                    self._hand_back(artifact_id)
                 raise
-            replaced = []
-            with self.db.begin() as c:
-                if replace:
-                    self._lock_usage(c, tenant)
-                done = self._move(
-                    c,
-                    artifact_id,
-                    ("confirming",),
-                    "ready",
-                    lease_until=None,
-                    confirmed_at=time.time(),
-                    manifest=json.dumps(summary, sort_keys=True),
-                )
-                if done and replace:
-                    replaced = self._drop_others_named(c, tenant, row.name, artifact_id)
-                # read in the same transaction: a delete or a later replace may remove it right after
-                confirmed = (
-                    c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first() if done else None
-                )
         for old in replaced:
             self._remove_objects(old.id, old.multipart_id)
         if confirmed is None:
-            raise ApiError(409, "upload_failed", "the upload was deleted or expired while it was confirmed")
+            raise self._lost_meanwhile(artifact_id)
         return view(confirmed)
+
+    def _make_ready(self, tenant: str, artifact_id: str, name: str, summary: dict, replace: bool):
+        """The last transaction of a confirm: the artifact row (None when the upload was deleted or
+        taken back meanwhile) and the rows of the same name it replaced."""
+        replaced = []
+        with self.db.begin() as c:
+            if replace:
+                self._lock_usage(c, tenant)
+            done = self._move(
+                c,
+                artifact_id,
+                ("confirming",),
+                "ready",
+                lease_until=None,
+                confirmed_at=self.clock(),
+                manifest=json.dumps(summary, sort_keys=True),
+                error=None,
+            )
+            if done and replace:
+                replaced = self._drop_others_named(c, tenant, name, artifact_id)
+            # read in the same transaction: a delete or a later replace may remove it right after
+            confirmed = c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first() if done else None
+        return confirmed, replaced
+
+    def _check_failed(self, artifact_id: str, exc: Exception) -> BaseException:
+        """What a confirm whose check did not pass answers, the upload moved accordingly."""
+        if self.row(artifact_id) is None:
+            self._remove_objects(artifact_id)  # what the check had moved meanwhile goes too
+            return self._deleted()
+        if isinstance(exc, _Refused):
+            self._end(artifact_id, ("confirming",), "failed", exc.error.message)
+            return exc.error
+        if isinstance(exc, _NotYet):
+            with self.db.begin() as c:
+                self._move(c, artifact_id, ("confirming",), "pending", lease_until=None)
+            return exc.error
+        self._hand_back(artifact_id)  # the store or the database failed, not the bytes
+        return exc
+
+    def _hand_back(self, artifact_id: str) -> None:
+        """``confirming`` → ``uploaded``: the bytes stay (under either key) for the next confirm."""
+        with self.db.begin() as c:
+            self._move(c, artifact_id, ("confirming",), "uploaded", lease_until=None, expires_at=self._extended())
+
+    def _extended(self):
+        """An upload handed back has at least ``pending_grace`` seconds left to be confirmed again."""
+        floor = self.clock() + self.config.pending_grace
+        return sa.case((artifacts.c.expires_at < floor, floor), else_=artifacts.c.expires_at)
+
+    @staticmethod
+    def _deleted() -> ApiError:
+        return ApiError(409, "upload_failed", "the upload was deleted while it was being confirmed")
+
+    def _lost_meanwhile(self, artifact_id: str) -> ApiError:
+        """A confirm whose checks passed but whose row had moved on by its last transaction."""
+        row = self.row(artifact_id)
+        if row is None:
+            return self._deleted()
+        if row.status in OPEN:  # handed back while the database was away: the next confirm will do
+            return database_unavailable("the confirm was interrupted while the database was away; confirm again")
+        return self._refuse_state(row, "confirm")
+
+    def note_outage(self) -> None:
+        """This process could not reach the database just now."""
+        self.outage_at = self.clock()
+
+    def _judging_leases(self, now: float) -> bool:
+        """Leases are judged only a lease period after this process last saw the database fail."""
+        return now >= self.outage_at + self.config.lease_seconds
+
+    def _lease_ran_out(self, row) -> bool:
+        now = self.clock()
+        return (row.lease_until or 0) < now and self._judging_leases(now)
 
     @staticmethod
     def _lock_usage(c, tenant: str) -> None:
@@ -565,8 +634,15 @@ class ArtifactStore:
             self._release(c, tenant, old.size_bytes)
         return rows
 
-    def _check(self, row, parts, digest, size) -> dict[str, Any]:
-        if row.multipart_id:
+    def _take_bytes(self, row, parts) -> None:
+        """Move the upload's bytes out of reach of its upload URL (an S3 URL stays valid), to the
+        artifact key where they are checked: newly uploaded bytes, else those an interrupted confirm
+        had moved already, else the parts of a multipart upload, assembled."""
+        if self.storage.size_of(upload_key(row.id)) is None:
+            if self.storage.size_of(artifact_key(row.id)) is not None:
+                return
+            if not row.multipart_id:
+                raise _NotYet(ApiError(409, "upload_incomplete", "no bytes have been uploaded for this artifact yet"))
             if not parts:
                 raise _NotYet(
                     ApiError(409, "upload_incomplete", "a multipart upload is confirmed with its parts' ETags")
@@ -575,10 +651,10 @@ class ArtifactStore:
                 self.storage.complete_multipart(upload_key(row.id), row.multipart_id, parts)
             except Exception:
                 raise _Refused(422, "upload_incomplete", "the parts could not be assembled") from None
-        if self.storage.size_of(upload_key(row.id)) is None:
-            raise _NotYet(ApiError(409, "upload_incomplete", "no bytes have been uploaded for this artifact yet"))
-        # Out of reach of the upload URL first (an S3 URL stays valid), then checked where it is now.
         self.storage.rename(upload_key(row.id), artifact_key(row.id))
+
+    def _check(self, row, parts, digest, size) -> dict[str, Any]:
+        self._take_bytes(row, parts)
         stored = self.storage.size_of(artifact_key(row.id))
         if stored != row.size_bytes:
             raise _Refused(422, "size_mismatch", f"uploaded {stored} bytes, declared {row.size_bytes}")
@@ -659,7 +735,11 @@ class ArtifactStore:
         """Reclaim what the database says is dead; return counts of what went.
 
         - open uploads whose session expired → ``expired`` (reservation released, bytes removed);
-        - PUTs and confirms whose lease ran out (their server died) → ``failed``, the same;
+        - PUTs and confirms whose lease ran out (their server died, or could not reach the database)
+          are handed back: a PUT's upload to ``pending``, a confirm's to ``uploaded`` with its bytes
+          (once: a confirm interrupted a second time → ``failed``, reservation released, bytes
+          removed). Not for a lease period after this process last failed to reach the database,
+          so that live holders renew their leases first;
         - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, temp files (of
           PUTs, and copies of S3 objects) no live work holds, and S3 multipart uploads no open
           upload owns, older than the orphan grace period;
@@ -667,29 +747,36 @@ class ArtifactStore:
 
         ``now``: the clock (tests pass one instead of waiting).
         """
-        now = time.time() if now is None else now
-        counts = {"expired": 0, "failed": 0, "objects": 0, "temp_files": 0, "multipart": 0, "rows": 0}
+        now = self.clock() if now is None else now
+        counts = {
+            "expired": 0,
+            "handed_back": 0,
+            "failed": 0,
+            "objects": 0,
+            "temp_files": 0,
+            "multipart": 0,
+            "rows": 0,
+        }
+        due_when = [sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now)]
+        if self._judging_leases(now):
+            due_when.append(sa.and_(artifacts.c.status.in_(("uploading", "confirming")), artifacts.c.lease_until < now))
         with self.reads.connect() as c:
-            due = c.execute(
-                sa.select(artifacts.c.id, artifacts.c.status).where(
-                    sa.or_(
-                        sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now),
-                        sa.and_(artifacts.c.status.in_(("uploading", "confirming")), artifacts.c.lease_until < now),
-                    )
-                )
-            ).all()
+            due = c.execute(sa.select(artifacts.c.id, artifacts.c.status).where(sa.or_(*due_when))).all()
         for artifact_id, status in due:
             if status in OPEN:
                 counts["expired"] += self._end(artifact_id, OPEN, "expired")
             else:
-                counts["failed"] += self._end_dead(artifact_id, status, now)
+                outcome = self._reclaim(artifact_id, status, now)
+                if outcome:
+                    counts[outcome] += 1
         grace = self.config.orphan_grace
         for prefix in ("uploads/", "artifacts/"):
             keys = [info.key for info in self.storage.list(prefix)]
             ids = [k[len(prefix) :] for k in keys]
             alive = self._alive(
                 ids,
-                ("pending", "uploading", "uploaded", "confirming") if prefix == "uploads/" else ("confirming", "ready"),
+                # an upload handed back by an interrupted confirm keeps its bytes under artifacts/
+                ("pending", "uploading", "uploaded", "confirming") if prefix == "uploads/" else LIVE,
             )
             for key, artifact_id in zip(keys, ids):
                 if artifact_id not in alive and self._dead_long_enough(artifact_id, now - grace):
@@ -705,24 +792,34 @@ class ArtifactStore:
             ).rowcount
         return counts
 
-    def _end_dead(self, artifact_id: str, status: str, now: float) -> int:
-        """A PUT or confirm whose server stopped renewing its lease: fail it (checked again in the UPDATE)."""
+    def _reclaim(self, artifact_id: str, status: str, now: float) -> str | None:
+        """Hand back a PUT or confirm whose lease ran out (checked again in the UPDATE); the count it
+        goes to (``handed_back`` or ``failed``), or None when it had moved on."""
         with self.db.begin() as c:
             row = c.execute(
-                sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id).where(
-                    artifacts.c.id == artifact_id
-                )
+                sa.select(
+                    artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id, artifacts.c.error
+                ).where(artifacts.c.id == artifact_id)
             ).first()
-            gone = c.execute(
-                artifacts.update()
-                .where(artifacts.c.id == artifact_id, artifacts.c.status == status, artifacts.c.lease_until < now)
-                .values(status="failed", lease_until=None, updated_at=now, error="the server handling it stopped")
-            ).rowcount
-            if row is None or not gone:
-                return 0
-            self._release(c, row.tenant, row.size_bytes)
+            if row is None:
+                return None
+            ran_out = artifacts.update().where(
+                artifacts.c.id == artifact_id, artifacts.c.status == status, artifacts.c.lease_until < now
+            )
+            if status == "confirming" and row.error == INTERRUPTED:
+                error = "its confirm was interrupted twice (the server checking it stopped)"
+                if not c.execute(
+                    ran_out.values(status="failed", lease_until=None, updated_at=now, error=error)
+                ).rowcount:
+                    return None
+                self._release(c, row.tenant, row.size_bytes)
+            else:
+                back, error = ("uploaded", INTERRUPTED) if status == "confirming" else ("pending", row.error)
+                values = {"status": back, "lease_until": None, "updated_at": now, "error": error}
+                moved = c.execute(ran_out.values(**values, expires_at=self._extended())).rowcount
+                return "handed_back" if moved else None
         self._remove_objects(artifact_id, row.multipart_id)
-        return 1
+        return "failed"
 
     def _alive(self, ids: list[str], states: tuple[str, ...]) -> set[str]:
         alive: set[str] = set()
