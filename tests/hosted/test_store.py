@@ -234,8 +234,8 @@ def test_two_replicas_on_one_postgresql_and_one_bucket_race_for_the_last_unit(s3
 
 
 def test_parallel_puts_on_one_signed_url_one_writes_the_disk_stays_within_the_quota(tmp_path):
-    """12 PUTs at once on one upload URL: one streams, the others get 409 at once; at no moment does
-    the disk hold more than the one reserved size."""
+    """12 PUTs at once on one upload URL: one streams at a time, the others get 409 at once; at no
+    moment does the disk hold more than the one reserved size."""
     home = tmp_path / "home"
     artifact = write_synthetic_kv(tmp_path / "one.kv", tokens=256, width=64)
     size = artifact.stat().st_size
@@ -277,7 +277,11 @@ def test_parallel_puts_on_one_signed_url_one_writes_the_disk_stays_within_the_qu
             t.join()
         stop.set()
         watcher.join()
-        assert sorted(answers) == [200] + [409] * 11, answers
+        # Each PUT either streamed alone (200) or met one streaming and was refused at once (409). On
+        # a loaded machine a thread may only send its PUT after the first one finished: the upload
+        # is open again then, and that PUT streams too (a second 200), still alone.
+        assert set(answers) <= {200, 409} and len(answers) == 12, answers
+        assert answers.count(200) >= 1 and answers.count(409) >= 1, answers
         assert 0 < most[0] <= size
         done = confirm(server.url, key, plan["artifact_id"])
         assert done.status_code == 200, done.text
