@@ -131,7 +131,7 @@ def test_input_errors_exit_2_with_one_line(cli, qwen3_dir, tmp_path):
         (("generate", "--model", qwen3_dir, "--context-file", tmp_path / "missing.txt"), "does not exist"),
         (("generate", "--model", tmp_path / "nomodel", "--context-file", tmp_path / "x"), "does not exist"),
         (("verify", "--model", qwen3_dir), "pass --kv-path"),
-        (("inspect", tmp_path / "nothing.kv"), "cannot read"),
+        (("inspect", tmp_path / "nothing.kv"), "does not exist"),
         (("verify", "--n", "0", "--kv-path", "x.kv"), "Invalid value"),
     ]
     (tmp_path / "empty.txt").write_text("  \n")
