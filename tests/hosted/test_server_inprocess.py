@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvcdn_core.errors import KvcdnError
+from tests.support.clock import ManualClock
 from tests.support.hosted import API, bearer, sha256_of
 
 
@@ -19,13 +20,13 @@ def make_app(monkeypatch, tmp_path):
     from kvcdn_server.app import create_app
     from kvcdn_server.config import load_config
 
-    def make(**env):
+    def make(clock=None, **env):
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
         monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme")
         monkeypatch.setenv("KVCDN_INFER_DEVICE", "cpu")
         config = load_config(storage=str(tmp_path / "objects"))
-        app = create_app(config)
+        app = create_app(config, clock=clock) if clock else create_app(config)
         from kvcdn_server.apikeys import derive_key
 
         return app, TestClient(app), derive_key(config.api_key_seed, "acme")
@@ -53,11 +54,15 @@ def _files(tmp_path):
 
 
 def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv):
-    app, client, key = make_app(KVCDN_UPLOAD_URL_TTL=1, KVCDN_PENDING_GRACE=0)
+    # The server's own clock, moved on by the test: no sleep, so no race with a busy machine.
+    clock = ManualClock()
+    app, client, key = make_app(clock=clock, KVCDN_UPLOAD_URL_TTL=60, KVCDN_PENDING_GRACE=0)
     store = app.state.store
     plan, put_url = _start(client, key, small_kv)
     assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
-    time.sleep(2.1)
+    clock.advance(59)  # still within the URL's lifetime, however long the machine took
+    assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
+    clock.advance(2)
     assert client.put(put_url, content=small_kv.read_bytes()).json()["error"] == "url_expired"
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
     assert r.status_code == 410 and r.json()["error"] == "upload_expired"
@@ -67,7 +72,8 @@ def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv
     plan2, put2 = _start(client, key, small_kv)
     client.put(put2, content=small_kv.read_bytes())
     assert _files(tmp_path) and store.reserved("org:acme") == (1, small_kv.stat().st_size)
-    time.sleep(2.1)
+    assert store.collect()["expired"] == 0  # not yet due
+    clock.advance(61)
     assert store.collect()["expired"] == 1
     assert _files(tmp_path) == [] and store.reserved("org:acme") == (0, 0)
     assert store.row(plan2["artifact_id"]).status == "expired"
