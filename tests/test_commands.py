@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from kvcdn_core import artifact as fmt
+from tests.support.budget import budget
 
 
 def test_generate_then_verify_passes(cli, qwen3_dir, context_file, tmp_path):
@@ -286,7 +287,7 @@ def test_serve_refuses_a_missing_local_model(tmp_path):
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=60,
+        timeout=budget(60),
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --models: model directory './missing' does not exist"

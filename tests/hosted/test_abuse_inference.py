@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from tests.support.budget import budget
 from tests.support.hosted import API, bearer, sha256_of, write_synthetic_kv
 
 STEP = 0.05  # seconds per forward pass once slowed down
@@ -76,7 +77,7 @@ def serve(monkeypatch, tmp_path, hosted_model):
     yield start
     for server, thread in running:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=budget(10))
 
 
 def _upload(url: str, key: str, path) -> str:
@@ -104,7 +105,7 @@ def _infer(url, key, artifact_id, n, question=QUESTION, timeout=60.0):
 
 def _wait(condition, limit: float) -> float:
     """Seconds until ``condition()`` held; fails after ``limit``."""
-    start = time.monotonic()
+    start, limit = time.monotonic(), budget(limit)
     while not condition():
         assert time.monotonic() - start < limit, "condition not reached in time"
         time.sleep(0.01)

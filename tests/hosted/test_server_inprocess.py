@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvcdn_core.errors import KvcdnError
+from tests.support.budget import budget
 from tests.support.clock import ManualClock
 from tests.support.hosted import API, bearer, sha256_of
 
@@ -208,7 +209,7 @@ def test_telemetry_is_forwarded_with_the_secret(make_app):
         )
         event = {"event": "command", "kvcdn_version": "0.1.0", "command": "list", "ok": True}
         assert client.post(f"{API}/telemetry", json=event).status_code == 204
-        deadline = time.time() + 5
+        deadline = time.time() + budget(5)
         while not received and time.time() < deadline:
             time.sleep(0.02)
         assert received == [("Bearer telemetry-secret", event)]
@@ -231,7 +232,10 @@ def test_bad_configuration_is_one_line_exit_2(args, message):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=budget(60),
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and message in proc.stderr
@@ -417,7 +421,7 @@ def test_serve_on_a_busy_port_is_one_line_exit_2(tmp_path):
             [sys.executable, "-m", "kvcdn_core", "serve", "--port", str(port), "--storage", str(tmp_path / "o")],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=budget(60),
             env=env,
         )
     assert proc.returncode == 2, proc.stderr
@@ -448,7 +452,7 @@ def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
                 break
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        proc.wait(timeout=budget(30))
     assert "admin-secret)" in lines[-1] and "$KVCDN_ADMIN_SECRET" not in lines[-1], lines
 
 
@@ -495,7 +499,7 @@ def test_loading_an_artifact_and_its_model_cannot_deadlock(monkeypatch):
     try:
         with engine._stripe(engine._artifact_locks, ("t", "1", "sha")):
             model_lock = engine._stripe(engine._model_locks, "m")
-            assert model_lock.acquire(timeout=2)
+            assert model_lock.acquire(timeout=budget(2))
             model_lock.release()
     finally:
         engine.shutdown()
@@ -520,7 +524,7 @@ def test_replicas_racing_for_the_last_slot_exactly_one_gets_it(database_url, tmp
     ]
     for _ in range(2):
         replicas[0].begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
-    start = threading.Barrier(8, timeout=30)
+    start = threading.Barrier(8, timeout=budget(30))
 
     def reserve(i):
         start.wait()

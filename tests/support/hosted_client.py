@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
+from tests.support.budget import budget
+
 from .services import ACCOUNTS, _form_action, browser_login
 
 
@@ -64,7 +66,7 @@ def _login(args: list[str], env: dict[str, str], play_browser, timeout: float) -
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
-    killer = threading.Timer(timeout, proc.kill)
+    killer = threading.Timer(budget(timeout), proc.kill)
     killer.start()
     try:
         out = proc.stdout.read()  # stderr belongs to the reader thread

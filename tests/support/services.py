@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.budget import budget
+
 SUPPORT = Path(__file__).resolve().parent
 ISSUER_DIR = SUPPORT / "oidc_issuer"
 REPO = SUPPORT.parent.parent
@@ -94,7 +96,7 @@ def oidc_issuer(timeout: float = 30.0) -> Iterator[Issuer]:
     )
     log: list[str] = []
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + budget(timeout)
         url = None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
@@ -174,7 +176,7 @@ def device_flow_token(
         if done.status_code >= 400:
             raise AssertionError(f"device flow failed in the browser: {done.status_code} {done.text[:300]}")
     with httpx.Client(base_url=issuer_url, timeout=10) as cli:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + budget(20)
         while time.monotonic() < deadline:
             data = {
                 "client_id": client_id,
@@ -391,7 +393,7 @@ def kvcdn_server(
     threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + budget(timeout)
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"kvcdn serve exited with {proc.returncode}:\n" + "".join(log))
