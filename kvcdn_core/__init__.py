@@ -91,6 +91,8 @@ _EXPORTS = {
     "cache_home": "kvcdn_core.paths",
     "data_home": "kvcdn_core.paths",
     "ensure_kv_suffix": "kvcdn_core.paths",
+    "check_output": "kvcdn_core.paths",
+    "input_artifact": "kvcdn_core.paths",
     "Progress": "kvcdn_core.progress",
     "human_bytes": "kvcdn_core.progress",
     "emit_json": "kvcdn_core.render",

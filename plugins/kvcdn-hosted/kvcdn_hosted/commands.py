@@ -446,7 +446,7 @@ def _default_download_name(artifact_id: str, record: dict | None) -> str:
 @hosted_command("download")
 def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
     """Download an artifact, check its sha256 and .kv header, and write it atomically."""
-    from kvcdn_core.paths import check_output, ensure_kv_suffix
+    from kvcdn_core import check_output, ensure_kv_suffix
 
     settings = settings_from(locals())
     hosted, backend = _backend(from_uri, settings, quiet)
