@@ -76,6 +76,17 @@ def test_quant_input_is_read_as_given(cli, tmp_path, qwen3_artifact):
     assert "appending" not in result.stderr and json.loads(result.stdout)["input"] == str(source)
 
 
+def test_verify_does_not_read_or_replace_an_artifact_under_a_name_it_was_not_given(
+    cli, tmp_path, qwen3_artifact, context_file
+):
+    existing = tmp_path / "manual.kv"
+    existing.write_bytes(qwen3_artifact.read_bytes())
+    result = cli("verify", "--kv-path", tmp_path / "manual", "--context-file", context_file, "--model", NO_MODEL)
+    assert result.exit_code == 2  # the appended .kv is warned about (an output name), then refused
+    assert result.stderr.splitlines()[-1].startswith(f"error: '{existing}' exists: pass --kv-path '{existing}'")
+    assert existing.read_bytes() == qwen3_artifact.read_bytes()
+
+
 # -- outputs: checked before any model work ------------------------------------------------------
 
 
