@@ -94,7 +94,8 @@ def _upload(url: str, key: str, path) -> str:
     return plan["artifact_id"]
 
 
-def _infer(url, key, artifact_id, n, question=QUESTION, timeout=60.0):
+def _infer(url, key, artifact_id, n, question=QUESTION, timeout=None):
+    timeout = budget(60.0) if timeout is None else timeout
     return httpx.post(
         f"{url}{API}/artifacts/{artifact_id}/infer",
         headers=bearer(key),
