@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 
 import pytest
@@ -98,21 +99,27 @@ def test_a_failed_confirm_fails_the_upload_and_gives_its_quota_back(make_app, tm
     assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
 
 
-def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_model):
+def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_model, monkeypatch):
     app, client, key = make_app(KVCDN_MODELS=str(hosted_model), KVCDN_INFER_TIMEOUT="0.001", KVCDN_INFER_CONCURRENCY=1)
     plan, put_url = _start(client, key, qwen3_artifact)
     client.put(put_url, content=qwen3_artifact.read_bytes())
     assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
+    engine = app.state.engine
+    # Every computation is held until the test lets it go: on a busy machine the second one could
+    # otherwise finish within its 1 ms while its waiter was not scheduled, and rightly be served.
+    gate, real = threading.Event(), engine._infer
+    monkeypatch.setattr(engine, "_infer", lambda *args: gate.wait() and real(*args))
     r = client.post(
         f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 64}
     )
     assert r.status_code == 504 and r.json()["error"] == "timeout"
     # Its slot went with the 504, even while the load it started goes on: a second request is
     # admitted (and times out in turn), never 429.
-    assert app.state.engine.slots.in_use() == 0
+    assert engine.slots.in_use() == 0
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 1})
-    assert r.status_code == 504
-    app.state.engine.pool.shutdown(wait=True)
+    assert r.status_code == 504  # held too: it cannot finish first, however the machine schedules it
+    gate.set()
+    engine.pool.shutdown(wait=True)
 
 
 def test_a_request_refused_for_its_limits_or_no_slot_costs_no_database_query(make_app, monkeypatch):
