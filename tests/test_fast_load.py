@@ -289,7 +289,7 @@ def test_the_model_thread_finishes_a_layer_no_worker_has_started(case, verifiers
 
     def held_finish(self, index):
         if threading.current_thread().name.startswith("kvcdn-layer"):
-            model_done.wait(timeout=30)
+            model_done.wait(timeout=budget(30))
         finish(self, index)
 
     monkeypatch.setattr(LayerStream, "_finish", held_finish)

@@ -89,7 +89,7 @@ class _DeviceBrowser:
         return found.group(1) if found else None
 
     def __call__(self, url: str) -> None:
-        with httpx.Client(follow_redirects=True, timeout=10) as browser:
+        with httpx.Client(follow_redirects=True, timeout=budget(10)) as browser:
             page = browser.get(url)
             action, fields = _form_action(page.text, str(page.url))  # confirm the pre-filled code
             page = browser.post(action, data=fields)
@@ -105,7 +105,7 @@ class _CodeBrowser(_DeviceBrowser):
         return found.group(1) if found else None
 
     def __call__(self, url: str) -> None:
-        with httpx.Client(follow_redirects=True, timeout=10) as browser:
+        with httpx.Client(follow_redirects=True, timeout=budget(10)) as browser:
             page = browser.get(url)
             done = browser_login(browser, page, self.username, self.password)
             if done.status_code != 200 or "/callback" not in str(done.url):
@@ -191,7 +191,7 @@ class CuttingProxy:
                     for k, v in self.headers.items()
                     if k.lower() not in ("content-length", "connection", "transfer-encoding")
                 }
-                with httpx.Client(timeout=60) as client:
+                with httpx.Client(timeout=budget(60)) as client:
                     upstream = client.request(self.command, proxy.upstream + self.path, headers=headers, content=body)
                 data = upstream.content
                 if upstream.headers.get("content-type", "").startswith("application/json"):
