@@ -91,6 +91,8 @@ _EXPORTS = {
     "cache_home": "kvcdn_core.paths",
     "data_home": "kvcdn_core.paths",
     "ensure_kv_suffix": "kvcdn_core.paths",
+    "check_output": "kvcdn_core.paths",
+    "input_artifact": "kvcdn_core.paths",
     "Progress": "kvcdn_core.progress",
     "human_bytes": "kvcdn_core.progress",
     "emit_json": "kvcdn_core.render",
@@ -173,6 +175,8 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         cache_home as cache_home,
         data_home as data_home,
         ensure_kv_suffix as ensure_kv_suffix,
+        check_output as check_output,
+        input_artifact as input_artifact,
     )
     from kvcdn_core.progress import Progress as Progress, human_bytes as human_bytes
     from kvcdn_core.render import emit_json as emit_json, render as render, print_table as print_table

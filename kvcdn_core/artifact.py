@@ -24,6 +24,7 @@ from typing import IO, Any
 from kvcdn_core import digests, tensor_io
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.paths import check_writable
 from kvcdn_core.text import is_printable_text
 
 FORMAT_NAME = "kvcdn-kv"
@@ -601,21 +602,6 @@ def write_artifact(path: str | os.PathLike[str], manifest: dict[str, Any], tenso
     except OSError as exc:
         raise KvcdnError(f"cannot write '{path}': {exc.strerror or exc}") from None
     return path
-
-
-def check_writable(path: Path) -> None:
-    """Fail early, naming the user's path, when an artifact could not be written there."""
-    if path.is_dir():
-        raise KvcdnError(f"cannot write '{path}': it is a directory")
-    # Nothing is created here (a command that fails later leaves no empty directory behind): the
-    # nearest existing directory must let the missing ones be made at write time.
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise KvcdnError(f"cannot write '{path}': '{existing}' is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise KvcdnError(f"cannot write '{path}': directory '{existing}' is not writable")
 
 
 def summary(manifest: dict[str, Any]) -> dict[str, Any]:

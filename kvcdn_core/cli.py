@@ -12,7 +12,7 @@ import traceback
 import click
 
 import kvcdn_core
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core.errors import KvcdnError, interruption
 from kvcdn_core.plugins import debug_enabled
 from kvcdn_core.registry import register_commands
 from kvcdn_core.render import reporting
@@ -35,6 +35,8 @@ class KvcdnGroup(click.Group):
             where = f" '{exc.filename}'" if getattr(exc, "filename", None) else ""
             _fail(ctx, f"{exc.strerror or exc}{where}", 2)
         except Exception as exc:  # a bug: still one line, the traceback on request
+            if interruption(exc) is not None:  # a Ctrl-C that a library wrapped in its own error
+                _fail(ctx, "interrupted", 130)
             if debug_enabled():
                 traceback.print_exc()
             hint = "" if debug_enabled() else " (set KVCDN_DEBUG=1 for the traceback)"

@@ -18,3 +18,19 @@ class CheckFailed(KvcdnError):
 
 class ArtifactError(KvcdnError):
     """A `.kv` file that is truncated, corrupted, foreign or of an unknown format version."""
+
+
+def interruption(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C behind ``exc``, if any: a library that catches it mid-import (transformers' lazy
+    modules do) hands on another exception whose ``__cause__`` or ``__context__`` is the interrupt."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, KeyboardInterrupt):
+            return current
+        stack += [current.__cause__, current.__context__]
+    return None

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from kvcdn_core.atomic import atomic_open
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core.errors import KvcdnError, interruption
 from kvcdn_core.paths import cache_home
 
 #: config.json keys that change with the writer, not with the model.
@@ -55,6 +55,9 @@ def resolve_model_dir(ref: str, revision: str | None = None, weights: bool = Tru
         patterns = None if weights else METADATA_PATTERNS
         return Path(snapshot_download(ref, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, gated, bad revision
+        interrupted = interruption(exc)
+        if interrupted is not None:  # a Ctrl-C inside the hub client is still an interrupt
+            raise interrupted from None
         raise KvcdnError(hub_failure(exc, ref, revision)) from None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core import notices
 from kvcdn_core.atomic import write_json_atomic
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.errors import KvcdnError
@@ -101,6 +102,8 @@ def quantize_artifact(
     seconds = time.perf_counter() - start
     q = result.manifest["quantization"]
     original, quantized = header.file_size, out.stat().st_size
+    if quantized >= original:
+        _warn_not_smaller(original, quantized, header.token_count, quantizer.params)
     errors = {role: stats.as_dict() for role, stats in sorted(result.errors.items())}
     model = manifest_of(header).model
     event = QuantEvent(
@@ -138,6 +141,21 @@ def quantize_artifact(
         event.mismatch_indices = event.verify["mismatch_indices"]
     event.write()
     return event
+
+
+def _warn_not_smaller(original: int, quantized: int, tokens: int, params: dict[str, Any]) -> None:
+    """A quantized copy that is not smaller than its input is almost always a mistake: say so, and why."""
+    residual = params.get("residual")
+    if residual is not None and residual >= tokens:
+        why = (
+            f"the residual window ({residual} tokens) covers all {tokens} tokens, so nothing was quantized; "
+            "pass a smaller --residual"
+        )
+    else:
+        why = "the scales and layout it adds outweigh what quantization saved on so short a cache"
+    notices.warn(
+        f"the quantized artifact ({quantized:,} bytes) is not smaller than its input ({original:,} bytes): {why}"
+    )
 
 
 def verify_quantized(

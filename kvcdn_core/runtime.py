@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvcdn_core
 from kvcdn_core import artifact as fmt
-from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.errors import ArtifactError, KvcdnError, interruption
 from kvcdn_core.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, ModelInfo, manifest_of, reuse_of
 from kvcdn_core.model_files import architecture_of, fingerprint, fingerprint_differences, read_config, resolve_model_dir
 from kvcdn_core.progress import Progress
@@ -73,6 +73,9 @@ def load_session(
     except KvcdnError:
         raise
     except Exception as exc:
+        interrupted = interruption(exc)
+        if interrupted is not None:  # a Ctrl-C during the load is an interrupt, whatever wraps it
+            raise interrupted from None
         raise KvcdnError(f"cannot load model '{model_ref}': {type(exc).__name__}: {exc}") from None
     local = Path(model_ref).expanduser()
     ref = str(local.resolve()) if local.is_dir() else model_ref

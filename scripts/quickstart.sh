@@ -3,14 +3,23 @@
 # and verify that continuing from it is token-exact against a full prefill.
 # Uses the default model (Qwen/Qwen3-0.6B) from the Hugging Face hub; where the hub is unreachable it
 # says so and builds a tiny local Qwen3 model from config instead. An up-to-date .venv is not
-# reinstalled (see scripts/dev-install.sh).
+# reinstalled (see scripts/dev-install.sh). Its work folder is a temporary one, removed at the end,
+# unless KVCDN_QUICKSTART_DIR names one to keep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "quickstart: $*" >&2; }
 say "step 1/4: install kvcdn into .venv"
 scripts/dev-install.sh --venv .venv
-work=${KVCDN_QUICKSTART_DIR:-$(mktemp -d)}
-mkdir -p "$work"
+# A folder of its own, removed on every exit (success, failure, Ctrl-C); KVCDN_QUICKSTART_DIR is kept.
+if [ -n "${KVCDN_QUICKSTART_DIR:-}" ]; then
+  work=$KVCDN_QUICKSTART_DIR
+  mkdir -p "$work"
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+fi
 context="$work/context.txt"
 .venv/bin/python -c "from kvcdn_core.tiny import SAMPLE_TEXT; print(SAMPLE_TEXT * 4)" > "$context"
 model=Qwen/Qwen3-0.6B

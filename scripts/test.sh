@@ -2,7 +2,7 @@
 # Install kvcdn and every plugin into ./.venv (created if missing) and run the whole test suite.
 # Usage: scripts/test.sh [pytest args...]
 #   scripts/test.sh                                 everything (what CI runs)
-#   scripts/test.sh -m "not slow and not hosted"    the fast tests only (under a minute)
+#   scripts/test.sh -m "not slow and not hosted"    the fast tests only (about 4 CPU-minutes; README has measured times)
 # Finished steps are skipped: an up-to-date .venv is not reinstalled (see scripts/dev-install.sh),
 # and the test issuer's npm packages are installed again only when their lock file changed.
 set -euo pipefail

@@ -49,6 +49,14 @@ def qwen2_dir(tiny_model):
 
 
 @pytest.fixture
+def progress(request):
+    """``progress(text)``: a line on the terminal now, through output capture (long tests say where they are)."""
+    from tests.support.progress import say
+
+    return lambda text: say(request, text)
+
+
+@pytest.fixture
 def context_file(tmp_path):
     from kvcdn_core.tiny import SAMPLE_TEXT
 
@@ -61,6 +69,8 @@ def context_file(tmp_path):
 def run_kvcdn():
     """Run the real ``kvcdn`` console entry in a subprocess: ``(returncode, stdout, stderr)``."""
 
+    from tests.support.budget import budget
+
     def run(*args, env=None, check=None):
         full_env = {**os.environ, **(env or {})}
         proc = subprocess.run(
@@ -68,7 +78,7 @@ def run_kvcdn():
             capture_output=True,
             text=True,
             env=full_env,
-            timeout=300,
+            timeout=budget(300),
         )
         if check is not None:
             assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)

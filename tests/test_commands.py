@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from kvcdn_core import artifact as fmt
+from tests.support.budget import budget
 
 
 def test_generate_then_verify_passes(cli, qwen3_dir, context_file, tmp_path):
@@ -131,7 +132,7 @@ def test_input_errors_exit_2_with_one_line(cli, qwen3_dir, tmp_path):
         (("generate", "--model", qwen3_dir, "--context-file", tmp_path / "missing.txt"), "does not exist"),
         (("generate", "--model", tmp_path / "nomodel", "--context-file", tmp_path / "x"), "does not exist"),
         (("verify", "--model", qwen3_dir), "pass --kv-path"),
-        (("inspect", tmp_path / "nothing.kv"), "cannot read"),
+        (("inspect", tmp_path / "nothing.kv"), "does not exist"),
         (("verify", "--n", "0", "--kv-path", "x.kv"), "Invalid value"),
     ]
     (tmp_path / "empty.txt").write_text("  \n")
@@ -286,7 +287,7 @@ def test_serve_refuses_a_missing_local_model(tmp_path):
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=60,
+        timeout=budget(60),
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --models: model directory './missing' does not exist"

@@ -5,6 +5,10 @@ at the first failing line) inside a fresh copy of the checkout in a temporary di
 empty home, the Hugging Face hub offline and this checkout's ``kvcdn`` first on PATH. A block whose
 fence is directly preceded by ``<!-- docs-test: skip (reason) -->`` is not run; the skipped blocks
 and their reasons are printed. A block that leaves a background process running fails the test.
+
+Each block has its own time limit, :data:`BLOCK_S` on an idle core scaled by the machine's measured
+slowdown (``tests/support/budget.py``), and says on the terminal when it starts, so that a long run
+(``kvcdn validate`` takes minutes on a busy machine) is never silent.
 """
 
 from __future__ import annotations
@@ -15,16 +19,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.support.budget import budget
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"^<!-- docs-test: skip \((?P<reason>[^)]+)\) -->$")
-FILE_TIMEOUT_S = 900
+#: the longest any one block may take on an idle core (the README's `kvcdn validate` takes about 5 min)
+BLOCK_S = 600
+MARK = re.compile(r"### docs-test: (\S+) at (\S+)")
 
 
 @dataclass
@@ -102,6 +111,35 @@ def documented_files() -> list[Path]:
     return [p for p in DOC_FILES if bash_blocks(p)]
 
 
+class BlockWatch:
+    """Kills the examples' process group when the block being run exceeds its budget."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process, self.block, self.limit, self.expired = process, "(start)", budget(BLOCK_S), False
+        self.deadline = time.monotonic() + self.limit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def next_block(self, where: str) -> None:
+        self.block, self.limit = where, budget(BLOCK_S)
+        self.deadline = time.monotonic() + self.limit
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            if time.monotonic() > self.deadline:
+                self.expired = True
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @pytest.mark.slow
 @pytest.mark.hosted
 @pytest.mark.parametrize("doc", documented_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -127,17 +165,26 @@ def test_examples_run_as_pasted(doc, tmp_path, capsys):
         text=True,
         start_new_session=True,
     )
+    watch = BlockWatch(process)
+    lines: list[str] = []
     try:
-        output, _ = process.communicate(timeout=FILE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{doc.name}: examples ran over {FILE_TIMEOUT_S}s:\n{output[-4000:]}")
+        with capsys.disabled():
+            for line in process.stdout:
+                lines.append(line)
+                mark = MARK.match(line)
+                if mark:  # a block starts: its own budget, and a line on the terminal
+                    watch.next_block(mark[1])
+                    print(f"\n[docs-test] running {mark[1]} (budget {watch.limit:.0f}s)", end="", flush=True)
+        process.wait()
     finally:
+        watch.stop()
         try:  # nothing the examples started may outlive them
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    output = "".join(lines)
+    if watch.expired:
+        pytest.fail(f"the block at {watch.block} ran over its budget of {watch.limit:.0f}s:\n{output[-4000:]}")
     marks = re.findall(r"### docs-test: (\S+) at (\S+)", output)
     ends = [float(t) for _, t in marks[1:]] + [time.time()]
     with capsys.disabled():

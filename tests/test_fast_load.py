@@ -18,6 +18,7 @@ from kvcdn_core.errors import ArtifactError
 from kvcdn_core.layer_stream import GatedLayers
 from kvcdn_core.manifest import LayerEntry, Manifest
 from kvcdn_core.tiny import SAMPLE_TEXT
+from tests.support.budget import budget
 
 QUESTION = " And what comes next?"
 N_NEW = 8
@@ -111,7 +112,7 @@ def test_the_model_starts_before_the_last_layer_is_read(case, verifiers, monkeyp
 
     def slow_read(self, start, end):
         if start >= max(self.span(name)[1] for name in first_layer):
-            held.append(layer_zero_runs.wait(timeout=10))
+            held.append(layer_zero_runs.wait(timeout=budget(10)))
         return read_piece(self, start, end)
 
     monkeypatch.setattr(tensor_io.TensorReader, "_read_piece", slow_read)
@@ -270,7 +271,7 @@ def test_workers_finish_the_layers_read_before_the_model_asks(case, verifiers, m
     calls = _imports(session, monkeypatch)
     cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
     stream = cache.layers.stream
-    stream.thread.join(timeout=30)  # every byte read and every layer finished before the model starts
+    stream.thread.join(timeout=budget(30))  # every byte read and every layer finished before the model starts
     assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
     assert sorted(index for index, _ in calls) == list(range(len(stream.layers)))  # each once
     assert all(name.startswith("kvcdn-layer") for _, name in calls), calls
@@ -288,7 +289,7 @@ def test_the_model_thread_finishes_a_layer_no_worker_has_started(case, verifiers
 
     def held_finish(self, index):
         if threading.current_thread().name.startswith("kvcdn-layer"):
-            model_done.wait(timeout=30)
+            model_done.wait(timeout=budget(30))
         finish(self, index)
 
     monkeypatch.setattr(LayerStream, "_finish", held_finish)
@@ -297,7 +298,7 @@ def test_the_model_thread_finishes_a_layer_no_worker_has_started(case, verifiers
         assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
     finally:
         model_done.set()
-    cache.layers.stream.thread.join(timeout=30)
+    cache.layers.stream.thread.join(timeout=budget(30))
     assert sorted(index for index, _ in calls) == list(range(len(cache.layers.stream.layers)))
     assert {name for _, name in calls} == {threading.current_thread().name}
 

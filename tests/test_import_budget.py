@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.support.budget import budget
+
 PROBE = """
 import sys
 from kvcdn_core.cli import main
@@ -39,7 +41,9 @@ print("HEAVY=" + ",".join(heavy), file=sys.stderr)
 def test_light_commands_do_not_import_torch(args, qwen3_artifact):
     store = str(qwen3_artifact.parent / "no-store-here")
     args = [str(qwen3_artifact) if a == "ARTIFACT" else store if a == "STORE" else a for a in args]
-    proc = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True, timeout=budget(120)
+    )
     heavy = [line for line in proc.stderr.splitlines() if line.startswith("HEAVY=")]
     assert heavy == ["HEAVY="], proc.stderr
 

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+from tests.support.budget import budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,3 +81,47 @@ def test_markers_for_the_fast_selection_are_registered():
     assert '"slow: ' in text and '"hosted: ' in text
     assert 'scripts/test.sh -m "not slow and not hosted"' in (ROOT / "scripts" / "test.sh").read_text()
     assert 'scripts/test.sh -m "not slow and not hosted"' in (ROOT / "README.md").read_text()
+
+
+def quickstart_tree(tmp_path: Path, kvcdn_body: str) -> tuple[Path, dict[str, str]]:
+    """A checkout with the real quickstart.sh, a no-op dev-install.sh and a .venv whose python is
+    this one; the hub unreachable (an empty cache, offline), TMPDIR a folder the test watches."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "quickstart.sh", repo / "scripts" / "quickstart.sh")
+    scripts = {
+        repo / "scripts" / "dev-install.sh": "#!/usr/bin/env bash\nexit 0\n",
+        repo / ".venv" / "bin" / "python": f'#!/usr/bin/env bash\nexec "{sys.executable}" "$@"\n',
+        repo / ".venv" / "bin" / "kvcdn": f"#!/usr/bin/env bash\n{kvcdn_body}\n",
+    }
+    for path, text in scripts.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    (tmp_path / "tmp").mkdir()
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path / "tmp"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
+    }
+    env.pop("KVCDN_QUICKSTART_DIR", None)
+    return repo, env
+
+
+@pytest.mark.parametrize(
+    "kvcdn_body, code",
+    [(f'exec "{sys.executable}" -m kvcdn_core "$@"', 0), ('echo "error: it broke" >&2; exit 3', 3)],
+    ids=["passes", "fails"],
+)
+def test_quickstart_removes_its_temporary_folder(tmp_path, kvcdn_body, code):
+    repo, env = quickstart_tree(tmp_path, kvcdn_body)
+    result = subprocess.run(
+        ["bash", str(repo / "scripts" / "quickstart.sh")], capture_output=True, text=True, env=env, timeout=budget(300)
+    )
+    assert result.returncode == code, result.stderr
+    if code == 0:
+        assert "token match: 32/32 (PASS)" in result.stdout, result.stdout + result.stderr
+    left = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("tmp.")]  # mktemp -d's names
+    assert left == [], "quickstart left its temporary folder behind"

@@ -22,6 +22,7 @@ from kvcdn_core.manifest import LayerEntry, reuse_of
 from kvcdn_core.model_files import fingerprint
 from kvcdn_core.search import index as search_index
 from kvcdn_core.tiny import SAMPLE_TEXT
+from tests.support.budget import budget
 
 ARCH = "Qwen3ForCausalLM"
 PARAS = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
@@ -294,7 +295,7 @@ def test_search_does_not_import_torch(tmp_path, model_dir, hf_tok):
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', 'transformers' in sys.modules)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=budget(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "NO-TORCH False"
     assert '"tokenizer": "tokenizers"' in out.stdout

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 
+from tests.support.budget import budget
 from tests.support.signals import popen_interruptible
 
 CHILD = "import signal, sys; sys.stdout.write(str(signal.getsignal(signal.SIGINT) is signal.SIG_IGN))"
@@ -11,7 +12,7 @@ CHILD = "import signal, sys; sys.stdout.write(str(signal.getsignal(signal.SIGINT
 
 def child_ignores_sigint(start) -> bool:
     proc = start([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=budget(60))
     return out == "True"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import default_artifact_path, ensure_kv_suffix
+from kvcdn_core.paths import check_output, check_writable, default_artifact_path, ensure_kv_suffix
 
 
 def model_options(from_artifact: bool = True):
@@ -64,11 +64,9 @@ force_output_option = click.option("--force", is_flag=True, help="Replace an exi
 
 
 def check_new_output(path: Path, force: bool, option: str = "--output") -> None:
-    """The one rule for every file a command writes: an existing file is replaced only with --force."""
-    if path.is_dir():
-        raise KvcdnError(f"cannot write '{path}': it is a directory")
-    if path.exists() and not force:
-        raise KvcdnError(f"'{path}' exists; pass --force to replace it or {option} to choose another path")
+    """The one rule for every file a command writes (:func:`kvcdn_core.paths.check_output`), called
+    before any model work: it can be created, and an existing file is replaced only with --force."""
+    check_output(path, force, option)
 
 
 def read_text_file(path: str, what: str = "context file") -> str:
@@ -87,8 +85,6 @@ def read_text_file(path: str, what: str = "context file") -> str:
 
 def artifact_path(explicit: str | None, command: str, model: str, for_writing: bool = True) -> Path:
     """The artifact path a command uses; checked for writing before any model work starts."""
-    from kvcdn_core.artifact import check_writable
-
     path = ensure_kv_suffix(explicit) if explicit else default_artifact_path(command, model)
     if for_writing:
         check_writable(path)

@@ -13,7 +13,7 @@ import click
 
 from kvcdn_core.commands.common import force_option, format_option, model_options, open_artifact, read_text_file
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.paths import ensure_kv_suffix
+from kvcdn_core.paths import input_artifact
 from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
@@ -64,7 +64,7 @@ def command(model, revision, device, dtype, quiet, kv_path, question, directory,
 def _continue_artifact(model, revision, device, dtype, kv_path, question, n, force, fmt):
     from kvcdn_core import runtime
 
-    session, header = open_artifact(ensure_kv_suffix(kv_path), model, revision, device, dtype)
+    session, header = open_artifact(input_artifact(kv_path, "--kv-path"), model, revision, device, dtype)
     # Streamed: the question's forward starts on the first layers while the later ones are read.
     cache, context_ids = runtime.load_cache(session, header, force=force, stream=True)
     question_ids = session.adapter.encode_continuation(session.tokenizer, question)

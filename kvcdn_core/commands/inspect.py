@@ -8,7 +8,7 @@ import click
 
 from kvcdn_core.commands.common import format_option
 from kvcdn_core.errors import CheckFailed
-from kvcdn_core.paths import ensure_kv_suffix
+from kvcdn_core.paths import input_artifact
 from kvcdn_core.render import emit_json
 
 
@@ -25,7 +25,7 @@ def command(path, check, fmt):
     from kvcdn_core import artifact
     from kvcdn_core.manifest import Manifest, reuse_of
 
-    header = artifact.read_header(ensure_kv_suffix(path))
+    header = artifact.read_header(input_artifact(path))
     m = header.manifest
     bad = artifact.check_hashes(header) if check else None
     if fmt == "json":

@@ -21,7 +21,7 @@ from kvcdn_core.commands.common import (
     read_text_file,
 )
 from kvcdn_core.errors import CheckFailed, KvcdnError
-from kvcdn_core.paths import ensure_kv_suffix
+from kvcdn_core.paths import ensure_kv_suffix, input_artifact
 from kvcdn_core.render import render
 from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
@@ -114,9 +114,7 @@ def command(
     )
 
     if input_path:
-        source = ensure_kv_suffix(input_path)
-        if not source.is_file():
-            raise KvcdnError(f"input artifact '{source}' does not exist")
+        source = input_artifact(input_path, "--input")
     else:
         source = Path(context_file)
     out = ensure_kv_suffix(output) if output else quant_service.default_output(source, scheme)

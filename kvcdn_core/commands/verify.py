@@ -16,6 +16,7 @@ from kvcdn_core.commands.common import (
     read_text_file,
 )
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.paths import input_artifact
 from kvcdn_core.render import emit_json
 from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
@@ -24,19 +25,19 @@ def prepare(command_name, model, revision, device, dtype, quiet, kv_path, contex
     """The artifact to check: the existing one at ``kv_path``, or one generated from the context."""
     from kvcdn_core import artifact, runtime
 
-    if kv_path and Path(kv_path).is_dir():
-        raise KvcdnError(f"--kv-path '{kv_path}' is a directory; pass a .kv file")
-    path = artifact_path(kv_path, command_name, model or DEFAULT_MODEL, for_writing=False)
-    if kv_path and path.exists():
+    if kv_path and Path(kv_path).exists():  # an artifact to read: taken as given, never renamed
+        path = input_artifact(kv_path, "--kv-path")
         if context_file:
             click.echo(f"warning: --context-file ignored: '{path}' exists and carries its own context", err=True)
         announce(quiet, f"loading the model of {path} ...")
         return open_artifact(path, model, revision, device, dtype)
     if not context_file:
         if kv_path:
-            raise KvcdnError(f"artifact '{path}' does not exist; pass --context-file to generate it")
+            raise KvcdnError(f"--kv-path '{kv_path}' does not exist; pass --context-file to generate it")
         raise KvcdnError("pass --kv-path of an existing artifact, or --context-file to generate one")
-    artifact.check_writable(path)
+    path = artifact_path(kv_path, command_name, model or DEFAULT_MODEL)  # one to write: checked now
+    if path.exists():  # never replaced silently, and never read under a name it was not given
+        raise KvcdnError(f"'{path}' exists: pass --kv-path '{path}' to check it, or another path to generate")
     context = read_text_file(context_file)
     announce(quiet, f"loading the model {model or DEFAULT_MODEL} ...")
     session = runtime.load_session(model or DEFAULT_MODEL, revision, device, dtype)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.support import kvfiles, services
+from tests.support.budget import budget
 from tests.support.json_http import json_server
 
 KEY = "kv_" + "ab" * 32
@@ -127,7 +128,7 @@ def test_concurrent_refreshes_keep_the_rotated_refresh_token(oidc_issuer, tmp_pa
         )
         for _ in range(6)
     ]
-    results = [p.communicate(timeout=60) for p in procs]
+    results = [p.communicate(timeout=budget(60)) for p in procs]
     for proc, (out, err) in zip(procs, results):
         assert proc.returncode == 0 and out.strip(), err
     stored = json.loads((home / "kvcdn" / "credentials.json").read_text())["session"]

@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from tests.support.budget import budget
 from tests.support.hosted import API, bearer, sha256_of, write_synthetic_kv
 
 STEP = 0.05  # seconds per forward pass once slowed down
@@ -76,7 +77,7 @@ def serve(monkeypatch, tmp_path, hosted_model):
     yield start
     for server, thread in running:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=budget(10))
 
 
 def _upload(url: str, key: str, path) -> str:
@@ -93,7 +94,8 @@ def _upload(url: str, key: str, path) -> str:
     return plan["artifact_id"]
 
 
-def _infer(url, key, artifact_id, n, question=QUESTION, timeout=60.0):
+def _infer(url, key, artifact_id, n, question=QUESTION, timeout=None):
+    timeout = budget(60.0) if timeout is None else timeout
     return httpx.post(
         f"{url}{API}/artifacts/{artifact_id}/infer",
         headers=bearer(key),
@@ -104,7 +106,7 @@ def _infer(url, key, artifact_id, n, question=QUESTION, timeout=60.0):
 
 def _wait(condition, limit: float) -> float:
     """Seconds until ``condition()`` held; fails after ``limit``."""
-    start = time.monotonic()
+    start, limit = time.monotonic(), budget(limit)
     while not condition():
         assert time.monotonic() - start < limit, "condition not reached in time"
         time.sleep(0.01)
@@ -155,9 +157,9 @@ def test_one_tenant_cannot_hold_every_slot(serve, forward_calls, qwen3_artifact,
         assert _infer(url, key, artifact_id, 1).status_code == 200
     engine = app.state.engine
 
-    def hog():  # a long request (13 s), abandoned after 3 s
+    def hog():  # a long request (13 s at least), abandoned after 3 s (more on a busy machine)
         with contextlib.suppress(httpx.ReadTimeout):
-            _infer(url, keys["acme"], a_id, 256, timeout=3.0)
+            _infer(url, keys["acme"], a_id, 256, timeout=min(budget(3.0), 10.0))
 
     hogging = threading.Thread(target=hog)
     hogging.start()

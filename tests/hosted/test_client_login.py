@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support import services
+from tests.support.budget import budget
 from tests.support.hosted_client import kvcdn_cmd, kvcdn_login_browser, kvcdn_login_device
 
 
@@ -44,7 +45,12 @@ def env(tmp_path, issuer, server):
 
 def kvcdn(env, *args):
     proc = subprocess.run(
-        [*kvcdn_cmd(), *map(str, args)], env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        [*kvcdn_cmd(), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=budget(120),
+        stdin=subprocess.DEVNULL,
     )
     return proc
 

@@ -17,6 +17,7 @@ import pytest
 from kvcdn_core.testing.large_artifact import write_large_kv
 from tests.hosted.conftest import S3_BUCKET
 from tests.support import services
+from tests.support.budget import budget
 from tests.support.hosted import confirm, mint_key, request_upload, upload, write_synthetic_kv
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
@@ -56,14 +57,17 @@ def put_file(plan: dict, path: Path, chunk: int = 1 << 20) -> dict | None:
     size = path.stat().st_size
     if plan["multipart"] is None:
         headers = {**plan["headers"], "Content-Length": str(size)}
-        r = httpx.put(plan["url"], content=body(0, size), headers=headers, timeout=600)
+        r = httpx.put(plan["url"], content=body(0, size), headers=headers, timeout=budget(600))
         assert r.status_code == 200, r.text
         return None
     mp, parts = plan["multipart"], []
     for part in mp["parts"]:
         start = (part["part_number"] - 1) * mp["part_size"]
         r = httpx.put(
-            part["url"], content=body(start, part["size"]), headers={"Content-Length": str(part["size"])}, timeout=600
+            part["url"],
+            content=body(start, part["size"]),
+            headers={"Content-Length": str(part["size"])},
+            timeout=budget(600),
         )
         assert r.status_code == 200, r.text
         parts.append({"part_number": part["part_number"], "etag": r.headers["ETag"]})

@@ -20,6 +20,7 @@ from kvcdn_core import open_storage
 from kvcdn_core.testing import assert_storage_contract
 from kvcdn_hosted.storage import HostedStorage
 from tests.support import services
+from tests.support.budget import budget
 from tests.support.hosted import API, bearer, mint_key, upload
 
 #: the suite puts a dozen objects per check, one of them over 3 MiB
@@ -110,7 +111,7 @@ def test_racing_replacements_leave_exactly_one_artifact(roomy, monkeypatch, tmp_
     for t in pool:
         t.start()
     for t in pool:
-        t.join(timeout=120)
+        t.join(timeout=budget(120))
     assert not errors, errors
     listed = httpx.get(f"{roomy_server.url}{API}/artifacts", headers=bearer(store.settings.api_key)).json()
     assert len(listed["artifacts"]) == 1, listed
@@ -146,7 +147,7 @@ def test_deletes_racing_replacements_of_one_name_neither_fail_nor_leak(roomy, mo
     for t in pool:
         t.start()
     for t in pool:
-        t.join(timeout=120)
+        t.join(timeout=budget(120))
     assert not errors, errors
     left = httpx.get(listing, headers=bearer(store.settings.api_key)).json()["artifacts"]
     assert len(left) <= 1, left
@@ -200,7 +201,7 @@ def test_a_server_refuses_a_backend_that_cannot_hold_its_objects(roomy_server, t
         env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "d")},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [

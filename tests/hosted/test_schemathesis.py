@@ -13,6 +13,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from tests.support import services
+from tests.support.budget import budget
 from tests.support.hosted import mint_key
 
 
@@ -41,7 +42,7 @@ def test_no_request_gets_a_server_error(fuzzed_server, credentials, mode):
         @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(mode))
         def call(case):
-            response = case.call(base_url=fuzzed_server.url, headers=credentials, timeout=60)
+            response = case.call(base_url=fuzzed_server.url, headers=credentials, timeout=budget(60))
             if response.status_code >= 500:
                 errors.append(f"{case.as_curl_command()} -> {response.status_code} {response.text[:200]}")
 

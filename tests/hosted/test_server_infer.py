@@ -8,6 +8,7 @@ import threading
 
 import httpx
 
+from tests.support.budget import budget
 from tests.support.hosted import API, bearer, upload, write_synthetic_kv
 
 QUESTION = " What did the keeper write during the storm?"
@@ -29,7 +30,7 @@ def test_infer_equals_local_continue(local_server, org_key, alice_token, qwen3_a
             f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer",
             headers=bearer(token),
             json={"question": QUESTION, "n": 24},
-            timeout=120,
+            timeout=budget(120),
         )
         assert r.status_code == 200, r.text
         body = r.json()
@@ -41,7 +42,7 @@ def test_infer_equals_local_continue(local_server, org_key, alice_token, qwen3_a
         f"{local_server.url}{API}/orgs/legacy/projects/p/artifacts/{art['artifact_id']}/infer",
         headers=bearer(alice_token),
         json={"question": QUESTION, "n": 24},
-        timeout=120,
+        timeout=budget(120),
     )
     assert r.status_code == 200 and r.json()["tokens"] == expected
 
@@ -68,14 +69,14 @@ def test_concurrent_requests_are_exact_or_refused(local_server, org_key, qwen3_a
     key = org_key("burst")
     art = upload(local_server.url, key, qwen3_artifact)
     url = f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer"
-    warm = httpx.post(url, headers=bearer(key), json={"question": QUESTION, "n": 1}, timeout=120)
+    warm = httpx.post(url, headers=bearer(key), json={"question": QUESTION, "n": 1}, timeout=budget(120))
     assert warm.status_code == 200  # model and artifact resident before the burst
     barrier = threading.Barrier(16)
     results: list[httpx.Response] = []
     lock = threading.Lock()
 
     def one():
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=budget(120)) as client:
             barrier.wait()
             r = client.post(url, headers=bearer(key), json={"question": QUESTION, "n": n})
         with lock:
@@ -122,7 +123,7 @@ def test_artifact_that_does_not_fit_its_model_is_422(local_server, org_key, host
         f"{local_server.url}{API}/artifacts/{art['artifact_id']}/infer",
         headers=bearer(key),
         json={"question": "x", "n": 1},
-        timeout=120,
+        timeout=budget(120),
     )
     assert r.status_code == 422 and r.json()["error"] == "artifact_incompatible", r.text
     assert str(hosted_model) not in r.json()["message"] or "<path>" in r.json()["message"]

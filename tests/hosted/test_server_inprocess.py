@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from kvcdn_core.errors import KvcdnError
+from tests.support.budget import budget
+from tests.support.clock import ManualClock
 from tests.support.hosted import API, bearer, sha256_of
 
 
@@ -19,13 +22,13 @@ def make_app(monkeypatch, tmp_path):
     from kvcdn_server.app import create_app
     from kvcdn_server.config import load_config
 
-    def make(**env):
+    def make(clock=None, **env):
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
         monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme")
         monkeypatch.setenv("KVCDN_INFER_DEVICE", "cpu")
         config = load_config(storage=str(tmp_path / "objects"))
-        app = create_app(config)
+        app = create_app(config, clock=clock) if clock else create_app(config)
         from kvcdn_server.apikeys import derive_key
 
         return app, TestClient(app), derive_key(config.api_key_seed, "acme")
@@ -53,11 +56,15 @@ def _files(tmp_path):
 
 
 def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv):
-    app, client, key = make_app(KVCDN_UPLOAD_URL_TTL=1, KVCDN_PENDING_GRACE=0)
+    # The server's own clock, moved on by the test: no sleep, so no race with a busy machine.
+    clock = ManualClock()
+    app, client, key = make_app(clock=clock, KVCDN_UPLOAD_URL_TTL=60, KVCDN_PENDING_GRACE=0)
     store = app.state.store
     plan, put_url = _start(client, key, small_kv)
     assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
-    time.sleep(2.1)
+    clock.advance(59)  # still within the URL's lifetime, however long the machine took
+    assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
+    clock.advance(2)
     assert client.put(put_url, content=small_kv.read_bytes()).json()["error"] == "url_expired"
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
     assert r.status_code == 410 and r.json()["error"] == "upload_expired"
@@ -67,7 +74,8 @@ def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv
     plan2, put2 = _start(client, key, small_kv)
     client.put(put2, content=small_kv.read_bytes())
     assert _files(tmp_path) and store.reserved("org:acme") == (1, small_kv.stat().st_size)
-    time.sleep(2.1)
+    assert store.collect()["expired"] == 0  # not yet due
+    clock.advance(61)
     assert store.collect()["expired"] == 1
     assert _files(tmp_path) == [] and store.reserved("org:acme") == (0, 0)
     assert store.row(plan2["artifact_id"]).status == "expired"
@@ -91,21 +99,27 @@ def test_a_failed_confirm_fails_the_upload_and_gives_its_quota_back(make_app, tm
     assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
 
 
-def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_model):
+def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_model, monkeypatch):
     app, client, key = make_app(KVCDN_MODELS=str(hosted_model), KVCDN_INFER_TIMEOUT="0.001", KVCDN_INFER_CONCURRENCY=1)
     plan, put_url = _start(client, key, qwen3_artifact)
     client.put(put_url, content=qwen3_artifact.read_bytes())
     assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
+    engine = app.state.engine
+    # Every computation is held until the test lets it go: on a busy machine the second one could
+    # otherwise finish within its 1 ms while its waiter was not scheduled, and rightly be served.
+    gate, real = threading.Event(), engine._infer
+    monkeypatch.setattr(engine, "_infer", lambda *args: gate.wait() and real(*args))
     r = client.post(
         f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 64}
     )
     assert r.status_code == 504 and r.json()["error"] == "timeout"
     # Its slot went with the 504, even while the load it started goes on: a second request is
     # admitted (and times out in turn), never 429.
-    assert app.state.engine.slots.in_use() == 0
+    assert engine.slots.in_use() == 0
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/infer", headers=bearer(key), json={"question": "x", "n": 1})
-    assert r.status_code == 504
-    app.state.engine.pool.shutdown(wait=True)
+    assert r.status_code == 504  # held too: it cannot finish first, however the machine schedules it
+    gate.set()
+    engine.pool.shutdown(wait=True)
 
 
 def test_a_request_refused_for_its_limits_or_no_slot_costs_no_database_query(make_app, monkeypatch):
@@ -202,7 +216,7 @@ def test_telemetry_is_forwarded_with_the_secret(make_app):
         )
         event = {"event": "command", "kvcdn_version": "0.1.0", "command": "list", "ok": True}
         assert client.post(f"{API}/telemetry", json=event).status_code == 204
-        deadline = time.time() + 5
+        deadline = time.time() + budget(5)
         while not received and time.time() < deadline:
             time.sleep(0.02)
         assert received == [("Bearer telemetry-secret", event)]
@@ -225,7 +239,10 @@ def test_bad_configuration_is_one_line_exit_2(args, message):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=budget(60),
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and message in proc.stderr
@@ -411,7 +428,7 @@ def test_serve_on_a_busy_port_is_one_line_exit_2(tmp_path):
             [sys.executable, "-m", "kvcdn_core", "serve", "--port", str(port), "--storage", str(tmp_path / "o")],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=budget(60),
             env=env,
         )
     assert proc.returncode == 2, proc.stderr
@@ -442,7 +459,7 @@ def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
                 break
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        proc.wait(timeout=budget(30))
     assert "admin-secret)" in lines[-1] and "$KVCDN_ADMIN_SECRET" not in lines[-1], lines
 
 
@@ -489,7 +506,7 @@ def test_loading_an_artifact_and_its_model_cannot_deadlock(monkeypatch):
     try:
         with engine._stripe(engine._artifact_locks, ("t", "1", "sha")):
             model_lock = engine._stripe(engine._model_locks, "m")
-            assert model_lock.acquire(timeout=2)
+            assert model_lock.acquire(timeout=budget(2))
             model_lock.release()
     finally:
         engine.shutdown()
@@ -514,7 +531,7 @@ def test_replicas_racing_for_the_last_slot_exactly_one_gets_it(database_url, tmp
     ]
     for _ in range(2):
         replicas[0].begin_upload("org:acme", "a.kv", 10, "0" * 64, "private", {})
-    start = threading.Barrier(8, timeout=30)
+    start = threading.Barrier(8, timeout=budget(30))
 
     def reserve(i):
         start.wait()

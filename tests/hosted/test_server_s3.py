@@ -9,6 +9,7 @@ import boto3
 import httpx
 
 from tests.hosted.conftest import S3_BUCKET
+from tests.support.budget import budget
 from tests.support.hosted import API, bearer, confirm, mint_key, put_bytes, request_upload, upload, write_synthetic_kv
 
 
@@ -41,7 +42,7 @@ def test_replicas_share_one_bucket(s3_replicas, moto_s3, new_org, qwen3_artifact
         f"{b.url}{API}/artifacts/{art['artifact_id']}/infer",
         headers=bearer(key),
         json={"question": " Who kept the ledger?", "n": 8},
-        timeout=120,
+        timeout=budget(120),
     )
     assert r.status_code == 200, r.text
     local = cli(
@@ -66,7 +67,7 @@ def test_replicas_share_one_bucket(s3_replicas, moto_s3, new_org, qwen3_artifact
     ).json()["api_key"]
     import time
 
-    deadline = time.monotonic() + 10  # KVCDN_ORGS_REFRESH=0.2 in the fixture; slack for a busy machine
+    deadline = time.monotonic() + budget(10)  # KVCDN_ORGS_REFRESH=0.2 in the fixture; slack for a busy machine
     while httpx.get(f"{b.url}{API}/whoami", headers=bearer(key)).status_code != 401:
         assert time.monotonic() < deadline, "the rotated key still works on the other replica"
         time.sleep(0.1)

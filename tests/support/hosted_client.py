@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
+from tests.support.budget import budget
+
 from .services import ACCOUNTS, _form_action, browser_login
 
 
@@ -64,7 +66,7 @@ def _login(args: list[str], env: dict[str, str], play_browser, timeout: float) -
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
-    killer = threading.Timer(timeout, proc.kill)
+    killer = threading.Timer(budget(timeout), proc.kill)
     killer.start()
     try:
         out = proc.stdout.read()  # stderr belongs to the reader thread
@@ -87,7 +89,7 @@ class _DeviceBrowser:
         return found.group(1) if found else None
 
     def __call__(self, url: str) -> None:
-        with httpx.Client(follow_redirects=True, timeout=10) as browser:
+        with httpx.Client(follow_redirects=True, timeout=budget(10)) as browser:
             page = browser.get(url)
             action, fields = _form_action(page.text, str(page.url))  # confirm the pre-filled code
             page = browser.post(action, data=fields)
@@ -103,7 +105,7 @@ class _CodeBrowser(_DeviceBrowser):
         return found.group(1) if found else None
 
     def __call__(self, url: str) -> None:
-        with httpx.Client(follow_redirects=True, timeout=10) as browser:
+        with httpx.Client(follow_redirects=True, timeout=budget(10)) as browser:
             page = browser.get(url)
             done = browser_login(browser, page, self.username, self.password)
             if done.status_code != 200 or "/callback" not in str(done.url):
@@ -189,7 +191,7 @@ class CuttingProxy:
                     for k, v in self.headers.items()
                     if k.lower() not in ("content-length", "connection", "transfer-encoding")
                 }
-                with httpx.Client(timeout=60) as client:
+                with httpx.Client(timeout=budget(60)) as client:
                     upstream = client.request(self.command, proxy.upstream + self.path, headers=headers, content=body)
                 data = upstream.content
                 if upstream.headers.get("content-type", "").startswith("application/json"):

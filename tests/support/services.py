@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.budget import budget
+
 SUPPORT = Path(__file__).resolve().parent
 ISSUER_DIR = SUPPORT / "oidc_issuer"
 REPO = SUPPORT.parent.parent
@@ -94,7 +96,7 @@ def oidc_issuer(timeout: float = 30.0) -> Iterator[Issuer]:
     )
     log: list[str] = []
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + budget(timeout)
         url = None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
@@ -158,14 +160,14 @@ def device_flow_token(
     verification URL in a browser, signs in and confirms the code.
     """
     password = ACCOUNTS.get(username, "") if password is None else password
-    with httpx.Client(base_url=issuer_url, timeout=10) as cli:
+    with httpx.Client(base_url=issuer_url, timeout=budget(10)) as cli:
         data = {"client_id": client_id, "scope": scope}
         if resource:
             data["resource"] = resource
         start = cli.post("/device/auth", data=data)
         start.raise_for_status()
         device = start.json()
-    with httpx.Client(follow_redirects=True, timeout=10) as browser:
+    with httpx.Client(follow_redirects=True, timeout=budget(10)) as browser:
         page = browser.get(device["verification_uri_complete"])
         # The verification page asks to confirm the pre-filled user code: submit its form.
         action, fields = _form_action(page.text, str(page.url))
@@ -173,8 +175,8 @@ def device_flow_token(
         done = browser_login(browser, page, username, password)
         if done.status_code >= 400:
             raise AssertionError(f"device flow failed in the browser: {done.status_code} {done.text[:300]}")
-    with httpx.Client(base_url=issuer_url, timeout=10) as cli:
-        deadline = time.monotonic() + 20
+    with httpx.Client(base_url=issuer_url, timeout=budget(10)) as cli:
+        deadline = time.monotonic() + budget(20)
         while time.monotonic() < deadline:
             data = {
                 "client_id": client_id,
@@ -203,7 +205,7 @@ def browser_authorize(
     a browser would, so a CLI waiting on its loopback listener receives the code.
     """
     password = ACCOUNTS.get(username, "") if password is None else password
-    with httpx.Client(follow_redirects=False, timeout=10) as browser:
+    with httpx.Client(follow_redirects=False, timeout=budget(10)) as browser:
         response = browser.get(authorize_url)
         for _ in range(12):
             location = response.headers.get("location")
@@ -222,7 +224,7 @@ def browser_authorize(
             parsed = httpx.URL(target)
             if parsed.host in ("127.0.0.1", "localhost", "::1") and parsed.port != response.url.port:
                 if deliver:
-                    httpx.get(target, timeout=10)
+                    httpx.get(target, timeout=budget(10))
                 return target
             response = browser.get(target)
     raise AssertionError("the authorization flow never redirected back to the client")
@@ -391,7 +393,7 @@ def kvcdn_server(
     threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + budget(timeout)
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"kvcdn serve exited with {proc.returncode}:\n" + "".join(log))

@@ -98,10 +98,27 @@ def server_message(response) -> str:
     return text or response.reason_phrase or "no details"
 
 
+def speaks_kvcdn(response) -> bool:
+    """A kvcdn server answers every error with a JSON object naming it; a web server, a proxy's
+    error page or a login portal does not, and its page is no error message."""
+    try:
+        data = response.json()
+    except ValueError:
+        return False
+    return isinstance(data, dict) and any(k in data for k in ("error", "message", "detail"))
+
+
+def not_kvcdn(response, what: str) -> KvcdnError:
+    url = str(response.request.url).split("?", 1)[0]  # the query (a cursor, a signature) is no help here
+    return KvcdnError(f"{what}: not a kvcdn server (HTTP {response.status_code} from {url})")
+
+
 def raise_for_response(response, what: str) -> None:
     status = response.status_code
     if status < 400:
         return
+    if not speaks_kvcdn(response):
+        raise not_kvcdn(response, what)
     message = server_message(response)
     if status == 401:
         raise KvcdnError(f"{what}: not authenticated ({message}); {LOGIN_HINT}")
@@ -219,7 +236,7 @@ class HostedClient:
         try:
             return response.json()
         except ValueError:
-            raise KvcdnError(f"{what}: the server's answer is not JSON") from None
+            raise not_kvcdn(response, what) from None
 
 
 _warned_plain_http: set[str] = set()

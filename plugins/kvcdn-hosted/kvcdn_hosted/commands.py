@@ -314,7 +314,7 @@ def api_key_clear():
 
 @click.command("upload")
 @click.argument("artifact_path", metavar="ARTIFACT.kv")
-@click.option("--name", required=True, help="Name to list the artifact under.")
+@click.option("--name", default=None, help="Name to list the artifact under [default: the file's name without .kv].")
 @click.option("--visibility", type=click.Choice(["private", "public"]), default="private", show_default=True)
 @click.option(
     "--to",
@@ -331,6 +331,7 @@ def api_key_clear():
 def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key, quiet):
     """Upload a .kv artifact and print its id."""
     source, _manifest = _check_upload_source(artifact_path)
+    name = name or source.name.removesuffix(".kv") or source.name
     settings = settings_from(locals())
     hosted, backend = _backend(to_uri, settings, quiet)
     if hosted:
@@ -431,7 +432,13 @@ def _default_download_name(artifact_id: str, record: dict | None) -> str:
 
 @click.command("download")
 @click.argument("artifact_id", metavar="ID")
-@click.option("--output", "-o", default=None, metavar="PATH", help="Where to write [default: ./<name>.kv].")
+@click.option(
+    "--output",
+    "-o",
+    default=None,
+    metavar="PATH",
+    help="File or existing directory to write to [default: ./<name>.kv].",
+)
 @click.option("--force", is_flag=True, help="Replace an existing file.")
 @click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
 @endpoint_options
@@ -439,25 +446,25 @@ def _default_download_name(artifact_id: str, record: dict | None) -> str:
 @hosted_command("download")
 def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
     """Download an artifact, check its sha256 and .kv header, and write it atomically."""
-    from kvcdn_core import ensure_kv_suffix
+    from kvcdn_core import check_output, ensure_kv_suffix
 
     settings = settings_from(locals())
     hosted, backend = _backend(from_uri, settings, quiet)
-    if output:
+    if output and not Path(output).is_dir():
         target = ensure_kv_suffix(output)
-    elif hosted:
-        record = None
-        try:
-            record = backend.describe(artifact_id)
-        except KvcdnError:
-            pass  # a public artifact of another tenant: download-url works, describe may not
-        target = Path(_default_download_name(artifact_id, record))
-    else:
-        target = Path(Path(artifact_id).name if artifact_id.endswith(".kv") else Path(artifact_id).name + ".kv")
-    if target.exists() and not force:
-        raise KvcdnError(f"'{target}' exists; pass --force to replace it or --output to choose another path")
-    if target.is_dir():
-        raise KvcdnError(f"'{target}' is a directory")
+    else:  # the artifact's own name, in the current directory or inside --output's directory (as cp does)
+        folder = Path(output) if output else Path()
+        if hosted:
+            record = None
+            try:
+                record = backend.describe(artifact_id)
+            except KvcdnError:
+                pass  # a public artifact of another tenant: download-url works, describe may not
+            target = folder / _default_download_name(artifact_id, record)
+        else:
+            name = Path(artifact_id).name
+            target = folder / (name if name.endswith(".kv") else name + ".kv")
+    check_output(target, force)
     with _terminate_as_interrupt():
         if hosted:
             backend.download(artifact_id, target)

@@ -328,3 +328,43 @@ def test_long_listing_of_a_plain_store_reads_each_header(config_home, kv_file, t
     assert rows["small.kv"][-3:-1] == ["float32", "int8"]
     assert rows["plain.kv"][-3:-1] == ["float32", "none"]
     assert rows["junk.kv"][-3:-1] == ["-", "-"]  # no readable header: unknown, not "none"
+
+
+def test_upload_names_the_artifact_after_its_file_by_default(config_home, kv_file, tmp_path):
+    store = tmp_path / "store"
+    up = run("upload", kv_file, "--to", store)  # kv_file is doc.kv
+    assert up.exit_code == 0, up.stderr
+    assert up.stdout.strip() == "doc.kv" and (store / "doc.kv").read_bytes() == kv_file.read_bytes()
+
+
+def test_download_into_an_existing_directory_writes_inside_it(config_home, kv_file, tmp_path):
+    store, folder = tmp_path / "store", tmp_path / "into"
+    folder.mkdir()
+    assert run("upload", kv_file, "--name", "manual", "--to", store).exit_code == 0
+    got = run("download", "manual.kv", "--from", store, "--output", folder)
+    assert got.exit_code == 0, got.stderr
+    assert got.stdout.strip() == str(folder / "manual.kv")
+    assert (folder / "manual.kv").read_bytes() == kv_file.read_bytes()
+    assert not (tmp_path / "into.kv").exists() and "appending" not in got.stderr
+    again = run("download", "manual.kv", "--from", store, "--output", folder)
+    assert again.exit_code == 2 and "--force" in again.stderr and again.stderr.count("\n") == 1
+
+
+def test_download_checks_its_output_before_any_request(endpoint, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    target = tmp_path / "afile" / "copy.kv"
+    got = run("download", "some-id", "--output", target)
+    assert got.exit_code == 2 and got.stderr.count("\n") == 1
+    assert f"cannot write '{target}'" in got.stderr and "is not a directory" in got.stderr
+    assert api_requests(endpoint) == []
+
+
+@pytest.mark.parametrize(
+    "status, body",
+    [(404, b"<html><body><h1>Not Found</h1><p>The page is not here.</p></body></html>"), (200, b"<html>hi</html>")],
+)
+def test_a_server_that_is_not_kvcdn_is_named_as_such(endpoint, status, body):
+    endpoint.routes[("GET", "/api/v1/artifacts")] = lambda h: (status, {"Content-Type": "text/html"}, body)
+    result = run("list")
+    assert result.exit_code == 2
+    assert result.stderr == f"error: list: not a kvcdn server (HTTP {status} from {endpoint.url}/api/v1/artifacts)\n"

@@ -10,6 +10,8 @@ contract shared with the client (``kvcdn_hosted.wire``, ``kvcdn_hosted.wire_sche
 import contextlib
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import sqlalchemy as sa
 from fastapi import FastAPI
@@ -122,7 +124,9 @@ def redact_access_log() -> None:
         access.addFilter(RedactQueries())
 
 
-def build_services(config: ServerConfig, storage=None, engine=None) -> Services:
+def build_services(config: ServerConfig, storage=None, engine=None, clock: Callable[[], float] = time.time) -> Services:
+    """``clock`` (seconds since the epoch) times every expiry, lease and signed URL; only a test
+    running the app in-process passes another, to move time on without sleeping."""
     storage = storage or open_storage(config.storage_uri)
     if type(storage).stores != "bytes" or "rename" in type(storage).unsupported:
         # uploads are kept as they arrive, checked, then renamed out of the upload URL's reach
@@ -135,14 +139,14 @@ def build_services(config: ServerConfig, storage=None, engine=None) -> Services:
         config=config,
         db=engine,
         storage=storage,
-        store=ArtifactStore(engine, storage, config),
+        store=ArtifactStore(engine, storage, config, clock),
         orgs=OrgRegistry(config.api_key_seed, config.env_orgs, engine, config.orgs_refresh),
         verifier=(
             JwtVerifier(config.issuer_url, config.client_id, config.jwt_algorithms, config.jwt_leeway)
             if config.issuer_url
             else None
         ),
-        signer=UrlSigner(config.url_key),
+        signer=UrlSigner(config.url_key, clock),
         engine=InferenceEngine.from_config(config),
         limit=limit,
         telemetry=TelemetrySink(config.telemetry_url, config.telemetry_secret, limit),
@@ -151,8 +155,8 @@ def build_services(config: ServerConfig, storage=None, engine=None) -> Services:
     )
 
 
-def create_app(config: ServerConfig, storage=None, engine=None) -> FastAPI:
-    s = build_services(config, storage, engine)
+def create_app(config: ServerConfig, storage=None, engine=None, clock: Callable[[], float] = time.time) -> FastAPI:
+    s = build_services(config, storage, engine, clock)
     stop = threading.Event()
     redact_access_log()
 

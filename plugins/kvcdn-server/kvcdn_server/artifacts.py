@@ -36,6 +36,7 @@ import threading
 import time
 import unicodedata
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,9 @@ def view(row, owner: bool = True) -> dict[str, Any]:
 
 
 class ArtifactStore:
-    def __init__(self, engine: sa.Engine, storage, config, clock=time.time):
+    def __init__(self, engine: sa.Engine, storage, config, clock: Callable[[], float] = time.time):
+        #: the wall clock of every expiry and lease (seconds since the epoch); a test passes one it
+        #: advances itself, so that expiry is tested without sleeping
         self.clock = clock
         #: when this process last failed to reach the database: leases are not judged for a lease
         #: period after it, so that holders whose heartbeats could not get through renew them first

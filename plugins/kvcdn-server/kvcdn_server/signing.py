@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections.abc import Callable
 from urllib.parse import urlencode
 
 from kvcdn_server.errors import ApiError
@@ -13,7 +14,8 @@ OPS = ("put", "get")
 
 
 class UrlSigner:
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, clock: Callable[[], float] = time.time):
+        self.clock = clock  # the store's clock: a URL and its upload expire on the same time
         # A key of its own, derived so that a leak of one purpose's key reveals nothing of another.
         self._key = hmac.new(key, b"kvcdn/blob-url/v1", hashlib.sha256).digest()
 
@@ -42,6 +44,6 @@ class UrlSigner:
             and hmac.compare_digest(str(given_op).encode(), op.encode())
         ):
             raise ApiError(403, "invalid_signature", "the URL's signature does not match")
-        if time.time() > expires:
+        if self.clock() > expires:
             raise ApiError(403, "url_expired", "the signed URL has expired")
         return size

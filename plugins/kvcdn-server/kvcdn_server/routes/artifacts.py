@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from anyio import from_thread
 from fastapi import APIRouter, Request, Response
 
@@ -98,7 +96,7 @@ def download_url(identity: MaybeAuth, artifact_id: str, s: Svc):
     if row.status != "ready":
         raise not_found()
     ttl = s.config.download_ttl
-    expires = int(time.time()) + ttl
+    expires = int(s.store.clock()) + ttl
     url = None if s.store.local else s.storage.presigned_url("GET", artifact_key(artifact_id), ttl)
     url = url or s.signed_blob_url("get", artifact_id, row.size_bytes, expires)
     return {
