@@ -2,8 +2,8 @@
 
 Objects under the store's root (docs/store.md):
 
-- ``chunks/<d[:2]>/<d>``: a chunk's, a chunk piece's or a tail's bytes, named by their BLAKE3 digest ``d``; written
-  once, a put that finds it present skips it (dedup);
+- ``chunks/<d[:2]>/<d>``: a chunk's (a piece's, a tail's) bytes, named by their BLAKE3 digest ``d``;
+  written once, a put that finds it present skips it (dedup);
 - ``artifacts/<name>.json``: an artifact's record (:mod:`kvcdn_core.store.record`);
 - ``pending/<id>.json``: a put in progress: when it started and every digest it will reference;
 - ``trash/<run>/<d>``: chunks a running GC took out of ``chunks/`` and has not yet decided on.
@@ -243,7 +243,10 @@ class ChunkStore:
         ids = artifact.read_token_ids(path, header)
         cutter = pack.Cutter(header, ids, self.chunk_tokens or keys.CHUNK_TOKENS)
         cutter.check_digests()  # a store keeps only what the file's manifest promises
-        present = lambda digest: self.backend.exists(chunk_key(digest))  # noqa: E731
+
+        def present(digest: str) -> bool:
+            return self.backend.exists(chunk_key(digest))
+
         plan = cutter.plan(self._stored_prefix(cutter, ids), present)
         marker = f"{PENDING}{uuid.uuid4().hex}.json"
         stamp = {"created": self.clock(), "name": name, "digests": sorted({b.digest for b in plan.blobs})}

@@ -192,7 +192,8 @@ class Cutter:
             data = self.rows(start, end)
             if digest_of(data) != piece.digest:
                 break
-            found.append((piece, Blob(piece.digest, len(data), whole.chunk, functools.partial(self.rows, start, end))))
+            blob = Blob(piece.digest, len(data), whole.chunk, functools.partial(self.rows, start, end))
+            found.append((PieceRef(piece.digest, piece.tokens, len(data)), blob))
             start = end
         if not found:
             return []
