@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
 import pytest
 import torch
@@ -182,3 +183,51 @@ def test_inspect_and_ls_show_pieces_and_what_they_share(turns, tmp_path, cli):
     assert listed["turn00"]["shared_chunks"] == len(store.record("turn00").chunks)
     table = cli("store", "inspect", "turn01", "--store", uri)
     assert table.exit_code == 0 and table.stdout.count("\n") == len(shown["chunks"]) + 3
+
+
+def test_concurrent_puts_deletes_and_gcs_of_turns_that_share_pieces(turns, tmp_path):
+    """Each turn's put builds on whichever earlier turn is stored at that moment, while others are
+    deleted and collected: every turn left comes back byte-identical, and nothing is left over."""
+    backend = LocalStorage(tmp_path / "store")
+    paths = {p.stem: p for p in turns[:6]}
+    deleted = {"turn01", "turn03"}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(paths) + 2)
+
+    def worker(name):
+        try:
+            store = ChunkStore(backend)
+            start.wait()
+            for round_ in range(3):
+                store.put(paths[name], name, force=True)
+                if round_ < 2 or name in deleted:
+                    store.delete(name)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def collector():
+        try:
+            store = ChunkStore(backend)
+            start.wait()
+            for _ in range(6):
+                store.gc()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in paths]
+    threads += [threading.Thread(target=collector) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store = ChunkStore(backend)
+    assert sorted(store.names()) == sorted(set(paths) - deleted)
+    for name in store.names():
+        assert same(store, name, paths[name], tmp_path), name
+    check = store.check()
+    assert check.ok, check.problems
+    store.gc()
+    assert store.check().orphans == 0
+    for name in store.names():
+        assert same(store, name, paths[name], tmp_path), name
