@@ -231,3 +231,24 @@ def test_concurrent_puts_deletes_and_gcs_of_turns_that_share_pieces(turns, tmp_p
     assert store.check().orphans == 0
     for name in store.names():
         assert same(store, name, paths[name], tmp_path), name
+
+
+def test_a_turn_put_again_after_later_turns_stores_nothing_new(tmp_path):
+    store = ChunkStore(LocalStorage(tmp_path / "store"))
+    t1 = write_kinds(tmp_path / "t1.kv", KINDS, 300, seed=1)
+    write_kinds(tmp_path / "t2.kv", KINDS, 400, seed=2, prefix_of=t1)
+    store.put(tmp_path / "t1.kv", "t1")
+    store.put(tmp_path / "t2.kv", "t2")
+    store.delete("t1")
+    store.gc()
+    objects = {o.key for o in store.backend.list(CHUNKS)}
+    # t1's partial chunk (tokens 256-300) is t2's first piece: t1 finds it whole
+    again = store.put(tmp_path / "t1.kv", "t1-again")
+    assert (again.chunks_new, again.chunks_pieced) == (0, 0)
+    # t2 under another name: its pieced chunk is the same two pieces
+    copy = store.put(tmp_path / "t2.kv", "t2-copy")
+    assert (copy.chunks_new, copy.chunks_pieced) == (0, 1)
+    assert {o.key for o in store.backend.list(CHUNKS)} - objects == {chunk_key(store.record("t1-again").tail.digest)}
+    assert same(store, "t1-again", tmp_path / "t1.kv", tmp_path) and same(
+        store, "t2-copy", tmp_path / "t2.kv", tmp_path
+    )
