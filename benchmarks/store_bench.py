@@ -10,8 +10,8 @@ another was prefilled *on that artifact's loaded cache*, so the bytes of a share
     content-addressed store) and against 50 whole `.kv` files.
 (b) Chat: a 20-turn conversation (turns of 100-300 tokens), every turn saved as an artifact after
     continuing from the previous turn's. Stored bytes against the final conversation's own `.kv`
-    size and against 20 whole files. A turn's last, partial chunk is stored whole per turn: the
-    table says what those partial chunks cost, and what smaller chunks would give.
+    size and against 20 whole files, with and without chunk pieces (a turn's chunk built on the
+    previous turn's stored partial chunk, which is a token-prefix of it).
 
     OMP_NUM_THREADS=1 python benchmarks/store_bench.py [--rag 50] [--turns 20] [--seed 0]
 """
@@ -92,11 +92,11 @@ def store_bytes(store) -> dict:
     return {"chunk_bytes": chunks, "record_bytes": records, "stored": chunks + records}
 
 
-def put_all(paths: list[Path], root: Path, chunk_tokens: int | None = None):
+def put_all(paths: list[Path], root: Path):
     from kvcdn_core.builtin.local_storage import LocalStorage
     from kvcdn_core.store.chunkstore import ChunkStore
 
-    store = ChunkStore(LocalStorage(root), chunk_tokens=chunk_tokens)
+    store = ChunkStore(LocalStorage(root))
     start = time.perf_counter()
     reports = [store.put(p, p.stem) for p in paths]
     return store, reports, time.perf_counter() - start
@@ -139,6 +139,9 @@ def rag(session, work: Path, n: int, rng: random.Random) -> None:
 
 
 def chat(session, work: Path, turns: int, rng: random.Random) -> None:
+    from kvcdn_core.builtin.local_storage import LocalStorage
+    from kvcdn_core.store.chunkstore import ChunkStore
+
     ids: list[int] = []
     parent = None
     paths = []
@@ -150,26 +153,27 @@ def chat(session, work: Path, turns: int, rng: random.Random) -> None:
     final = paths[-1].stat().st_size
     today = sum(p.stat().st_size for p in paths)
     print(f"\n(b) a {turns}-turn conversation, every turn saved ({len(ids):,} tokens at the end)")
-    print("    chunk: tokens per chunk; final: the chunks the final turn holds; partials: the other turns'")
-    print("    partial last chunks; tails: every turn's tail (its token ids)")
+    print("    final: the chunks and pieces the final turn references; others: the objects it does not")
+    print("    (other turns' partial last chunks); tails: every turn's tail (its token ids)")
     print(
-        f"    {'chunk':>6} {'stored':>12} {'/ final':>8} {'final':>10} {'partials':>10} {'tails':>10} {'records':>10}"
+        f"    {'layout':<22} {'stored':>12} {'/ final':>8} {'final':>10} {'others':>10} {'tails':>10} {'records':>10}"
     )
-    print(f"    {'today':>6} {mb(today):>12} {today / final:>7.2f}x")
-    for chunk_tokens in (256, 64, 16):
-        store, reports, _ = put_all(paths, work / f"store-chat-{chunk_tokens}", chunk_tokens)
+    print(f"    {'today: whole files':<22} {mb(today):>12} {today / final:>7.2f}x")
+    for label, pieces in (("256-token chunks", False), ("256, with pieces", True)):
+        store = ChunkStore(LocalStorage(work / f"store-chat-{pieces}"), pieces=pieces)
+        reports = [store.put(p, p.stem) for p in paths]
         b = store_bytes(store)
-        last = store.record(paths[-1].stem)
         records = [store.record(p.stem) for p in paths]
         tails = sum(r.tail.bytes for r in records if r.tail)
-        final_chunks = {c.digest for c in last.chunks}
-        partials = sum(
-            c.bytes for r in records for c in r.chunks if c.tokens < chunk_tokens and c.digest not in final_chunks
-        )
+        objects = {p.digest: p.bytes for r in records for c in r.chunks for p in c.parts}
+        mine = {p.digest for c in records[-1].chunks for p in c.parts}
+        others = sum(size for d, size in objects.items() if d not in mine)
         print(
-            f"    {chunk_tokens:>6} {mb(b['stored']):>12} {b['stored'] / final:>7.2f}x {mb(b['chunk_bytes'] - tails - partials):>10} "
-            f"{mb(partials):>10} {mb(tails):>10} {mb(b['record_bytes']):>10}"
+            f"    {label:<22} {mb(b['stored']):>12} {b['stored'] / final:>7.2f}x {mb(b['chunk_bytes'] - tails - others):>10} "
+            f"{mb(others):>10} {mb(tails):>10} {mb(b['record_bytes']):>10}"
         )
+    pieced = sum(r.chunks_pieced for r in reports)
+    print(f"    with pieces, the {turns} records hold {pieced} chunk(s) made of pieces")
     print(f"    final conversation's own .kv: {mb(final)}; goal: stored <= 1.3x of it")
 
 

@@ -42,6 +42,21 @@ def valid(tmp_path_factory):
     return json.loads(store.backend.read_bytes("artifacts/a.json"))
 
 
+@pytest.fixture(scope="module")
+def pieced(tmp_path_factory):
+    """A valid version 2 record: a 400-token artifact continuing a 300-token one, whose second
+    chunk is the first artifact's partial chunk (tokens 256-300) as a piece, then its own piece."""
+    tmp = tmp_path_factory.mktemp("rec")
+    tensors = write_kinds(tmp / "a.kv", ["full_attention", "mla_latent"], 300, seed=1)
+    write_kinds(tmp / "b.kv", ["full_attention", "mla_latent"], 400, seed=2, prefix_of=tensors)
+    store = ChunkStore(LocalStorage(tmp / "store"))
+    store.put(tmp / "a.kv", "a")
+    store.put(tmp / "b.kv", "b")
+    doc = json.loads(store.backend.read_bytes("artifacts/b.json"))
+    assert doc["version"] == 2 and [p["tokens"] for p in doc["chunks"][1]["pieces"]] == [44, 100]
+    return doc
+
+
 def _containers(value, path=()):
     yield path, value
     if isinstance(value, dict):
@@ -88,6 +103,19 @@ def test_structured_mutations_never_crash(valid, data):
     _parse(json.dumps(doc).encode())
 
 
+def test_the_pieced_record_parses_and_round_trips(pieced, valid):
+    record = _parse(json.dumps(pieced).encode())
+    assert record is not None and record.version == 2 and record.chunks[1].digest is None
+    assert [p.tokens for p in record.chunks[1].parts] == [44, 100]
+    assert _parse(json.dumps(valid).encode()).version == 1  # a record without pieces stays version 1
+
+
+@FUZZ
+@given(data=st.data())
+def test_structured_mutations_of_a_pieced_record_never_crash(pieced, data):
+    test_structured_mutations_never_crash.hypothesis.inner_test(pieced, data)
+
+
 @FUZZ
 @given(cut=st.integers(0, 10_000), flip=st.integers(0, 255), at=st.integers(0, 10_000))
 def test_byte_damage_never_crashes(valid, cut, flip, at):
@@ -116,7 +144,7 @@ def test_random_bytes_are_refused(data):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda d: d.update(version=2), "record version 2 is not one this kvcdn reads"),
+        (lambda d: d.update(version=3), "record version 3 is not one this kvcdn reads"),
         (lambda d: d.update(extra=1), "unknown field 'extra'"),
         (lambda d: d.pop("tail"), "lacks tail"),
         (lambda d: d.update(name="../x"), "name is not a valid artifact name"),
@@ -133,3 +161,27 @@ def test_refusals_name_the_problem(valid, change, message):
     change(doc)
     with pytest.raises(ArtifactError, match=message):
         ArtifactRecord.from_json(json.dumps(doc).encode(), "record 'a'")
+
+
+def _piece(d, i, **change):
+    d["chunks"][1]["pieces"][i].update(change)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda d: d.update(version=1), "chunk 1 is not"),  # version 1 has no pieces
+        (lambda d: _piece(d, 0, tokens=43), "chunk 1's pieces do not tile its tokens"),
+        (lambda d: _piece(d, 0, tokens=0), "chunk 1's pieces are not"),
+        (lambda d: _piece(d, 1, bytes=1), "a piece's size is not its tokens' bytes"),
+        (lambda d: _piece(d, 1, digest="x"), "chunk 1's pieces are not"),
+        (lambda d: d["chunks"][1]["pieces"].pop(), "chunk 1's pieces are not a list of two or more"),
+        (lambda d: d["chunks"][1].update(digest="0" * 64), "chunk 1 is not"),
+        (lambda d: _piece(d, 1, tokens=101), "do not tile|a piece's size"),
+    ],
+)
+def test_pieced_refusals_name_the_problem(pieced, change, message):
+    doc = json.loads(json.dumps(pieced))
+    change(doc)
+    with pytest.raises(ArtifactError, match=message):
+        ArtifactRecord.from_json(json.dumps(doc).encode(), "record 'b'")

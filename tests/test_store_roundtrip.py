@@ -102,17 +102,21 @@ def test_an_artifact_continued_from_a_shared_prefix_stores_the_prefix_once(store
     a = store.put(first, "first")
     b = store.put(second, "second")
     assert (a.chunks, a.chunks_new) == (3, 3)
-    # the two full chunks of the shared 520 tokens are the same bytes; the rest is new
-    assert (b.chunks, b.chunks_shared, b.chunks_new) == (3, 2, 1)
+    # the two full chunks of the shared 520 tokens are the same bytes; the third is first's partial
+    # chunk (tokens 512-520) as a piece, then a new piece of the rest
+    assert (b.chunks, b.chunks_shared, b.chunks_new, b.chunks_pieced) == (3, 2, 1, 1)
     per_chunk = store.record("first").chunks[0].bytes
-    assert b.bytes_saved == 2 * per_chunk
+    assert b.bytes_saved == 2 * per_chunk + 8 * per_chunk // 256
+    third = store.record("second").chunks[2]
+    assert third.digest is None and [p.tokens for p in third.pieces] == [8, 180]
+    assert third.pieces[0].digest == store.record("first").chunks[2].digest
     rows = {r.name: r for r in store.listing()}
-    assert rows["first"].shared_chunks == 2 and rows["second"].shared_chunks == 2
+    assert rows["first"].shared_chunks == 3 and rows["second"].shared_chunks == 3
     for name, path in (("first", first), ("second", second)):
         store.get(name, tmp_path / f"{name}.got.kv")
         assert (tmp_path / f"{name}.got.kv").read_bytes() == path.read_bytes()
     chunk_objects = [o for o in store.backend.list("chunks/")]
-    assert len(chunk_objects) == 3 + 1 + 2  # 4 distinct chunks, 2 tails
+    assert len(chunk_objects) == 3 + 1 + 2  # first's 3 chunks, second's new piece, 2 tails
 
 
 def test_a_corrupted_chunk_is_refused_on_get(store, tmp_path, cli):

@@ -43,7 +43,9 @@ def test_put_get_gc_check_on_s3(s3_uri, pair, tmp_path):
     a = store.put(first, "first")
     b = store.put(second, "second")
     assert (a.chunks_new, b.chunks_shared, b.chunks_new) == (3, 2, 2)
-    assert b.bytes_saved == 2 * store.record("first").chunks[0].bytes
+    # two full chunks, and first's partial chunk (tokens 512-600) as the first piece of the third
+    per_chunk = store.record("first").chunks[0].bytes
+    assert b.chunks_pieced == 1 and b.bytes_saved == 2 * per_chunk + 88 * per_chunk // 256
     for name, path in (("first", first), ("second", second)):
         out = tmp_path / f"{name}.got.kv"
         report = store.get(name, out)
@@ -51,7 +53,7 @@ def test_put_get_gc_check_on_s3(s3_uri, pair, tmp_path):
         assert report.bytes_fetched == store.record(name).stored_bytes
     store.delete("first")
     report = store.gc()
-    assert report.chunks_deleted == 2  # first's partial last chunk and its tail
+    assert report.chunks_deleted == 1  # first's tail; its partial last chunk is second's piece
     assert store.backend.list("trash/") == []
     assert store.check().ok and store.check().orphans == 0
     out = tmp_path / "again.kv"
@@ -88,14 +90,21 @@ def test_the_store_commands(where, request, pair, tmp_path, cli):
     put = run("put", second, "--name", "turn-2")
     assert put["chunks_shared"] == 2 and put["bytes_saved"] > 0
     listed = {r["name"]: r for r in run("ls")}
-    assert listed["first"]["shared_chunks"] == 2 and listed["turn-2"]["chunks"] == 4
+    assert listed["first"]["shared_chunks"] == 3 and listed["turn-2"]["chunks"] == 4
     shown = run("inspect", "turn-2")
-    assert [c["shared_with"] for c in shown["chunks"] if c["key"]] == [1, 1, 0, 0]
+    # chunks 0 and 1, then chunk 2's pieces (first's partial chunk, its own rest), then chunk 3
+    assert [(c["chunk"], c["shared_with"]) for c in shown["chunks"] if c["key"]] == [
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (2, 0),
+        (3, 0),
+    ]
     got = run("get", "turn-2", "-o", tmp_path / "t2.kv")
     assert (tmp_path / "t2.kv").read_bytes() == second.read_bytes() and got["bytes_fetched"] > 0
     assert run("check")["status"] == "OK"
     run("rm", "first")
-    assert run("gc")["chunks_deleted"] == 2
+    assert run("gc")["chunks_deleted"] == 1
     assert [r["name"] for r in run("ls")] == ["turn-2"]
     # people's output: one summary line each
     text = cli("store", "put", first, "--store", uri)

@@ -53,7 +53,7 @@ def put(file, uri, name, force, fmt):
     def table(r):
         click.echo(
             f"stored '{r.name}': {r.tokens} tokens, {r.chunks} chunk(s), {r.chunks_new} new, "
-            f"{r.chunks_shared} already in the store; moved {_mb(r.bytes_moved)}, saved {_mb(r.bytes_saved)}"
+            f"{r.chunks_shared} already in the store, {r.chunks_pieced} built on a stored prefix; moved {_mb(r.bytes_moved)}, saved {_mb(r.bytes_saved)}"
         )
 
     render(report.as_dict(), fmt, lambda _d: table(report))
@@ -115,7 +115,7 @@ def inspect(name, uri, fmt):
         "root": record.root,
         "chunk_tokens": record.chunk_tokens,
         "chunked_tensors": len(record.chunked),
-        "shared_chunks": sum(1 for r in rows if r["key"] and r["shared_with"]),
+        "shared_chunks": len({r["chunk"] for r in rows if r["key"] and r["shared_with"]}),
         "chunks": rows,
     }
 
@@ -127,11 +127,12 @@ def inspect(name, uri, fmt):
             f"{len(record.chunks)} chunk(s) of {d['chunk_tokens']} tokens over {d['chunked_tensors']} tensor(s), "
             f"{d['shared_chunks']} shared with other artifacts"
         )
-        lines = [("TOKENS", "KEY", "DIGEST", "BYTES", "SHARED WITH")]
+        lines = [("CHUNK", "TOKENS", "KEY", "DIGEST", "BYTES", "SHARED WITH")]
         for r in rows:
             span = f"{r['tokens'][0]}-{r['tokens'][1]}" if r["tokens"] else "tail"
-            lines.append((span, (r["key"] or "")[:16], r["digest"][:16], r["bytes"], r["shared_with"]))
-        print_table(lines, right=(3, 4))
+            chunk = "" if r["chunk"] is None else r["chunk"]
+            lines.append((chunk, span, (r["key"] or "")[:16], r["digest"][:16], r["bytes"], r["shared_with"]))
+        print_table(lines, right=(0, 4, 5))
 
     render(out, fmt, table)
 

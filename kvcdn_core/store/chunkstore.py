@@ -2,8 +2,8 @@
 
 Objects under the store's root (docs/store.md):
 
-- ``chunks/<d[:2]>/<d>``: a chunk's or a tail's bytes, named by their BLAKE3 digest ``d``; written
-  once, a put that finds it present skips it (dedup);
+- ``chunks/<d[:2]>/<d>``: a chunk's (a piece's, a tail's) bytes, named by their BLAKE3 digest ``d``;
+  written once, a put that finds it present skips it (dedup);
 - ``artifacts/<name>.json``: an artifact's record (:mod:`kvcdn_core.store.record`);
 - ``pending/<id>.json``: a put in progress: when it started and every digest it will reference;
 - ``trash/<run>/<d>``: chunks a running GC took out of ``chunks/`` and has not yet decided on.
@@ -40,7 +40,7 @@ from typing import Any
 
 from kvcdn_core.contracts.storage import ObjectNotFound, StorageBackend
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.store.record import HEX64, NAME, ArtifactRecord
+from kvcdn_core.store.record import HEX64, NAME, ArtifactRecord, PieceRef
 
 CHUNKS = "chunks/"
 ARTIFACTS = "artifacts/"
@@ -75,7 +75,9 @@ class PutReport:
     chunks: int
     chunks_new: int
     chunks_shared: int
-    #: bytes uploaded: new chunks, the tail when new, and the record
+    #: chunks made of pieces: a stored shorter chunk that is a token-prefix of it, then the rest
+    chunks_pieced: int
+    #: bytes uploaded: new chunks and pieces, the tail when new, and the record
     bytes_moved: int
     #: bytes not uploaded because the store already held them (dedup)
     bytes_saved: int
@@ -157,6 +159,7 @@ class ChunkStore:
         clock: Callable[[], float] = time.time,
         pending_ttl: float = PENDING_TTL,
         chunk_tokens: int | None = None,
+        pieces: bool = True,
     ):
         if getattr(type(backend), "stores", "bytes") != "bytes":
             raise KvcdnError(f"{backend!r} keeps only .kv artifacts; a chunk store needs a backend that stores bytes")
@@ -166,6 +169,8 @@ class ChunkStore:
         #: tokens per chunk of the puts (None: :data:`kvcdn_core.store.keys.CHUNK_TOKENS`); a
         #: store mixing sizes stays correct (each record says its own) but shares nothing across them
         self.chunk_tokens = chunk_tokens
+        #: whether a put builds a chunk on a stored token-prefix of it (pieces); off only to measure
+        self.pieces = pieces
 
     # -- records -----------------------------------------------------------------------------------
 
@@ -238,35 +243,40 @@ class ChunkStore:
         ids = artifact.read_token_ids(path, header)
         cutter = pack.Cutter(header, ids, self.chunk_tokens or keys.CHUNK_TOKENS)
         cutter.check_digests()  # a store keeps only what the file's manifest promises
-        planned = list(cutter.pieces())
-        pieces = [p for p, _ in planned]
+
+        def present(digest: str) -> bool:
+            return self.backend.exists(chunk_key(digest))
+
+        plan = cutter.plan(self._stored_prefix(cutter, ids), present)
         marker = f"{PENDING}{uuid.uuid4().hex}.json"
-        stamp = {"created": self.clock(), "name": name, "digests": sorted({p.digest for p in pieces})}
+        stamp = {"created": self.clock(), "name": name, "digests": sorted({b.digest for b in plan.blobs})}
         self.backend.write_bytes(marker, json.dumps(stamp).encode())
         try:
-            moved = saved = new = 0
+            moved = saved = 0
             seen: set[str] = set()
-            for piece, gather in planned:
-                if piece.digest in seen or self.backend.exists(chunk_key(piece.digest)):
-                    saved += piece.size
+            new_chunks: set[int] = set()
+            for blob in plan.blobs:
+                if blob.digest in seen or present(blob.digest):
+                    saved += blob.size
                     continue
                 self.backend.write_bytes(
-                    chunk_key(piece.digest), pack.checked(gather(), piece.digest, piece.size, name)
+                    chunk_key(blob.digest), pack.checked(blob.gather(), blob.digest, blob.size, name)
                 )
-                seen.add(piece.digest)
-                moved += piece.size
-                new += piece.key is not None
+                seen.add(blob.digest)
+                moved += blob.size
+                if blob.chunk is not None:
+                    new_chunks.add(blob.chunk)
             old = self._old_record(name) if force else None
-            record = pack.record_for(name, path, header, cutter, pieces)
+            record = pack.record_for(name, path, header, cutter, plan)
             body = record.to_json()
             self.backend.write_bytes(record_key(name), body)
             moved += len(body)
-            for piece, gather in planned:  # a GC may have taken a chunk we found present: put it back
-                if not self.backend.exists(chunk_key(piece.digest)):
+            for blob in plan.blobs:  # a GC may have taken an object we found present: put it back
+                if not present(blob.digest):
                     self.backend.write_bytes(
-                        chunk_key(piece.digest), pack.checked(gather(), piece.digest, piece.size, name)
+                        chunk_key(blob.digest), pack.checked(blob.gather(), blob.digest, blob.size, name)
                     )
-                    moved += piece.size
+                    moved += blob.size
             from kvcdn_core.store import index
 
             if old is not None:
@@ -275,7 +285,30 @@ class ChunkStore:
         finally:
             self.backend.delete(marker)
         chunks = len(record.chunks)
-        return PutReport(name, header.token_count, header.file_size, chunks, new, chunks - new, moved, saved)
+        pieced = sum(1 for c in record.chunks if c.pieces)
+        new = len(new_chunks)
+        return PutReport(name, header.token_count, header.file_size, chunks, new, chunks - new, pieced, moved, saved)
+
+    def _stored_prefix(self, cutter, ids: list[int]) -> dict[int, tuple[PieceRef, ...]]:
+        """The pieces of the stored artifact sharing the longest prefix with ``ids``, for each of
+        its chunks that starts inside that prefix (:meth:`pack.Cutter.plan` checks their bytes).
+
+        One index lookup and one record read. An unreadable index or record only means no reuse:
+        the chunks are stored whole, as they would be without it.
+        """
+        from kvcdn_core.store import index
+
+        if not self.pieces or not cutter.chain:
+            return {}
+        try:
+            hits = index.lookup(self.backend, cutter.root, ids, limit=1)
+            other = self.record(hits[0].name) if hits else None
+        except KvcdnError:
+            return {}
+        if other is None or other.root != cutter.root or other.chunk_tokens != cutter.chunk_tokens:
+            return {}
+        prefix = hits[0].prefix_tokens
+        return {i: c.parts for i, c in enumerate(other.chunks) if i * other.chunk_tokens < prefix}
 
     def _old_record(self, name: str) -> tuple[ArtifactRecord, list[int]] | None:
         try:
@@ -320,18 +353,18 @@ class ChunkStore:
     # -- listing -----------------------------------------------------------------------------------
 
     def listing(self, on_error: Callable[[str], None] | None = None) -> list[Listed]:
-        """Every artifact with its chunks and how many of them another artifact shares."""
+        """Every artifact with its chunks and how many of them share an object (the chunk whole, or
+        one of its pieces) with another artifact."""
         records = self.records(on_error)
-        users = collections.Counter(d for r in records for d in {c.digest for c in r.chunks})
+        users = collections.Counter(d for r in records for d in set(r.digests))
         rows = []
         for r in records:
-            mine = {c.digest for c in r.chunks}
             rows.append(
                 Listed(
                     r.name,
                     r.token_count,
                     len(r.chunks),
-                    sum(1 for d in mine if users[d] > 1),
+                    sum(1 for c in r.chunks if any(users[p.digest] > 1 for p in c.parts)),
                     r.stored_bytes,
                     r.size,
                     r.reuse,
@@ -341,7 +374,8 @@ class ChunkStore:
         return rows
 
     def chunk_table(self, name: str) -> tuple[ArtifactRecord, list[dict[str, Any]]]:
-        """An artifact's chunks (and tail), each with how many other artifacts reference it."""
+        """An artifact's objects, in token order: each chunk whole or its pieces (``chunk``: the
+        chunk's index), then the tail, each with how many other artifacts reference it."""
         record = self.record(name)
         others: collections.Counter[str] = collections.Counter()
         for r in self.records(on_error=lambda _msg: None):
@@ -349,20 +383,23 @@ class ChunkStore:
                 others.update(set(r.digests))
         rows: list[dict[str, Any]] = []
         first = 0
-        for c in record.chunks:
-            rows.append(
-                {
-                    "tokens": [first, first + c.tokens],
-                    "key": c.key,
-                    "digest": c.digest,
-                    "bytes": c.bytes,
-                    "shared_with": others[c.digest],
-                }
-            )
-            first += c.tokens
+        for i, c in enumerate(record.chunks):
+            for p in c.parts:
+                rows.append(
+                    {
+                        "chunk": i,
+                        "tokens": [first, first + p.tokens],
+                        "key": c.key,
+                        "digest": p.digest,
+                        "bytes": p.bytes,
+                        "shared_with": others[p.digest],
+                    }
+                )
+                first += p.tokens
         if record.tail:
             rows.append(
                 {
+                    "chunk": None,
                     "tokens": None,
                     "key": None,
                     "digest": record.tail.digest,
@@ -480,7 +517,8 @@ class ChunkStore:
         records = self.records(on_error=problems.append)
         referenced: set[str] = set()
         for r in records:
-            refs = [(c.digest, c.bytes) for c in r.chunks] + ([(r.tail.digest, r.tail.bytes)] if r.tail else [])
+            refs = [(p.digest, p.bytes) for c in r.chunks for p in c.parts]
+            refs += [(r.tail.digest, r.tail.bytes)] if r.tail else []
             for digest, size in refs:
                 referenced.add(digest)
                 if digest not in chunks:

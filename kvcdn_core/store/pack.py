@@ -8,6 +8,11 @@ ids, sliding windows, recurrent and linear-attention states, a quantized artifac
 *tail*: those tensors' bytes concatenated in file order. The header is kept verbatim in the record,
 so the rebuilt file is the same bytes, whichever format version wrote it.
 
+A chunk may instead be made of *pieces* (:meth:`Cutter.plan`): runs of its tokens, each an object of
+the same layout (every chunked tensor's rows for those tokens, in file order). A put uses them to
+reference a stored shorter chunk that is a token-prefix of its own (the last, partial chunk of an
+earlier turn of a conversation) and store only the rest; the stored bytes are compared by digest.
+
 numpy views over a memory map of the file: one chunk's bytes are gathered at a time. No torch.
 """
 
@@ -17,7 +22,7 @@ import dataclasses
 import functools
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
@@ -27,7 +32,7 @@ from kvcdn_core import artifact
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.store import keys
-from kvcdn_core.store.record import MODEL_KEYS, ArtifactRecord, ChunkRef, TailRef, token_bytes
+from kvcdn_core.store.record import MODEL_KEYS, VERSION, ArtifactRecord, ChunkRef, PieceRef, TailRef, token_bytes
 
 
 def digest_of(data: bytes | memoryview) -> str:
@@ -72,13 +77,23 @@ def root_of(manifest: dict, chunk_tokens: int = keys.CHUNK_TOKENS) -> str:
 
 
 @dataclasses.dataclass
-class Piece:
-    """One object to store: a chunk (``key`` set) or the tail (``key`` None)."""
+class Blob:
+    """One object a put references: a whole chunk, a piece of one (``chunk``: its index), or the
+    tail (``chunk`` None), with the function that gathers its bytes (again) when wanted."""
 
-    key: str | None
-    tokens: int
     digest: str
     size: int
+    chunk: int | None
+    gather: Callable[[], bytes]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a put writes: the record's chunks and tail, and every object they reference."""
+
+    chunks: list[ChunkRef]
+    tail: TailRef | None
+    blobs: list[Blob]
 
 
 class Cutter:
@@ -118,34 +133,82 @@ class Cutter:
         base = self.header.data_start
         return self.data[base + start : base + end].reshape(outer, self.header.token_count, inner)
 
-    def chunk(self, i: int) -> bytes:
-        """Chunk ``i``'s bytes: each chunked tensor's slice of its tokens, in file order."""
-        t0, t1 = self.bounds[i]
+    def rows(self, t0: int, t1: int) -> bytes:
+        """The bytes of tokens ``[t0, t1)``: each chunked tensor's slice of them, in file order (a
+        chunk's layout; a piece's too)."""
         return b"".join(self._tensor(name)[:, t0:t1, :].tobytes() for name in self.chunked)
+
+    def chunk(self, i: int) -> bytes:
+        """Chunk ``i``'s bytes."""
+        return self.rows(*self.bounds[i])
 
     def tail_bytes(self) -> bytes:
         base = self.header.data_start
         spans = [self.header.entries[n]["data_offsets"] for n in self.tail]
         return b"".join(self.data[base + a : base + b].tobytes() for a, b in spans)
 
-    def pieces(self) -> Iterator[tuple[Piece, Callable[[], bytes]]]:
-        """Each chunk then the tail, with a function that gathers its bytes (again) when wanted."""
+    def plan(self, candidates: dict[int, tuple[PieceRef, ...]], present: Callable[[str], bool]) -> Plan:
+        """Each chunk whole, or as stored pieces plus the rest, and the tail.
+
+        ``candidates[i]`` are the pieces of a stored chunk whose tokens start where chunk ``i``
+        does (a shorter artifact of the same chain: its last, partial chunk). When chunk ``i``'s
+        whole bytes are not ``present`` in the store, the longest run of leading candidates whose
+        bytes are this file's rows for their tokens (their digests are compared: exact) is
+        referenced, and only the rest becomes a new piece. Nothing matches: the chunk is whole.
+        """
+        chunks: list[ChunkRef] = []
+        blobs: list[Blob] = []
         for i, key in enumerate(self.chain):
-            data = self.chunk(i)
             t0, t1 = self.bounds[i]
-            yield Piece(key, t1 - t0, digest_of(data), len(data)), functools.partial(self.chunk, i)
+            data = self.chunk(i)
+            whole = Blob(digest_of(data), len(data), i, functools.partial(self.chunk, i))
             del data
+            pieces = self._reused(t0, t1, candidates.get(i, ()), whole, present)
+            if pieces:
+                chunks.append(ChunkRef(key, None, t1 - t0, whole.size, tuple(p for p, _ in pieces)))
+                blobs += [blob for _, blob in pieces]
+            else:
+                chunks.append(ChunkRef(key, whole.digest, t1 - t0, whole.size))
+                blobs.append(whole)
+        tail = None
         if self.tail:
             data = self.tail_bytes()
-            yield Piece(None, 0, digest_of(data), len(data)), self.tail_bytes
+            tail = TailRef(digest_of(data), len(data))
+            blobs.append(Blob(tail.digest, tail.bytes, None, self.tail_bytes))
+        return Plan(chunks, tail, blobs)
+
+    def _reused(
+        self, t0: int, t1: int, candidates: tuple[PieceRef, ...], whole: Blob, present: Callable[[str], bool]
+    ) -> list[tuple[PieceRef, Blob]]:
+        """Chunk ``[t0, t1)`` as stored pieces and a new rest, or ``[]`` (store it whole)."""
+        if not candidates or (len(candidates) == 1 and candidates[0].tokens >= t1 - t0) or present(whole.digest):
+            return []
+        found: list[tuple[PieceRef, Blob]] = []
+        start = t0
+        for piece in candidates:
+            end = start + piece.tokens
+            if end > t1:
+                break
+            data = self.rows(start, end)
+            if digest_of(data) != piece.digest:
+                break
+            blob = Blob(piece.digest, len(data), whole.chunk, functools.partial(self.rows, start, end))
+            found.append((PieceRef(piece.digest, piece.tokens, len(data)), blob))
+            start = end
+        if not found:
+            return []
+        if start < t1:
+            data = self.rows(start, t1)
+            rest = Blob(digest_of(data), len(data), whole.chunk, functools.partial(self.rows, start, t1))
+            found.append((PieceRef(rest.digest, t1 - start, rest.size), rest))
+        return found if len(found) > 1 else []
 
 
-def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, pieces: list[Piece]) -> ArtifactRecord:
-    """The record of a packed file, from its cutter and the pieces it produced."""
+def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, plan: Plan) -> ArtifactRecord:
+    """The record of a packed file, from its cutter and plan (version 1 unless a chunk has pieces)."""
     from kvcdn_core.manifest import Manifest
 
     model = header.manifest["model"]
-    tail = next((p for p in pieces if p.key is None), None)
     return ArtifactRecord(
         name=name,
         size=header.file_size,
@@ -156,8 +219,9 @@ def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, p
         reuse=Manifest.from_dict(header.manifest).reuse,
         model={k: model.get(k) for k in MODEL_KEYS},
         chunked=tuple(cutter.chunked),
-        chunks=tuple(ChunkRef(p.key, p.digest, p.tokens, p.size) for p in pieces if p.key is not None),
-        tail=TailRef(tail.digest, tail.size) if tail else None,
+        chunks=tuple(plan.chunks),
+        tail=plan.tail,
+        version=VERSION if any(c.pieces for c in plan.chunks) else 1,
     )
 
 
@@ -174,7 +238,7 @@ def rebuild(record: ArtifactRecord, fetch: Callable[[str, int], bytes], target: 
     """Write the `.kv` file of ``record`` to ``target`` atomically; return the bytes fetched.
 
     ``fetch(digest, size)`` returns an object's bytes checked against its digest
-    (:func:`checked`); one chunk is held at a time and written in place.
+    (:func:`checked`); one chunk (or piece of one) is held at a time and written in place.
     """
     header = record.parsed_header()
     raw = record.header.encode("utf-8")
@@ -196,7 +260,7 @@ def rebuild(record: ArtifactRecord, fetch: Callable[[str, int], bytes], target: 
                 outer, inner = token_bytes(header, name)
                 views[name] = out[base + start : base + end].reshape(outer, tokens, inner)
             t0 = 0
-            for ref in record.chunks:
+            for ref in (p for c in record.chunks for p in c.parts):
                 data = fetch(ref.digest, ref.bytes)
                 fetched += len(data)
                 offset = 0

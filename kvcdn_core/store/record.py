@@ -19,7 +19,10 @@ from kvcdn_core import artifact
 from kvcdn_core.errors import ArtifactError
 
 FORMAT = "kvcdn-chunked"
-VERSION = 1
+#: Version 2 records may hold chunks made of pieces; a record without any is still written as
+#: version 1, so a kvcdn that predates pieces reads it, and refuses a version 2 one by its version.
+VERSION = 2
+READS = (1, 2)
 #: Largest record accepted: the header (at most artifact.MAX_HEADER_BYTES) plus about 250 bytes per
 #: chunk, so a million-token artifact's record stays well under it.
 MAX_RECORD_BYTES = artifact.MAX_HEADER_BYTES + (8 << 20)
@@ -46,16 +49,42 @@ _KEYS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkRef:
-    """One chunk of a record: its chain key (which tokens), content digest (which bytes), size."""
+class PieceRef:
+    """One stored object holding a run of a chunk's tokens: every chunked tensor's rows for them,
+    in file order (a whole chunk is the one-piece case)."""
 
-    key: str
     digest: str
     tokens: int
     bytes: int
 
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of a record: its chain key (which tokens), content digest (which bytes), size.
+
+    A chunk made of ``pieces`` (a stored shorter chunk that is a token-prefix of it, then the rest)
+    has no digest of its own: its pieces tile its tokens, in order.
+    """
+
+    key: str
+    digest: str | None
+    tokens: int
+    bytes: int
+    pieces: tuple[PieceRef, ...] = ()
+
+    @property
+    def parts(self) -> tuple[PieceRef, ...]:
+        """The objects that hold the chunk, in token order: its pieces, or itself whole."""
+        if self.pieces:
+            return self.pieces
+        assert self.digest is not None
+        return (PieceRef(self.digest, self.tokens, self.bytes),)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        if not self.pieces:
+            return {"key": self.key, "digest": self.digest, "tokens": self.tokens, "bytes": self.bytes}
+        pieces = [dataclasses.asdict(p) for p in self.pieces]
+        return {"key": self.key, "tokens": self.tokens, "bytes": self.bytes, "pieces": pieces}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +115,8 @@ class ArtifactRecord:
 
     @property
     def digests(self) -> list[str]:
-        """Every object the record references (chunks, then the tail), in order, repeats kept."""
-        found = [c.digest for c in self.chunks]
+        """Every object the record references (chunks' pieces, then the tail), in order, repeats kept."""
+        found = [p.digest for c in self.chunks for p in c.parts]
         return found + ([self.tail.digest] if self.tail else [])
 
     @property
@@ -149,8 +178,9 @@ def _from_value(where: str, value: Any) -> ArtifactRecord:
 
     expect(isinstance(value, dict), "not a JSON object")
     expect(value.get("format") == FORMAT, f"format is not {FORMAT!r}")
-    if value.get("version") != VERSION:
-        raise ArtifactError(f"{where}: record version {value.get('version')!r} is not one this kvcdn reads ({VERSION})")
+    version = value.get("version")
+    if type(version) is not int or version not in READS:
+        raise ArtifactError(f"{where}: record version {version!r} is not one this kvcdn reads (1, 2)")
     unknown = sorted(set(value) - _KEYS)
     expect(not unknown, f"unknown field {unknown[0] if unknown else ''!r}")
     missing = sorted(_KEYS - set(value))
@@ -179,18 +209,37 @@ def _from_value(where: str, value: Any) -> ArtifactRecord:
     expect(isinstance(chunks, list), "chunks is not a list")
     refs = []
     for i, c in enumerate(chunks):
+        pieced = version >= 2 and isinstance(c, dict) and "pieces" in c
+        fields = {"key", "tokens", "bytes", "pieces"} if pieced else {"key", "digest", "tokens", "bytes"}
         expect(
             isinstance(c, dict)
-            and set(c) == {"key", "digest", "tokens", "bytes"}
+            and set(c) == fields
             and isinstance(c["key"], str)
             and HEX64.fullmatch(c["key"]) is not None
-            and isinstance(c["digest"], str)
-            and HEX64.fullmatch(c["digest"]) is not None
+            and (pieced or _is_digest(c["digest"]))
             and _count(c["tokens"])
             and _count(c["bytes"]),
-            f"chunk {i} is not {{key, digest, tokens, bytes}}",
+            f"chunk {i} is not {{key, digest, tokens, bytes}} or {{key, tokens, bytes, pieces}}",
         )
-        refs.append(ChunkRef(c["key"], c["digest"], c["tokens"], c["bytes"]))
+        pieces: list[PieceRef] = []
+        if pieced:
+            expect(
+                isinstance(c["pieces"], list)
+                and len(c["pieces"]) >= 2
+                and all(
+                    isinstance(p, dict)
+                    and set(p) == {"digest", "tokens", "bytes"}
+                    and _is_digest(p["digest"])
+                    and _count(p["tokens"])
+                    and p["tokens"] > 0
+                    and _count(p["bytes"])
+                    for p in c["pieces"]
+                ),
+                f"chunk {i}'s pieces are not a list of two or more {{digest, tokens, bytes}}",
+            )
+            pieces = [PieceRef(p["digest"], p["tokens"], p["bytes"]) for p in c["pieces"]]
+            expect(sum(p.tokens for p in pieces) == c["tokens"], f"chunk {i}'s pieces do not tile its tokens")
+        refs.append(ChunkRef(c["key"], None if pieced else c["digest"], c["tokens"], c["bytes"], tuple(pieces)))
     tail = value["tail"]
     expect(
         tail is None
@@ -215,7 +264,12 @@ def _from_value(where: str, value: Any) -> ArtifactRecord:
         chunked=tuple(chunked),
         chunks=tuple(refs),
         tail=TailRef(tail["digest"], tail["bytes"]) if tail else None,
+        version=version,
     )
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and HEX64.fullmatch(value) is not None
 
 
 def token_bytes(header: artifact.Header, name: str) -> tuple[int, int]:
@@ -256,6 +310,10 @@ def _check_against_header(where: str, record: ArtifactRecord) -> None:
         want = [record.chunk_tokens] * full + ([rest] if rest else [])
         expect([c.tokens for c in record.chunks] == want, "chunks do not cut token_count by chunk_tokens")
         expect(all(c.bytes == c.tokens * per_token for c in record.chunks), "a chunk's size is not its tokens' bytes")
+        expect(
+            all(p.bytes == p.tokens * per_token for c in record.chunks for p in c.pieces),
+            "a piece's size is not its tokens' bytes",
+        )
     else:
         expect(not record.chunks, "chunks listed for an artifact without chunked tensors")
     data = header.file_size - header.data_start
