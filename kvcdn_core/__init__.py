@@ -49,6 +49,9 @@ _EXPORTS = {
     "Manifest": "kvcdn_core.manifest",
     "reuse_of": "kvcdn_core.manifest",
     "manifest_of": "kvcdn_core.manifest",
+    # the one text rule for every user string a listing shows (names, labels, filters)
+    "text_problem": "kvcdn_core.text",
+    "nfc": "kvcdn_core.text",
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.linear_attention",
     "is_linear_attention": "kvcdn_core.linear_attention",
@@ -132,6 +135,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         LINEAR_AND_FULL_ATTENTION as LINEAR_AND_FULL_ATTENTION,
         TOKEN_IDS as TOKEN_IDS,
     )
+    from kvcdn_core.text import text_problem as text_problem, nfc as nfc
     from kvcdn_core.manifest import (
         LayerEntry as LayerEntry,
         Manifest as Manifest,

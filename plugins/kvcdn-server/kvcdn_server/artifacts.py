@@ -42,9 +42,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from kvcdn_core import KvcdnError, LocalStorage
+from kvcdn_core import KvcdnError, LocalStorage, nfc, text_problem
 from kvcdn_core import artifact as kvformat
-from kvcdn_core.text import nfc, text_problem
 from kvcdn_server.db import artifacts, readers, usage
 from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, not_found
 
