@@ -15,17 +15,22 @@ import click
 WIDTH = 100
 
 
-def help_text(name: str, cmd: click.Command) -> str:
-    """What `kvcdn <name> --help` prints at :data:`WIDTH` columns."""
-    ctx = click.Context(cmd, info_name=f"kvcdn {name}", terminal_width=WIDTH, max_content_width=WIDTH)
-    return cmd.get_help(ctx)
+def help_text(root: click.Group, path: tuple[str, ...]) -> str:
+    """What `kvcdn <path> --help` prints in a terminal of :data:`WIDTH` columns: the command is run
+    as a user runs it, so options the group adds (``-h``) and defaults show as they really do."""
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(root, [*path, "--help"], prog_name="kvcdn", terminal_width=WIDTH)
+    if result.exit_code != 0:
+        raise RuntimeError(f"kvcdn {' '.join(path)} --help failed: {result.output}")
+    return result.stdout
 
 
-def _command_section(name: str, cmd: click.Command, level: int = 2) -> list[str]:
-    lines = [f"{'#' * level} `kvcdn {name}`", "", "```text", help_text(name, cmd), "```", ""]
+def _command_section(root: click.Group, path: tuple[str, ...], cmd: click.Command) -> list[str]:
+    lines = [f"{'#' * (len(path) + 1)} `kvcdn {' '.join(path)}`", "", "```text", help_text(root, path) + "```", ""]
     if isinstance(cmd, click.Group):
         for sub_name in sorted(cmd.commands):
-            lines += _command_section(f"{name} {sub_name}", cmd.commands[sub_name], level + 1)
+            lines += _command_section(root, (*path, sub_name), cmd.commands[sub_name])
     return lines
 
 
@@ -42,7 +47,7 @@ def render() -> str:
         "",
     ]
     for name in sorted(root.commands):
-        lines += _command_section(name, root.commands[name])
+        lines += _command_section(root, (name,), root.commands[name])
     return "\n".join(lines).rstrip() + "\n"
 
 
