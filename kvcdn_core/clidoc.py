@@ -34,6 +34,25 @@ def _command_section(root: click.Group, path: tuple[str, ...], cmd: click.Comman
     return lines
 
 
+#: The rules every command follows; a new command follows them too.
+CONVENTIONS = """## Conventions
+
+- `--format table|json` on every command that reports: table for people, json for tools (some add
+  a form, such as `ids`). Errors are one line on stderr whatever the format.
+- Exit codes: 0 success, 1 a check ran and failed, 2 usage or input error, 130 interrupted.
+- `--output` / `-o` names every file a command writes. An existing file is replaced only with
+  `--force`; `.kv` is appended to artifact outputs (never to inputs); every output is checked before
+  any model work or download starts.
+- `-q` is `--quiet` (no progress on stderr) and nothing else.
+- Old spellings keep working for one release with a `warning: ... is deprecated` line: `plot --out`
+  (now `--output`), `infer -q` (now `--question`).
+- Not yet uniform, to be renamed with the same rule: the artifact a model command reads is
+  `--kv-path` (verify, diag, continue) but `--input` in `quant`, and a positional argument in file
+  commands (inspect, upload, store put); the text to continue is `--query`/`--query-file` in
+  `search` but `--prompt-file` in `continue`; `--n` defaults differ by command.
+"""
+
+
 def render() -> str:
     from kvcdn_core.cli import make_cli
 
@@ -45,6 +64,7 @@ def render() -> str:
         "Each section is exactly what `kvcdn <command> --help` prints at 100 columns, for the commands",
         "of core and of every plugin installed when it was generated.",
         "",
+        CONVENTIONS,
     ]
     for name in sorted(root.commands):
         lines += _command_section(root, (name,), root.commands[name])

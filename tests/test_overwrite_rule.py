@@ -53,9 +53,9 @@ def test_plot_out(cli, tmp_path, occupied):
     csv_path = tmp_path / "bench.csv"
     csv_path.write_text("tokens,prefill_s,load_s\n128,0.2,0.05\n")
     png, before = occupied("chart.png")
-    refused(cli("plot", "--csv-path", csv_path, "--out", png), png, before)
-    assert "--out to choose another path" in cli("plot", "--csv-path", csv_path, "--out", png).stderr
-    assert cli("plot", "--csv-path", csv_path, "--out", png, "--force").exit_code == 0
+    refused(cli("plot", "--csv-path", csv_path, "--output", png), png, before)
+    assert "--output to choose another path" in cli("plot", "--csv-path", csv_path, "--output", png).stderr
+    assert cli("plot", "--csv-path", csv_path, "--output", png, "--force").exit_code == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

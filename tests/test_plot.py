@@ -46,7 +46,7 @@ def test_plot_png_and_table(cli, tmp_path):
         [(512, "none", 10.0, 2.0), (2048, "none", 40.0, 0.5), (2048, "int8", 40.0, 0.3), (64, "none", 0.1, 0.2)],
     )
     out = tmp_path / "chart.png"
-    result = cli("plot", "--csv-path", csv_path, "--out", out, "--max-n", "100", "--model", "Qwen/Qwen3-0.6B")
+    result = cli("plot", "--csv-path", csv_path, "--output", out, "--max-n", "100", "--model", "Qwen/Qwen3-0.6B")
     assert result.exit_code == 0, result.stderr
     data = out.read_bytes()
     assert plot.png_size(data) == (840, 600)
@@ -57,7 +57,7 @@ def test_plot_png_and_table(cli, tmp_path):
     assert lines[3].split()[:5] == ["2048", "none", "40.0000", "0.5000", "1.013"]  # 40 / 39.5
     assert lines[4].split()[:2] == ["2048", "int8"]
 
-    result = cli("plot", "--csv-path", csv_path, "--out", out, "--format", "json", "--force")
+    result = cli("plot", "--csv-path", csv_path, "--output", out, "--format", "json", "--force")
     rows = json.loads(result.stdout)["rows"]
     assert rows[1]["n_star"] == 1.25 and rows[0]["n_star"] is None
     assert rows[1]["saving_at_max_n"] == pytest.approx(1 - (10 / 1000 + 2) / 10)
@@ -92,7 +92,7 @@ def test_defaults_pick_the_newest_csv_and_a_timestamped_png(cli, tmp_path):
 def test_invalid_csvs_are_refused(cli, tmp_path, content, message):
     path = tmp_path / "bad.csv"
     path.write_text(content)
-    result = cli("plot", "--csv-path", path, "--out", tmp_path / "x.png")
+    result = cli("plot", "--csv-path", path, "--output", tmp_path / "x.png")
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
     assert not (tmp_path / "x.png").exists()
@@ -100,7 +100,7 @@ def test_invalid_csvs_are_refused(cli, tmp_path, content, message):
 
 def test_other_refusals(cli, tmp_path):
     csv_path = write_csv(tmp_path / "b.csv", [(512, "none", 10.0, 2.0)])
-    result = cli("plot", "--csv-path", csv_path, "--max-n", "1", "--out", tmp_path / "x.png")
+    result = cli("plot", "--csv-path", csv_path, "--max-n", "1", "--output", tmp_path / "x.png")
     assert result.exit_code == 2 and "--max-n must be at least 2" in result.stderr
     result = cli("plot", "--csv-path", tmp_path / "missing.csv")
     assert result.exit_code == 2 and "does not exist" in result.stderr
@@ -114,7 +114,7 @@ def test_plot_needs_no_torch_and_no_display(tmp_path):
     out = tmp_path / "p.png"
     probe = (
         "import sys\nfrom kvcdn_core.cli import main\n"
-        f"try:\n    main(['plot', '--csv-path', {str(csv_path)!r}, '--out', {str(out)!r}])\n"
+        f"try:\n    main(['plot', '--csv-path', {str(csv_path)!r}, '--output', {str(out)!r}])\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
@@ -163,7 +163,7 @@ def test_title_names_the_model_from_the_option_the_csv_or_the_file(cli, tmp_path
             "plot",
             "--csv-path",
             csv_path,
-            "--out",
+            "--output",
             tmp_path / f"{csv_path.stem}{len(args)}.png",
             "--format",
             "json",
@@ -196,11 +196,19 @@ def test_a_prefill_slower_at_fewer_tokens_is_flagged(cli, tmp_path):
     csv_path = write_csv(
         tmp_path / "noisy.csv", [(64, "none", 0.5, 0.05), (128, "none", 0.3, 0.06), (256, "none", 0.9, 0.1)]
     )
-    result = cli("plot", "--csv-path", csv_path, "--out", tmp_path / "noisy.png", "--format", "json")
+    result = cli("plot", "--csv-path", csv_path, "--output", tmp_path / "noisy.png", "--format", "json")
     assert result.exit_code == 0, result.stderr
     assert "warning: prefill at 64 tokens (0.5 s) took longer than at 128 tokens (0.3 s)" in result.stderr
     data = json.loads(result.stdout)
     assert len(data["non_monotonic"]) == 1 and "64 tokens" in data["non_monotonic"][0]
     quiet = write_csv(tmp_path / "quiet.csv", [(64, "none", 0.2, 0.05), (128, "none", 0.3, 0.06)])
-    result = cli("plot", "--csv-path", quiet, "--out", tmp_path / "quiet.png", "--format", "json")
+    result = cli("plot", "--csv-path", quiet, "--output", tmp_path / "quiet.png", "--format", "json")
     assert "took longer" not in result.stderr and json.loads(result.stdout)["non_monotonic"] == []
+
+
+def test_the_old_out_spelling_works_one_release_with_a_warning(cli, tmp_path):
+    csv_path = write_csv(tmp_path / "b.csv", [(512, "none", 10.0, 2.0)])
+    result = cli("plot", "--csv-path", csv_path, "--out", tmp_path / "old.png")
+    assert result.exit_code == 0, result.stderr
+    assert "warning: plot --out is deprecated; use --output (-o)" in result.stderr
+    assert (tmp_path / "old.png").is_file()

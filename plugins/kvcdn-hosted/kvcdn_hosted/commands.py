@@ -56,6 +56,16 @@ def issuer_options(f):
 
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 
+
+def output_format(*extra: str):
+    """``--format``: table for people, json for tools (and the command's extra forms)."""
+    more = {"ids": "ids: one artifact id a line"}
+    text = "table for people, json for tools" + "".join(f"; {more[e]}" for e in extra) + "."
+    return click.option(
+        "--format", "fmt", type=click.Choice(["table", "json", *extra]), default="table", show_default=True, help=text
+    )
+
+
 SETTING_FLAGS = ("api_url", "api_key", "issuer_url", "client_id")
 
 
@@ -178,8 +188,9 @@ def _check_upload_source(path: str) -> tuple[Path, dict]:
     show_default=True,
     help="Seconds to wait for the browser redirect (browser flow).",
 )
+@output_format()
 @hosted_command("login")
-def login(issuer_url, client_id, no_browser, flow, timeout_s):
+def login(issuer_url, client_id, no_browser, flow, timeout_s, fmt):
     """Log in with your identity provider (OIDC) and store the session privately."""
     import httpx
 
@@ -222,7 +233,10 @@ def login(issuer_url, client_id, no_browser, flow, timeout_s):
             )
     session = oidc.session_from_tokens(tokens, meta, issuer, settings.client_id, resource)
     credentials.update(session=session)
-    click.echo(f"logged in to {issuer}; session stored in {credentials.credentials_path()}")
+    if fmt == "json":
+        emit_json({"issuer": issuer, "credentials": str(credentials.credentials_path())})
+    else:
+        click.echo(f"logged in to {issuer}; session stored in {credentials.credentials_path()}")
     if credentials.load().get("api_key") or settings.api_key:
         click.echo("note: an API key is set and takes precedence over this login (kvcdn api-key clear)", err=True)
 
@@ -267,7 +281,7 @@ def api_key_set(key):
 
 @api_key_group.command("verify")
 @endpoint_options
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@output_format()
 @hosted_command("api-key verify")
 def api_key_verify(api_url, api_key, fmt):
     """Ask the endpoint whether the API key in use is valid, and for which org (exit 1 if not)."""
@@ -315,7 +329,13 @@ def api_key_clear():
 @click.command("upload")
 @click.argument("artifact_path", metavar="ARTIFACT.kv")
 @click.option("--name", default=None, help="Name to list the artifact under [default: the file's name without .kv].")
-@click.option("--visibility", type=click.Choice(["private", "public"]), default="private", show_default=True)
+@click.option(
+    "--visibility",
+    type=click.Choice(["private", "public"]),
+    default="private",
+    show_default=True,
+    help="private: your org only; public: any signed-in user may find, download and infer from it.",
+)
 @click.option(
     "--to",
     "to_uri",
@@ -324,7 +344,7 @@ def api_key_clear():
     help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].",
 )
 @click.option("--force", is_flag=True, help="Replace an object of the same name in a --to store.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@output_format()
 @endpoint_options
 @quiet_option
 @hosted_command("upload")
@@ -359,7 +379,7 @@ def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key
 
 
 @click.command("list")
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "ids"]), default="table", show_default=True)
+@output_format("ids")
 @click.option("--long", "long_", is_flag=True, help="More columns: sha256, architecture, dtype, quantization.")
 @click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
 @endpoint_options
@@ -443,8 +463,9 @@ def _default_download_name(artifact_id: str, record: dict | None) -> str:
 @click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
 @endpoint_options
 @quiet_option
+@output_format()
 @hosted_command("download")
-def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
+def download(artifact_id, output, force, from_uri, api_url, api_key, quiet, fmt):
     """Download an artifact, check its sha256 and .kv header, and write it atomically."""
     from kvcdn_core import check_output, ensure_kv_suffix
 
@@ -470,7 +491,10 @@ def download(artifact_id, output, force, from_uri, api_url, api_key, quiet):
             backend.download(artifact_id, target)
         else:
             _download_generic(backend, _store_key(artifact_id), target)
-    click.echo(str(target))
+    if fmt == "json":
+        emit_json({"artifact_id": artifact_id, "path": str(target), "size_bytes": target.stat().st_size})
+    else:
+        click.echo(str(target))
 
 
 @contextlib.contextmanager
@@ -517,8 +541,9 @@ def _download_generic(backend, key: str, target: Path) -> None:
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
 @endpoint_options
+@output_format()
 @hosted_command("delete")
-def delete(artifact_id, yes, from_uri, api_url, api_key):
+def delete(artifact_id, yes, from_uri, api_url, api_key, fmt):
     """Delete an artifact (asks first unless --yes)."""
     settings = settings_from(locals())
     hosted, backend = _backend(from_uri, settings, True)
@@ -538,20 +563,31 @@ def delete(artifact_id, yes, from_uri, api_url, api_key):
         backend.remove(artifact_id)
     else:
         backend.delete(artifact_id)
-    click.echo(f"deleted {artifact_id}")
+    if fmt == "json":
+        emit_json({"artifact_id": artifact_id, "deleted": True})
+    else:
+        click.echo(f"deleted {artifact_id}")
 
 
 @click.command("infer")
 @click.argument("artifact_id", metavar="ID")
-@click.option("--question", "-q", required=True, help="Text to continue the artifact's context with.")
+@click.option("--question", default=None, help="Text to continue the artifact's context with (required).")
+@click.option("-q", "question_short", default=None, hidden=True)  # the old spelling: -q is --quiet elsewhere
 @click.option("--n", "n", type=click.IntRange(1, 256), default=32, show_default=True, help="Tokens to generate.")
 @click.option("--org", default=None, help="Org (older servers) [env KVCDN_DEFAULT_ORG].")
 @click.option("--project", default=None, help="Project (older servers) [env KVCDN_DEFAULT_PROJECT].")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@output_format()
 @endpoint_options
 @hosted_command("infer")
-def infer(artifact_id, question, n, org, project, fmt, api_url, api_key):
+def infer(artifact_id, question, question_short, n, org, project, fmt, api_url, api_key):
     """Continue from an uploaded artifact on the server (no prefill on either side)."""
+    if question_short is not None:
+        click.echo(
+            "warning: infer -q is deprecated (-q means --quiet in every other command); use --question", err=True
+        )
+        question = question if question is not None else question_short
+    if question is None:
+        raise click.UsageError("Missing option '--question'.")
     settings = settings_from(locals())
     backend = _hosted(settings)
     result = backend.infer(artifact_id, question, n, org or settings.default_org, project or settings.default_project)
@@ -608,7 +644,7 @@ def whoami(fmt, api_url, api_key):
 
 
 @click.command("quota")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@output_format()
 @endpoint_options
 @hosted_command("quota")
 def quota(fmt, api_url, api_key):
@@ -646,7 +682,7 @@ def admin_group():
 
 @admin_group.command("mint-api-key")
 @click.argument("org")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@output_format()
 @click.option("--api-url", "api_url", default=None, metavar="URL", help="Hosted endpoint [env KVCDN_API_URL].")
 @hosted_command("admin mint-api-key")
 def mint_api_key(org, fmt, api_url):

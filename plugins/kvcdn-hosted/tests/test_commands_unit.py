@@ -368,3 +368,30 @@ def test_a_server_that_is_not_kvcdn_is_named_as_such(endpoint, status, body):
     result = run("list")
     assert result.exit_code == 2
     assert result.stderr == f"error: list: not a kvcdn server (HTTP {status} from {endpoint.url}/api/v1/artifacts)\n"
+
+
+def test_delete_and_download_speak_json(config_home, kv_file, tmp_path, monkeypatch):
+    """Every command that reports has --format json; delete, download and login had none."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "store"
+    assert run("upload", kv_file, "--to", store).exit_code == 0
+    got = run("download", "doc.kv", "--from", store, "--output", tmp_path / "back.kv", "--format", "json")
+    assert got.exit_code == 0, got.stderr
+    data = json.loads(got.stdout)
+    assert data["path"] == str(tmp_path / "back.kv") and data["size_bytes"] == kv_file.stat().st_size
+    gone = run("delete", "doc.kv", "--from", store, "--yes", "--format", "json")
+    assert gone.exit_code == 0, gone.stderr
+    assert json.loads(gone.stdout) == {"artifact_id": "doc.kv", "deleted": True}
+    assert "--format" in run("login", "--help").stdout
+
+
+def test_infer_q_is_the_old_spelling_of_question(endpoint):
+    """-q is --quiet everywhere else: infer takes --question, and -q still works one release with a warning."""
+    endpoint.routes[("POST", "/api/v1/artifacts/abc/infer")] = lambda h: (200, {}, {"text": " yes", "token_ids": [1]})
+    old = run("infer", "abc", "-q", "Why?", "--n", "1")
+    assert old.exit_code == 0, old.stderr
+    assert "warning: infer -q is deprecated" in old.stderr and old.stdout.strip() == "yes"
+    missing = run("infer", "abc")
+    assert missing.exit_code == 2 and "--question" in missing.stderr

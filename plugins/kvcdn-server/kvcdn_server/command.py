@@ -26,7 +26,7 @@ def _is_loopback(host: str) -> bool:
     show_default=True,
     help="Address to bind; the default is loopback only (put TLS and a load balancer in front otherwise).",
 )
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="TCP port to listen on.")
 @click.option(
     "--storage",
     default=None,
@@ -94,6 +94,7 @@ def _is_loopback(host: str) -> bool:
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
     show_default=True,
+    help="Least severe server log lines shown on stderr (requests are logged at info).",
 )
 def serve(
     host,
