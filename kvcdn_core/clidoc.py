@@ -44,12 +44,15 @@ CONVENTIONS = """## Conventions
   `--force`; `.kv` is appended to artifact outputs (never to inputs); every output is checked before
   any model work or download starts.
 - `-q` is `--quiet` (no progress on stderr) and nothing else.
+- The artifact a model command reads is `--kv-path` (verify, diag, continue, quant); file commands
+  that take a path and no model (inspect, upload, store put) take it as an argument. The text to
+  look up or continue is `--prompt` / `--prompt-file` (search, continue).
 - Old spellings keep working for one release with a `warning: ... is deprecated` line: `plot --out`
-  (now `--output`), `infer -q` (now `--question`).
-- Not yet uniform, to be renamed with the same rule: the artifact a model command reads is
-  `--kv-path` (verify, diag, continue) but `--input` in `quant`, and a positional argument in file
-  commands (inspect, upload, store put); the text to continue is `--query`/`--query-file` in
-  `search` but `--prompt-file` in `continue`; `--n` defaults differ by command.
+  (now `--output`), `infer -q` (now `--question`), `quant --input` (now `--kv-path`), `search
+  --query` / `--query-file` (now `--prompt` / `--prompt-file`).
+- `--n` is the number of tokens a command decodes. Its default is 32 where a person reads the
+  tokens or compares them (verify, diag, infer); `continue` generates 64; `quant --verify` checks 8
+  and `validate` 16 per shape, because they repeat the comparison for every scheme or architecture.
 """
 
 

@@ -309,3 +309,13 @@ def test_continue_parses_the_manifest_once(cli, qwen3_artifact, monkeypatch):
     result = cli("continue", "--kv-path", qwen3_artifact, "--n", "2", "--format", "json")
     assert result.exit_code == 0, result.stderr
     assert len(calls) == 1, calls
+
+
+def test_continue_takes_the_prompt_as_text_or_file(cli, tmp_path):
+    """continue's prompt is --prompt or --prompt-file, as search's: exactly one, not empty."""
+    missing = cli("continue", "--dir", tmp_path)
+    assert missing.exit_code == 2 and "--dir needs --prompt or --prompt-file" in missing.stderr
+    both = cli("continue", "--dir", tmp_path, "--prompt", "x", "--prompt-file", tmp_path / "p.txt")
+    assert both.exit_code == 2 and "pass exactly one of --prompt and --prompt-file" in both.stderr
+    empty = cli("continue", "--dir", tmp_path, "--prompt", "")
+    assert empty.exit_code == 2 and "the prompt is empty" in empty.stderr

@@ -37,7 +37,7 @@ def test_a_command_writes_only_documented_files(cli, qwen3_dir, context_file, tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(homes["cache"]))
     assert cli("generate", "--model", qwen3_dir, "--context-file", context_file, "-q").exit_code == 0
     assert (
-        cli("search", "--model", qwen3_dir, "--query", "The", "--dir", homes["data"] / "kvcdn" / "generate").exit_code
+        cli("search", "--model", qwen3_dir, "--prompt", "The", "--dir", homes["data"] / "kvcdn" / "generate").exit_code
         == 0
     )
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())

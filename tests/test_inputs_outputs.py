@@ -54,7 +54,7 @@ def test_a_missing_input_is_not_renamed_but_the_likely_one_is_suggested(cli, tmp
     "args",
     [
         ("continue", "--kv-path", "{dir}"),
-        ("quant", "--input", "{dir}"),
+        ("quant", "--kv-path", "{dir}"),
         ("verify", "--kv-path", "{dir}", "--model", NO_MODEL),
         ("diag", "--kv-path", "{dir}", "--model", NO_MODEL),
     ],
@@ -71,7 +71,7 @@ def test_every_command_names_a_directory_given_as_its_artifact(cli, tmp_path, ar
 def test_quant_input_is_read_as_given(cli, tmp_path, qwen3_artifact):
     source = tmp_path / "doc.bin"  # an artifact under another name is still read, not renamed
     source.write_bytes(qwen3_artifact.read_bytes())
-    result = cli("quant", "--input", source, "--output", tmp_path / "doc.q8.kv", "--format", "json")
+    result = cli("quant", "--kv-path", source, "--output", tmp_path / "doc.q8.kv", "--format", "json")
     assert result.exit_code == 0, result.stderr
     assert "appending" not in result.stderr and json.loads(result.stdout)["input"] == str(source)
 
@@ -114,7 +114,7 @@ def test_quant_from_a_context(cli, context_file, blocked):
 
 
 def test_quant_with_verify(cli, qwen3_artifact, blocked):
-    result = cli("quant", "--input", qwen3_artifact, "--verify", "--model", NO_MODEL, "--output", blocked)
+    result = cli("quant", "--kv-path", qwen3_artifact, "--verify", "--model", NO_MODEL, "--output", blocked)
     one_line_error(result, f"cannot write '{blocked}'")
 
 
@@ -134,7 +134,7 @@ def test_plot(cli, tmp_path, blocked):
     csv_path = tmp_path / "bench.csv"
     csv_path.write_text("tokens,prefill_s,load_s\n128,0.2,0.05\n")
     png = blocked.with_name("chart.png")
-    result = cli("plot", "--csv-path", csv_path, "--out", png)
+    result = cli("plot", "--csv-path", csv_path, "--output", png)
     one_line_error(result, f"cannot write '{png}'")
 
 
@@ -192,7 +192,7 @@ def test_an_interrupt_found_behind_a_cause_or_a_context():
 def test_quant_warns_when_the_residual_window_covers_the_document(cli, qwen3_artifact, tmp_path):
     """The default window is 128 tokens: a short document (43 tokens in the report) is not quantized."""
     out = tmp_path / "q.kv"
-    result = cli("quant", "--input", qwen3_artifact, "--scheme", "int4", "--residual", "100000", "--output", out)
+    result = cli("quant", "--kv-path", qwen3_artifact, "--scheme", "int4", "--residual", "100000", "--output", out)
     assert result.exit_code == 0, result.stderr
     event = json.loads((tmp_path / "q.kv.quant-event.json").read_text())
     assert event["quantized_bytes"] >= event["original_bytes"]
@@ -202,6 +202,6 @@ def test_quant_warns_when_the_residual_window_covers_the_document(cli, qwen3_art
 
 
 def test_quant_that_shrinks_the_file_does_not_warn(cli, qwen3_artifact, tmp_path):
-    result = cli("quant", "--input", qwen3_artifact, "--scheme", "int4", "--residual", "0", "-o", tmp_path / "q.kv")
+    result = cli("quant", "--kv-path", qwen3_artifact, "--scheme", "int4", "--residual", "0", "-o", tmp_path / "q.kv")
     assert result.exit_code == 0, result.stderr
     assert "warning" not in result.stderr

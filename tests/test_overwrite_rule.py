@@ -40,12 +40,12 @@ def test_quant_output_and_its_event(cli, qwen3_artifact, tmp_path, occupied):
     source = tmp_path / "doc.kv"
     source.write_bytes(qwen3_artifact.read_bytes())
     out, before = occupied("doc.q8.kv")
-    refused(cli("quant", "--input", source), out, before)
+    refused(cli("quant", "--kv-path", source), out, before)
     out.unlink()
     event, before = occupied("doc.q8.kv.quant-event.json")
-    refused(cli("quant", "--input", source), event, before)
+    refused(cli("quant", "--kv-path", source), event, before)
     assert not out.exists(), "nothing is written when the event file is refused"
-    assert cli("quant", "--input", source, "--force").exit_code == 0
+    assert cli("quant", "--kv-path", source, "--force").exit_code == 0
     assert json.loads(event.read_text())["output"] == str(out)
 
 

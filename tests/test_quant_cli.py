@@ -98,7 +98,7 @@ def test_int8_verify_is_token_exact(adapter_cls, architecture, tiny_model, tmp_p
 
 def test_quant_input_defaults_stats_and_event(doc, cli):
     before = sha(doc)
-    result = cli("quant", "--input", doc)
+    result = cli("quant", "--kv-path", doc)
     assert result.exit_code == 0, result.output + result.stderr
     out = doc.with_name("doc.q8.kv")
     assert out.is_file() and sha(doc) == before, "the input is never modified"
@@ -140,13 +140,13 @@ def test_quant_input_defaults_stats_and_event(doc, cli):
 
 @pytest.mark.parametrize("scheme,name", [("fp8", "doc.fp8.kv"), ("int8-tensor", "doc.int8-tensor.kv")])
 def test_default_output_names(doc, cli, scheme, name):
-    result = cli("quant", "--input", doc, "--scheme", scheme)
+    result = cli("quant", "--kv-path", doc, "--scheme", scheme)
     assert result.exit_code == 0, result.stderr
     assert (doc.parent / name).is_file()
 
 
 def test_dequantized_tensors_have_the_unquantized_names_and_shapes(doc, cli):
-    assert cli("quant", "--input", doc, "--target-dtype", "F16", "-o", doc.parent / "h.kv").exit_code == 0
+    assert cli("quant", "--kv-path", doc, "--target-dtype", "F16", "-o", doc.parent / "h.kv").exit_code == 0
     plain = artifact.load_tensors(artifact.read_header(doc))
     header = artifact.read_header(doc.parent / "h.kv")
     assert header.manifest["quantization"]["target_dtype"] == "F16"
@@ -162,7 +162,7 @@ def test_dequantized_tensors_have_the_unquantized_names_and_shapes(doc, cli):
 
 def test_quantized_artifact_loads_in_verify_and_continue(doc, cli):
     q = ("--question", MEMO_QUESTION)
-    assert cli("quant", "--input", doc, "--verify", "--n", 8, *q).exit_code == 0
+    assert cli("quant", "--kv-path", doc, "--verify", "--n", 8, *q).exit_code == 0
     out = doc.with_name("doc.q8.kv")
     result = cli("verify", "--kv-path", out, "--n", 8, "--format", "json", *q)
     assert result.exit_code == 0, result.output + result.stderr
@@ -176,7 +176,7 @@ def test_mismatch_exits_1_and_still_writes_the_event(doc, cli):
     out = doc.parent / "crushed.kv"
     result = cli(
         "quant",
-        "--input",
+        "--kv-path",
         doc,
         "--scheme",
         "int2",
@@ -214,7 +214,7 @@ def test_mismatch_exits_1_and_still_writes_the_event(doc, cli):
     ],
 )
 def test_refusals_say_why(doc, cli, args, message):
-    result = cli("quant", "--input", doc, *args)
+    result = cli("quant", "--kv-path", doc, *args)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and result.stderr.startswith("error: ")
     assert not doc.with_name("doc.q8.kv").exists()
@@ -222,7 +222,7 @@ def test_refusals_say_why(doc, cli, args, message):
 
 def test_verify_with_another_model_is_refused_before_writing(doc, cli, tiny_model):
     other = tiny_model(QwenAdapter, "Qwen2ForCausalLM")
-    result = cli("quant", "--input", doc, "--verify", "--model", other)
+    result = cli("quant", "--kv-path", doc, "--verify", "--model", other)
     assert result.exit_code == 2 and "artifact was made with model" in result.stderr
     assert not doc.with_name("doc.q8.kv").exists()
     assert not doc.with_name("doc.q8.kv.quant-event.json").exists()
@@ -230,27 +230,27 @@ def test_verify_with_another_model_is_refused_before_writing(doc, cli, tiny_mode
 
 def test_input_is_never_overwritten(doc, cli):
     before = sha(doc)
-    result = cli("quant", "--input", doc, "--output", doc)
+    result = cli("quant", "--kv-path", doc, "--output", doc)
     assert result.exit_code == 2 and "never overwrites its input" in result.stderr
     assert sha(doc) == before
 
 
 def test_input_and_context_are_exclusive(doc, cli, tmp_path):
-    assert "exactly one of --input" in cli("quant").stderr
+    assert "exactly one of --kv-path" in cli("quant").stderr
     ctx = tmp_path / "c.txt"
     ctx.write_text("x", encoding="utf-8")
-    assert cli("quant", "--input", doc, "--context-file", ctx).exit_code == 2
-    assert "does not exist" in cli("quant", "--input", tmp_path / "none.kv").stderr
+    assert cli("quant", "--kv-path", doc, "--context-file", ctx).exit_code == 2
+    assert "does not exist" in cli("quant", "--kv-path", tmp_path / "none.kv").stderr
 
 
 def test_quantized_input_is_refused(doc, cli):
-    assert cli("quant", "--input", doc).exit_code == 0
-    result = cli("quant", "--input", doc.with_name("doc.q8.kv"), "--scheme", "fp8")
+    assert cli("quant", "--kv-path", doc).exit_code == 0
+    result = cli("quant", "--kv-path", doc.with_name("doc.q8.kv"), "--scheme", "fp8")
     assert result.exit_code == 2 and "already quantized (scheme int8)" in result.stderr
 
 
 def test_storage_dtype_picks_the_scheme(doc, cli):
-    result = cli("quant", "--input", doc, "--target-dtype", "FP8", "--format", "json")
+    result = cli("quant", "--kv-path", doc, "--target-dtype", "FP8", "--format", "json")
     assert result.exit_code == 0
     event = json.loads(result.stdout)
     assert event["scheme"] == "fp8" and event["storage_dtype"] == "F8_E4M3" and event["target_dtype"] == "F32"
@@ -258,16 +258,16 @@ def test_storage_dtype_picks_the_scheme(doc, cli):
 
 def test_dtype_is_the_compute_dtype_as_in_every_model_command(doc, cli):
     """--dtype means the compute dtype everywhere; the target is --target-dtype."""
-    wrong = cli("quant", "--input", doc, "--dtype", "F16")
+    wrong = cli("quant", "--kv-path", doc, "--dtype", "F16")
     assert wrong.exit_code == 2 and "--dtype" in wrong.stderr and "'F16'" in wrong.stderr
-    result = cli("quant", "--input", doc, "--dtype", "float32", "--verify", "--n", "4", "--format", "json")
+    result = cli("quant", "--kv-path", doc, "--dtype", "float32", "--verify", "--n", "4", "--format", "json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["verification"] == "Match"
 
 
 def test_the_retired_compute_dtype_spelling_points_to_dtype(doc, cli):
     """--compute-dtype was deprecated for a release; one way remains, and the refusal names it."""
-    result = cli("quant", "--input", doc, "--compute-dtype", "float32")
+    result = cli("quant", "--kv-path", doc, "--compute-dtype", "float32")
     assert result.exit_code == 2 and "--compute-dtype" in result.stderr and "--dtype" in result.stderr
 
 
@@ -325,7 +325,7 @@ def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):
 
 
 def test_corrupted_quantized_artifacts_are_refused(doc, cli, tmp_path):
-    assert cli("quant", "--input", doc).exit_code == 0
+    assert cli("quant", "--kv-path", doc).exit_code == 0
     out = doc.with_name("doc.q8.kv")
     header = artifact.read_header(out)
     raw = bytearray(out.read_bytes())
@@ -365,3 +365,11 @@ def test_quant_help_lists_the_installed_schemes_with_a_plugin_one(kvcdn_host):
     out = CliRunner().invoke(make_cli(), ["quant", "--help"], terminal_width=400).stdout
     assert "int6-help (six bits, for the help test)" in out
     assert "int8 (symmetric int8, per-channel scales for keys, per-token scales for values)" in out
+
+
+def test_quant_reads_kv_path_and_the_old_input_spelling_warns(doc, cli, tmp_path):
+    """The artifact a model command reads is --kv-path everywhere; quant's --input works one release more."""
+    old = cli("quant", "--input", doc, "--output", tmp_path / "old.kv")
+    assert old.exit_code == 0, old.stderr
+    assert "warning: quant --input is deprecated; use --kv-path" in old.stderr
+    assert (tmp_path / "old.kv").is_file()

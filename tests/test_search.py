@@ -107,7 +107,7 @@ def test_ranking_orders_by_usable_then_prefix_then_fraction(tmp_path, model_dir,
     assert found.ranking.best_usable.path.name == "p60.kv"
 
     result = run_cli(
-        "search", "--model", str(model_dir), "--dir", str(d), "--query", query, "--format", "json", "--limit", "2"
+        "search", "--model", str(model_dir), "--dir", str(d), "--prompt", query, "--format", "json", "--limit", "2"
     )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
@@ -120,7 +120,7 @@ def test_ranking_orders_by_usable_then_prefix_then_fraction(tmp_path, model_dir,
         "reuse": "any_prefix",
         "model": str(model_dir),
     }
-    table = run_cli("search", "--model", str(model_dir), "--dir", str(d), "--query", query)
+    table = run_cli("search", "--model", str(model_dir), "--dir", str(d), "--prompt", query)
     assert table.exit_code == 0
     lines = table.output.splitlines()
     assert lines[0].split() == ["PATH", "PREFIX", "TOKENS", "USABLE", "REUSE", "MODEL"]
@@ -139,12 +139,12 @@ def test_usable_rule():
 
 def test_no_match_is_a_clear_message_and_exit_0(tmp_path, model_dir, hf_tok):
     write_fake(tmp_path / "a.kv", model_dir, hf_tok(PARAS[0])["input_ids"])
-    result = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path), "--query", "zebra quantum")
+    result = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path), "--prompt", "zebra quantum")
     assert result.exit_code == 0
     assert result.output.startswith("no match: no artifact under")
-    result = run_cli("search", "--dir", str(tmp_path), "--query", "zebra quantum", "--format", "json")
+    result = run_cli("search", "--dir", str(tmp_path), "--prompt", "zebra quantum", "--format", "json")
     assert result.exit_code == 0 and json.loads(result.output)["matches"] == []
-    missing = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path / "nope"), "--query", "x")
+    missing = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path / "nope"), "--prompt", "x")
     assert missing.exit_code == 2 and "does not exist" in missing.output
 
 
@@ -217,7 +217,7 @@ def test_foreign_models_skipped_by_fingerprint_not_name(tmp_path, model_dir, hf_
     found = search.search(tmp_path, PARAS[0], str(model_dir), warn=pytest.fail)
     assert sorted(m.path.name for m in found.ranking.matches) == ["mine.kv", "renamed_same_model.kv"]
     assert (found.ranking.same_model, found.ranking.foreign) == (2, 2)
-    result = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path), "--query", PARAS[0])
+    result = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path), "--prompt", PARAS[0])
     assert "skipped 2 of other models" in result.output
 
 
@@ -237,7 +237,7 @@ def test_unreadable_files_warn_once_each(tmp_path, model_dir, hf_tok):
         assert any("garbage.kv" in w and "not a kvcdn artifact" in w for w in warnings)
         assert any("truncated.kv" in w and "truncated" in w for w in warnings)
     result = CliRunner().invoke(
-        make_cli(), ["search", "--model", str(model_dir), "--dir", str(tmp_path), "--query", PARAS[0]]
+        make_cli(), ["search", "--model", str(model_dir), "--dir", str(tmp_path), "--prompt", PARAS[0]]
     )
     assert result.exit_code == 0
     assert result.output.count("warning: skipping") == 2 and "Traceback" not in result.output
@@ -291,7 +291,7 @@ def test_search_does_not_import_torch(tmp_path, model_dir, hf_tok):
     code = (
         "import sys; from kvcdn_core.cli import make_cli\n"
         f"make_cli().main(args=['search', '--model', {str(model_dir)!r}, '--dir', {str(tmp_path)!r},"
-        f" '--query', {PARAS[0]!r}, '--format', 'json'], standalone_mode=False)\n"
+        f" '--prompt', {PARAS[0]!r}, '--format', 'json'], standalone_mode=False)\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', 'transformers' in sys.modules)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -303,10 +303,10 @@ def test_search_does_not_import_torch(tmp_path, model_dir, hf_tok):
 
 def test_model_inferred_from_the_directory(tmp_path, model_dir, hf_tok):
     write_fake(tmp_path / "a.kv", model_dir, hf_tok(PARAS[0])["input_ids"])
-    result = run_cli("search", "--dir", str(tmp_path), "--query", PARAS[0], "--format", "json")
+    result = run_cli("search", "--dir", str(tmp_path), "--prompt", PARAS[0], "--format", "json")
     assert result.exit_code == 0 and json.loads(result.output)["model"] == str(model_dir)
     write_fake(tmp_path / "b.kv", model_dir, [1, 2], model_id="other/model")
-    result = run_cli("search", "--dir", str(tmp_path), "--query", PARAS[0])
+    result = run_cli("search", "--dir", str(tmp_path), "--prompt", PARAS[0])
     assert result.exit_code == 2 and "pass --model" in result.output
 
 
@@ -343,7 +343,16 @@ def test_default_directory_is_where_generate_writes(tmp_path, model_dir, hf_tok,
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     write_fake(data_home() / "generate" / "generate-1-x.kv", model_dir, hf_tok(PARAS[0])["input_ids"])
-    result = run_cli("search", "--query", PARAS[0] + " more", "--format", "json")
+    result = run_cli("search", "--prompt", PARAS[0] + " more", "--format", "json")
     assert result.exit_code == 0, result.output
     [match] = json.loads(result.output)["matches"]
     assert match["path"] == str(data_home() / "generate" / "generate-1-x.kv")
+
+
+def test_the_old_query_names_work_one_release_with_a_warning(tmp_path, model_dir):
+    """search takes --prompt/--prompt-file, as continue does; --query/--query-file still work, with a warning."""
+    old = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path), "--query", "zebra quantum")
+    assert old.exit_code == 0, old.stderr
+    assert "warning: search --query/--query-file are deprecated; use --prompt/--prompt-file" in old.stderr
+    both = run_cli("search", "--model", str(model_dir), "--dir", str(tmp_path))
+    assert both.exit_code == 2 and "pass exactly one of --prompt and --prompt-file" in both.stderr

@@ -168,12 +168,12 @@ def test_tree_cli_json_and_from_scratch(full, tmp_path):
     runtime.generate(full, PARAS[0], tmp_path / "a.kv", progress=False)
     runner = CliRunner()
     base = ["search", "--dir", str(tmp_path), "--tree", "3", "--tree-tokens", "4", "--format", "json", "-q"]
-    out = json.loads(runner.invoke(make_cli(), base + ["--query", PARAS[0] + QUESTION]).output)
+    out = json.loads(runner.invoke(make_cli(), base + ["--prompt", PARAS[0] + QUESTION]).output)
     tree = out["tree"]
     assert tree["from_scratch"] is False and tree["reused_tokens"] == len(encode(full, PARAS[0]))
     assert len({c["first_token"] for c in tree["candidates"]}) == 3
     assert all(len(c["token_ids"]) == 4 and isinstance(c["text"], str) for c in tree["candidates"])
-    result = runner.invoke(make_cli(), base[:-1] + ["--format", "table", "--query", "zebra quantum"])
+    result = runner.invoke(make_cli(), base[:-1] + ["--format", "table", "--prompt", "zebra quantum"])
     assert result.exit_code == 0
     assert "prefilled all" in result.output and "from scratch" in result.output
     assert sum(line.startswith("[") for line in result.output.splitlines()) == 3

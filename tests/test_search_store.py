@@ -89,9 +89,9 @@ def test_continue_from_the_store_is_exact(full, tmp_path, case):
     assert out["artifact"] == "saved" and out["reused_tokens"] == expected
     assert out["token_ids"] == reference(full, ids)
     # search --store names the same artifact and prefix as search --dir over the same .kv files
-    listed = cli("search", "--store", store, "--query-file", tmp_path / "prompt.txt", "--format", "json")
+    listed = cli("search", "--store", store, "--prompt-file", tmp_path / "prompt.txt", "--format", "json")
     assert listed.exit_code == 0, listed.output
-    by_dir = cli("search", "--dir", tmp_path / "made", "--query-file", tmp_path / "prompt.txt", "--format", "json")
+    by_dir = cli("search", "--dir", tmp_path / "made", "--prompt-file", tmp_path / "prompt.txt", "--format", "json")
     best_store, best_dir = json.loads(listed.output)["matches"][0], json.loads(by_dir.output)["matches"][0]
     assert best_store["name"] == "saved" and best_dir["path"].endswith("saved.kv")
     assert (best_store["compute_dtype"], best_store["quantization"]) == ("float32", None)  # read from the record
@@ -119,7 +119,7 @@ def test_whole_prefix_artifacts_from_the_store(sliding, tmp_path):
 
 def test_store_and_dir_are_one_or_the_other(tmp_path):
     for args in (
-        ["search", "--store", tmp_path, "--dir", tmp_path, "--query", "x"],
+        ["search", "--store", tmp_path, "--dir", tmp_path, "--prompt", "x"],
         ["continue", "--store", tmp_path, "--dir", tmp_path, "--prompt-file", tmp_path / "p"],
         ["continue", "--store", tmp_path],
     ):
@@ -128,7 +128,7 @@ def test_store_and_dir_are_one_or_the_other(tmp_path):
 
 
 def test_an_empty_store_asks_for_the_model(tmp_path):
-    result = cli("search", "--store", tmp_path, "--query", "hello")
+    result = cli("search", "--store", tmp_path, "--prompt", "hello")
     assert result.exit_code == 2 and "pass --model" in result.output and result.output.count("\n") == 1
 
 
@@ -138,7 +138,7 @@ def test_search_store_tree_continues_from_the_fetched_artifact(full, tmp_path):
     prompt = LONG[: len(LONG) // 2] + QUESTION
     ids = encode(full, prompt)
     result = cli(
-        "search", "--store", store, "--query", prompt, "--tree", 2, "--tree-tokens", 4, "-q", "--format", "json"
+        "search", "--store", store, "--prompt", prompt, "--tree", 2, "--tree-tokens", 4, "-q", "--format", "json"
     )
     assert result.exit_code == 0, result.output
     tree = json.loads(result.output)["tree"]

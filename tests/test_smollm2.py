@@ -107,7 +107,7 @@ def test_int8_quant_verify(smol, artifact, workdir, kvcdn):
     shutil.copy(artifact, workdir / "q.kv")
     out = kvcdn(
         "quant",
-        "--input",
+        "--kv-path",
         workdir / "q.kv",
         "--scheme",
         "int8",

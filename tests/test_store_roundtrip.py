@@ -88,7 +88,7 @@ def test_a_quantized_artifact_round_trips_as_one_tail(store, tmp_path, cli, sche
     source = tmp_path / "src.kv"
     write_kinds(source, ["full_attention"], TOKENS)
     out = tmp_path / f"{scheme}.kv"
-    result = cli("quant", "--input", source, "--scheme", scheme, "-o", out)
+    result = cli("quant", "--kv-path", source, "--scheme", scheme, "-o", out)
     assert result.exit_code == 0, result.stderr
     _, record = round_trip(store, out, tmp_path, scheme)
     assert record.chunks == () and record.tail.bytes == out.stat().st_size - artifact.read_header(out).data_start

@@ -98,3 +98,14 @@ def open_artifact(path: Path, model: str | None, revision: str | None, device: s
 
     header = artifact.read_header(path)
     return runtime.session_for_artifact(manifest_of(header), model, revision, device, dtype), header
+
+
+def text_or_file(text: str | None, path: str | None, what: str) -> str:
+    """The text of ``--<what>`` or of ``--<what>-file``: exactly one, and not empty."""
+    if (text is None) == (path is None):
+        raise KvcdnError(f"pass exactly one of --{what} and --{what}-file")
+    if path is not None:
+        return read_text_file(path, f"{what} file")
+    if not text:
+        raise KvcdnError(f"the {what} is empty")
+    return text

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import force_option, format_option, model_options, open_artifact, read_text_file
+from kvcdn_core.commands.common import force_option, format_option, model_options, open_artifact, text_or_file
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.paths import input_artifact
 from kvcdn_core.render import emit_json
@@ -37,25 +37,29 @@ from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
     default=None,
     help="Look the prompt up in this chunk store's prefix index and fetch the best artifact from it.",
 )
-@click.option("--prompt-file", default=None, help="UTF-8 file with the whole prompt (with --dir or --store).")
+@click.option("--prompt", default=None, help="The whole prompt (with --dir or --store).")
+@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file instead.")
 @click.option("--n", "n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate.")
 @force_option
 @format_option
-def command(model, revision, device, dtype, quiet, kv_path, question, directory, store, prompt_file, n, force, fmt):
+def command(
+    model, revision, device, dtype, quiet, kv_path, question, directory, store, prompt, prompt_file, n, force, fmt
+):
     """Generate N tokens greedily, continuing from a saved artifact.
 
-    With --kv-path: load the artifact and feed QUESTION after its context. With --prompt-file (and
-    --dir): reuse the best saved artifact's usable prefix of the prompt, prefill the rest, and
+    With --kv-path: load the artifact and feed QUESTION after its context. With --prompt or
+    --prompt-file (and --dir or --store): reuse the best saved artifact's usable prefix of the prompt, prefill the rest, and
     report how many prompt tokens were reused; the output is the same as a full prefill's.
     """
-    if directory is not None or store is not None or prompt_file is not None:
+    if directory is not None or store is not None or prompt is not None or prompt_file is not None:
         if kv_path is not None or question is not None:
             raise KvcdnError("--dir/--prompt-file and --kv-path/--question are two modes; pass one pair")
-        if prompt_file is None:
-            raise KvcdnError(f"--{'store' if store is not None else 'dir'} needs --prompt-file")
+        if prompt is None and prompt_file is None:
+            raise KvcdnError(f"--{'store' if store is not None else 'dir'} needs --prompt or --prompt-file")
         if directory is not None and store is not None:
             raise KvcdnError("pass one of --dir and --store")
-        return _continue_prompt(model, revision, device, dtype, quiet, directory, store, prompt_file, n, force, fmt)
+        text = text_or_file(prompt, prompt_file, "prompt")
+        return _continue_prompt(model, revision, device, dtype, quiet, directory, store, text, n, force, fmt)
     if kv_path is None:
         raise KvcdnError("pass --kv-path (with --question), or --dir with --prompt-file")
     _continue_artifact(model, revision, device, dtype, kv_path, question or DEFAULT_QUESTION, n, force, fmt)
@@ -85,13 +89,12 @@ def _continue_artifact(model, revision, device, dtype, kv_path, question, n, for
         click.echo(text)
 
 
-def _continue_prompt(model, revision, device, dtype, quiet, directory, store, prompt_file, n, force, fmt):
+def _continue_prompt(model, revision, device, dtype, quiet, directory, store, prompt, n, force, fmt):
     import tempfile
 
     from kvcdn_core import runtime, search
     from kvcdn_core.paths import data_home
 
-    prompt = read_text_file(prompt_file, "prompt file")
     with tempfile.TemporaryDirectory(prefix="kvcdn-store-") as tmp:
         if store is not None:  # the best artifact is fetched from the store, then continued as from a directory
             from kvcdn_core.search.store import fetch_best, search_store

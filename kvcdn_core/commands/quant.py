@@ -39,8 +39,9 @@ class SchemeOption(click.Option):
 
 
 @click.command("quant")
-@click.option("--input", "input_path", default=None, help="Artifact to quantize (read, never overwritten).")
-@click.option("--context-file", default=None, help="Document to generate the cache from, instead of --input.")
+@click.option("--kv-path", "input_path", default=None, help="Artifact to quantize (read, never overwritten).")
+@click.option("--input", "old_input", default=None, hidden=True)  # the old name: one release with a warning
+@click.option("--context-file", default=None, help="Document to generate the cache from, instead of --kv-path.")
 @click.option(
     "--output",
     "-o",
@@ -77,6 +78,7 @@ class SchemeOption(click.Option):
 @format_option
 def command(
     input_path,
+    old_input,
     context_file,
     output,
     scheme,
@@ -96,10 +98,13 @@ def command(
 ):
     """Quantize a KV artifact: print the compression ratio and dequantization error, and with
     --verify check that continuing from it is token-exact against a full prefill."""
-    from kvcdn_core import quant, quant_service
+    from kvcdn_core import notices, quant, quant_service
 
+    if old_input is not None:
+        notices.warn("quant --input is deprecated; use --kv-path, as verify, diag and continue")
+        input_path = input_path or old_input
     if bool(input_path) == bool(context_file):
-        raise KvcdnError("pass exactly one of --input (an artifact) or --context-file (a document)")
+        raise KvcdnError("pass exactly one of --kv-path (an artifact) or --context-file (a document)")
     target, implied = quant.normalize_target_dtype(target_dtype)
     if implied and scheme and scheme != implied and not (implied == "int8" and scheme == "int8-tensor"):
         raise KvcdnError(
@@ -114,7 +119,7 @@ def command(
     )
 
     if input_path:
-        source = input_artifact(input_path, "--input")
+        source = input_artifact(input_path, "--kv-path")
     else:
         source = Path(context_file)
     out = ensure_kv_suffix(output) if output else quant_service.default_output(source, scheme)

@@ -10,19 +10,9 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import force_option, format_option, model_options, read_text_file
+from kvcdn_core.commands.common import force_option, format_option, model_options, text_or_file
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.render import emit_json, print_table
-
-
-def query_text(query: str | None, query_file: str | None, what: str = "query") -> str:
-    if (query is None) == (query_file is None):
-        raise KvcdnError(f"pass exactly one of --{what} and --{what}-file")
-    if query_file is not None:
-        return read_text_file(query_file, f"{what} file")
-    if not query:
-        raise KvcdnError(f"the {what} is empty")
-    return query
 
 
 @click.command("search")
@@ -40,8 +30,10 @@ def query_text(query: str | None, query_file: str | None, what: str = "query") -
     default=None,
     help="Look the query up in this chunk store's prefix index instead (a path, file://, s3://...).",
 )
-@click.option("--query", default=None, help="Text whose longest saved token prefix is wanted.")
-@click.option("--query-file", default=None, help="Read the query from a UTF-8 file instead.")
+@click.option("--prompt", "query", default=None, help="Text whose longest saved token prefix is wanted.")
+@click.option("--prompt-file", "query_file", default=None, help="Read the prompt from a UTF-8 file instead.")
+@click.option("--query", "old_query", default=None, hidden=True)  # old names: one release with a warning
+@click.option("--query-file", "old_query_file", default=None, hidden=True)
 @click.option("--limit", type=click.IntRange(1), default=10, show_default=True, help="Rows to show.")
 @click.option(
     "--tree",
@@ -56,7 +48,22 @@ def query_text(query: str | None, query_file: str | None, what: str = "query") -
 @force_option
 @format_option
 def command(
-    model, revision, device, dtype, quiet, directory, store, query, query_file, limit, tree_n, tree_tokens, force, fmt
+    model,
+    revision,
+    device,
+    dtype,
+    quiet,
+    directory,
+    store,
+    query,
+    query_file,
+    old_query,
+    old_query_file,
+    limit,
+    tree_n,
+    tree_tokens,
+    force,
+    fmt,
 ):
     """Rank the artifacts under DIR by the token prefix they share with the query.
 
@@ -68,7 +75,13 @@ def command(
     from kvcdn_core import search
     from kvcdn_core.paths import data_home
 
-    text = query_text(query, query_file)
+    if old_query is not None or old_query_file is not None:
+        from kvcdn_core import notices
+
+        notices.warn("search --query/--query-file are deprecated; use --prompt/--prompt-file, as continue")
+        query = query if query is not None else old_query
+        query_file = query_file if query_file is not None else old_query_file
+    text = text_or_file(query, query_file, "prompt")
     if store is not None:
         if directory is not None:
             raise KvcdnError("pass one of --dir and --store")

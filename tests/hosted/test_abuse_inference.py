@@ -258,7 +258,7 @@ def test_a_quantization_block_that_trips_the_loader_is_422_not_500(serve, qwen3_
     from tests.support.kvfiles import frame
 
     quantized = tmp_path / "q.kv"
-    assert cli("quant", "--input", qwen3_artifact, "--scheme", "int8", "-o", quantized).exit_code == 0
+    assert cli("quant", "--kv-path", qwen3_artifact, "--scheme", "int8", "-o", quantized).exit_code == 0
     raw = quantized.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])

@@ -107,7 +107,7 @@ def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
     runtime.generate(session, SAMPLE_TEXT, src, progress=False)
     runner = CliRunner()
     result = runner.invoke(
-        make_cli(), ["quant", "--input", str(src), "--scheme", "int4", "--residual", "16", "--format", "json"]
+        make_cli(), ["quant", "--kv-path", str(src), "--scheme", "int4", "--residual", "16", "--format", "json"]
     )
     assert result.exit_code == 0, result.output
     event = json.loads(result.stdout)

@@ -62,7 +62,7 @@ session = runtime.load_session(str(model), device="cpu", dtype="float32")
 runtime.generate(session, Path(context).read_text(), Path(ledger), progress=False)
 runtime.generate(session, Path(other_text).read_text(), Path(other), progress=False)
 try:
-    main(["quant", "--input", other, "--scheme", "int8", "-o", other_int8, "-q"])
+    main(["quant", "--kv-path", other, "--scheme", "int8", "-o", other_int8, "-q"])
 except SystemExit as exc:
     assert exc.code in (0, None), exc.code
 print(model)
@@ -382,7 +382,7 @@ def test_saved_artifact_passes_inspect_check_and_verify(engines):
             str(engines["smol"]),
             "--format",
             "json",
-            "--query",
+            "--prompt",
             SAMPLE_TEXT + QUESTION_1,
         ],
         capture_output=True,
