@@ -15,7 +15,7 @@ import pytest
 
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.store.chunkstore import PENDING_TTL, ChunkStore, chunk_key
-from tests.support.storefiles import write_kinds
+from tests.support.storefiles import churn, write_kinds
 
 NOW = 1_000_000.0
 
@@ -184,35 +184,7 @@ def test_kill_9_during_a_put_then_gc(tmp_path, family):
 def test_concurrent_puts_deletes_and_gcs_that_share_chunks(tmp_path, family):
     backend = LocalStorage(tmp_path / "store")
     names = sorted(family)
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(names) + 2)
-
-    def worker(name):
-        try:
-            store = ChunkStore(backend)
-            start.wait()
-            for round_ in range(3):
-                store.put(family[name], name, force=True)
-                if round_ < 2 or name in ("turn0", "turn2"):
-                    store.delete(name)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    def collector():
-        try:
-            store = ChunkStore(backend)
-            start.wait()
-            for _ in range(6):
-                store.gc()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in names]
-    threads += [threading.Thread(target=collector) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = churn(backend, {n: family[n] for n in names}, {"turn0", "turn2"})
     assert not errors, errors
     store = ChunkStore(backend)
     remaining = store.names()

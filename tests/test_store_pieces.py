@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from kvcdn_core import artifact
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.errors import ArtifactError
 from kvcdn_core.store.chunkstore import ARTIFACTS, CHUNKS, PENDING, ChunkStore, chunk_key
-from tests.support.storefiles import write_kinds
+from tests.support.storefiles import churn, write_kinds
 
 #: 8 full-attention layers: 1 KiB of cache per token, so the cache, not the token ids, dominates
 KINDS = ["full_attention"] * 8
@@ -191,35 +190,7 @@ def test_concurrent_puts_deletes_and_gcs_of_turns_that_share_pieces(turns, tmp_p
     backend = LocalStorage(tmp_path / "store")
     paths = {p.stem: p for p in turns[:6]}
     deleted = {"turn01", "turn03"}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(paths) + 2)
-
-    def worker(name):
-        try:
-            store = ChunkStore(backend)
-            start.wait()
-            for round_ in range(3):
-                store.put(paths[name], name, force=True)
-                if round_ < 2 or name in deleted:
-                    store.delete(name)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    def collector():
-        try:
-            store = ChunkStore(backend)
-            start.wait()
-            for _ in range(6):
-                store.gc()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in paths]
-    threads += [threading.Thread(target=collector) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = churn(backend, paths, deleted)
     assert not errors, errors
     store = ChunkStore(backend)
     assert sorted(store.names()) == sorted(set(paths) - deleted)

@@ -10,7 +10,7 @@ import pytest
 from kvcdn_core.registry import open_storage
 from kvcdn_core.store.chunkstore import ChunkStore, chunk_key
 from tests.support import services
-from tests.support.storefiles import write_kinds
+from tests.support.storefiles import churn, write_kinds
 
 BUCKET = "kvcdn-store-test"
 
@@ -117,7 +117,6 @@ def test_the_store_commands(where, request, pair, tmp_path, cli):
 
 def test_concurrent_puts_deletes_and_gc_on_s3(s3_uri, tmp_path):
     """Threads putting and deleting artifacts that share a prefix while GCs run, on S3."""
-    import threading
 
     base = tmp_path / "base.kv"
     tensors = write_kinds(base, ["full_attention"], 600, seed=1)
@@ -127,33 +126,7 @@ def test_concurrent_puts_deletes_and_gc_on_s3(s3_uri, tmp_path):
         paths[f"turn{i}"] = tmp_path / f"turn{i}.kv"
         write_kinds(paths[f"turn{i}"], ["full_attention"], 560 + 40 * i, seed=5 + i, prefix_of=shared)
     backend = open_storage(s3_uri)
-    errors = []
-    start = threading.Barrier(len(paths) + 1)
-
-    def worker(name):
-        try:
-            store = ChunkStore(backend)
-            start.wait()
-            for round_ in range(2):
-                store.put(paths[name], name, force=True)
-                if round_ == 0 or name == "turn1":
-                    store.delete(name)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    def collector():
-        try:
-            start.wait()
-            for _ in range(3):
-                ChunkStore(backend).gc()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in paths] + [threading.Thread(target=collector)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = churn(backend, paths, {"turn1"}, rounds=2, collectors=1, gcs=3)
     assert not errors, errors
     store = ChunkStore(backend)
     assert sorted(store.names()) == ["base", "turn0", "turn2"]

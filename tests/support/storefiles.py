@@ -73,3 +73,43 @@ def write_kinds(
     }
     artifact.write_artifact(path, manifest, tensors)
     return tensors
+
+
+def churn(backend, paths: dict, deleted: set, rounds: int = 3, collectors: int = 2, gcs: int = 6) -> list:
+    """Put, delete and collect at once over artifacts that share chunks: one thread per artifact puts
+    it ``rounds`` times (deleting it after every round but the last, and after the last too when it
+    is in ``deleted``) while ``collectors`` threads each run ``gcs`` collections. Returns the errors."""
+    import threading
+
+    from kvcdn_core.store.chunkstore import ChunkStore
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(paths) + collectors)
+
+    def worker(name):
+        try:
+            store = ChunkStore(backend)
+            start.wait()
+            for round_ in range(rounds):
+                store.put(paths[name], name, force=True)
+                if round_ < rounds - 1 or name in deleted:
+                    store.delete(name)
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    def collector():
+        try:
+            store = ChunkStore(backend)
+            start.wait()
+            for _ in range(gcs):
+                store.gc()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in paths]
+    threads += [threading.Thread(target=collector) for _ in range(collectors)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
