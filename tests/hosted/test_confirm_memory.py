@@ -27,20 +27,19 @@ BUDGET = 64 << 20
 SIZE = 256 << 20
 
 
-def memory(pid: int) -> dict[str, int]:
-    """``VmRSS`` and ``VmHWM`` (peak) of a process, in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
+def _benchmark_script():
+    """benchmarks/confirm_memory.py as a module: its /proc readers serve the tests too."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "confirm_memory.py"
+    spec = importlib.util.spec_from_file_location("confirm_memory", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
-def reset_peak(pid: int) -> int:
-    """Reset the process's peak RSS to its current RSS (Linux ≥ 4.0); return that RSS."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return memory(pid)["VmRSS"]
+SCRIPT = _benchmark_script()
+memory, reset_peak = SCRIPT.memory, SCRIPT.reset_peak
 
 
 def put_file(plan: dict, path: Path, chunk: int = 1 << 20) -> dict | None:
@@ -107,12 +106,7 @@ def test_confirming_a_large_upload_keeps_the_server_rss_bounded(storage, large, 
 def test_the_benchmark_script_runs_every_case(tmp_path, capsys):
     """benchmarks/confirm_memory.py as docs/deployment.md runs it, on tiny artifacts: every case
     answers as it should (200s, a 422 for the wrong digest) and gets a row."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "confirm_memory.py"
-    spec = importlib.util.spec_from_file_location("confirm_memory", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = SCRIPT
     tiny = str(1 / 1024)
     argv = ["--sizes", tiny, "--bad", tiny, "--concurrent", "2", "--concurrent-size", tiny]
     assert script.main([*argv, "--workdir", str(tmp_path / "work")]) == 0
