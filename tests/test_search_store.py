@@ -15,9 +15,8 @@ from kvcdn_core import runtime, search
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.cli import make_cli
 from kvcdn_core.store import index
+from kvcdn_core.store.chunkstore import ChunkStore
 from kvcdn_core.tiny import SAMPLE_TEXT
-
-chunkstore = pytest.importorskip("kvcdn_core.store.chunkstore")  # put/get: the chunk store's side of the design
 
 PARAS = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
 QUESTION = "\n\nQ: What did the keeper write down?\nA:"
@@ -58,7 +57,7 @@ def reference(session, ids, n=N):
 def put(session, tmp_path, store, name, text):
     path = tmp_path / "made" / f"{name}.kv"
     runtime.generate(session, text, path, progress=False)
-    chunkstore.ChunkStore(LocalStorage(store)).put(path, name)
+    ChunkStore(LocalStorage(store)).put(path, name)
 
 
 def cli(*args):
