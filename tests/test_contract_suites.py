@@ -83,6 +83,14 @@ class _KvButTakesAnything(LocalStorage):
     stores = "kv"
 
 
+class _DeclaresMultipartWithoutIt(LocalStorage):
+    capabilities = frozenset({"local_path", "multipart"})
+
+
+class _DeclaresUnknownCapability(LocalStorage):
+    capabilities = frozenset({"local_path", "teleport"})
+
+
 @pytest.mark.parametrize(
     "broken,message",
     [
@@ -92,6 +100,8 @@ class _KvButTakesAnything(LocalStorage):
         (_RenamesAnyway, "rename, declared unsupported, must raise NotSupported"),
         (_DeclaresNonsense, "not optional: \\['put_file'\\]"),
         (_KvButTakesAnything, "not a .kv artifact must raise NotSupported"),
+        (_DeclaresMultipartWithoutIt, "declares multipart but refuses it"),
+        (_DeclaresUnknownCapability, "unknown capabilities: \\['teleport'\\]"),
     ],
 )
 def test_the_storage_suite_catches_a_broken_backend(tmp_path, broken, message):

@@ -20,6 +20,7 @@ class LocalStorage(StorageBackend):
     """
 
     schemes = ("file",)
+    capabilities = frozenset({"local_path"})
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
@@ -33,6 +34,7 @@ class LocalStorage(StorageBackend):
         return cls(parsed.path if parsed.scheme == "file" else uri)
 
     def path_of(self, key: str) -> Path:
+        """The object's file under the root (objects are plain files: ``local_path``)."""
         return self.root / safe_key(key)
 
     def put_file(self, key: str, source: Path) -> None:

@@ -21,7 +21,18 @@ plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contra
   ``"bytes"`` (any object, the default) or ``"kv"`` (only valid ``.kv`` artifacts, like the hosted
   endpoint, which checks every upload). ``unsupported`` names the optional operations (from
   :data:`OPTIONAL_OPERATIONS`) the medium cannot do faithfully. Both are refused with
-  :class:`NotSupported` before anything changes; nothing else may raise it.
+  :class:`NotSupported` before anything changes; nothing else may raise it. ``capabilities``
+  names the extra abilities (from :data:`CAPABILITIES`) a backend offers beyond the interface:
+
+  - ``"multipart"``: clients upload a large object in parts straight to the medium
+    (:meth:`StorageBackend.needs_multipart`, ``start_multipart``, ``complete_multipart``,
+    ``list_multipart``, ``abort_multipart``); the hosted server hands out the parts' URLs.
+  - ``"local_path"``: every object is a file on this machine (:meth:`StorageBackend.path_of`):
+    reading it gives the object's bytes, and a file atomically renamed onto it becomes the object.
+    The hosted server then reads and writes the files directly and signs its own URLs.
+
+  Callers read only the declaration (:meth:`StorageBackend.offers`), never probe for methods; a
+  backend that declares a capability implements its methods, and one that does not is never asked.
 - **Threads.** One backend instance is used from many threads at once (the server does): every
   method is safe to call concurrently; writers of one key race and the last whole object wins.
 """
@@ -32,7 +43,7 @@ import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, ClassVar
+from typing import IO, Any, ClassVar
 
 from kvcdn_core.errors import KvcdnError
 
@@ -57,6 +68,8 @@ class NotSupported(KvcdnError):
 STORES = ("bytes", "kv")
 #: The operations a backend may list in ``unsupported``.
 OPTIONAL_OPERATIONS = frozenset({"rename"})
+#: The extra abilities a backend may declare in ``capabilities``.
+CAPABILITIES = frozenset({"multipart", "local_path"})
 
 
 class StorageBackend:
@@ -74,6 +87,14 @@ class StorageBackend:
     #: Optional operations (from :data:`OPTIONAL_OPERATIONS`) this backend does not offer: calling
     #: one raises :class:`NotSupported`.
     unsupported: ClassVar[frozenset[str]] = frozenset()
+    #: Extra abilities (from :data:`CAPABILITIES`) this backend offers: ``"multipart"`` (the
+    #: ``*_multipart`` methods), ``"local_path"`` (:meth:`path_of`). Declared, never probed.
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def offers(cls, capability: str) -> bool:
+        """Whether this backend declares ``capability`` (one of :data:`CAPABILITIES`)."""
+        return capability in cls.capabilities
 
     @classmethod
     def from_uri(cls, uri: str) -> StorageBackend:
@@ -155,6 +176,37 @@ class StorageBackend:
         None when the medium has no such URLs (the hosted server then signs its own).
         """
         return None
+
+    # -- declared capabilities: only a backend that lists one in ``capabilities`` is asked ------
+
+    def path_of(self, key: str) -> Path:
+        """``"local_path"``: the file that holds object ``key`` (it need not exist yet)."""
+        raise NotSupported(f"{type(self).__name__} does not declare local_path")
+
+    def needs_multipart(self, size: int) -> bool:
+        """``"multipart"``: whether an object of ``size`` bytes must go up in parts."""
+        raise NotSupported(f"{type(self).__name__} does not declare multipart")
+
+    def start_multipart(self, key: str, size: int, expires_in: int) -> dict[str, Any]:
+        """``"multipart"``: begin an upload of ``size`` bytes to ``key`` in parts.
+
+        Returns ``{"upload_id", "part_size", "parts": [{"part_number", "url", "size"}]}``: each
+        part's bytes are PUT to its URL (valid ``expires_in`` seconds), whose answer's ``ETag``
+        header the client keeps for :meth:`complete_multipart`.
+        """
+        raise NotSupported(f"{type(self).__name__} does not declare multipart")
+
+    def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        """``"multipart"``: assemble the object from ``[{"part_number", "etag"}]``."""
+        raise NotSupported(f"{type(self).__name__} does not declare multipart")
+
+    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+        """``"multipart"``: ``(key, upload_id)`` of the uploads in progress under ``prefix``."""
+        raise NotSupported(f"{type(self).__name__} does not declare multipart")
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """``"multipart"``: drop an upload in progress and its parts; nothing happens when it is gone."""
+        raise NotSupported(f"{type(self).__name__} does not declare multipart")
 
     def require(self, operation: str) -> None:
         """Raise :class:`NotSupported` when ``operation`` is one this backend declared it does not offer."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from kvcdn_core.contracts.storage import (
+    CAPABILITIES,
     OPTIONAL_OPERATIONS,
     STORES,
     NotSupported,
@@ -64,10 +67,13 @@ def assert_storage_contract(backend_factory: Callable[[], StorageBackend], threa
     """Check a storage backend against the storage contract.
 
     ``backend_factory()`` returns a backend over an empty store; it is called once per check. The
-    checks: the declared capabilities (``stores``, ``unsupported``) and their refusals, round trip
+    checks: the declarations (``stores``, ``unsupported``, ``capabilities``) and their refusals, round trip
     of files and bytes, listing by prefix (string prefix, sorted by key, sizes), missing keys,
     overwrite, rename (or its declared refusal), streaming ``open_read``, invalid keys, and
-    concurrent use of one instance from ``threads`` threads with every byte checked afterwards.
+    concurrent use of one instance from ``threads`` threads with every byte checked afterwards, and
+    each declared capability really working: ``local_path`` files that hold the object's bytes (and
+    become it when renamed onto), ``multipart`` uploads created, PUT part by part to their URLs over
+    HTTP, completed, listed and aborted.
     A backend that stores only ``.kv`` artifacts is given valid artifacts (this needs torch).
     """
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,6 +88,8 @@ def assert_storage_contract(backend_factory: Callable[[], StorageBackend], threa
             _streaming,
             _invalid_keys,
             _concurrent,
+            _local_path,
+            _multipart,
         ):
             store = backend_factory()
             assert isinstance(store, StorageBackend), f"{type(store).__name__} is not a StorageBackend"
@@ -114,6 +122,10 @@ def _capabilities(store: StorageBackend, work: Path, threads: int) -> None:
     assert cls.stores in STORES, f"{cls.__name__}.stores is {cls.stores!r}, not one of {STORES}"
     unknown = set(cls.unsupported) - OPTIONAL_OPERATIONS
     assert not unknown, f"{cls.__name__}.unsupported names operations that are not optional: {sorted(unknown)}"
+    unknown = set(cls.capabilities) - CAPABILITIES
+    assert not unknown, f"{cls.__name__}.capabilities names unknown capabilities: {sorted(unknown)}"
+    for capability in CAPABILITIES:
+        assert cls.offers(capability) == (capability in cls.capabilities), f"{cls.__name__}.offers disagrees"
     work.mkdir()
     if cls.stores == "kv":
         raw = work / "raw.kv"
@@ -287,3 +299,70 @@ def _concurrent(store: StorageBackend, work: Path, threads: int) -> None:
         assert store.read_bytes(f"d/{n}.kv") == _payload(store, f"t{n}", 40_000 + n), f"object {n} was mixed up"
     shared = store.read_bytes("shared.kv")
     assert shared in {_payload(store, f"shared{n}", 20_000) for n in range(threads)}, "racing writers mixed their bytes"
+
+
+def _declared(store: StorageBackend, capability: str, call: Callable[[], object]) -> object:
+    """``call()`` of a capability's method: a backend that declares it must not refuse it."""
+    try:
+        return call()
+    except NotSupported as exc:
+        raise AssertionError(f"{type(store).__name__} declares {capability} but refuses it: {exc}") from exc
+
+
+def _local_path(store: StorageBackend, work: Path, threads: int) -> None:
+    """``local_path``: the object's file holds get()'s bytes, and a file renamed onto it becomes it."""
+    if not type(store).offers("local_path"):
+        return
+    work.mkdir()
+    data = _payload(store, "local", 5000)
+    store.write_bytes("l/x.kv", data)
+    path = Path(_declared(store, "local_path", lambda: store.path_of("l/x.kv")))  # type: ignore[arg-type]
+    assert path.is_file() and path.read_bytes() == data, "path_of is not the file holding the object's bytes"
+    store.get_file("l/x.kv", work / "got")
+    assert (work / "got").read_bytes() == path.read_bytes(), "path_of's bytes differ from get_file's"
+    newer = _payload(store, "local-newer", 300)
+    staged = Path(_declared(store, "local_path", lambda: store.path_of("l/.staged")))  # type: ignore[arg-type]
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    staged.write_bytes(newer)
+    os.replace(staged, path)
+    assert store.read_bytes("l/x.kv") == newer, "a file renamed onto path_of did not become the object"
+    assert [i.key for i in store.list("l/")] == ["l/x.kv"], "path_of's files list as other objects"
+
+
+def _put_part(url: str, data: bytes) -> str:
+    request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Length": str(len(data))})
+    with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 - the backend's own URL
+        etag = response.headers.get("ETag")
+    assert etag, "a part's PUT answered no ETag"
+    return etag
+
+
+def _multipart(store: StorageBackend, work: Path, threads: int) -> None:
+    """``multipart``: an upload in parts, PUT to the URLs the backend signed, assembles the object;
+    an aborted one leaves nothing, and both show in ``list_multipart`` while in progress."""
+    if not type(store).offers("multipart"):
+        return
+    data = _payload(store, "multipart", 70_000)
+    assert isinstance(_declared(store, "multipart", lambda: store.needs_multipart(len(data))), bool), (
+        "needs_multipart must answer a bool"
+    )
+    plan: dict = _declared(store, "multipart", lambda: store.start_multipart("m/x.kv", len(data), 600))  # type: ignore[assignment]
+    upload_id, parts = plan["upload_id"], plan["parts"]
+    assert sum(p["size"] for p in parts) == len(data), "the parts' sizes do not add up to the object"
+    assert [p["part_number"] for p in parts] == list(range(1, len(parts) + 1)), "parts are not numbered 1..n"
+    assert ("m/x.kv", upload_id) in store.list_multipart("m/"), "list_multipart misses an upload in progress"
+    assert store.read_bytes("m/x.kv") is None, "an upload in progress is already an object"
+    done, offset = [], 0
+    for part in parts:
+        done.append(
+            {"part_number": part["part_number"], "etag": _put_part(part["url"], data[offset : offset + part["size"]])}
+        )
+        offset += part["size"]
+    store.complete_multipart("m/x.kv", upload_id, done)
+    assert store.read_bytes("m/x.kv") == data, "the completed multipart upload holds other bytes"
+    assert ("m/x.kv", upload_id) not in store.list_multipart("m/"), "a completed upload is still listed"
+    dropped = store.start_multipart("m/y.kv", len(data), 600)
+    store.abort_multipart("m/y.kv", dropped["upload_id"])
+    assert ("m/y.kv", dropped["upload_id"]) not in store.list_multipart("m/"), "an aborted upload is still listed"
+    assert not store.exists("m/y.kv"), "an aborted upload left an object"
+    store.abort_multipart("m/y.kv", dropped["upload_id"])  # gone already: nothing happens

@@ -129,7 +129,7 @@ def test_a_timed_out_request_stops_and_frees_its_slot(serve, forward_calls, qwen
     answered = time.monotonic()
     assert r.status_code == 504 and r.json()["error"] == "timeout"
     # The cancellation is set before the 504 is sent: at most the step already past its check runs.
-    _wait(lambda: app.state.engine.slots.in_use() == 0, 5.0)
+    _wait(lambda: app.state.services.inference.slots.in_use() == 0, 5.0)
     _assert_stopped(forward_calls)
     late = [t for t in forward_calls if t > answered]
     assert len(late) <= 1, f"{len(late)} decode steps started after the 504"
@@ -143,7 +143,7 @@ def test_a_disconnected_client_stops_its_computation(serve, forward_calls, qwen3
     before = len(forward_calls)
     with pytest.raises(httpx.ReadTimeout):
         _infer(url, keys["acme"], artifact_id, 256, timeout=1.0)  # the client gives up and closes
-    _wait(lambda: app.state.engine.slots.in_use() == 0, 5.0)  # noticed within a poll (0.2 s) and a step
+    _wait(lambda: app.state.services.inference.slots.in_use() == 0, 5.0)  # noticed within a poll (0.2 s) and a step
     _assert_stopped(forward_calls)
     ran = len(forward_calls) - before
     assert ran < 128, f"{ran} of the 256 decode steps ran although the client left after 1 s"
@@ -155,7 +155,7 @@ def test_one_tenant_cannot_hold_every_slot(serve, forward_calls, qwen3_artifact,
     a_id, b_id = _upload(url, keys["acme"], public), _upload(url, keys["beta"], public)
     for key, artifact_id in ((keys["acme"], a_id), (keys["beta"], b_id)):
         assert _infer(url, key, artifact_id, 1).status_code == 200
-    engine = app.state.engine
+    engine = app.state.services.inference
 
     def hog():  # a long request (13 s at least), abandoned after 3 s (more on a busy machine)
         with contextlib.suppress(httpx.ReadTimeout):
@@ -190,7 +190,7 @@ def test_limits_are_in_tokens_and_refused_before_any_model_work(serve, forward_c
     r = _infer(url, keys["acme"], artifact_id, 4)
     assert r.status_code == 422 and r.json()["error"] == "context_too_long", r.text
     assert f"holds {tokens} context tokens" in r.json()["message"]
-    assert app.state.engine.models.items == {} and forward_calls == []  # no model was even loaded
+    assert app.state.services.inference.models.items == {} and forward_calls == []  # no model was even loaded
 
     url, app, keys = serve(KVCDN_INFER_MAX_QUESTION_TOKENS="8", KVCDN_INFER_MAX_CONTEXT_TOKENS="32768")
     artifact_id = _upload(url, keys["beta"], qwen3_artifact)
@@ -222,7 +222,7 @@ def test_a_model_in_the_hub_cache_but_not_allowed_is_refused(serve, monkeypatch,
     artifact_id = _upload(url, keys["acme"], write_synthetic_kv(tmp_path / "cached.kv", model_id="example/cached"))
     r = _infer(url, keys["acme"], artifact_id, 1)
     assert r.status_code == 422 and r.json()["error"] == "model_not_available", r.text
-    assert app.state.engine.models.items == {}
+    assert app.state.services.inference.models.items == {}
 
 
 def test_resident_caches_stay_within_their_byte_budget(serve, qwen3_artifact, tmp_path):
@@ -231,7 +231,7 @@ def test_resident_caches_stay_within_their_byte_budget(serve, qwen3_artifact, tm
     url, app, keys = serve()
     first = _upload(url, keys["acme"], qwen3_artifact)
     assert _infer(url, keys["acme"], first, 1).status_code == 200
-    ((_, cache, _, _),) = [entry for entry, _ in app.state.engine.artifacts.items.values()]
+    ((_, cache, _, _),) = [entry for entry, _ in app.state.services.inference.artifacts.items.values()]
     one = tensor_bytes(cache)
     assert one > 0
 
@@ -241,7 +241,7 @@ def test_resident_caches_stay_within_their_byte_budget(serve, qwen3_artifact, tm
     b = _upload(url, keys["acme"], shutil.copy(qwen3_artifact, tmp_path / "copy.kv"))
     for artifact_id in (a, b, a):
         assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200
-        assert app.state.engine.artifacts.resident_bytes() <= one + one // 2
+        assert app.state.services.inference.artifacts.resident_bytes() <= one + one // 2
     # a cache larger than the whole budget is refused rather than held per request
     url, app, keys = serve(KVCDN_INFER_CACHE_BYTES=str(one - 1))
     artifact_id = _upload(url, keys["beta"], qwen3_artifact)
@@ -297,7 +297,7 @@ def test_an_over_long_question_is_refused_before_any_model_loads(serve, forward_
     """Before, a 32,768-character question got 413 only after the model (and artifact) loaded."""
     url, app, keys = serve(KVCDN_DATABASE_URL=database_url)  # default limits: 1024 question tokens: 16 KiB
     artifact_id = _upload(url, keys["acme"], qwen3_artifact)
-    engine = app.state.engine
+    engine = app.state.services.inference
     for question in ("x" * 32768, "é" * 8193):  # 32,768 bytes; 16,386 bytes in 8,193 characters
         r = _infer(url, keys["acme"], artifact_id, 4, question=question)
         assert r.status_code == 413 and r.json()["error"] == "question_too_long", r.text
@@ -309,7 +309,7 @@ def test_an_over_long_question_is_refused_before_any_model_loads(serve, forward_
     artifact_id = _upload(url, keys["beta"], qwen3_artifact)
     r = _infer(url, keys["beta"], artifact_id, 4, question=" the" * 7)  # 28 bytes
     assert r.status_code == 413 and "at most 24" in r.json()["message"], r.text
-    assert app.state.engine.models.items == {}
+    assert app.state.services.inference.models.items == {}
     assert _infer(url, keys["beta"], artifact_id, 4, question=" the" * 6).status_code == 200
 
 
@@ -342,7 +342,7 @@ def test_a_timeout_during_a_model_load_frees_the_tenants_slot_at_once(
         KVCDN_DATABASE_URL=database_url,
     )
     artifact_id = _upload(url, keys["acme"], qwen3_artifact)
-    engine = app.state.engine
+    engine = app.state.services.inference
     engine.timeout = 0.5  # the load below never ends by itself: this request must time out
     r = _infer(url, keys["acme"], artifact_id, 2)
     assert r.status_code == 504 and r.json()["error"] == "timeout", r.text
@@ -377,7 +377,7 @@ def test_a_light_tenant_computes_between_the_steps_of_a_long_request(
     from kvcdn_core import ModelAdapter
 
     url, app, keys = serve(KVCDN_INFER_TIMEOUT="60", KVCDN_INFER_CONCURRENCY="2")
-    engine = app.state.engine
+    engine = app.state.services.inference
     now = [0.0]
     engine.turns.clock = lambda: now[0]
     threads: list[int] = []

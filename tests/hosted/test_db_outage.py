@@ -49,7 +49,7 @@ def make_app(monkeypatch, tmp_path, database_url):
         config = load_config(storage=storage or str(tmp_path / "objects"), database=database_url)
         app = create_app(config)  # not started: no collector thread, the test calls collect()
         clock = [0.0]
-        app.state.store.clock = lambda: time.time() + clock[0]
+        app.state.services.store.clock = lambda: time.time() + clock[0]
         return app, TestClient(app), derive_key(config.api_key_seed, "acme"), clock
 
     return make
@@ -118,7 +118,7 @@ def _assert_one_line_503(response, caplog) -> None:
 
 def test_a_confirm_whose_last_transaction_fails_is_handed_back_and_a_retry_succeeds(make_app, small_kv, caplog):
     app, client, key, _ = make_app()
-    store = app.state.store
+    store = app.state.services.store
     artifact_id = _upload(client, key, small_kv)
     outage = Outage(store.db, once=True)
     with caplog.at_level(logging.WARNING, logger="kvcdn.server"):
@@ -139,7 +139,7 @@ def test_a_confirm_whose_last_transaction_fails_is_handed_back_and_a_retry_succe
 
 def test_when_the_hand_back_fails_too_the_lease_hands_it_back_once(make_app, small_kv, tmp_path, caplog):
     app, client, key, clock = make_app()
-    store = app.state.store
+    store = app.state.services.store
     lease = store.config.lease_seconds
     artifact_id = _upload(client, key, small_kv)
     outage = Outage(store.db, once=False)
@@ -182,7 +182,7 @@ def test_a_retried_confirm_takes_back_an_upload_whose_lease_ran_out(make_app, sm
     """The retry does not wait for the collector: a confirm finding its upload ``confirming`` under
     a lease that ran out (a lease period after the outage) hands it back and confirms it."""
     app, client, key, clock = make_app()
-    store = app.state.store
+    store = app.state.services.store
     artifact_id = _upload(client, key, small_kv)
     outage = Outage(store.db, once=False)
     assert _confirm(client, key, artifact_id).status_code == 503
@@ -197,14 +197,14 @@ def test_every_route_answers_503_while_the_database_is_unreachable(make_app, sma
     """The engine pointed at a port nobody listens on: reads, writes, and authentication alike."""
     app, client, key, _ = make_app()
     artifact_id = _upload(client, key, small_kv)
-    store = app.state.store
+    store = app.state.services.store
     dead = sa.create_engine(
         f"postgresql+psycopg://nobody@127.0.0.1:{services.free_port()}/none", connect_args={"connect_timeout": 5}
     )
-    for holder in (store, app.state.orgs):
+    for holder in (store, app.state.services.orgs):
         holder.db = dead
     store.reads = dead
-    app.state.orgs._loaded_at = float("-inf")  # the key cache is stale: authentication needs the database
+    app.state.services.orgs._loaded_at = float("-inf")  # the key cache is stale: authentication needs the database
     with caplog.at_level(logging.WARNING, logger="kvcdn.server"):
         answers = [
             client.get(f"{API}/artifacts", headers=bearer(key)),
@@ -238,7 +238,7 @@ def storage_uri(request):
 def test_deleting_an_upload_while_its_confirm_runs_is_409_deleted(make_app, storage_uri, small_kv, when):
     """The delete lands after the confirm moved the bytes, or as it starts reading them."""
     app, client, key, _ = make_app(storage=storage_uri)
-    store = app.state.store
+    store = app.state.services.store
     artifact_id = _upload(client, key, small_kv)
 
     def delete_now():

@@ -59,7 +59,7 @@ def test_unconfirmed_uploads_expire_and_are_removed(make_app, tmp_path, small_kv
     # The server's own clock, moved on by the test: no sleep, so no race with a busy machine.
     clock = ManualClock()
     app, client, key = make_app(clock=clock, KVCDN_UPLOAD_URL_TTL=60, KVCDN_PENDING_GRACE=0)
-    store = app.state.store
+    store = app.state.services.store
     plan, put_url = _start(client, key, small_kv)
     assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
     clock.advance(59)  # still within the URL's lifetime, however long the machine took
@@ -89,10 +89,10 @@ def test_a_failed_confirm_fails_the_upload_and_gives_its_quota_back(make_app, tm
     assert client.put(put_url, content=junk.read_bytes()).status_code == 200
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
     assert r.status_code == 422 and r.json()["error"] == "not_a_kv_artifact" and "\n" not in r.json()["message"]
-    assert app.state.store.row(plan["artifact_id"]).status == "failed"
+    assert app.state.services.store.row(plan["artifact_id"]).status == "failed"
     again = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
     assert again.status_code == 409 and again.json()["error"] == "upload_failed"
-    assert _files(tmp_path) == [] and app.state.store.reserved("org:acme") == (0, 0)
+    assert _files(tmp_path) == [] and app.state.services.store.reserved("org:acme") == (0, 0)
     # The quota of one artifact is free again.
     plan, put_url = _start(client, key, small_kv)
     assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
@@ -104,7 +104,7 @@ def test_inference_timeout_is_504(make_app, tmp_path, qwen3_artifact, hosted_mod
     plan, put_url = _start(client, key, qwen3_artifact)
     client.put(put_url, content=qwen3_artifact.read_bytes())
     assert client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
-    engine = app.state.engine
+    engine = app.state.services.inference
     # Every computation is held until the test lets it go: on a busy machine the second one could
     # otherwise finish within its 1 ms while its waiter was not scheduled, and rightly be served.
     gate, real = threading.Event(), engine._infer
@@ -128,15 +128,15 @@ def test_a_request_refused_for_its_limits_or_no_slot_costs_no_database_query(mak
 
     app, client, key = make_app(KVCDN_INFER_CONCURRENCY=1)
     lookups = []
-    real = app.state.store.readable
-    monkeypatch.setattr(app.state.store, "readable", lambda *a, **k: lookups.append(a) or real(*a, **k))
+    real = app.state.services.store.readable
+    monkeypatch.setattr(app.state.services.store, "readable", lambda *a, **k: lookups.append(a) or real(*a, **k))
     url = f"{API}/artifacts/{uuid.uuid4()}/infer"
     assert client.post(url, headers=bearer(key), json={"question": "x" * 20000, "n": 1}).status_code == 413
-    app.state.engine.slots.acquire("another tenant")  # the only slot is taken
+    app.state.services.inference.slots.acquire("another tenant")  # the only slot is taken
     r = client.post(url, headers=bearer(key), json={"question": "x", "n": 1})
     assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
     assert lookups == []
-    app.state.engine.slots.release("another tenant")
+    app.state.services.inference.slots.release("another tenant")
     assert client.post(url, headers=bearer(key), json={"question": "x", "n": 1}).status_code == 404
     assert len(lookups) == 1
 
@@ -251,7 +251,7 @@ def test_bad_configuration_is_one_line_exit_2(args, message):
 
 def test_the_collector_reclaims_orphans_and_never_a_live_object(make_app, tmp_path, small_kv):
     app, client, key = make_app(KVCDN_ORPHAN_GRACE=1)
-    store = app.state.store
+    store = app.state.services.store
     live, put_url = _start(client, key, small_kv)
     client.put(put_url, content=small_kv.read_bytes())
     assert client.post(f"{API}/artifacts/{live['artifact_id']}/confirm-upload", headers=bearer(key)).status_code == 200
@@ -325,7 +325,7 @@ def test_upload_url_quota_is_atomic_in_one_process(make_app, small_kv):
     from kvcdn_server.errors import ApiError
 
     app, _client, _key = make_app(KVCDN_QUOTA_ARTIFACTS=1)
-    store = app.state.store
+    store = app.state.services.store
 
     def reserve(_):
         try:
@@ -476,7 +476,7 @@ def test_telemetry_is_rate_limited_per_client(make_app, monkeypatch):
     other = TestClient(app, client=("192.0.2.7", 40000))
     assert [other.post(f"{API}/telemetry", json=event).status_code for _ in range(6)] == [204] * 5 + [429]
     clock = [0.0]
-    bucket = telemetry.RateLimit(app.state.db, rate=2.0, burst=2, clock=lambda: clock[0])
+    bucket = telemetry.RateLimit(app.state.services.db_engine, rate=2.0, burst=2, clock=lambda: clock[0])
     assert [bucket.allow("c") for _ in range(3)] == [True, True, False]
     clock[0] += 0.5  # one token back after half a second at 2/s
     assert [bucket.allow("c") for _ in range(2)] == [True, False]

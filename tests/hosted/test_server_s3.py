@@ -132,7 +132,7 @@ def test_the_collector_aborts_multipart_uploads_no_open_upload_owns(moto_s3, mon
         monkeypatch.setenv(name, value)
     config = load_config(storage=f"s3://{S3_BUCKET}/collector", database=f"sqlite:///{tmp_path / 'state.db'}")
     app = create_app(config)
-    client, store = TestClient(app), app.state.store
+    client, store = TestClient(app), app.state.services.store
     key = derive_key(config.api_key_seed, "acme")
     size = 6 << 20
     plan = client.post(

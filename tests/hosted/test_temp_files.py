@@ -54,7 +54,7 @@ def s3_app(moto_s3, monkeypatch, tmp_path):
     def confirm_upload(artifact_id: str) -> httpx.Response:
         return client.post(f"{API}/artifacts/{artifact_id}/confirm-upload", headers=bearer(key))
 
-    return app.state.store, upload, confirm_upload
+    return app.state.services.store, upload, confirm_upload
 
 
 def _age(path: Path, seconds: float) -> None:

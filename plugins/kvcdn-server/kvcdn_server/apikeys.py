@@ -51,10 +51,10 @@ def derive_key(seed: bytes, org: str, generation: int = 1) -> str:
 class OrgRegistry:
     """The orgs this server knows, their key generations, and key verification."""
 
-    def __init__(self, seed: bytes, env_orgs: dict[str, int], engine, refresh: float = 5.0):
+    def __init__(self, seed: bytes, env_orgs: dict[str, int], db_engine, refresh: float = 5.0):
         self.seed = seed
         self.env_orgs = dict(env_orgs)
-        self.db = engine
+        self.db = db_engine
         self.refresh = refresh
         self._lock = threading.Lock()
         self._loaded_at = float("-inf")

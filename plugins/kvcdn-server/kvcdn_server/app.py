@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvcdn_core
-from kvcdn_core import KvcdnError, LocalStorage, open_storage
+from kvcdn_core import KvcdnError, open_storage
 from kvcdn_hosted import wire
 from kvcdn_server.apikeys import OrgRegistry
 from kvcdn_server.artifacts import ArtifactStore
@@ -124,7 +124,7 @@ def redact_access_log() -> None:
         access.addFilter(RedactQueries())
 
 
-def build_services(config: ServerConfig, storage=None, engine=None, clock: Callable[[], float] = time.time) -> Services:
+def build_services(config: ServerConfig, storage=None, db_engine=None, clock: Callable[[], float] = time.time) -> Services:
     """``clock`` (seconds since the epoch) times every expiry, lease and signed URL; only a test
     running the app in-process passes another, to move time on without sleeping."""
     storage = storage or open_storage(config.storage_uri)
@@ -133,30 +133,33 @@ def build_services(config: ServerConfig, storage=None, engine=None, clock: Calla
         raise KvcdnError(
             f"storage '{config.storage_uri}' cannot hold a server's objects: it must store any bytes and rename"
         )
-    engine = engine or open_database(config.database_url)
-    limit = RateLimit(engine)
+    db_engine = db_engine or open_database(config.database_url)
+    limit = RateLimit(db_engine)
     return Services(
         config=config,
-        db=engine,
+        db_engine=db_engine,
         storage=storage,
-        store=ArtifactStore(engine, storage, config, clock),
-        orgs=OrgRegistry(config.api_key_seed, config.env_orgs, engine, config.orgs_refresh),
+        store=ArtifactStore(db_engine, storage, config, clock),
+        orgs=OrgRegistry(config.api_key_seed, config.env_orgs, db_engine, config.orgs_refresh),
         verifier=(
             JwtVerifier(config.issuer_url, config.client_id, config.jwt_algorithms, config.jwt_leeway)
             if config.issuer_url
             else None
         ),
         signer=UrlSigner(config.url_key, clock),
-        engine=InferenceEngine.from_config(config),
+        inference=InferenceEngine.from_config(config),
         limit=limit,
         telemetry=TelemetrySink(config.telemetry_url, config.telemetry_secret, limit),
         public_base=(config.public_url or DEFAULT_PUBLIC_URL).rstrip("/"),
-        storage_kind="local" if isinstance(storage, LocalStorage) else (type(storage).schemes or ("other",))[0],
+        # what /health shows: "local" for objects on this machine's disk, else the backend's scheme
+        storage_kind="local" if type(storage).offers("local_path") else (type(storage).schemes or ("other",))[0],
     )
 
 
-def create_app(config: ServerConfig, storage=None, engine=None, clock: Callable[[], float] = time.time) -> FastAPI:
-    s = build_services(config, storage, engine, clock)
+def create_app(
+    config: ServerConfig, storage=None, db_engine=None, clock: Callable[[], float] = time.time
+) -> FastAPI:
+    s = build_services(config, storage, db_engine, clock)
     stop = threading.Event()
     redact_access_log()
 
@@ -182,7 +185,7 @@ def create_app(config: ServerConfig, storage=None, engine=None, clock: Callable[
         thread.start()
         yield
         stop.set()
-        s.engine.shutdown()
+        s.inference.shutdown()
 
     # No trailing-slash redirects: their Location would be built from the request's Host header.
     app = FastAPI(
@@ -193,11 +196,7 @@ def create_app(config: ServerConfig, storage=None, engine=None, clock: Callable[
         redoc_url=None,
         redirect_slashes=False,
     )
-    app.state.services = s
-    app.state.store = s.store
-    app.state.orgs = s.orgs
-    app.state.engine = s.engine
-    app.state.db = s.db
+    app.state.services = s  # the one way in: routes (``services.services``) and tests alike
     app.add_middleware(BodyLimit)
     for router in (account.router, admin.router, artifacts.router, blobs.router, telemetry.router):
         app.include_router(router)

@@ -42,7 +42,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from kvcdn_core import KvcdnError, LocalStorage, nfc, text_problem
+from kvcdn_core import KvcdnError, StorageBackend, nfc, text_problem
 from kvcdn_core import artifact as kvformat
 from kvcdn_server.db import artifacts, readers, usage
 from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, not_found
@@ -189,18 +189,19 @@ def view(row, owner: bool = True) -> dict[str, Any]:
 
 
 class ArtifactStore:
-    def __init__(self, engine: sa.Engine, storage, config, clock: Callable[[], float] = time.time):
+    def __init__(self, db_engine: sa.Engine, storage: StorageBackend, config, clock: Callable[[], float] = time.time):
         #: the wall clock of every expiry and lease (seconds since the epoch); a test passes one it
         #: advances itself, so that expiry is tested without sleeping
         self.clock = clock
         #: when this process last failed to reach the database: leases are not judged for a lease
         #: period after it, so that holders whose heartbeats could not get through renew them first
         self.outage_at = float("-inf")
-        self.db = engine
-        self.reads = readers(engine)
+        self.db = db_engine
+        self.reads = readers(db_engine)
         self.storage = storage
         self.config = config
-        self.local = isinstance(storage, LocalStorage)
+        #: objects are files here (the storage declares ``local_path``): PUTs land next to them
+        self.local = type(storage).offers("local_path")
         self.tmp_dir = Path(config.home) / "tmp"
         # temp files this process is using: the collector leaves them alone, whatever their age
         self._using: set[Path] = set()
@@ -331,7 +332,7 @@ class ArtifactStore:
         return True
 
     def _remove_objects(self, artifact_id: str, multipart_id: str | None = None) -> None:
-        if multipart_id and hasattr(self.storage, "abort_multipart"):
+        if multipart_id and type(self.storage).offers("multipart"):
             with contextlib.suppress(Exception):
                 self.storage.abort_multipart(upload_key(artifact_id), multipart_id)
         for key in (upload_key(artifact_id), artifact_key(artifact_id)):
@@ -842,11 +843,10 @@ class ArtifactStore:
     def _abort_orphan_multiparts(self, before: float) -> int:
         """Multipart uploads (S3) that no open upload row names: a crash between starting one and
         recording it, or an upload that ended while its abort failed."""
-        lister = getattr(self.storage, "list_multipart", None)
-        if lister is None:
+        if not type(self.storage).offers("multipart"):
             return 0
         aborted = 0
-        for key, multipart_id in lister("uploads/"):
+        for key, multipart_id in self.storage.list_multipart("uploads/"):
             row = self.row(key[len("uploads/") :])
             owned = (
                 row is not None

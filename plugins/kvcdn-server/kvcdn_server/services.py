@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from fastapi import Request
 
+from kvcdn_core import StorageBackend
+
 from kvcdn_server.apikeys import OrgRegistry
 from kvcdn_server.artifacts import ArtifactStore
 from kvcdn_server.config import ServerConfig
@@ -19,13 +21,14 @@ from kvcdn_server.telemetry import RateLimit, TelemetrySink
 @dataclass
 class Services:
     config: ServerConfig
-    db: sa.Engine
-    storage: object
+    #: the SQLAlchemy engine of the database ("engine" alone is never the inference engine)
+    db_engine: sa.Engine
+    storage: StorageBackend
     store: ArtifactStore
     orgs: OrgRegistry
     verifier: JwtVerifier | None
     signer: UrlSigner
-    engine: InferenceEngine
+    inference: InferenceEngine
     limit: RateLimit
     telemetry: TelemetrySink
     public_base: str

@@ -25,8 +25,8 @@ class RateLimit:
     """A token bucket per client address, kept in the database so that every replica shares it:
     ``allow(client)`` is true for at most ``burst`` calls at once, ``rate`` a second after."""
 
-    def __init__(self, engine, rate: float | None = None, burst: int | None = None, clock=time.time):
-        self.db = engine
+    def __init__(self, db_engine, rate: float | None = None, burst: int | None = None, clock=time.time):
+        self.db = db_engine
         self.rate = RATE_PER_S if rate is None else rate
         self.burst = RATE_BURST if burst is None else burst
         self.clock = clock

@@ -78,6 +78,7 @@ class S3Storage(StorageBackend):
     """Objects in one bucket under an optional key prefix."""
 
     schemes: ClassVar[tuple[str, ...]] = ("s3",)
+    capabilities: ClassVar[frozenset[str]] = frozenset({"multipart"})
 
     def __init__(self, bucket: str, prefix: str = "", part_size: int | None = None):
         if not bucket:
@@ -263,6 +264,7 @@ class S3Storage(StorageBackend):
         return self.presigner.generate_presigned_url(operation, Params=params, ExpiresIn=int(expires_in))
 
     def needs_multipart(self, size: int) -> bool:
+        """Objects over one part go up in parts (S3 refuses one PUT over 5 GiB)."""
         return size > self.part_size
 
     def start_multipart(self, key: str, size: int, expires_in: int) -> dict[str, Any]:

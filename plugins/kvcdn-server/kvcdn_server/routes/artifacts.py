@@ -38,7 +38,7 @@ def upload_url(identity: Auth, body: UploadUrlRequest, s: Svc):
     artifact_id, expires = record["id"], record["url_expires"]
     url, multipart, storage, ttl = None, None, s.storage, s.config.upload_ttl
     try:
-        if not s.store.local and getattr(storage, "needs_multipart", None) and storage.needs_multipart(body.size_bytes):
+        if not s.store.local and storage.offers("multipart") and storage.needs_multipart(body.size_bytes):
             plan = storage.start_multipart(upload_key(artifact_id), body.size_bytes, ttl)
             s.store.set_multipart(artifact_id, plan["upload_id"])
             multipart = {"part_size": plan["part_size"], "parts": plan["parts"]}
@@ -116,14 +116,14 @@ def delete_artifact(identity: Auth, artifact_id: str, s: Svc):
 
 def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Request, s: Services):
     # What needs no database first: a flood of requests over the limits, or finding no slot, is
-    # refused at the least cost (engine.run checks both again, then takes the slot).
-    s.engine.check_request(body.question, body.n)
-    s.engine.slots.check(identity.tenant)
+    # refused at the least cost (inference.run checks both again, then takes the slot).
+    s.inference.check_request(body.question, body.n)
+    s.inference.slots.check(identity.tenant)
     row = s.store.readable(identity.tenant, artifact_id)
     if row.status != "ready":
         raise not_found()
     key = (row.tenant, artifact_id, row.sha256)
-    result = s.engine.run(
+    result = s.inference.run(
         identity.tenant,
         key,
         lambda: s.store.local_copy(artifact_key(artifact_id)),
