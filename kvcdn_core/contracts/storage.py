@@ -39,6 +39,7 @@ plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contra
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import shutil
 import tempfile
@@ -196,11 +197,11 @@ class StorageBackend:
         """
         raise NotSupported(f"{type(self).__name__} does not declare multipart")
 
-    def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+    def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[dict[str, Any]]) -> None:
         """``"multipart"``: assemble the object from ``[{"part_number", "etag"}]``."""
         raise NotSupported(f"{type(self).__name__} does not declare multipart")
 
-    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[tuple[str, str]]:
         """``"multipart"``: ``(key, upload_id)`` of the uploads in progress under ``prefix``."""
         raise NotSupported(f"{type(self).__name__} does not declare multipart")
 

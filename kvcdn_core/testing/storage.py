@@ -330,7 +330,9 @@ def _local_path(store: StorageBackend, work: Path, threads: int) -> None:
 
 
 def _put_part(url: str, data: bytes) -> str:
-    request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Length": str(len(data))})
+    # urllib would send a form Content-Type for a body; an object's bytes are octets
+    headers = {"Content-Length": str(len(data)), "Content-Type": "application/octet-stream"}
+    request = urllib.request.Request(url, data=data, method="PUT", headers=headers)
     with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 - the backend's own URL
         etag = response.headers.get("ETag")
     assert etag, "a part's PUT answered no ETag"

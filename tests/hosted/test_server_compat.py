@@ -152,8 +152,8 @@ def test_names_with_invisible_or_control_characters_are_refused(local_server, or
 @pytest.mark.parametrize("name", ["x\ud800y", "a\u202eb", "a\u200db", "a\u0085b", "a\u2028b", "a\ue000b"])
 def test_the_name_check_itself(name):
     """The check behind upload-url, whatever the JSON parser in front of it lets through."""
-    from kvcdn_server.artifacts import check_name
     from kvcdn_server.errors import ApiError
+    from kvcdn_server.validation import check_name
 
     with pytest.raises(ApiError) as refused:
         check_name(name)

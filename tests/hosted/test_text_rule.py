@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcdn_core.text import BLANK, is_printable_text, text_problem
-from kvcdn_server.artifacts import check_name
 from kvcdn_server.errors import ApiError
+from kvcdn_server.validation import check_name
 from tests.support import kvfiles
 from tests.support.hosted import API, bearer, confirm, put_bytes, request_upload
 
@@ -155,7 +155,7 @@ def test_names_and_labels_follow_one_rule(value):
 @FUZZ
 @given(TEXT)
 def test_prefix_filters_are_normalised_like_names(value):
-    from kvcdn_server.artifacts import check_prefix_filter
+    from kvcdn_server.validation import check_prefix_filter
 
     try:
         prefix = check_prefix_filter(value)

@@ -124,7 +124,9 @@ def redact_access_log() -> None:
         access.addFilter(RedactQueries())
 
 
-def build_services(config: ServerConfig, storage=None, db_engine=None, clock: Callable[[], float] = time.time) -> Services:
+def build_services(
+    config: ServerConfig, storage=None, db_engine=None, clock: Callable[[], float] = time.time
+) -> Services:
     """``clock`` (seconds since the epoch) times every expiry, lease and signed URL; only a test
     running the app in-process passes another, to move time on without sleeping."""
     storage = storage or open_storage(config.storage_uri)
@@ -156,9 +158,7 @@ def build_services(config: ServerConfig, storage=None, db_engine=None, clock: Ca
     )
 
 
-def create_app(
-    config: ServerConfig, storage=None, db_engine=None, clock: Callable[[], float] = time.time
-) -> FastAPI:
+def create_app(config: ServerConfig, storage=None, db_engine=None, clock: Callable[[], float] = time.time) -> FastAPI:
     s = build_services(config, storage, db_engine, clock)
     stop = threading.Event()
     redact_access_log()

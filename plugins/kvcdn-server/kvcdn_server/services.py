@@ -8,7 +8,6 @@ import sqlalchemy as sa
 from fastapi import Request
 
 from kvcdn_core import StorageBackend
-
 from kvcdn_server.apikeys import OrgRegistry
 from kvcdn_server.artifacts import ArtifactStore
 from kvcdn_server.config import ServerConfig

@@ -15,7 +15,12 @@ router = APIRouter()
 
 @router.get(wire.HEALTH)
 def health(s: Svc):
-    return {"status": "ok", "version": kvcdn_core.__version__, "storage": s.storage_kind, "database": s.db_engine.dialect.name}
+    return {
+        "status": "ok",
+        "version": kvcdn_core.__version__,
+        "storage": s.storage_kind,
+        "database": s.db_engine.dialect.name,
+    }
 
 
 @router.get(wire.WHOAMI)

@@ -7,20 +7,11 @@ from fastapi import APIRouter, Request, Response
 
 from kvcdn_hosted import wire
 from kvcdn_hosted.wire_schema import ConfirmRequest, InferRequest, UploadUrlRequest
-from kvcdn_server.artifacts import (
-    UUID,
-    artifact_key,
-    check_hint,
-    check_id,
-    check_name,
-    check_prefix_filter,
-    now_iso,
-    upload_key,
-    view,
-)
 from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
 from kvcdn_server.errors import not_found, validation
+from kvcdn_server.rows import artifact_key, now_iso, upload_key, view
 from kvcdn_server.services import Services
+from kvcdn_server.validation import UUID, check_hint, check_id, check_name, check_prefix_filter
 
 router = APIRouter()
 

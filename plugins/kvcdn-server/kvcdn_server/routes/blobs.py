@@ -13,9 +13,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvcdn_hosted import wire
-from kvcdn_server.artifacts import UUID, artifact_key
 from kvcdn_server.auth import Svc
 from kvcdn_server.errors import ApiError, not_found
+from kvcdn_server.rows import artifact_key
+from kvcdn_server.validation import UUID
 
 router = APIRouter()
 
