@@ -68,10 +68,10 @@ def random_artifact(session, tokens: int, path: Path) -> Path:
 
 
 def touch_fresh(size: int) -> None:
-    """Fault in ``size`` bytes of new memory the way a load's buffer is (kvcdn_core.tensor_io)."""
+    """Fault in ``size`` bytes of new memory the way a load's buffer is (kvcdn_core.artifact.tensor_io)."""
     import numpy as np
 
-    from kvcdn_core.tensor_io import private_buffer
+    from kvcdn_core.artifact.tensor_io import private_buffer
 
     buffer = private_buffer(size)
     np.frombuffer(buffer, dtype=np.uint8)[::4096] = 1
@@ -85,9 +85,10 @@ def measure(session, path: Path, question_ids: list[int], reps: int, question: b
     import torch
 
     from kvcdn_core import artifact as fmt
-    from kvcdn_core import digests, runtime
+    from kvcdn_core import runtime
+    from kvcdn_core.artifact import digests
+    from kvcdn_core.artifact.pagecache import evict
     from kvcdn_core.benchmark import plain_read
-    from kvcdn_core.pagecache import evict
 
     resident, _ = runtime.load_cache(session, fmt.read_header(path))
     samples: dict[str, list[float]] = {}

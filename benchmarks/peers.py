@@ -16,7 +16,7 @@ llama.cpp runs it as is; transformers dequantizes it to float32 (`kvcdn_core.tes
 converted once and cached) and kvcdn and the hand-written baseline run that. The three ways get the
 same token ids (tokenized once by the transformers tokenizer). Per row and length: bytes per token
 of the saved state, save seconds, load GB/s (state file bytes over the cold load time, the file's
-page cache dropped before each load with `kvcdn_core.pagecache.evict`), prefill (context +
+page cache dropped before each load with `kvcdn_core.artifact.pagecache.evict`), prefill (context +
 question, up to the first token), cached TTFT (load + question + first token) and their ratio, and
 whether the first token after the question is the same from the restored cache as from the live
 prefill. Per length, every way saves first (one discarded warm-up, then ``--reps`` saves); then one
@@ -126,7 +126,7 @@ def kvcdn_way(session, ctx, question, path: Path) -> Way:
 
     from kvcdn_core import artifact as fmt
     from kvcdn_core import runtime
-    from kvcdn_core.pagecache import evict
+    from kvcdn_core.artifact.pagecache import evict
 
     def prefill():
         return int(runtime.prefill(session, ctx + question, progress=False)[1].argmax())
@@ -155,8 +155,8 @@ def transformers_way(session, ctx, question, path: Path) -> Way:
     from safetensors.torch import load_file, save_file
     from transformers import DynamicCache
 
+    from kvcdn_core.artifact.pagecache import evict
     from kvcdn_core.contracts.adapter import cache_keyword
-    from kvcdn_core.pagecache import evict
 
     model = session.model
     keyword = cache_keyword(model)  # `cache` in recent transformers, `past_key_values` before
@@ -199,7 +199,7 @@ def llama_cpp_way(gguf: Path, ctx, question, path: Path, threads: int) -> Way | 
 
     import numpy as np
 
-    from kvcdn_core.pagecache import evict
+    from kvcdn_core.artifact.pagecache import evict
 
     llm = llama_cpp.Llama(
         model_path=str(gguf),

@@ -5,7 +5,7 @@ Random-weight tiny models decode through near-ties that any lossy cache may flip
 config is first taught kvcdn's sample text (a few seconds of training; models with a short position
 limit train on windows of it). Then the first three paragraphs are cached, quantized with each
 scheme, and the continuation of the fourth paragraph's opening is compared by token id with a full
-prefill (``kvcdn_core.verify.run_verify``, the path of ``kvcdn quant --verify``).
+prefill (``kvcdn_core.exactness.against_prefill.run_verify``, the path of ``kvcdn quant --verify``).
 
     OMP_NUM_THREADS=1 python benchmarks/quant_families.py [--schemes int8,int8-tensor,fp8] [ARCH ...]
 """
@@ -31,11 +31,12 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=16)
     args = parser.parse_args(argv)
 
-    from kvcdn_core import artifact, quant, runtime
+    from kvcdn_core import artifact, runtime
     from kvcdn_core.contracts.adapter import quiet_transformers
-    from kvcdn_core.registry import adapter_classes, quantizer_for
-    from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model, teach_tiny_model
-    from kvcdn_core.verify import run_verify
+    from kvcdn_core.exactness.against_prefill import run_verify
+    from kvcdn_core.model.tiny import SAMPLE_TEXT, build_tiny_model, teach_tiny_model
+    from kvcdn_core.plugin_host.registry import adapter_classes, quantizer_for
+    from kvcdn_core.quant import codec
 
     quiet_transformers()
     schemes = args.schemes.split(",")
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
             tensors = artifact.load_tensors(header)
             cells, quantized = [], "-"
             for scheme in schemes:
-                result = quant.quantize_cache(header.manifest, tensors, quantizer_for(scheme)())
+                result = codec.quantize_cache(header.manifest, tensors, quantizer_for(scheme)())
                 out = artifact.write_artifact(work / f"ctx.{scheme}.kv", result.manifest, result.tensors)
                 res = run_verify(session, artifact.read_header(out), QUESTION, args.n)
                 exact[scheme] += res.passed

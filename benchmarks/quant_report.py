@@ -44,7 +44,7 @@ def log(msg):
 
 
 def installed(schemes):
-    from kvcdn_core.registry import quantizer_classes
+    from kvcdn_core.plugin_host.registry import quantizer_classes
 
     have = quantizer_classes()
     missing = sorted({s for s, _ in schemes} - set(have))
@@ -55,18 +55,19 @@ def installed(schemes):
 
 def label(scheme, params):
     """The scheme's name, with its residual window where it has one (``int4 r128``, ``int4 r0``)."""
-    from kvcdn_core.registry import quantizer_for
+    from kvcdn_core.plugin_host.registry import quantizer_for
 
     residual = {**quantizer_for(scheme).default_params, **params}.get("residual")
     return scheme if residual is None else f"{scheme} r{residual}"
 
 
 def quantize_file(src: Path, scheme: str, params: dict, out: Path) -> Path:
-    from kvcdn_core import artifact, quant
-    from kvcdn_core.registry import quantizer_for
+    from kvcdn_core import artifact
+    from kvcdn_core.plugin_host.registry import quantizer_for
+    from kvcdn_core.quant import codec
 
     header = artifact.read_header(src)
-    result = quant.quantize_cache(header.manifest, artifact.load_tensors(header), quantizer_for(scheme)(**params))
+    result = codec.quantize_cache(header.manifest, artifact.load_tensors(header), quantizer_for(scheme)(**params))
     return artifact.write_artifact(out, result.manifest, result.tensors)
 
 
@@ -86,9 +87,10 @@ def median_time(fn, reps=5):
 def compression_and_speed(workdir: Path) -> dict:
     from kvcdn_model_qwen import QwenAdapter
 
-    from kvcdn_core import artifact, quant, runtime
-    from kvcdn_core.tiny import build_tiny_model
-    from kvcdn_core.validation import long_context
+    from kvcdn_core import artifact, runtime
+    from kvcdn_core.exactness.architecture import long_context
+    from kvcdn_core.model.tiny import build_tiny_model
+    from kvcdn_core.quant import codec
 
     class Shaped(QwenAdapter):
         validation_configs = {
@@ -119,7 +121,7 @@ def compression_and_speed(workdir: Path) -> dict:
     for scheme, params in installed(SCHEMES) + installed(WITH_RESIDUAL):
         out = quantize_file(base, scheme, params, workdir / f"ctx2k.{label(scheme, params).replace(' ', '-')}.kv")
         header = artifact.read_header(out)
-        deq = median_time(lambda: quant.dequantize_tensors(header, verify_hashes=False))
+        deq = median_time(lambda: codec.dequantize_tensors(header, verify_hashes=False))
         load_q = median_time(lambda: runtime.load_cache(session, header, verify_hashes=False))
         rows.append(
             {
@@ -325,7 +327,7 @@ def quality(workdir: Path, session, cases: list[dict], schemes, greedy_n: int = 
     Returns the per-case results and one summary row per scheme and context length.
     """
     from kvcdn_core import artifact, runtime
-    from kvcdn_core.verify import _step_stats
+    from kvcdn_core.exactness.against_prefill import _step_stats
 
     schemes = installed(schemes)
     results, margins = [], []

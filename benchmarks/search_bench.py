@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 def build_model_dir(out: Path) -> Path:
     """A tokenizer-only model directory: config.json and the tiny tokenizer (search needs no weights)."""
-    from kvcdn_core.tiny import train_tokenizer
+    from kvcdn_core.model.tiny import train_tokenizer
 
     tok = train_tokenizer()
     tok.save_pretrained(out)
@@ -58,7 +58,7 @@ def build_model_dir(out: Path) -> Path:
 
 def document(rng: random.Random, tokenizer, min_tokens: int) -> tuple[str, list[int]]:
     """Text of at least ``min_tokens`` tokens, sentences of the sample text in a random order."""
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     sentences = [s.strip() + "." for s in SAMPLE_TEXT.replace("\n", " ").split(".") if s.strip()]
     parts = []
@@ -77,7 +77,7 @@ def write_corpus(directory: Path, model_dir: Path, n: int, tokens: int, subdirs:
     from transformers import AutoTokenizer
 
     from kvcdn_core import artifact
-    from kvcdn_core.model_files import fingerprint
+    from kvcdn_core.model.files import fingerprint
 
     # A throwaway corpus needs no durability: skip write_artifact's fsyncs (seconds per 100 files on
     # a busy disk). Search itself is unaffected.
@@ -150,7 +150,7 @@ def synthetic_state(n: int, tokens: int, seed: int, chunk: int):
     """
     import numpy as np
 
-    from kvcdn_core.manifest import ANY_PREFIX
+    from kvcdn_core.artifact.manifest import ANY_PREFIX
     from kvcdn_core.store import index, keys
 
     rng = np.random.default_rng(seed)

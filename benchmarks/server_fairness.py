@@ -42,7 +42,7 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from kvcdn_core.contracts.adapter import quiet_transformers
-    from kvcdn_core.tiny import train_tokenizer
+    from kvcdn_core.model.tiny import train_tokenizer
 
     if (out / "config.json").exists():
         return out
@@ -75,7 +75,7 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
 def kvcdn() -> list[str]:
     """The ``kvcdn`` console script of this interpreter's environment, or the module."""
     script = Path(sys.executable).with_name("kvcdn")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvcdn_core.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvcdn_core.cli.app"]
 
 
 def free_port() -> int:
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
 
     import httpx
 
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
     from kvcdn_server.apikeys import derive_key
 
     load = os.getloadavg()

@@ -44,7 +44,7 @@ MODEL = dict(
 def build_model(out: Path) -> Path:
     import torch
 
-    from kvcdn_core.tiny import model_class, train_tokenizer
+    from kvcdn_core.model.tiny import model_class, train_tokenizer
 
     tok = train_tokenizer()
     cls = model_class("Qwen3ForCausalLM")
@@ -60,7 +60,7 @@ def build_model(out: Path) -> Path:
 
 def text_ids(session, rng: random.Random, n: int) -> list[int]:
     """``n`` token ids of text (sentences of the sample text in a random order)."""
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     sentences = [s.strip() + "." for s in SAMPLE_TEXT.replace("\n", " ").split(".") if s.strip()]
     ids: list[int] = []

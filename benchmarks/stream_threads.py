@@ -45,7 +45,7 @@ def build_mid_model(out: Path) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kvcdn_core.tiny import train_tokenizer
+    from kvcdn_core.model.tiny import train_tokenizer
 
     if (out / "config.json").exists():
         return out
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
 
     from kvcdn_core import artifact as fmt
     from kvcdn_core import cores, runtime
+    from kvcdn_core.artifact.pagecache import evict
     from kvcdn_core.benchmark.measure import quantize
-    from kvcdn_core.pagecache import evict
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcdn-stream-threads-"))
     session = runtime.load_session(str(build_mid_model(work / "mid-qwen3")), device="cpu", dtype="float32")

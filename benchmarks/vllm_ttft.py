@@ -74,8 +74,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     from kvcdn_core import runtime
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
     from kvcdn_core.testing.smollm2 import smollm2_dir
-    from kvcdn_core.tiny import SAMPLE_TEXT
 
     model = smollm2_dir()
     work = Path(tempfile.mkdtemp(prefix="kvcdn-vllm-bench-"))

@@ -32,9 +32,9 @@ _EXPORTS = {
     "safe_key": "kvcdn_core.contracts.storage",
     "check_prefix": "kvcdn_core.contracts.storage",
     # numerics shared by quantization schemes
-    "round_up_param": "kvcdn_core.numerics",
-    "round_down_param": "kvcdn_core.numerics",
-    "safe_reciprocal": "kvcdn_core.numerics",
+    "round_up_param": "kvcdn_core.quant.numerics",
+    "round_down_param": "kvcdn_core.quant.numerics",
+    "safe_reciprocal": "kvcdn_core.quant.numerics",
     # the artifact format: layer kinds and the token-id tensor
     "FULL_ATTENTION": "kvcdn_core.artifact",
     "SLIDING_WINDOW": "kvcdn_core.artifact",
@@ -45,34 +45,34 @@ _EXPORTS = {
     "LINEAR_AND_FULL_ATTENTION": "kvcdn_core.artifact",
     "TOKEN_IDS": "kvcdn_core.artifact",
     # the manifest, typed: layer entries adapters build and read, and the whole manifest
-    "LayerEntry": "kvcdn_core.manifest",
-    "Manifest": "kvcdn_core.manifest",
-    "reuse_of": "kvcdn_core.manifest",
-    "manifest_of": "kvcdn_core.manifest",
+    "LayerEntry": "kvcdn_core.artifact.manifest",
+    "Manifest": "kvcdn_core.artifact.manifest",
+    "reuse_of": "kvcdn_core.artifact.manifest",
+    "manifest_of": "kvcdn_core.artifact.manifest",
     # the one text rule for every user string a listing shows (names, labels, filters)
     "text_problem": "kvcdn_core.text",
     "nfc": "kvcdn_core.text",
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
-    "LinearAttentionLayers": "kvcdn_core.linear_attention",
-    "is_linear_attention": "kvcdn_core.linear_attention",
+    "LinearAttentionLayers": "kvcdn_core.model.linear_attention",
+    "is_linear_attention": "kvcdn_core.model.linear_attention",
     # multi-head latent attention layers, with DeepSeek sparse attention's indexer (DeepSeek, GLM-MoE-DSA, Kimi Linear)
-    "MlaLayers": "kvcdn_core.mla",
-    "mla_widths": "kvcdn_core.mla",
-    "ungroup_mla_heads": "kvcdn_core.mla",
+    "MlaLayers": "kvcdn_core.model.mla",
+    "mla_widths": "kvcdn_core.model.mla",
+    "ungroup_mla_heads": "kvcdn_core.model.mla",
     # models: files, fingerprint, tiny validation configs, the validation run
-    "resolve_model_dir": "kvcdn_core.model_files",
-    "fingerprint": "kvcdn_core.model_files",
-    "fingerprint_differences": "kvcdn_core.model_files",
-    "TINY_DECODER": "kvcdn_core.tiny",
-    "TINY_MLA": "kvcdn_core.tiny",
-    "TINY_DEEPSEEK_MOE": "kvcdn_core.tiny",
-    "validate_tiny": "kvcdn_core.validation",
+    "resolve_model_dir": "kvcdn_core.model.files",
+    "fingerprint": "kvcdn_core.model.files",
+    "fingerprint_differences": "kvcdn_core.model.files",
+    "TINY_DECODER": "kvcdn_core.model.tiny",
+    "TINY_MLA": "kvcdn_core.model.tiny",
+    "TINY_DEEPSEEK_MOE": "kvcdn_core.model.tiny",
+    "validate_tiny": "kvcdn_core.exactness.architecture",
     # quantized artifacts
-    "dequantize_tensors": "kvcdn_core.quant",
+    "dequantize_tensors": "kvcdn_core.quant.codec",
     # lookup
-    "adapter_for": "kvcdn_core.registry",
-    "quantizer_for": "kvcdn_core.registry",
-    "open_storage": "kvcdn_core.registry",
+    "adapter_for": "kvcdn_core.plugin_host.registry",
+    "quantizer_for": "kvcdn_core.plugin_host.registry",
+    "open_storage": "kvcdn_core.plugin_host.registry",
     # built-ins other plugins build on
     "LocalStorage": "kvcdn_core.builtin.local_storage",
     # errors (exit codes 2, 1, 2)
@@ -98,10 +98,10 @@ _EXPORTS = {
     "input_artifact": "kvcdn_core.paths",
     "Progress": "kvcdn_core.progress",
     "human_bytes": "kvcdn_core.progress",
-    "emit_json": "kvcdn_core.render",
-    "format_option": "kvcdn_core.commands.common",
-    "render": "kvcdn_core.render",
-    "print_table": "kvcdn_core.render",
+    "emit_json": "kvcdn_core.cli.render",
+    "format_option": "kvcdn_core.cli.commands.common",
+    "render": "kvcdn_core.cli.render",
+    "print_table": "kvcdn_core.cli.render",
 }
 
 #: Public modules: the `.kv` format (read, write, validate), model sessions (load, prefill, decode)
@@ -120,7 +120,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         safe_key as safe_key,
         check_prefix as check_prefix,
     )
-    from kvcdn_core.numerics import (
+    from kvcdn_core.quant.numerics import (
         round_up_param as round_up_param,
         round_down_param as round_down_param,
         safe_reciprocal as safe_reciprocal,
@@ -136,30 +136,34 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         TOKEN_IDS as TOKEN_IDS,
     )
     from kvcdn_core.text import text_problem as text_problem, nfc as nfc
-    from kvcdn_core.manifest import (
+    from kvcdn_core.artifact.manifest import (
         LayerEntry as LayerEntry,
         Manifest as Manifest,
         reuse_of as reuse_of,
         manifest_of as manifest_of,
     )
-    from kvcdn_core.linear_attention import (
+    from kvcdn_core.model.linear_attention import (
         LinearAttentionLayers as LinearAttentionLayers,
         is_linear_attention as is_linear_attention,
     )
-    from kvcdn_core.mla import MlaLayers as MlaLayers, mla_widths as mla_widths, ungroup_mla_heads as ungroup_mla_heads
-    from kvcdn_core.model_files import (
+    from kvcdn_core.model.mla import (
+        MlaLayers as MlaLayers,
+        mla_widths as mla_widths,
+        ungroup_mla_heads as ungroup_mla_heads,
+    )
+    from kvcdn_core.model.files import (
         resolve_model_dir as resolve_model_dir,
         fingerprint as fingerprint,
         fingerprint_differences as fingerprint_differences,
     )
-    from kvcdn_core.tiny import (
+    from kvcdn_core.model.tiny import (
         TINY_DECODER as TINY_DECODER,
         TINY_MLA as TINY_MLA,
         TINY_DEEPSEEK_MOE as TINY_DEEPSEEK_MOE,
     )
-    from kvcdn_core.validation import validate_tiny as validate_tiny
-    from kvcdn_core.quant import dequantize_tensors as dequantize_tensors
-    from kvcdn_core.registry import (
+    from kvcdn_core.exactness.architecture import validate_tiny as validate_tiny
+    from kvcdn_core.quant.codec import dequantize_tensors as dequantize_tensors
+    from kvcdn_core.plugin_host.registry import (
         adapter_for as adapter_for,
         quantizer_for as quantizer_for,
         open_storage as open_storage,
@@ -183,8 +187,8 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         input_artifact as input_artifact,
     )
     from kvcdn_core.progress import Progress as Progress, human_bytes as human_bytes
-    from kvcdn_core.render import emit_json as emit_json, render as render, print_table as print_table
-    from kvcdn_core.commands.common import format_option as format_option
+    from kvcdn_core.cli.render import emit_json as emit_json, render as render, print_table as print_table
+    from kvcdn_core.cli.commands.common import format_option as format_option
 
 __all__ = ["__version__", "hookimpl", *_MODULES, *_EXPORTS]
 

@@ -1,3 +1,3 @@
-from kvcdn_core.cli import main
+from kvcdn_core.cli.app import main
 
 main()

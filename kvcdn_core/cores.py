@@ -4,8 +4,8 @@ CPU timings swing when more threads want to run than there are cores: each paral
 torch waits for its slowest thread, and a preempted thread makes it wait a scheduler tick. So
 torch gets the physical cores (the default of ``kvcdn benchmark --threads``), a whole load (nothing
 else runs) hashes on every core, and a load is streamed under the model's forward
-(:mod:`kvcdn_core.layer_stream`) only where torch leaves a core free for its workers. A cold file
-is read with ``O_DIRECT`` (:mod:`kvcdn_core.tensor_io`), so the disk's wait costs no core, but
+(:mod:`kvcdn_core.artifact.layer_stream`) only where torch leaves a core free for its workers. A cold file
+is read with ``O_DIRECT`` (:mod:`kvcdn_core.artifact.tensor_io`), so the disk's wait costs no core, but
 filling fresh memory still costs the kernel's time.
 """
 

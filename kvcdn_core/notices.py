@@ -3,7 +3,7 @@
 Library code never writes to stderr or stdout (a test checks it). It reports a warning with
 :func:`warn` and a note about slow work with :func:`note`, both through Python's :mod:`warnings`;
 progress goes through :mod:`kvcdn_core.progress`. A command shows them with
-:func:`kvcdn_core.render.reporting` (``warning: <message>``, the note as it is, on stderr); a program
+:func:`kvcdn_core.cli.render.reporting` (``warning: <message>``, the note as it is, on stderr); a program
 using the library sees ordinary Python warnings, which it can filter, record or turn into errors.
 """
 

@@ -2,7 +2,7 @@
 
 Library code counts with :class:`Progress`; each update is a :class:`ProgressEvent` handed to the
 listeners registered with :func:`listening`. A command registers the terminal bar of
-:func:`kvcdn_core.render.reporting` (shown only on a terminal and never with ``--quiet``); with no
+:func:`kvcdn_core.cli.render.reporting` (shown only on a terminal and never with ``--quiet``); with no
 listener, progress costs a counter.
 """
 

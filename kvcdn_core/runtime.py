@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import kvcdn_core
 from kvcdn_core import artifact as fmt
+from kvcdn_core.artifact.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, ModelInfo, manifest_of, reuse_of
 from kvcdn_core.errors import ArtifactError, KvcdnError, interruption
-from kvcdn_core.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, ModelInfo, manifest_of, reuse_of
-from kvcdn_core.model_files import architecture_of, fingerprint, fingerprint_differences, read_config, resolve_model_dir
+from kvcdn_core.model.defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
+from kvcdn_core.model.files import architecture_of, fingerprint, fingerprint_differences, read_config, resolve_model_dir
+from kvcdn_core.plugin_host.registry import adapter_for
 from kvcdn_core.progress import Progress
-from kvcdn_core.registry import adapter_for
-from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvcdn_core.contracts.adapter import ModelAdapter
@@ -241,7 +241,7 @@ def load_cache(
     """Load an artifact's cache into tensors for the session's model; return ``(cache, token ids)``.
 
     With ``stream`` the cache comes back at once and fills layer by layer in the background
-    (:mod:`kvcdn_core.layer_stream`): the model may start its forward pass while later layers are
+    (:mod:`kvcdn_core.artifact.layer_stream`): the model may start its forward pass while later layers are
     still read (and dequantized, for a quantized artifact), and meets each layer only once it is
     verified. Used where the adapter allows it (:meth:`ModelAdapter.streams_layers`) and a core is
     free for the loader next to torch's threads (:func:`kvcdn_core.cores.stream_workers`; without
@@ -262,7 +262,7 @@ def load_cache(
             source = _layer_source(session, header, layers, convert)
             return _stream_cache(session, header, source, layers, verify_hashes, workers)
     if typed.quantization:
-        from kvcdn_core.quant import dequantize_tensors
+        from kvcdn_core.quant.codec import dequantize_tensors
 
         tensors = dequantize_tensors(header, session.device, verify_hashes)
     else:
@@ -296,7 +296,7 @@ def _converter(session: Session, compute_dtype: str, layers: tuple[LayerEntry, .
 def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry, ...], convert):
     """What the streamed load builds each layer from: its stored tensors, or for a quantized
     artifact its parts dequantized on the device (the same steps as the whole load, per layer)."""
-    from kvcdn_core.layer_stream import LayerSource
+    from kvcdn_core.artifact.layer_stream import LayerSource
 
     device = session.device
     if not header.manifest.get("quantization"):
@@ -306,7 +306,7 @@ def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry
                 local: convert(full, stored(full)).to(device) for local, full in layers[i].tensors.items()
             },
         )
-    from kvcdn_core.quant import QuantizedLayers
+    from kvcdn_core.quant.codec import QuantizedLayers
 
     quantized = QuantizedLayers(header)
 
@@ -320,8 +320,8 @@ def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry
 def _stream_cache(
     session: Session, header: fmt.Header, source, layers: tuple[LayerEntry, ...], verify_hashes: bool, workers: int
 ):
-    from kvcdn_core import tensor_io
-    from kvcdn_core.layer_stream import LayerStream
+    from kvcdn_core.artifact import tensor_io
+    from kvcdn_core.artifact.layer_stream import LayerStream
 
     reader = tensor_io.TensorReader(header)
     reader.fetch(*reader.span(fmt.TOKEN_IDS))

@@ -21,13 +21,13 @@ else
   trap 'exit 143' TERM
 fi
 context="$work/context.txt"
-.venv/bin/python -c "from kvcdn_core.tiny import SAMPLE_TEXT; print(SAMPLE_TEXT * 4)" > "$context"
+.venv/bin/python -c "from kvcdn_core.model.tiny import SAMPLE_TEXT; print(SAMPLE_TEXT * 4)" > "$context"
 model=Qwen/Qwen3-0.6B
 say "step 2/4: model $model (checking the Hugging Face hub)"
 if ! .venv/bin/python -c "from huggingface_hub import snapshot_download as s; s('$model', allow_patterns=['config.json'])" >/dev/null 2>&1; then
   say "the Hugging Face hub is unreachable from here: using a tiny local Qwen3 model (random weights) instead of $model"
   model="$work/tiny-qwen3"
-  .venv/bin/python -m kvcdn_core.tiny Qwen3ForCausalLM "$model" >/dev/null
+  .venv/bin/python -m kvcdn_core.model.tiny Qwen3ForCausalLM "$model" >/dev/null
 fi
 say "step 3/4: generate a .kv artifact of $context (downloads the model the first time)"
 .venv/bin/kvcdn generate --model "$model" --context-file "$context" --output "$work/context.kv" --force

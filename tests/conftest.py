@@ -58,7 +58,7 @@ def progress(request):
 
 @pytest.fixture
 def context_file(tmp_path):
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     path = tmp_path / "context.txt"
     path.write_text(SAMPLE_TEXT, encoding="utf-8")
@@ -92,7 +92,7 @@ def cli():
     """Invoke kvcdn in-process (fast): ``cli(*args) -> click Result`` with separate stderr."""
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     runner = CliRunner()
 
@@ -106,7 +106,7 @@ def cli():
 def qwen3_artifact(qwen3_dir, tmp_path_factory):
     """A generated artifact of the tiny Qwen3 model over the sample text."""
     from kvcdn_core import runtime
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="float32")
     path = tmp_path_factory.mktemp("art") / "sample.kv"

@@ -155,7 +155,7 @@ def test_random_bytes_give_an_artifact_error(data):
 def test_inspect_never_crashes_on_a_mutated_file(data):
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     runner = CliRunner()
     _read(data, cli=lambda *args: runner.invoke(make_cli(), [str(a) for a in args], catch_exceptions=False))

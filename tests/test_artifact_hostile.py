@@ -66,7 +66,7 @@ def test_a_tensor_that_does_not_hash_to_its_manifest_fails_check_file(tmp_path):
 def test_negative_token_ids_are_refused(tmp_path):
     import struct
 
-    from kvcdn_core import digests
+    from kvcdn_core.artifact import digests
 
     parts = kvfiles.valid_parts()
     start, end = parts.entries[artifact.TOKEN_IDS]["data_offsets"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.artifact.manifest import Manifest
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.manifest import Manifest
 
 T = 7
 

@@ -9,12 +9,12 @@ import statistics
 
 import pytest
 
+from kvcdn_core.artifact.pagecache import COLD_RESIDENCY, resident_fraction
 from kvcdn_core.benchmark import inputs, timing
+from kvcdn_core.benchmark.plot import png_size
 from kvcdn_core.benchmark.result import TIMED
 from kvcdn_core.cores import physical_cores
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.pagecache import COLD_RESIDENCY, resident_fraction
-from kvcdn_core.plot import png_size
 
 EXPECTED_COLUMNS = [
     "tokens",
@@ -46,7 +46,7 @@ def bench_run(qwen3_dir, tmp_path_factory):
     """One benchmark of the tiny model (32 and 64 tokens, none and int8), run as a user runs it."""
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     out = tmp_path_factory.mktemp("bench") / "tiny-bench.csv"
     result = CliRunner().invoke(

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from kvcdn_core import artifact, stream_check
+from kvcdn_core import artifact
+from kvcdn_core.artifact import stream_check
 from kvcdn_core.errors import ArtifactError
 from kvcdn_core.testing.large_artifact import write_large_kv
 
@@ -26,8 +27,9 @@ SIZE = 256 << 20
 #: of the RSS high-water mark (Linux reports ``ru_maxrss`` in KiB) and what the call said.
 CHILD = """
 import json, resource, sys
-from kvcdn_core import artifact, stream_check
-from kvcdn_core.cli import main
+from kvcdn_core import artifact
+from kvcdn_core.artifact import stream_check
+from kvcdn_core.cli.app import main
 path = sys.argv[1]
 artifact.read_header(path)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

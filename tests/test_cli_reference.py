@@ -2,12 +2,12 @@
 
 from pathlib import Path
 
-from kvcdn_core.clidoc import render
+from kvcdn_core.cli.reference import render
 
 
 def test_cli_reference_is_up_to_date():
     committed = (Path(__file__).parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
-    assert committed == render(), "docs/cli.md is stale: run `python -m kvcdn_core.clidoc > docs/cli.md`"
+    assert committed == render(), "docs/cli.md is stale: run `python -m kvcdn_core.cli.reference > docs/cli.md`"
 
 
 def _paths(group, prefix=()):
@@ -24,7 +24,7 @@ def test_every_section_is_what_help_prints():
     shows it, stands in docs/cli.md whole (no sentinel defaults, no hidden options)."""
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     committed = (Path(__file__).parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
     root = make_cli()

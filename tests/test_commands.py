@@ -106,7 +106,8 @@ def test_diag_reports_per_step_logit_agreement(cli, qwen3_artifact):
 
 
 def test_continue_matches_a_full_prefill(cli, qwen3_artifact, qwen3_dir):
-    from kvcdn_core import runtime, verify
+    from kvcdn_core import runtime
+    from kvcdn_core.exactness import against_prefill
 
     result = cli("continue", "--kv-path", qwen3_artifact, "--question", " And then?", "--n", "12", "--format", "json")
     assert result.exit_code == 0, result.stderr
@@ -114,7 +115,7 @@ def test_continue_matches_a_full_prefill(cli, qwen3_artifact, qwen3_dir):
     session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="float32")
     context_ids = fmt.read_token_ids(qwen3_artifact)
     question_ids = session.adapter.encode_continuation(session.tokenizer, " And then?")
-    expected, _ = verify.reference(session, context_ids, question_ids, 12)
+    expected, _ = against_prefill.reference(session, context_ids, question_ids, 12)
     assert data["token_ids"] == expected
     assert data["reused_tokens"] == len(context_ids)
 
@@ -196,7 +197,7 @@ def test_other_weights_with_the_same_config_are_refused(cli, qwen3_artifact, tmp
     """A fine-tune keeps its base config and tokenizer; its cache still differs."""
     from kvcdn_model_qwen import QwenAdapter
 
-    from kvcdn_core.tiny import build_tiny_model
+    from kvcdn_core.model.tiny import build_tiny_model
 
     other = build_tiny_model(QwenAdapter, "Qwen3ForCausalLM", tmp_path / "other-seed", seed=7)
     assert fmt.read_manifest(qwen3_artifact)["model"]["weights_sha256"]
@@ -253,7 +254,7 @@ def test_failed_generate_creates_nothing(cli, tmp_path):
 
 
 def test_verify_says_what_it_is_doing(cli, qwen3_artifact, monkeypatch):
-    from kvcdn_core.commands import verify
+    from kvcdn_core.cli.commands import verify
 
     monkeypatch.setattr(verify, "on_terminal", lambda: True)
     result = cli("verify", "--kv-path", qwen3_artifact, "--n", "4")
@@ -265,7 +266,7 @@ def test_verify_says_what_it_is_doing(cli, qwen3_artifact, monkeypatch):
 
 
 def test_verify_help_shows_the_default_question_on_one_line(cli):
-    from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
+    from kvcdn_core.model.defaults import DEFAULT_QUESTION
 
     text = cli("verify", "--help").stdout
     assert "Q: Summarize" in text and "\nA:" not in text and repr(DEFAULT_QUESTION)[:12] in text
@@ -296,7 +297,7 @@ def test_serve_refuses_a_missing_local_model(tmp_path):
 def test_continue_parses_the_manifest_once(cli, qwen3_artifact, monkeypatch):
     """`continue --kv-path` opens, checks and loads one artifact: its manifest is typed one time
     (it was three: open_artifact, check_model and load_cache each parsed the header's dict)."""
-    from kvcdn_core.manifest import Manifest
+    from kvcdn_core.artifact.manifest import Manifest
 
     calls = []
     parse = Manifest.from_dict.__func__

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvcdn_core import registry
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.contracts.storage import StorageBackend
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.plugin_host import registry
 from kvcdn_core.testing import assert_quantizer_contract, assert_storage_contract
 
 

@@ -13,11 +13,13 @@ import threading
 import pytest
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core import quant, runtime, tensor_io
+from kvcdn_core import runtime
+from kvcdn_core.artifact import tensor_io
+from kvcdn_core.artifact.layer_stream import GatedLayers
+from kvcdn_core.artifact.manifest import LayerEntry, Manifest
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.layer_stream import GatedLayers
-from kvcdn_core.manifest import LayerEntry, Manifest
-from kvcdn_core.tiny import SAMPLE_TEXT
+from kvcdn_core.model.tiny import SAMPLE_TEXT
+from kvcdn_core.quant import codec
 from tests.support.budget import budget
 
 QUESTION = " And what comes next?"
@@ -280,7 +282,7 @@ def test_workers_finish_the_layers_read_before_the_model_asks(case, verifiers, m
 def test_the_model_thread_finishes_a_layer_no_worker_has_started(case, verifiers, monkeypatch):
     """Workers held back: the model's thread verifies and imports every layer itself, once each,
     and the workers, let go afterwards, find them done."""
-    from kvcdn_core.layer_stream import LayerStream
+    from kvcdn_core.artifact.layer_stream import LayerStream
 
     session, path, _, question, expected = case
     calls = _imports(session, monkeypatch)
@@ -348,14 +350,14 @@ QUANT_SCHEMES = ["int8", "int8-tensor", "fp8"]
 @pytest.fixture(scope="module")
 def quantized(case, tmp_path_factory):
     """The case's artifact quantized with each core scheme (the code path of `kvcdn quant`)."""
-    from kvcdn_core.registry import quantizer_for
+    from kvcdn_core.plugin_host.registry import quantizer_for
 
     _, path, *_ = case
     header = fmt.read_header(path)
     folder = tmp_path_factory.mktemp("quantized")
     out = {}
     for scheme in QUANT_SCHEMES:
-        result = quant.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer_for(scheme)())
+        result = codec.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer_for(scheme)())
         out[scheme] = fmt.write_artifact(folder / f"ctx.{scheme}.kv", result.manifest, result.tensors)
     return out
 

@@ -12,7 +12,7 @@ from tests.support.budget import budget
 
 PROBE = """
 import sys
-from kvcdn_core.cli import main
+from kvcdn_core.cli.app import main
 try:
     main({args!r})
 except SystemExit:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvcdn_core import artifact
+from kvcdn_core.artifact.manifest import LayerEntry, Manifest
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.manifest import LayerEntry, Manifest
 
 KIND = artifact.LINEAR_AND_FULL_ATTENTION
 #: The kinds of every reader before this kind was added.
@@ -95,7 +95,7 @@ def test_the_cli_refuses_an_unknown_kind_in_one_line(tmp_path):
     code = (
         "import sys\nfrom kvcdn_core import artifact\n"
         f"artifact.LAYER_KINDS = {OLD_KINDS!r}\n"
-        "from kvcdn_core.cli import main\nsys.exit(main(['inspect', sys.argv[1]]))\n"
+        "from kvcdn_core.cli.app import main\nsys.exit(main(['inspect', sys.argv[1]]))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -118,7 +118,7 @@ def test_validate_reports_the_kind_as_a_feature():
     """`kvcdn validate --format json` and the README table say what was proven: this kind included."""
     import transformers
 
-    from kvcdn_core.validation import exercised
+    from kvcdn_core.exactness.architecture import exercised
 
     cfg = transformers.FalconH1Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     proven = exercised(cfg, [LayerEntry(0, KIND), LayerEntry(1, KIND)])

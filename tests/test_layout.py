@@ -98,20 +98,18 @@ def test_core_has_no_import_cycle():
 
 def test_the_cycle_finder_finds_a_deferred_cycle():
     a = ast.parse("def f():\n    from kvcdn_core import runtime\n")
-    b = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvcdn_core.quant import x\n")
+    b = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvcdn_core.quant.codec import x\n")
     graph = {
-        "kvcdn_core.quant": imported_modules(a, "kvcdn_core.quant"),
+        "kvcdn_core.quant.codec": imported_modules(a, "kvcdn_core.quant.codec"),
         "kvcdn_core.runtime": imported_modules(b, "kvcdn_core.runtime"),
     }
-    assert cycles(graph) == [["kvcdn_core.quant", "kvcdn_core.runtime"]]
+    assert cycles(graph) == [["kvcdn_core.quant.codec", "kvcdn_core.runtime"]]
 
 
 def test_contracts_depend_on_no_lookup_or_builtin():
     graph = core_graph()
     for name in (m for m in graph if m.startswith("kvcdn_core.contracts")):
-        assert not {
-            m for m in graph[name] if (m.split(".") + [""])[1] in ("plugins", "registry", "builtin", "runtime")
-        }, name
+        assert not {m for m in graph[name] if (m.split(".") + [""])[1] in ("plugin_host", "builtin", "runtime")}, name
 
 
 def _host_users(paths) -> list[str]:
@@ -122,7 +120,7 @@ def _host_users(paths) -> list[str]:
             host_names = {"get_host", "PluginHost", "set_host"}
             if (
                 isinstance(node, ast.ImportFrom)
-                and node.module == "kvcdn_core.plugins"
+                and node.module == "kvcdn_core.plugin_host.manager"
                 and {a.name for a in node.names} & host_names
             ):
                 users.append(str(path.relative_to(ROOT)))
@@ -130,7 +128,7 @@ def _host_users(paths) -> list[str]:
 
 
 def test_registry_is_the_only_caller_of_the_plugin_host():
-    allowed = {"kvcdn_core/registry.py", "kvcdn_core/testing/fixtures.py"}
+    allowed = {"kvcdn_core/plugin_host/registry.py", "kvcdn_core/testing/fixtures.py"}
     plugin_code = [p for p in ROOT.glob("plugins/*/*/**/*.py") if "tests" not in p.relative_to(ROOT).parts[2:]]
     assert sorted(set(_host_users([*CORE.rglob("*.py"), *plugin_code])) - allowed) == []
 
@@ -172,11 +170,14 @@ def test_plugins_import_only_the_public_api():
 
 def test_the_public_api_check_catches_a_private_import(tmp_path):
     bad = tmp_path / "plugin.py"
-    bad.write_text("import kvcdn_core\nfrom kvcdn_core.commands.common import emit_json\nkvcdn_core.plugins\n")
+    bad.write_text("import kvcdn_core\nfrom kvcdn_core.cli.commands.common import emit_json\nkvcdn_core.plugin_host\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert [u.split(" ")[1] for u in private_core_uses(bad)] == ["kvcdn_core.commands.common", "kvcdn_core.plugins"]
+        assert [u.split(" ")[1] for u in private_core_uses(bad)] == [
+            "kvcdn_core.cli.commands.common",
+            "kvcdn_core.plugin_host",
+        ]
     finally:
         ROOT = saved
 

@@ -1,4 +1,4 @@
-"""Library code never writes to stderr or stdout; commands render (kvcdn_core/render.py).
+"""Library code never writes to stderr or stdout; commands render (kvcdn_core/cli/render.py).
 
 Outside the command layer a module reports through return values, :mod:`kvcdn_core.notices`
 (warnings and notes, which are Python warnings) and :mod:`kvcdn_core.progress` events. Read from the
@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: The command layer: the CLI, the one renderer, core's commands and each plugin's command module.
 COMMAND_LAYER = (
-    "kvcdn_core/cli.py",
-    "kvcdn_core/render.py",
-    "kvcdn_core/commands/",
+    "kvcdn_core/cli/app.py",
+    "kvcdn_core/cli/render.py",
+    "kvcdn_core/cli/commands/",
     "plugins/kvcdn-hosted/kvcdn_hosted/commands.py",
     "plugins/kvcdn-server/kvcdn_server/command.py",
     "plugins/kvcdn-vllm/kvcdn_vllm/serve.py",
@@ -99,7 +99,11 @@ def test_the_check_finds_a_write():
         "traceback.print_exc()",
     ]
     modules = library_modules()
-    assert len(modules) > 50 and ROOT / "kvcdn_core/runtime.py" in modules and ROOT / "kvcdn_core/cli.py" not in modules
+    assert (
+        len(modules) > 50
+        and ROOT / "kvcdn_core/runtime.py" in modules
+        and ROOT / "kvcdn_core/cli/app.py" not in modules
+    )
 
 
 def test_library_warnings_are_python_warnings_and_the_cli_shows_them_as_before(tmp_path):
@@ -114,7 +118,7 @@ def test_library_warnings_are_python_warnings_and_the_cli_shows_them_as_before(t
     ]
     code = (
         "import sys; from kvcdn_core import ensure_kv_suffix\n"
-        "from kvcdn_core.render import reporting\n"
+        "from kvcdn_core.cli.render import reporting\n"
         "with reporting():\n    ensure_kv_suffix(sys.argv[1])\n"
     )
     shown = subprocess.run([sys.executable, "-c", code, "x"], capture_output=True, text=True, timeout=120)
@@ -138,7 +142,7 @@ def test_progress_is_events_drawn_only_by_the_renderer():
 @pytest.mark.parametrize("tty", [True, False])
 def test_the_bar_is_drawn_only_on_a_terminal(tty, monkeypatch, capsys):
     from kvcdn_core import progress
-    from kvcdn_core.render import reporting
+    from kvcdn_core.cli.render import reporting
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty, raising=False)
     with reporting(), progress.Progress(2, "sha256", unit="bytes") as bar:
@@ -153,8 +157,8 @@ def test_the_bar_is_drawn_only_on_a_terminal(tty, monkeypatch, capsys):
 def test_nested_reporting_draws_one_bar_and_shows_each_warning_once(monkeypatch, capsys):
     """``kvcdn``'s entry point and its command group both report: the inner block adds nothing."""
     from kvcdn_core import progress
+    from kvcdn_core.cli.render import reporting
     from kvcdn_core.notices import warn
-    from kvcdn_core.render import reporting
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     with reporting(), reporting():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvcdn_core import artifact
-from kvcdn_core.manifest import ANY_PREFIX, WHOLE_PREFIX, LayerEntry, Manifest, reuse_of
+from kvcdn_core.artifact.manifest import ANY_PREFIX, WHOLE_PREFIX, LayerEntry, Manifest, reuse_of
 
 
 def _manifest(**changes):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvcdn_core import plot
+from kvcdn_core.benchmark import plot
 
 HEADER = (
     "tokens,prefill_s,kv_attn_s,kv_mb,prefill_gflops,speedup_compute,"
@@ -113,7 +113,7 @@ def test_plot_needs_no_torch_and_no_display(tmp_path):
     csv_path = write_csv(tmp_path / "b.csv", [(512, "none", 10.0, 2.0)])
     out = tmp_path / "p.png"
     probe = (
-        "import sys\nfrom kvcdn_core.cli import main\n"
+        "import sys\nfrom kvcdn_core.cli.app import main\n"
         f"try:\n    main(['plot', '--csv-path', {str(csv_path)!r}, '--output', {str(out)!r}])\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules))\n"

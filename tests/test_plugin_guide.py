@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvcdn_core import hookspecs
+from kvcdn_core.artifact.manifest import LayerEntry, Manifest
 from kvcdn_core.contracts.adapter import ModelAdapter
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.contracts.storage import StorageBackend
-from kvcdn_core.manifest import LayerEntry, Manifest
+from kvcdn_core.plugin_host import hookspecs
 from tests.support import plugin_examples
 
 GUIDE = plugin_examples.GUIDE
@@ -117,7 +117,7 @@ def test_the_storage_example_passes_the_storage_contract(installed, tmp_path):
     result = run_python(
         f"""
         import itertools, kvcdn_storage_sqlite
-        from kvcdn_core.registry import open_storage
+        from kvcdn_core.plugin_host.registry import open_storage
         from kvcdn_core.testing import assert_storage_contract
 
         assert kvcdn_storage_sqlite.__file__.startswith({str(site)!r}), kvcdn_storage_sqlite.__file__
@@ -139,7 +139,7 @@ def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path
     site, _ = installed
     result = run_python(
         """
-        from kvcdn_core.registry import quantizer_for
+        from kvcdn_core.plugin_host.registry import quantizer_for
         from kvcdn_core.testing import assert_quantizer_contract
 
         cls = quantizer_for("bf16-round")
@@ -157,7 +157,7 @@ def test_the_quantizer_example_passes_the_quantizer_contract(installed, tmp_path
 @pytest.mark.slow
 def test_installed_examples_show_in_kvcdn_plugins(installed, tmp_path):
     site, _ = installed
-    result = run_python("from kvcdn_core.cli import main; main(['plugins', '--format', 'json'])", site, tmp_path)
+    result = run_python("from kvcdn_core.cli.app import main; main(['plugins', '--format', 'json'])", site, tmp_path)
     assert result.returncode == 0, result.stderr
     rows = {row["name"]: row for row in json.loads(result.stdout)}
     assert rows["sqlite"]["distribution"] == "kvcdn-storage-sqlite" and rows["sqlite"]["version"] == "0.1.0"

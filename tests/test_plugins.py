@@ -9,7 +9,7 @@ import types
 import pytest
 
 import kvcdn_core
-from kvcdn_core.plugins import PluginHost
+from kvcdn_core.plugin_host.manager import PluginHost
 
 
 def _fake_distribution(root, name, group, module, source):
@@ -111,7 +111,7 @@ def test_plugins_table(run_kvcdn):
 
 def test_in_process_registration_and_last_adapter_wins(kvcdn_host):
     from kvcdn_core import ModelAdapter
-    from kvcdn_core.registry import adapter_for
+    from kvcdn_core.plugin_host.registry import adapter_for
 
     class ToyAdapter(ModelAdapter):
         family = "toy"
@@ -142,7 +142,7 @@ def test_a_plugin_raising_in_a_hook_is_isolated(kvcdn_host, recwarn):
 
 def test_unclaimed_architecture_names_the_extra(kvcdn_host):
     from kvcdn_core.errors import KvcdnError
-    from kvcdn_core.registry import adapter_for
+    from kvcdn_core.plugin_host.registry import adapter_for
 
     with pytest.raises(KvcdnError, match=r"pip install 'kvcdn\[gemma\]'"):
         adapter_for("Gemma2ForCausalLM")
@@ -169,7 +169,7 @@ def test_a_plugin_returning_garbage_is_isolated(kvcdn_host, recwarn, result):
 
 def test_duplicate_claims_follow_the_precedence_and_are_reported(kvcdn_host, recwarn):
     from kvcdn_core import LocalStorage, ModelAdapter
-    from kvcdn_core.registry import adapter_for, open_storage
+    from kvcdn_core.plugin_host.registry import adapter_for, open_storage
 
     class First(ModelAdapter):
         family = "first"
@@ -263,8 +263,8 @@ def test_an_error_from_a_taken_over_scheme_names_both_plugins(kvcdn_host, recwar
 
     from kvcdn_core import artifact
     from kvcdn_core.errors import KvcdnError
-    from kvcdn_core.quant import dequantize_tensors, quantize_cache
-    from kvcdn_core.registry import quantizer_for
+    from kvcdn_core.plugin_host.registry import quantizer_for
+    from kvcdn_core.quant.codec import dequantize_tensors, quantize_cache
 
     int8 = quantizer_for("int8")
 

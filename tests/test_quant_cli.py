@@ -11,10 +11,11 @@ import pytest
 import torch
 from kvcdn_model_qwen import QwenAdapter
 
-from kvcdn_core import artifact, quant, runtime
+from kvcdn_core import artifact, runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.registry import quantizer_for
-from kvcdn_core.tiny import SAMPLE_TEXT, teach_tiny_model
+from kvcdn_core.model.tiny import SAMPLE_TEXT, teach_tiny_model
+from kvcdn_core.plugin_host.registry import quantizer_for
+from kvcdn_core.quant import codec
 
 pytestmark = pytest.mark.slow  # trains a tiny model per test (teach_tiny_model)
 
@@ -150,7 +151,7 @@ def test_dequantized_tensors_have_the_unquantized_names_and_shapes(doc, cli):
     plain = artifact.load_tensors(artifact.read_header(doc))
     header = artifact.read_header(doc.parent / "h.kv")
     assert header.manifest["quantization"]["target_dtype"] == "F16"
-    deq = quant.dequantize_tensors(header)
+    deq = codec.dequantize_tensors(header)
     assert set(deq) == set(plain)
     for name, t in plain.items():
         assert deq[name].shape == t.shape
@@ -302,7 +303,7 @@ def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):
     path = _fake_artifact(tmp_path / "mix.kv", [artifact.FULL_ATTENTION, artifact.MLA_LATENT, artifact.RECURRENT_STATE])
     header = artifact.read_header(path)
     plain = artifact.load_tensors(header)
-    result = quant.quantize_cache(header.manifest, plain, quantizer_for("fp8")())
+    result = codec.quantize_cache(header.manifest, plain, quantizer_for("fp8")())
     actions = [(r["kind"], r["action"]) for r in result.manifest["quantization"]["layers"]]
     assert actions == [
         ("full_attention", "quantized"),
@@ -311,12 +312,12 @@ def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):
     ]
     assert "does not support mla_latent" in result.manifest["quantization"]["layers"][1]["reason"]
     out = artifact.write_artifact(tmp_path / "mix.fp8.kv", result.manifest, result.tensors)
-    deq = quant.dequantize_tensors(artifact.read_header(out))
+    deq = codec.dequantize_tensors(artifact.read_header(out))
     assert set(deq) == set(plain)
     for name in ("layers.1.latent", "layers.1.rotary_key", "layers.2.state"):
         assert torch.equal(deq[name], plain[name]), name
     # int8 handles the MLA latent (per channel); recurrent state stays full precision
-    result = quant.quantize_cache(header.manifest, plain, quantizer_for("int8")())
+    result = codec.quantize_cache(header.manifest, plain, quantizer_for("int8")())
     assert [r["action"] for r in result.manifest["quantization"]["layers"]] == [
         "quantized",
         "quantized",
@@ -333,17 +334,17 @@ def test_corrupted_quantized_artifacts_are_refused(doc, cli, tmp_path):
     bad = tmp_path / "bad.kv"
     bad.write_bytes(bytes(raw))
     with pytest.raises(ArtifactError, match="blake3 mismatch"):
-        quant.dequantize_tensors(artifact.read_header(bad))
+        codec.dequantize_tensors(artifact.read_header(bad))
     manifest = dict(header.manifest)
     manifest["quantization"] = {**manifest["quantization"], "scheme": "int9"}
     tensors = artifact.load_tensors(header)
     artifact.write_artifact(tmp_path / "unknown.kv", manifest, tensors)
     with pytest.raises(KvcdnError, match="no installed quantizer provides scheme 'int9'"):
-        quant.dequantize_tensors(artifact.read_header(tmp_path / "unknown.kv"))
+        codec.dequantize_tensors(artifact.read_header(tmp_path / "unknown.kv"))
     manifest["quantization"] = {**header.manifest["quantization"], "version": 99}
     artifact.write_artifact(tmp_path / "newer.kv", manifest, tensors)
     with pytest.raises(ArtifactError, match="newer than this kvcdn reads"):
-        quant.dequantize_tensors(artifact.read_header(tmp_path / "newer.kv"))
+        codec.dequantize_tensors(artifact.read_header(tmp_path / "newer.kv"))
 
 
 def test_quant_help_lists_the_installed_schemes_with_a_plugin_one(kvcdn_host):
@@ -353,8 +354,8 @@ def test_quant_help_lists_the_installed_schemes_with_a_plugin_one(kvcdn_host):
     from click.testing import CliRunner
 
     import kvcdn_core
-    from kvcdn_core.cli import make_cli
-    from kvcdn_core.registry import quantizer_for
+    from kvcdn_core.cli.app import make_cli
+    from kvcdn_core.plugin_host.registry import quantizer_for
 
     class Six(quantizer_for("int8")):
         scheme = "int6-help"

@@ -13,9 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcdn_core import KEY, VALUE, quant, role_of
+from kvcdn_core import KEY, VALUE, role_of
 from kvcdn_core.builtin.quantizers import Fp8Quantizer, Int8Quantizer, Int8TensorQuantizer
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.quant import codec
 
 CORE = [Int8TensorQuantizer, Int8Quantizer, Fp8Quantizer]
 PROFILE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,7 +167,7 @@ def test_bad_parameters_are_refused():
     ],
 )
 def test_target_dtype_accepted(requested, target, implied):
-    assert quant.normalize_target_dtype(requested) == (target, implied)
+    assert codec.normalize_target_dtype(requested) == (target, implied)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +184,7 @@ def test_target_dtype_accepted(requested, target, implied):
 )
 def test_target_dtype_refused_with_reason(requested, why):
     with pytest.raises(KvcdnError, match=why):
-        quant.normalize_target_dtype(requested)
+        codec.normalize_target_dtype(requested)
 
 
 def test_role_of_names():

@@ -17,11 +17,11 @@ from click.testing import CliRunner
 from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact, runtime, search
-from kvcdn_core.cli import make_cli
-from kvcdn_core.manifest import LayerEntry, reuse_of
-from kvcdn_core.model_files import fingerprint
+from kvcdn_core.artifact.manifest import LayerEntry, reuse_of
+from kvcdn_core.cli.app import make_cli
+from kvcdn_core.model.files import fingerprint
+from kvcdn_core.model.tiny import SAMPLE_TEXT
 from kvcdn_core.search import index as search_index
-from kvcdn_core.tiny import SAMPLE_TEXT
 from tests.support.budget import budget
 
 ARCH = "Qwen3ForCausalLM"
@@ -289,7 +289,7 @@ def test_read_only_directory_indexes_into_the_user_cache(tmp_path, model_dir, hf
 def test_search_does_not_import_torch(tmp_path, model_dir, hf_tok):
     write_fake(tmp_path / "a.kv", model_dir, hf_tok(PARAS[0])["input_ids"], context=PARAS[0])
     code = (
-        "import sys; from kvcdn_core.cli import make_cli\n"
+        "import sys; from kvcdn_core.cli.app import make_cli\n"
         f"make_cli().main(args=['search', '--model', {str(model_dir)!r}, '--dir', {str(tmp_path)!r},"
         f" '--prompt', {PARAS[0]!r}, '--format', 'json'], standalone_mode=False)\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', 'transformers' in sys.modules)\n"

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import artifact, runtime, search
-from kvcdn_core.cli import make_cli
+from kvcdn_core.artifact.manifest import Manifest
+from kvcdn_core.cli.app import make_cli
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.manifest import Manifest
-from kvcdn_core.tiny import SAMPLE_TEXT
+from kvcdn_core.model.tiny import SAMPLE_TEXT
 
 PARAS = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
 QUESTION = "\n\nQ: What did the keeper write down?\nA:"
@@ -215,7 +215,7 @@ def test_crop_refuses_sliding_layers(sliding, tmp_path):
 @pytest.mark.slow
 def test_tree_and_reuse_on_a_recurrent_model(tiny_model, tmp_path):
     """Mamba: whole-prefix reuse, and branches copied per row (recurrent states update in place)."""
-    from kvcdn_core.registry import adapter_classes
+    from kvcdn_core.plugin_host.registry import adapter_classes
 
     pytest.importorskip("kvcdn_model_ssm", reason="the ssm family plugin (plugins/kvcdn-model-ssm) is not installed")
     adapter_cls = adapter_classes()["MambaForCausalLM"]

@@ -13,10 +13,10 @@ from kvcdn_model_qwen import QwenAdapter
 
 from kvcdn_core import runtime, search
 from kvcdn_core.builtin.local_storage import LocalStorage
-from kvcdn_core.cli import make_cli
+from kvcdn_core.cli.app import make_cli
+from kvcdn_core.model.tiny import SAMPLE_TEXT
 from kvcdn_core.store import index
 from kvcdn_core.store.chunkstore import ChunkStore
-from kvcdn_core.tiny import SAMPLE_TEXT
 
 PARAS = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
 QUESTION = "\n\nQ: What did the keeper write down?\nA:"

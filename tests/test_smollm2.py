@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from kvcdn_core.tiny import SAMPLE_TEXT
+from kvcdn_core.model.tiny import SAMPLE_TEXT
 
 QUESTION = "\n\nQ: What happened in 1887?\nA:"
 
@@ -35,7 +35,7 @@ def kvcdn():
     """In-process CLI (one interpreter for the whole module): ``kvcdn(*args) -> parsed JSON``."""
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     def invoke(*args, expect=0):
         result = CliRunner().invoke(make_cli(), [str(a) for a in args], catch_exceptions=False)
@@ -75,7 +75,7 @@ def test_continue_dir_reuses_a_cropped_prefix_exactly(smol, artifact, workdir, k
     """A prompt that shares only the first paragraphs with the saved artifact: the artifact is cropped
     to the shared prefix, the rest prefilled, and the output equals a full prefill's greedy tokens."""
     from kvcdn_core import runtime
-    from kvcdn_core.verify import reference
+    from kvcdn_core.exactness.against_prefill import reference
 
     shared = SAMPLE_TEXT[: SAMPLE_TEXT.index("In 1887")]
     prompt = shared + "Engineers measure twice.\n\nQ: What did the keeper write?\nA:"

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from kvcdn_core.builtin.local_storage import LocalStorage
+from kvcdn_core.model.tiny import SAMPLE_TEXT
 from kvcdn_core.store.chunkstore import ChunkStore
-from kvcdn_core.tiny import SAMPLE_TEXT
 
 QUESTION = " And then?"
 

@@ -141,7 +141,7 @@ def write_bytes(self, key, data):
         open(os.environ["READY"], "w").close()
         threading.Event().wait()  # stopped here until killed
 local_storage.LocalStorage.write_bytes = write_bytes
-from kvcdn_core.cli import main
+from kvcdn_core.cli.app import main
 main(sys.argv[1:])
 """
 

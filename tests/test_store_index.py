@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcdn_core.artifact.manifest import ANY_PREFIX, WHOLE_PREFIX
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.manifest import ANY_PREFIX, WHOLE_PREFIX
 from kvcdn_core.store import index, keys
 
 FP = {"architecture": "Qwen3ForCausalLM", "config_sha256": "c" * 64, "tokenizer_sha256": "t" * 64}

@@ -288,7 +288,7 @@ def test_check_repair_rebuilds_a_lost_index(store, tmp_path):
     """A put that died after its record but before its index entry: `store check --repair` finds it again."""
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
     from kvcdn_core.store import index
 
     path = tmp_path / "a.kv"

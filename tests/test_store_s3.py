@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvcdn_core.registry import open_storage
+from kvcdn_core.plugin_host.registry import open_storage
 from kvcdn_core.store.chunkstore import ChunkStore, chunk_key
 from tests.support import services
 from tests.support.storefiles import churn, write_kinds

@@ -46,7 +46,7 @@ def test_readme_lists_exactly_the_installed_architectures(discovered_host):
 
 def test_generated_table_parses_back(discovered_host):
     """What `kvcdn validate --format markdown` prints is what this test reads."""
-    from kvcdn_core.commands.validate import ArchReport, render_markdown
+    from kvcdn_core.cli.commands.validate import ArchReport, render_markdown
 
     reports = [
         ArchReport(cls.family, cls.install_requirement(), arch, "tiny")
@@ -57,7 +57,7 @@ def test_generated_table_parses_back(discovered_host):
 
 def test_a_third_party_family_names_its_own_pip_requirement():
     from kvcdn_core import ModelAdapter
-    from kvcdn_core.commands.validate import ArchReport, render_markdown
+    from kvcdn_core.cli.commands.validate import ArchReport, render_markdown
 
     class Olmo3Adapter(ModelAdapter):
         family = "olmo3"

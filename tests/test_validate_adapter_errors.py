@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvcdn_core import registry
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.plugin_host import registry
 
 FAMILY_EXTRAS = {
     "LlamaForCausalLM": "llama",
@@ -58,7 +58,7 @@ def test_guess_agrees_with_every_installed_adapter(discovered_host):
 
 def test_validate_model_no_plugin_claims(kvcdn_host, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}))
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     result = CliRunner().invoke(make_cli(), ["validate", "--model", str(tmp_path), "-q"])
     assert result.exit_code == 2

@@ -51,7 +51,7 @@ class _Plugin:
 
 
 def invoke(args):
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     return CliRunner().invoke(make_cli(), ["validate", *args])
 
@@ -137,7 +137,7 @@ def test_the_summary_counts_architectures_by_name_and_shapes_apart():
     """'108/108 architectures pass' counted 108 shapes of 65 architectures."""
     import types
 
-    from kvcdn_core.commands.validate import ArchReport, pass_line
+    from kvcdn_core.cli.commands.validate import ArchReport, pass_line
 
     ok, bad = types.SimpleNamespace(passed=True), types.SimpleNamespace(passed=False)
 

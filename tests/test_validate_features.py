@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core.manifest import LayerEntry
-from kvcdn_core.validation import exercised
+from kvcdn_core.artifact.manifest import LayerEntry
+from kvcdn_core.exactness.architecture import exercised
 
 
 def config(architecture: str, **kwargs):

@@ -4,7 +4,7 @@ Layout (see docs/artifact-format.md): the safetensors header metadata holds ``kv
 ``kvcdn.format_version`` and ``kvcdn.manifest`` (JSON). Token ids are the ``token_ids`` tensor.
 Reading the header, the manifest and the token ids is pure Python (no torch), so ``inspect`` and
 ``search`` stay fast; :func:`load_tensors` reads the data region in one pass and builds tensors on
-that buffer without copying (:mod:`kvcdn_core.tensor_io`).
+that buffer without copying (:mod:`kvcdn_core.artifact.tensor_io`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from kvcdn_core import digests, tensor_io
+from kvcdn_core.artifact import digests, tensor_io
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.paths import check_writable
 from kvcdn_core.text import is_printable_text
 
 FORMAT_NAME = "kvcdn-kv"
-#: The version written. 2: tensors carry BLAKE3 digests; 1 (still read): SHA-256 (:mod:`kvcdn_core.digests`).
+#: The version written. 2: tensors carry BLAKE3 digests; 1 (still read): SHA-256 (:mod:`kvcdn_core.artifact.digests`).
 FORMAT_VERSION = 2
 META_FORMAT = "kvcdn.format"
 META_VERSION = "kvcdn.format_version"
@@ -103,7 +103,7 @@ class Header:
     data_start: int
     file_size: int
     format_version: int = FORMAT_VERSION
-    #: The manifest typed, made once by :func:`kvcdn_core.manifest.manifest_of` and kept here.
+    #: The manifest typed, made once by :func:`kvcdn_core.artifact.manifest.manifest_of` and kept here.
     typed_manifest: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -221,7 +221,7 @@ def check_file(path: str | os.PathLike[str]) -> Header:
     any problem, structural, a tensor whose bytes do not hash to its manifest digest, or a negative
     token id, is an :class:`ArtifactError` (HTTP 422 there).
 
-    Memory stays bounded whatever the file's size (:mod:`kvcdn_core.stream_check`): the tensors are
+    Memory stays bounded whatever the file's size (:mod:`kvcdn_core.artifact.stream_check`): the tensors are
     hashed as the file streams past, and the token ids are checked a piece at a time.
     """
     header = read_header(path)
@@ -527,11 +527,11 @@ def read_token_ids(path: str | os.PathLike[str], header: Header | None = None) -
 def check_hashes(header: Header) -> list[str]:
     """Re-hash every tensor the manifest lists; return the names whose digest differs.
 
-    Streams the file through two small buffers (:mod:`kvcdn_core.stream_check`), so checking costs
+    Streams the file through two small buffers (:mod:`kvcdn_core.artifact.stream_check`), so checking costs
     a few MiB of memory whatever the file's size; :func:`load_tensors` is the path that keeps the
     bytes.
     """
-    from kvcdn_core import stream_check
+    from kvcdn_core.artifact import stream_check
 
     return stream_check.mismatched(header)
 
@@ -542,10 +542,10 @@ def load_tensors(
     """Read the whole data region once and return every tensor as a torch tensor.
 
     The tensors are views on one buffer laid out like the file, filled by one read (``O_DIRECT``
-    when the file is cold, see :mod:`kvcdn_core.tensor_io`), and each tensor's digest is checked by
+    when the file is cold, see :mod:`kvcdn_core.artifact.tensor_io`), and each tensor's digest is checked by
     worker threads while the read goes on. ``direct`` forces (True) or forbids (False) direct I/O.
     """
-    from kvcdn_core import tensor_io
+    from kvcdn_core.artifact import tensor_io
 
     reader = tensor_io.read_checked(header, verify_hashes=verify_hashes, direct=direct)
     tensors = {}

@@ -17,7 +17,7 @@ measurements).
 
 What a layer is made of is the caller's :class:`LayerSource`: a plain artifact's layer is its
 stored tensors; a quantized artifact's layer is its codes, scales and residual window, dequantized
-once they are verified (:class:`kvcdn_core.quant.QuantizedLayers`).
+once they are verified (:class:`kvcdn_core.quant.codec.QuantizedLayers`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
+from kvcdn_core.artifact.manifest import LayerEntry
+from kvcdn_core.artifact.tensor_io import TensorReader, as_tensor
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.manifest import LayerEntry
-from kvcdn_core.tensor_io import TensorReader, as_tensor
 
 
 @dataclasses.dataclass(frozen=True)

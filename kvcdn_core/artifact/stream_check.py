@@ -1,6 +1,6 @@
 """Checking an artifact's tensor digests in bounded memory, whatever the file's size.
 
-A load for inference needs every byte in memory anyway, so :mod:`kvcdn_core.tensor_io` reads the
+A load for inference needs every byte in memory anyway, so :mod:`kvcdn_core.artifact.tensor_io` reads the
 whole file into one buffer and hashes on the way. A check keeps nothing: the hosted server checks
 uploads of tens of gigabytes at confirm, several at once, and ``inspect --check`` runs on any file.
 So here the data region is read front to back in :data:`CHUNK` pieces into two reused buffers (the
@@ -16,7 +16,7 @@ import os
 from collections.abc import Generator
 from concurrent.futures import Future
 
-from kvcdn_core import digests
+from kvcdn_core.artifact import digests
 from kvcdn_core.cores import hash_workers, shared_pool
 from kvcdn_core.errors import ArtifactError
 
@@ -61,7 +61,7 @@ def mismatched(header) -> list[str]:
 def _chunks(fd: int, path, offset: int, stop: int) -> Generator[memoryview, None, None]:
     """The file's bytes ``[offset, stop)`` as successive views on two alternating buffers; the read
     of the next piece runs (on the reader pool) while the caller hashes the one yielded."""
-    from kvcdn_core.tensor_io import READERS
+    from kvcdn_core.artifact.tensor_io import READERS
 
     pool = shared_pool("read", READERS)
     buffers = [bytearray(min(CHUNK, max(stop - offset, 1))) for _ in range(2)]

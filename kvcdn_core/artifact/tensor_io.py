@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, wait
 from typing import Any
 
-from kvcdn_core import digests
+from kvcdn_core.artifact import digests
 from kvcdn_core.cores import hash_workers, shared_pool
 from kvcdn_core.errors import ArtifactError
 
@@ -209,7 +209,7 @@ class TensorReader:
 
     def hash_matches(self, name: str, threads: int = 1) -> bool:
         """Whether a tensor's bytes in the buffer hash to its manifest digest (``threads``: see
-        :func:`kvcdn_core.digests.hexdigest`)."""
+        :func:`kvcdn_core.artifact.digests.hexdigest`)."""
         algorithm = self.header.digest
         expected = self.header.manifest["tensors"][name].get(algorithm)
         return digests.hexdigest(algorithm, self.data(name), threads) == expected
@@ -268,7 +268,7 @@ def private_buffer(size: int) -> mmap.mmap:
 def _want_direct(path) -> bool:
     if not hasattr(os, "O_DIRECT"):
         return False
-    from kvcdn_core.pagecache import resident_fraction
+    from kvcdn_core.artifact.pagecache import resident_fraction
 
     resident = resident_fraction(path)
     return resident is not None and resident < WARM_FRACTION

@@ -3,7 +3,7 @@
 One module per idea: :mod:`.inputs` (lengths, schemes, context ids, threads, checked before
 anything is timed), :mod:`.timing` (warm-up and reps, the plain-read and FLOP limits),
 :mod:`.measure` (the timed runs), :mod:`.result` (rows), :mod:`.report` (CSV, table, JSON);
-cold files are :mod:`kvcdn_core.pagecache`'s. The names below are what scripts under
+cold files are :mod:`kvcdn_core.artifact.pagecache`'s. The names below are what scripts under
 ``benchmarks/`` use. Nothing here imports torch at import time.
 """
 

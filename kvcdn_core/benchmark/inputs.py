@@ -34,7 +34,7 @@ def parse_schemes(text: str, installed: list[str]) -> list[str]:
 
 
 def installed_schemes() -> list[str]:
-    from kvcdn_core.registry import quantizer_classes
+    from kvcdn_core.plugin_host.registry import quantizer_classes
 
     return sorted(quantizer_classes())
 
@@ -62,7 +62,7 @@ def context_ids(session, text: str | None, longest: int) -> tuple[list[int], str
                 "pass a longer file or smaller lengths"
             )
         return ids, f"context file ({len(ids)} tokens)"
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     once = max(len(adapter.encode_continuation(tok, SAMPLE_TEXT)), 1)
     text = SAMPLE_TEXT * (longest // once + 2)

@@ -3,7 +3,7 @@
 Every number is measured on the real code path: the same prefill, artifact writer, loader and
 quantizers the other commands use. Each measurement gets one warm-up run, then ``reps`` timed runs,
 and the median is reported. Loads are timed from a cold file (the page cache dropped before each
-run and the drop checked, :class:`kvcdn_core.pagecache.PageCache`) so that ``load_s`` is what a
+run and the drop checked, :class:`kvcdn_core.artifact.pagecache.PageCache`) so that ``load_s`` is what a
 fresh process pays. Torch is imported lazily.
 """
 
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcdn_core.artifact.pagecache import PageCache
 from kvcdn_core.benchmark.inputs import check_lengths, set_threads
 from kvcdn_core.benchmark.result import BenchResult, BenchRow
 from kvcdn_core.benchmark.timing import (
@@ -27,7 +28,6 @@ from kvcdn_core.benchmark.timing import (
     timed_runs,
 )
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.pagecache import PageCache
 
 
 def run_benchmark(
@@ -228,12 +228,12 @@ def _measure_load(
 def quantize(source: Path, scheme: str, target: Path) -> Path:
     """Quantize an artifact with an installed quantizer (the same code path as ``kvcdn quant``)."""
     from kvcdn_core import artifact as fmt
-    from kvcdn_core import quant
-    from kvcdn_core.registry import quantizer_for
+    from kvcdn_core.plugin_host.registry import quantizer_for
+    from kvcdn_core.quant import codec
 
     header = fmt.read_header(source)
     quantizer = quantizer_for(scheme)()
-    result = quant.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer)
+    result = codec.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer)
     return fmt.write_artifact(target, result.manifest, result.tensors)
 
 

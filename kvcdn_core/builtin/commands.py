@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @hookimpl
 def kvcdn_register_commands(cli: click.Group) -> None:
-    from kvcdn_core.commands import (
+    from kvcdn_core.cli.commands import (
         benchmark,
         continue_cmd,
         diag,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from kvcdn_core import artifact as fmt
 from kvcdn_core import hookimpl
 from kvcdn_core.contracts.quantizer import KEY, Quantizer
-from kvcdn_core.numerics import round_up_param
+from kvcdn_core.quant.numerics import round_up_param
 
 INT8_MAX = 127
 FP8_MAX = 448.0

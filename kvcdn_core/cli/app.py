@@ -12,10 +12,10 @@ import traceback
 import click
 
 import kvcdn_core
+from kvcdn_core.cli.render import reporting
 from kvcdn_core.errors import KvcdnError, interruption
-from kvcdn_core.plugins import debug_enabled
-from kvcdn_core.registry import register_commands
-from kvcdn_core.render import reporting
+from kvcdn_core.plugin_host.manager import debug_enabled
+from kvcdn_core.plugin_host.registry import register_commands
 
 
 class KvcdnGroup(click.Group):

@@ -1,6 +1,6 @@
 """Generate docs/cli.md from the click definitions, so the CLI reference cannot drift.
 
-    python -m kvcdn_core.clidoc > docs/cli.md
+    python -m kvcdn_core.cli.reference > docs/cli.md
 
 A test regenerates it and fails when the committed file differs.
 """
@@ -57,13 +57,13 @@ CONVENTIONS = """## Conventions
 
 
 def render() -> str:
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     root = make_cli()
     lines = [
         "# kvcdn command reference",
         "",
-        "Generated from the click definitions by `python -m kvcdn_core.clidoc`; do not edit by hand.",
+        "Generated from the click definitions by `python -m kvcdn_core.cli.reference`; do not edit by hand.",
         "Each section is exactly what `kvcdn <command> --help` prints at 100 columns, for the commands",
         "of core and of every plugin installed when it was generated.",
         "",

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import LayerEntry
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -93,7 +93,7 @@ class ModelAdapter:
     #: (2-4 layers, hidden 64-128) for offline validation. ``vocab_size`` is set by the builder.
     validation_configs: ClassVar[dict[str, dict[str, Any]]] = {}
     #: architecture → more tiny shapes, each ``{"_variant": name, **changes to the default}``;
-    #: ``kvcdn validate`` runs every one (see :func:`kvcdn_core.tiny.config_variants`).
+    #: ``kvcdn validate`` runs every one (see :func:`kvcdn_core.model.tiny.config_variants`).
     validation_variants: ClassVar[dict[str, list[dict[str, Any]]]] = {}
     #: The kvcdn extra that installs this family, ``kvcdn[<extra>]``; defaults to the family name.
     extra: ClassVar[str | None] = None
@@ -135,9 +135,9 @@ class ModelAdapter:
         """Run ``input_ids`` (shape [1, T]) on ``cache``; return ``(logits [1, T, V], cache)``.
 
         The only place that knows how transformers takes and returns a cache. RoPE scalings that
-        depend on the sequence length are kept exact (or refused) by :mod:`kvcdn_core.rope_regime`.
+        depend on the sequence length are kept exact (or refused) by :mod:`kvcdn_core.model.rope_regime`.
         """
-        from kvcdn_core.rope_regime import guarded_forward
+        from kvcdn_core.model.rope_regime import guarded_forward
 
         return guarded_forward(self, model, input_ids, cache, self._run)
 
@@ -197,7 +197,7 @@ class ModelAdapter:
 
     def streams_layers(self, layers: Sequence[LayerEntry]) -> bool:
         """Whether a cache of these manifest layers may be loaded layer by layer while the model
-        runs (:mod:`kvcdn_core.layer_stream`): each layer imported alone by :meth:`import_layer`
+        runs (:mod:`kvcdn_core.artifact.layer_stream`): each layer imported alone by :meth:`import_layer`
         into ``cache.layers[i]``, touching nothing shared. True for attention layers when the
         adapter keeps the base cache layout; a family that overrides the import says so itself."""
         cls = type(self)

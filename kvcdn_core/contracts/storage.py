@@ -3,7 +3,7 @@
 Local disk is built in (:mod:`kvcdn_core.builtin.local_storage`); S3 and the hosted endpoint are
 plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contract`` checks it):
 
-- **URIs.** :func:`kvcdn_core.registry.open_storage` takes the scheme of the URI (``s3`` in
+- **URIs.** :func:`kvcdn_core.plugin_host.registry.open_storage` takes the scheme of the URI (``s3`` in
   ``s3://bucket/prefix``; a bare path means ``file``), finds the class whose ``schemes`` names it and
   calls ``cls.from_uri(uri)`` with the whole URI, unchanged. Parsing the rest is the backend's job.
 - **Keys** are relative, ``/``-separated strings without empty, ``.`` or ``..`` parts or

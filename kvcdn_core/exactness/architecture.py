@@ -16,9 +16,9 @@ from typing import Any
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
+from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.manifest import LayerEntry
-from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
+from kvcdn_core.model.defaults import DEFAULT_QUESTION
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ class ValidationRun:
 
 def long_context(min_tokens: int, tokenizer) -> str:
     """Repeat-free text of at least ``min_tokens`` tokens, built from the sample text."""
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     paragraphs = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
     text, i = "", 0
@@ -112,7 +112,7 @@ def phase_roundtrip(run: ValidationRun) -> PhaseResult:
 
 def phase_reference(run: ValidationRun) -> PhaseResult:
     """Path A: a full prefill of context ∥ question, then greedy decoding."""
-    from kvcdn_core.verify import reference
+    from kvcdn_core.exactness.against_prefill import reference
 
     run.question_ids = run.session.adapter.encode_continuation(run.session.tokenizer, run.question)
     ids, logits = reference(run.session, run.context_ids, run.question_ids, run.n)
@@ -131,7 +131,7 @@ def phase_reference(run: ValidationRun) -> PhaseResult:
 
 def phase_cache(run: ValidationRun) -> PhaseResult:
     """Path B: load the artifact from disk, feed the question, decode; compare ids with path A."""
-    from kvcdn_core.verify import VerifyResult, cached
+    from kvcdn_core.exactness.against_prefill import VerifyResult, cached
 
     if run.header is None or run.reference_ids is None:
         return run.result("cache", False, "skipped: an earlier phase failed")
@@ -151,7 +151,7 @@ def phase_fork(run: ValidationRun) -> PhaseResult:
     cannot see each other."""
     import torch
 
-    from kvcdn_core.verify import VerifyResult
+    from kvcdn_core.exactness.against_prefill import VerifyResult
 
     if run.header is None or run.reference_ids is None:
         return run.result("fork", False, "skipped: an earlier phase failed")
@@ -177,8 +177,8 @@ PHASES: list[tuple[str, Callable[[ValidationRun], PhaseResult]]] = [
     ("fork", phase_fork),
 ]
 
-# The quantized path (issue 4): int8, checked on every family's real cache; see kvcdn_core.quant.
-from kvcdn_core.quant_validation import validation_phase as _quant_phase  # noqa: E402
+# The quantized path (issue 4): int8, checked on every family's real cache; see kvcdn_core.quant.codec.
+from kvcdn_core.quant.phase import validation_phase as _quant_phase  # noqa: E402
 
 PHASES.append(("quant:int8", _quant_phase("int8")))
 
@@ -245,7 +245,7 @@ def validate_tiny(
 
     Phases of a variant other than ``default`` are named ``phase[variant]``.
     """
-    from kvcdn_core.tiny import DEFAULT_VARIANT, build_tiny_model, config_variants
+    from kvcdn_core.model.tiny import DEFAULT_VARIANT, build_tiny_model, config_variants
 
     results = []
     for variant in config_variants(adapter_cls, architecture):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import ArtifactError
-from kvcdn_core.manifest import LayerEntry
 
 
 def is_linear_attention(layer) -> bool:

@@ -30,8 +30,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import LayerEntry
 
 LATENT, ROTARY_KEY, INDEXER_KEY = fmt.MLA_ROLES
 MLA_KINDS = (fmt.MLA_LATENT, fmt.MLA_INDEXED)
@@ -82,7 +82,7 @@ class MlaLayers(_MixinBase):
     """Adapter mixin for MLA models: MLA latent layers, DSA layers with their indexer keys.
 
     Put it before :class:`~kvcdn_core.contracts.adapter.ModelAdapter` in the bases, after
-    :class:`~kvcdn_core.linear_attention.LinearAttentionLayers` for hybrids whose other layers are
+    :class:`~kvcdn_core.model.linear_attention.LinearAttentionLayers` for hybrids whose other layers are
     linear attention (Kimi Linear). A layer of any other type, or tensors that are not one head of
     the model's widths (a transformers version that caches decompressed heads, say), are refused
     rather than written under a wrong name.

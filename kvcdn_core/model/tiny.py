@@ -4,7 +4,7 @@ The Hugging Face hub is not always reachable (CI, air-gapped hosts), so every ad
 config per architecture; this module turns one into a saved model directory that loads by path.
 Weights use a wide init so greedy decoding does not sit on near-ties and its output varies.
 
-Run ``python -m kvcdn_core.tiny ARCH OUT_DIR`` to build one by hand.
+Run ``python -m kvcdn_core.model.tiny ARCH OUT_DIR`` to build one by hand.
 """
 
 from __future__ import annotations
@@ -195,9 +195,9 @@ def teach_tiny_model(
 def main(argv=None) -> int:
     import argparse
 
-    from kvcdn_core.registry import adapter_classes
+    from kvcdn_core.plugin_host.registry import adapter_classes
 
-    parser = argparse.ArgumentParser(prog="python -m kvcdn_core.tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvcdn_core.model.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("architecture", help="e.g. Qwen3ForCausalLM")
     parser.add_argument("out_dir")
     args = parser.parse_args(argv)

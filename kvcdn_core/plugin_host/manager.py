@@ -6,7 +6,7 @@ it already knows). A plugin that fails to import, implements a hook kvcdn does n
 from a hook is reported as one warning (:func:`kvcdn_core.notices.warn`; the CLI shows it as one
 stderr line) and skipped; the rest keep working.
 
-Only :mod:`kvcdn_core.registry` asks the host for classes; commands and library code ask the registry.
+Only :mod:`kvcdn_core.plugin_host.registry` asks the host for classes; commands and library code ask the registry.
 
 **Precedence.** When two plugins claim the same architecture, quantization scheme, URI scheme or
 command name, core's built-ins win, then plugins in the order of their names; the others' claims
@@ -23,7 +23,8 @@ from typing import Any
 
 import pluggy
 
-from kvcdn_core import hookspecs, notices
+from kvcdn_core import notices
+from kvcdn_core.plugin_host import hookspecs
 
 GROUPS = ("kvcdn.models", "kvcdn.quantizers", "kvcdn.storage", "kvcdn.commands")
 
@@ -361,7 +362,7 @@ _HOST: PluginHost | None = None
 
 
 def get_host() -> PluginHost:
-    """The process-wide plugin host, created on first use (ask :mod:`kvcdn_core.registry` instead)."""
+    """The process-wide plugin host, created on first use (ask :mod:`kvcdn_core.plugin_host.registry` instead)."""
     global _HOST
     if _HOST is None:
         _HOST = PluginHost()

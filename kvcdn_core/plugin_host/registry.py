@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.plugins import PluginHost, get_host
+from kvcdn_core.plugin_host.manager import PluginHost, get_host
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvcdn_core.contracts.adapter import ModelAdapter

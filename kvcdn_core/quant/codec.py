@@ -1,7 +1,7 @@
 """Quantized artifacts: quantizing a cache's tensors with a scheme, and dequantizing on load.
 
 The scheme is a :class:`kvcdn_core.contracts.quantizer.Quantizer` the registry finds; the workflow
-around this (files, verification, the event record) is :mod:`kvcdn_core.quant_service`.
+around this (files, verification, the event record) is :mod:`kvcdn_core.quant.service`.
 
 Storage rule (see docs/quantization.md): a quantized tensor keeps its name for its codes (so the
 manifest's layer entries still name tensors the file holds) and adds ``<name>.<part>`` tensors for
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.artifact.manifest import Manifest, manifest_of
 from kvcdn_core.contracts.quantizer import (
     DTYPE_ALIASES,
     QUANT_BLOCK_VERSION,
@@ -32,8 +33,7 @@ from kvcdn_core.contracts.quantizer import (
     role_of,
 )
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import Manifest, manifest_of
-from kvcdn_core.registry import claim_note, quantizer_for
+from kvcdn_core.plugin_host.registry import claim_note, quantizer_for
 
 
 def normalize_target_dtype(requested: str | None) -> tuple[str | None, str | None]:
@@ -187,7 +187,7 @@ class QuantizedLayers:
     """A quantized artifact's layers, dequantized one at a time through its scheme's quantizer.
 
     The whole load (:func:`dequantize_tensors`) and the layer-by-layer one
-    (:mod:`kvcdn_core.layer_stream`) share it, so both give the same tensors bit for bit. The
+    (:mod:`kvcdn_core.artifact.layer_stream`) share it, so both give the same tensors bit for bit. The
     quantization block is checked here, before any tensor is read.
     """
 

@@ -1,15 +1,15 @@
 """The quantized validation phase: a scheme checked on a family's real cache by ``kvcdn validate``.
 
-Kept apart from :mod:`kvcdn_core.quant` because it runs the model (:mod:`kvcdn_core.verify`), which
-loads artifacts through :mod:`kvcdn_core.runtime`, which dequantizes through :mod:`kvcdn_core.quant`.
+Kept apart from :mod:`kvcdn_core.quant.codec` because it runs the model (:mod:`kvcdn_core.exactness.against_prefill`), which
+loads artifacts through :mod:`kvcdn_core.runtime`, which dequantizes through :mod:`kvcdn_core.quant.codec`.
 """
 
 from __future__ import annotations
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core.contracts.quantizer import Quantizer
-from kvcdn_core.quant import dequantize_tensors, quantize_cache
-from kvcdn_core.registry import quantizer_for
+from kvcdn_core.plugin_host.registry import quantizer_for
+from kvcdn_core.quant.codec import dequantize_tensors, quantize_cache
 
 #: A reference step is a near-tie when its top-2 logit margin is below this fraction of its logit
 #: range: any lossy cache may flip such a step, so the validation phase does not count it.
@@ -51,7 +51,7 @@ def bound_violations(header_manifest: dict, original: dict, quantizer: Quantizer
 
 
 def validation_phase(scheme: str = "int8"):
-    """A :mod:`kvcdn_core.validation` phase for ``scheme`` on a family's real cache.
+    """A :mod:`kvcdn_core.exactness.architecture` phase for ``scheme`` on a family's real cache.
 
     Quantize the run's artifact, check every dequantized tensor against the scheme's error bound,
     load it from disk and continue. Free-running token matches are reported; the pass criterion is a
@@ -63,7 +63,7 @@ def validation_phase(scheme: str = "int8"):
     """
 
     def phase(run):
-        from kvcdn_core.verify import cached, reference
+        from kvcdn_core.exactness.against_prefill import cached, reference
 
         name = f"quant:{scheme}"
         if run.header is None or run.reference_ids is None:

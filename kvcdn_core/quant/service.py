@@ -2,7 +2,7 @@
 
 Quantize an artifact into another file, optionally verify that continuing from it matches a full
 prefill, and record a typed :class:`QuantEvent` next to it. The numerics live in
-:mod:`kvcdn_core.quant` (which runtime uses to dequantize on load); this module sits above both.
+:mod:`kvcdn_core.quant.codec` (which runtime uses to dequantize on load); this module sits above both.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import notices
+from kvcdn_core.artifact.manifest import manifest_of
 from kvcdn_core.atomic import write_json_atomic
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.manifest import manifest_of
-from kvcdn_core.quant import quantize_cache
-from kvcdn_core.registry import quantizer_classes
-from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
+from kvcdn_core.model.defaults import DEFAULT_QUESTION
+from kvcdn_core.plugin_host.registry import quantizer_classes
+from kvcdn_core.quant.codec import quantize_cache
 
 
 @dataclasses.dataclass
@@ -162,12 +162,13 @@ def verify_quantized(
     session: Any, source_header: fmt.Header, quant_header: fmt.Header, question: str, n: int
 ) -> dict[str, Any]:
     """Token ids of the quantized artifact's continuation against a full prefill and the unquantized one."""
-    from kvcdn_core import runtime, verify
+    from kvcdn_core import runtime
+    from kvcdn_core.exactness import against_prefill
 
     question_ids = session.adapter.encode_continuation(session.tokenizer, question)
-    quant_ids, _, context_ids = verify.cached(session, quant_header, question_ids, n)
-    plain_ids, _, _ = verify.cached(session, source_header, question_ids, n)
-    reference_ids, _ = verify.reference(session, context_ids, question_ids, n)
+    quant_ids, _, context_ids = against_prefill.cached(session, quant_header, question_ids, n)
+    plain_ids, _, _ = against_prefill.cached(session, source_header, question_ids, n)
+    reference_ids, _ = against_prefill.reference(session, context_ids, question_ids, n)
 
     def first_diff(a: list[int], b: list[int]) -> int | None:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)

@@ -5,7 +5,7 @@ and token ids, never torch), :mod:`~kvcdn_core.search.rank` ranks them by the to
 share with a query, :mod:`~kvcdn_core.search.reuse` loads the best one and prefills the rest.
 """
 
-from kvcdn_core.manifest import ANY_PREFIX, WHOLE_PREFIX
+from kvcdn_core.artifact.manifest import ANY_PREFIX, WHOLE_PREFIX
 from kvcdn_core.search.index import INDEX_NAME, Entry, index_path, scan
 from kvcdn_core.search.rank import (
     Match,

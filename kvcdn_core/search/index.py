@@ -21,10 +21,10 @@ import numpy as np
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import notices
+from kvcdn_core.artifact.manifest import Manifest
 from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import Manifest
-from kvcdn_core.model_files import COMPATIBILITY_KEYS
+from kvcdn_core.model.files import COMPATIBILITY_KEYS
 
 INDEX_NAME = ".kvcdn-index"
 INDEX_MAGIC = b"KVCDNIX1"

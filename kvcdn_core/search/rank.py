@@ -18,9 +18,9 @@ import numpy as np
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import notices
+from kvcdn_core.artifact.manifest import ANY_PREFIX
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import ANY_PREFIX
-from kvcdn_core.model_files import fingerprint_differences
+from kvcdn_core.model.files import fingerprint_differences
 from kvcdn_core.search.index import Entry, Warn, scan
 
 # -- matching and ranking -------------------------------------------------------------------
@@ -162,8 +162,8 @@ class QueryTokenizer:
 def load_adapter(model_dir: Path):
     """The installed adapter for the model's architecture, or the base one (tokenizing is generic)."""
     from kvcdn_core.contracts.adapter import ModelAdapter
-    from kvcdn_core.model_files import architecture_of, read_config
-    from kvcdn_core.registry import adapter_for
+    from kvcdn_core.model.files import architecture_of, read_config
+    from kvcdn_core.plugin_host.registry import adapter_for
 
     try:
         return adapter_for(architecture_of(read_config(model_dir)))()
@@ -261,8 +261,8 @@ def search(
     directory, query: str, model_ref: str | None = None, revision: str | None = None, warn: Warn = notices.warn
 ) -> Search:
     """Scan ``directory``, tokenize ``query`` the way the model's contexts are, and rank."""
-    from kvcdn_core.model_files import fingerprint as model_fingerprint
-    from kvcdn_core.model_files import resolve_model_dir
+    from kvcdn_core.model.files import fingerprint as model_fingerprint
+    from kvcdn_core.model.files import resolve_model_dir
 
     entries = scan(directory, warn)
     model_ref = model_ref or infer_model(entries, directory)

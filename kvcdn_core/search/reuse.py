@@ -13,8 +13,8 @@ from typing import Any
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import notices
+from kvcdn_core.artifact.manifest import manifest_of
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.manifest import manifest_of
 from kvcdn_core.search.index import Warn
 from kvcdn_core.search.rank import Ranking, Search, common_prefix, usable_tokens
 

@@ -78,9 +78,9 @@ def search_store(
 ) -> StoreSearch:
     """Open the store, tokenize ``query`` as a context of the model, and look it up under every root
     (compute dtype, quantization) the index holds for that model."""
-    from kvcdn_core.model_files import fingerprint as model_fingerprint
-    from kvcdn_core.model_files import resolve_model_dir
-    from kvcdn_core.registry import open_storage
+    from kvcdn_core.model.files import fingerprint as model_fingerprint
+    from kvcdn_core.model.files import resolve_model_dir
+    from kvcdn_core.plugin_host.registry import open_storage
     from kvcdn_core.store import index
 
     backend = open_storage(uri)

@@ -498,7 +498,7 @@ class ChunkStore:
 
     def check(self, now: float | None = None) -> CheckReport:
         """Every chunk against its digest, every record's references; orphans counted (GC's work)."""
-        from kvcdn_core.digests import hexdigest
+        from kvcdn_core.artifact.digests import hexdigest
 
         now = self.clock() if now is None else now
         problems: list[str] = []

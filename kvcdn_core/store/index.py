@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcdn_core.artifact.manifest import ANY_PREFIX, WHOLE_PREFIX
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.manifest import ANY_PREFIX, WHOLE_PREFIX
 from kvcdn_core.store import keys as chainkeys
 
 PREFIX = "index/"

@@ -20,7 +20,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from kvcdn_core.model_files import COMPATIBILITY_KEYS
+from kvcdn_core.model.files import COMPATIBILITY_KEYS
 
 #: Tokens per chunk. A multiple of the block sizes of the engines kvcdn loads into (vLLM: 16 on GPU,
 #: 128 on CPU), so a chunk boundary is always a block boundary, and of the default residual window

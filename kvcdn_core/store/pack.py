@@ -115,7 +115,7 @@ class Cutter:
     def check_digests(self) -> None:
         """Every tensor's bytes against its manifest digest, read through the memory map (the file
         is never copied whole into memory); :class:`ArtifactError` naming the first mismatch."""
-        from kvcdn_core import digests
+        from kvcdn_core.artifact import digests
 
         h = self.header
         bad = []
@@ -206,7 +206,7 @@ class Cutter:
 
 def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, plan: Plan) -> ArtifactRecord:
     """The record of a packed file, from its cutter and plan (version 1 unless a chunk has pieces)."""
-    from kvcdn_core.manifest import Manifest
+    from kvcdn_core.artifact.manifest import Manifest
 
     model = header.manifest["model"]
     return ArtifactRecord(

@@ -293,7 +293,7 @@ def _check_against_header(where: str, record: ArtifactRecord) -> None:
     expect(record.token_count == header.token_count, "token_count differs from the header's")
     model = header.manifest["model"]
     expect(record.model == {k: model.get(k) for k in MODEL_KEYS}, "model differs from the header's")
-    from kvcdn_core.manifest import Manifest
+    from kvcdn_core.artifact.manifest import Manifest
 
     expect(record.reuse == Manifest.from_dict(header.manifest).reuse, "reuse differs from the header's")
     for name in record.chunked:

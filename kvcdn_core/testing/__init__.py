@@ -29,7 +29,7 @@ def assert_adapter_contract(adapter_cls, architecture: str, workdir: Path, n: in
     token-exact against a full prefill for ``n`` greedy tokens, on a context longer than any sliding
     window the model has.
     """
-    from kvcdn_core.validation import validate_tiny
+    from kvcdn_core.exactness.architecture import validate_tiny
 
     assert architecture in adapter_cls.architectures, f"{adapter_cls.__name__} does not claim {architecture}"
     results = validate_tiny(adapter_cls, architecture, Path(workdir), n=n)
@@ -65,8 +65,8 @@ def assert_prefix_reuse(session, workdir: Path, n: int = 16) -> int:
     ``n`` greedy tokens must equal a full prefill's. Returns the tokens reused (0: from scratch).
     """
     from kvcdn_core import artifact, runtime, search
-    from kvcdn_core.manifest import ANY_PREFIX
-    from kvcdn_core.validation import TINY_QUESTION, long_context
+    from kvcdn_core.artifact.manifest import ANY_PREFIX
+    from kvcdn_core.exactness.architecture import TINY_QUESTION, long_context
 
     document = long_context(160, session.tokenizer)
     path, ids = runtime.generate(session, document, Path(workdir) / "document.kv", progress=False)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcdn_core.manifest import manifest_of
+from kvcdn_core.artifact.manifest import manifest_of
 
 
 def context_ids(session, n_tokens: int) -> list[int]:
     """Token ids of a repeat-free document of at least ``n_tokens`` tokens."""
-    from kvcdn_core.validation import long_context
+    from kvcdn_core.exactness.architecture import long_context
 
     return session.adapter.encode_context(session.tokenizer, long_context(n_tokens, session.tokenizer))
 

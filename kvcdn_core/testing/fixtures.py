@@ -11,27 +11,27 @@ def kvcdn_host(monkeypatch):
 
     Register a plugin in-process with ``kvcdn_host.register(module_or_object, "name", "kvcdn.models")``.
     """
-    from kvcdn_core import plugins
+    from kvcdn_core.plugin_host import manager
 
-    host = plugins.PluginHost(discover=False)
-    monkeypatch.setattr(plugins, "_HOST", host)
+    host = manager.PluginHost(discover=False)
+    monkeypatch.setattr(manager, "_HOST", host)
     return host
 
 
 @pytest.fixture
 def discovered_host(monkeypatch):
     """A fresh host that discovers installed plugins (after tests changed the environment)."""
-    from kvcdn_core import plugins
+    from kvcdn_core.plugin_host import manager
 
-    host = plugins.PluginHost()
-    monkeypatch.setattr(plugins, "_HOST", host)
+    host = manager.PluginHost()
+    monkeypatch.setattr(manager, "_HOST", host)
     return host
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Factory ``tiny_model(adapter_cls, architecture) -> Path``: a saved tiny model, built once."""
-    from kvcdn_core.tiny import build_tiny_model
+    from kvcdn_core.model.tiny import build_tiny_model
 
     built = {}
 

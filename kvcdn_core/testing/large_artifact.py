@@ -14,7 +14,8 @@ import os
 import random
 import struct
 
-from kvcdn_core import artifact, digests
+from kvcdn_core import artifact
+from kvcdn_core.artifact import digests
 
 #: Bytes of the repeated pseudo-random block.
 BLOCK = 1 << 20

@@ -91,7 +91,7 @@ def _check_artifact_roundtrip(cls: type[Quantizer]) -> None:
 
     import torch
 
-    from kvcdn_core.quant import quantize_cache
+    from kvcdn_core.quant.codec import quantize_cache
 
     gen = torch.Generator().manual_seed(7)
     tokens = 19

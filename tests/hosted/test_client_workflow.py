@@ -67,7 +67,7 @@ def kv(cli, monkeypatch):
             monkeypatch.delenv("KVCDN_ADMIN_SECRET", raising=False)
         from click.testing import CliRunner
 
-        from kvcdn_core.cli import make_cli
+        from kvcdn_core.cli.app import make_cli
 
         return CliRunner().invoke(make_cli(), [str(a) for a in args])
 
@@ -229,7 +229,7 @@ def test_to_and_from_s3_directly(moto_s3, cli, qwen3_artifact, tmp_path, monkeyp
 
 def test_hosted_storage_backend(kv, local_server, qwen3_artifact, tmp_path, monkeypatch):
     """The endpoint through kvcdn's storage interface: ``open_storage`` and ``--to kvcdn+http://``."""
-    from kvcdn_core.registry import open_storage
+    from kvcdn_core.plugin_host.registry import open_storage
 
     key = mint(kv, local_server, "backend")
     monkeypatch.setenv("KVCDN_API_KEY", key)
@@ -247,7 +247,7 @@ def test_hosted_storage_backend(kv, local_server, qwen3_artifact, tmp_path, monk
     monkeypatch.setenv("KVCDN_TELEMETRY", "0")
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     up = CliRunner().invoke(make_cli(), ["upload", str(qwen3_artifact), "--name", "via-uri", "--to", uri])
     assert up.exit_code == 0, up.stderr
@@ -332,7 +332,7 @@ def test_telemetry_on_and_off(kv, telemetry_server, telemetry_sink, monkeypatch)
     monkeypatch.setenv("KVCDN_TELEMETRY", "1")
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
 
     monkeypatch.setenv("KVCDN_API_URL", telemetry_server.url)
     monkeypatch.setenv("KVCDN_API_KEY", key)

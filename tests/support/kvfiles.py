@@ -11,7 +11,8 @@ import json
 import struct
 from dataclasses import dataclass, field
 
-from kvcdn_core import artifact, digests
+from kvcdn_core import artifact
+from kvcdn_core.artifact import digests
 
 #: how many context tokens the valid artifact holds; its tensors are tiny
 TOKENS = 4

@@ -49,8 +49,8 @@ def header_text(path: Path, model_dir: Path) -> str:
 
 def headers(workdir: Path) -> dict[str, str]:
     from kvcdn_core import runtime
-    from kvcdn_core.registry import adapter_classes
-    from kvcdn_core.tiny import build_tiny_model
+    from kvcdn_core.model.tiny import build_tiny_model
+    from kvcdn_core.plugin_host.registry import adapter_classes
 
     adapters = adapter_classes()
     out = {}

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import (
+from kvcdn_core.cli.commands.common import (
     check_new_output,
     force_output_option,
     format_option,
     model_options,
     read_text_file,
 )
-from kvcdn_core.render import emit_json
-from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
+from kvcdn_core.cli.render import emit_json
+from kvcdn_core.model.defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 
 @click.command("benchmark")
@@ -97,8 +97,8 @@ def command(
     from pathlib import Path
 
     from kvcdn_core import runtime
+    from kvcdn_core.artifact.pagecache import PageCache
     from kvcdn_core.benchmark import inputs, measure, report
-    from kvcdn_core.pagecache import PageCache
 
     model = model or DEFAULT_MODEL
     wanted = inputs.parse_lengths(lengths)

@@ -15,7 +15,7 @@ def model_options(from_artifact: bool = True):
 
     ``from_artifact``: the command reads an artifact, whose manifest names the default model.
     """
-    from kvcdn_core.runtime_defaults import DEFAULT_MODEL
+    from kvcdn_core.model.defaults import DEFAULT_MODEL
 
     default_help = f"the artifact's model, else {DEFAULT_MODEL}" if from_artifact else DEFAULT_MODEL
 
@@ -94,7 +94,7 @@ def artifact_path(explicit: str | None, command: str, model: str, for_writing: b
 def open_artifact(path: Path, model: str | None, revision: str | None, device: str, dtype: str):
     """Read an artifact's header and load the model it names (or ``model``): ``(session, header)``."""
     from kvcdn_core import artifact, runtime
-    from kvcdn_core.manifest import manifest_of
+    from kvcdn_core.artifact.manifest import manifest_of
 
     header = artifact.read_header(path)
     return runtime.session_for_artifact(manifest_of(header), model, revision, device, dtype), header

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import force_option, format_option, model_options, open_artifact, text_or_file
+from kvcdn_core.cli.commands.common import force_option, format_option, model_options, open_artifact, text_or_file
+from kvcdn_core.cli.render import emit_json
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.model.defaults import DEFAULT_QUESTION
 from kvcdn_core.paths import input_artifact
-from kvcdn_core.render import emit_json
-from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
 
 @click.command("continue")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.verify import check_options, prepare
+from kvcdn_core.cli.commands.verify import check_options, prepare
+from kvcdn_core.cli.render import emit_json
 from kvcdn_core.errors import CheckFailed
-from kvcdn_core.render import emit_json
 
 
 @click.command("diag")
@@ -24,7 +24,7 @@ def command(model, revision, device, dtype, quiet, kv_path, context_file, questi
     Both paths are fed the reference's tokens (teacher forcing), so every step compares the same
     inputs: argmax agreement, max absolute logit difference, KL(reference || cached), top-5 overlap.
     """
-    from kvcdn_core.verify import run_diag
+    from kvcdn_core.exactness.against_prefill import run_diag
 
     session, header = prepare("diag", model, revision, device, dtype, quiet, kv_path, context_file)
     steps = run_diag(session, header, question, n, force=force)

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from kvcdn_core.commands.common import (
+from kvcdn_core.cli.commands.common import (
     artifact_path,
     check_new_output,
     force_output_option,
@@ -14,8 +14,8 @@ from kvcdn_core.commands.common import (
     model_options,
     read_text_file,
 )
-from kvcdn_core.render import emit_json
-from kvcdn_core.runtime_defaults import DEFAULT_CHUNK, DEFAULT_MODEL
+from kvcdn_core.cli.render import emit_json
+from kvcdn_core.model.defaults import DEFAULT_CHUNK, DEFAULT_MODEL
 
 
 @click.command("generate")

@@ -6,10 +6,10 @@ import collections
 
 import click
 
-from kvcdn_core.commands.common import format_option
+from kvcdn_core.cli.commands.common import format_option
+from kvcdn_core.cli.render import emit_json
 from kvcdn_core.errors import CheckFailed
 from kvcdn_core.paths import input_artifact
-from kvcdn_core.render import emit_json
 
 
 @click.command("inspect")
@@ -23,7 +23,7 @@ from kvcdn_core.render import emit_json
 def command(path, check, fmt):
     """Show the manifest of the artifact at PATH (no model, no torch)."""
     from kvcdn_core import artifact
-    from kvcdn_core.manifest import Manifest, reuse_of
+    from kvcdn_core.artifact.manifest import Manifest, reuse_of
 
     header = artifact.read_header(input_artifact(path))
     m = header.manifest

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import check_new_output, force_output_option, format_option
-from kvcdn_core.render import emit_json
+from kvcdn_core.cli.commands.common import check_new_output, force_output_option, format_option
+from kvcdn_core.cli.render import emit_json
 
 
 @click.command("plot")
@@ -36,7 +36,8 @@ def command(csv_path, model, out, old_out, max_n, force, fmt):
     """
     from pathlib import Path
 
-    from kvcdn_core import notices, plot
+    from kvcdn_core import notices
+    from kvcdn_core.benchmark import plot
 
     if old_out is not None:
         notices.warn("plot --out is deprecated; use --output (-o), as every command that writes a file")

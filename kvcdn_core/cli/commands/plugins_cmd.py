@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from kvcdn_core.commands.common import format_option
-from kvcdn_core.render import print_table, render
+from kvcdn_core.cli.commands.common import format_option
+from kvcdn_core.cli.render import print_table, render
 
 #: The kinds of names a plugin claims, in the order ``kvcdn plugins`` lists them.
 KINDS = ("architectures", "schemes", "uri_schemes", "commands")
@@ -19,7 +19,7 @@ def command(fmt):
 
     When two plugins claim the same name, core's built-ins win, then plugins by name; the claims
     that lost are listed under "overridden"."""
-    from kvcdn_core import registry
+    from kvcdn_core.plugin_host import registry
 
     host = registry.host()
     host.claims()  # commands were claimed when the CLI started

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import (
+from kvcdn_core.cli.commands.common import (
     check_new_output,
     force_output_option,
     format_option,
     model_options,
     read_text_file,
 )
+from kvcdn_core.cli.render import render
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.model.defaults import DEFAULT_QUESTION
 from kvcdn_core.paths import ensure_kv_suffix, input_artifact
-from kvcdn_core.render import render
-from kvcdn_core.runtime_defaults import DEFAULT_QUESTION
 
 
 class SchemeOption(click.Option):
@@ -31,7 +31,7 @@ class SchemeOption(click.Option):
     one-line description: asked of the registry only when help is shown, never at start-up."""
 
     def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
-        from kvcdn_core.registry import quantizer_classes
+        from kvcdn_core.plugin_host.registry import quantizer_classes
 
         schemes = "; ".join(f"{name} ({cls.description})" for name, cls in sorted(quantizer_classes().items()))
         self.help = f"Quantization scheme [default: int8]. Installed: {schemes}."
@@ -98,21 +98,22 @@ def command(
 ):
     """Quantize a KV artifact: print the compression ratio and dequantization error, and with
     --verify check that continuing from it is token-exact against a full prefill."""
-    from kvcdn_core import notices, quant, quant_service
+    from kvcdn_core import notices
+    from kvcdn_core.quant import codec, service
 
     if old_input is not None:
         notices.warn("quant --input is deprecated; use --kv-path, as verify, diag and continue")
         input_path = input_path or old_input
     if bool(input_path) == bool(context_file):
         raise KvcdnError("pass exactly one of --kv-path (an artifact) or --context-file (a document)")
-    target, implied = quant.normalize_target_dtype(target_dtype)
+    target, implied = codec.normalize_target_dtype(target_dtype)
     if implied and scheme and scheme != implied and not (implied == "int8" and scheme == "int8-tensor"):
         raise KvcdnError(
             f"--target-dtype {target_dtype} is the storage dtype of scheme {implied}, "
             f"which contradicts --scheme {scheme}; drop one of them"
         )
     scheme = scheme or implied or "int8"
-    from kvcdn_core.registry import quantizer_for
+    from kvcdn_core.plugin_host.registry import quantizer_for
 
     quantizer = quantizer_for(scheme)(
         **{k: v for k, v in (("group_size", group_size), ("residual", residual)) if v is not None}
@@ -122,11 +123,11 @@ def command(
         source = input_artifact(input_path, "--kv-path")
     else:
         source = Path(context_file)
-    out = ensure_kv_suffix(output) if output else quant_service.default_output(source, scheme)
+    out = ensure_kv_suffix(output) if output else service.default_output(source, scheme)
     if out.exists() and source.exists() and out.resolve() == source.resolve():
         raise KvcdnError(f"output '{out}' is the input; kvcdn quant never overwrites its input, pass another --output")
     check_new_output(out, force)
-    check_new_output(quant_service.event_path(out), force)
+    check_new_output(service.event_path(out), force)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     temp_input = None
@@ -138,7 +139,7 @@ def command(
             header = artifact.read_header(source)
             if do_verify:  # load and check the model before anything is written
                 from kvcdn_core import runtime
-                from kvcdn_core.manifest import manifest_of
+                from kvcdn_core.artifact.manifest import manifest_of
 
                 session = runtime.session_for_artifact(manifest_of(header), model, revision, device, dtype)
                 runtime.check_model(session, manifest_of(header))
@@ -153,7 +154,7 @@ def command(
             temp_input = Path(name)
             runtime.generate(session, context, temp_input, progress=not quiet)
             header = artifact.read_header(temp_input)
-        event = quant_service.quantize_artifact(
+        event = service.quantize_artifact(
             header,
             out,
             quantizer,

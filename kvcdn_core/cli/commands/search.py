@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import force_option, format_option, model_options, text_or_file
+from kvcdn_core.cli.commands.common import force_option, format_option, model_options, text_or_file
+from kvcdn_core.cli.render import emit_json, print_table
 from kvcdn_core.errors import KvcdnError
-from kvcdn_core.render import emit_json, print_table
 
 
 @click.command("search")

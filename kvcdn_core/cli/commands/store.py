@@ -9,10 +9,10 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import check_new_output, force_output_option, format_option
+from kvcdn_core.cli.commands.common import check_new_output, force_output_option, format_option
+from kvcdn_core.cli.render import print_table, render
 from kvcdn_core.errors import CheckFailed
 from kvcdn_core.notices import warn
-from kvcdn_core.render import print_table, render
 
 store_option = click.option(
     "--store",
@@ -23,7 +23,7 @@ store_option = click.option(
 
 
 def _open(uri: str):
-    from kvcdn_core.registry import open_storage
+    from kvcdn_core.plugin_host.registry import open_storage
     from kvcdn_core.store.chunkstore import ChunkStore
 
     return ChunkStore(open_storage(uri))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import read_text_file
+from kvcdn_core.artifact.manifest import LayerEntry, manifest_of
+from kvcdn_core.cli.commands.common import read_text_file
+from kvcdn_core.cli.render import emit_json, table_lines
 from kvcdn_core.errors import CheckFailed, KvcdnError
-from kvcdn_core.manifest import LayerEntry, manifest_of
-from kvcdn_core.render import emit_json, table_lines
 
 
 @dataclasses.dataclass
@@ -32,8 +32,8 @@ class ArchReport:
     phases: list = dataclasses.field(default_factory=list)  # PhaseResult
     layers: list = dataclasses.field(default_factory=list)  # LayerEntry of the manifest
     seconds: float = 0.0
-    variant: str = "default"  # which tiny shape (kvcdn_core.tiny.config_variants)
-    proven: dict = dataclasses.field(default_factory=dict)  # kvcdn_core.validation.exercised
+    variant: str = "default"  # which tiny shape (kvcdn_core.model.tiny.config_variants)
+    proven: dict = dataclasses.field(default_factory=dict)  # kvcdn_core.exactness.architecture.exercised
 
     @property
     def label(self) -> str:
@@ -74,7 +74,7 @@ def summarize_layers(layers: list[LayerEntry]) -> str:
 
 def installed_adapters() -> dict[str, dict[str, type]]:
     """family → architecture → adapter class, for every installed model plugin."""
-    from kvcdn_core.registry import adapter_classes
+    from kvcdn_core.plugin_host.registry import adapter_classes
 
     by_family: dict[str, dict[str, type]] = {}
     for arch, cls in adapter_classes().items():
@@ -83,7 +83,7 @@ def installed_adapters() -> dict[str, dict[str, type]]:
 
 
 def _failed(run_arch: str, phase: str, exc: BaseException):
-    from kvcdn_core.validation import PhaseResult
+    from kvcdn_core.exactness.architecture import PhaseResult
 
     text = str(exc) if isinstance(exc, KvcdnError) else f"{type(exc).__name__}: {exc}"
     return PhaseResult(run_arch, phase, False, text.splitlines()[0] if text else type(exc).__name__)
@@ -91,7 +91,7 @@ def _failed(run_arch: str, phase: str, exc: BaseException):
 
 def validate_one(session, report: ArchReport, workdir: Path, n: int, context: str | None, **options) -> None:
     """Run every validation phase on a loaded session and fill ``report``."""
-    from kvcdn_core.validation import exercised, run_validation
+    from kvcdn_core.exactness.architecture import exercised, run_validation
 
     run, results = run_validation(session, report.architecture, workdir, n, context, **options)
     report.phases.extend(results)
@@ -101,11 +101,11 @@ def validate_one(session, report: ArchReport, workdir: Path, n: int, context: st
 
 
 def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> list[ArchReport]:
-    """One report per tiny variant of ``arch`` (see :func:`kvcdn_core.tiny.config_variants`)."""
-    from kvcdn_core.tiny import config_variants
+    """One report per tiny variant of ``arch`` (see :func:`kvcdn_core.model.tiny.config_variants`)."""
+    from kvcdn_core.model.tiny import config_variants
 
     if arch not in (cls.validation_configs or {}):
-        from kvcdn_core.validation import PhaseResult
+        from kvcdn_core.exactness.architecture import PhaseResult
 
         report = ArchReport(family, cls.install_requirement(), arch, "tiny")
         report.phases.append(PhaseResult(arch, "load", False, "the adapter ships no tiny validation config"))
@@ -118,8 +118,8 @@ def validate_tiny_arch(family: str, arch: str, cls, workdir: Path, n: int) -> li
 
 def validate_tiny_variant(family: str, arch: str, cls, variant: str, workdir: Path, n: int) -> ArchReport:
     from kvcdn_core import runtime
-    from kvcdn_core.tiny import build_tiny_model
-    from kvcdn_core.validation import tiny_options
+    from kvcdn_core.exactness.architecture import tiny_options
+    from kvcdn_core.model.tiny import build_tiny_model
 
     report = ArchReport(family, cls.install_requirement(), arch, "tiny", variant=variant)
     start = time.perf_counter()
@@ -228,7 +228,7 @@ def _shape_text(shape: dict) -> str:
 def render_markdown(reports: list[ArchReport]) -> str:
     """The README's support table: one row per architecture (all its tiny shapes), sorted by family.
 
-    *Proven* lists the features the passing runs exercised (kvcdn_core.validation.exercised) and
+    *Proven* lists the features the passing runs exercised (kvcdn_core.exactness.architecture.exercised) and
     *Shapes* the attention shapes validated (query heads / key-value heads × head width).
     """
     by_arch: dict[tuple[str, str], list[ArchReport]] = {}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.commands.common import (
+from kvcdn_core.cli.commands.common import (
     artifact_path,
     force_option,
     format_option,
@@ -15,10 +15,10 @@ from kvcdn_core.commands.common import (
     open_artifact,
     read_text_file,
 )
+from kvcdn_core.cli.render import emit_json
 from kvcdn_core.errors import CheckFailed, KvcdnError
+from kvcdn_core.model.defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 from kvcdn_core.paths import input_artifact
-from kvcdn_core.render import emit_json
-from kvcdn_core.runtime_defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 
 
 def prepare(command_name, model, revision, device, dtype, quiet, kv_path, context_file):
@@ -93,7 +93,7 @@ def command(model, revision, device, dtype, quiet, kv_path, context_file, questi
     only the question. Both decode N tokens greedily and are compared by token id. Exit 0 on PASS,
     1 on MISMATCH.
     """
-    from kvcdn_core.verify import run_verify
+    from kvcdn_core.exactness.against_prefill import run_verify
 
     session, header = prepare("verify", model, revision, device, dtype, quiet, kv_path, context_file)
     announce(

@@ -34,7 +34,7 @@ def test_bad_key_says_which_part(key, fragment):
 def test_cli_set_stores_only_valid_keys(config_home):
     from click.testing import CliRunner
 
-    from kvcdn_core.cli import make_cli
+    from kvcdn_core.cli.app import make_cli
     from kvcdn_hosted import credentials
 
     runner = CliRunner()

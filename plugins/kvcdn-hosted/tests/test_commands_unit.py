@@ -6,7 +6,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from kvcdn_core.cli import make_cli
+from kvcdn_core.cli.app import make_cli
 
 KEY = "kv_" + "ab" * 32
 
@@ -126,7 +126,7 @@ def test_local_download_of_a_non_kv_leaves_nothing(config_home, tmp_path):
 
 
 def test_hosted_backend_is_registered():
-    from kvcdn_core.plugins import PluginHost
+    from kvcdn_core.plugin_host.manager import PluginHost
     from kvcdn_hosted.storage import HostedStorage
 
     backends = PluginHost().storage_backends()
@@ -139,7 +139,7 @@ def test_cli_start_up_is_torch_free():
     import sys
 
     code = (
-        "import sys; from kvcdn_core.cli import make_cli; make_cli(); "
+        "import sys; from kvcdn_core.cli.app import make_cli; make_cli(); "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -313,7 +313,7 @@ def test_credentials_over_plain_http_to_a_remote_host_warn_once(config_home, mon
 def test_long_listing_of_a_plain_store_reads_each_header(config_home, kv_file, tmp_path):
     """`list --long` showed QUANT none for a quantized artifact in a local store: it never read one."""
     from kvcdn_core import artifact, quantizer_for
-    from kvcdn_core.quant import quantize_cache
+    from kvcdn_core.quant.codec import quantize_cache
 
     store = tmp_path / "store"
     store.mkdir()

@@ -5,7 +5,7 @@ import time
 
 from click.testing import CliRunner
 
-from kvcdn_core.cli import make_cli
+from kvcdn_core.cli.app import make_cli
 from kvcdn_hosted import telemetry
 
 ALLOWED = {"event", "command", "kvcdn_version", "duration_ms", "ok"}

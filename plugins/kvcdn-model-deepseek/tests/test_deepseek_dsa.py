@@ -10,9 +10,9 @@ from kvcdn_model_deepseek import INDEXER_KEY, LATENT, ROTARY_KEY, DeepseekAdapte
 from kvcdn_core import LayerEntry, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.exactness.architecture import long_context
+from kvcdn_core.model.tiny import config_variants
 from kvcdn_core.testing import assert_prefix_reuse
-from kvcdn_core.tiny import config_variants
-from kvcdn_core.validation import long_context
 
 pytestmark = pytest.mark.slow  # real model runs
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 from kvcdn_model_deepseek import DeepseekAdapter
 
-from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model, config_variants
+from kvcdn_core.model.tiny import SAMPLE_TEXT, build_tiny_model, config_variants
 
 UNEQUAL = [
     (arch, name)

@@ -8,14 +8,14 @@ from kvcdn_model_deepseek import LATENT, ROTARY_KEY, DeepseekAdapter
 from kvcdn_core import Manifest, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.validation import long_context
+from kvcdn_core.exactness.architecture import long_context
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from kvcdn_core.tiny import build_tiny_model
+    from kvcdn_core.model.tiny import build_tiny_model
 
     model_dir = build_tiny_model(DeepseekAdapter, "DeepseekV3ForCausalLM", tmp_path_factory.mktemp("v3"))
     return runtime.load_session(str(model_dir), device="cpu", dtype="float32")

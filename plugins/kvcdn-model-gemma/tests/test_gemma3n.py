@@ -7,9 +7,9 @@ from kvcdn_model_gemma.gemma3n import sharing
 from kvcdn_core import LayerEntry, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.exactness.architecture import long_context
+from kvcdn_core.model.tiny import build_tiny_model, config_variants
 from kvcdn_core.testing import assert_adapter_contract, assert_prefix_reuse
-from kvcdn_core.tiny import build_tiny_model, config_variants
-from kvcdn_core.validation import long_context
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

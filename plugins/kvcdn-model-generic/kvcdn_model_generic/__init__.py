@@ -28,7 +28,7 @@ from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl, note
 
 __version__ = "0.1.0"
 
-#: Phases the guard runs (kvcdn_core.validation.PHASES names).
+#: Phases the guard runs (kvcdn_core.exactness.architecture.PHASES names).
 GUARD_PHASES = ("roundtrip", "reference", "cache")
 
 #: Architectures transformers 5.24 ships that cannot be served exactly, and why (one line each).

@@ -10,7 +10,7 @@ import pytest
 from kvcdn_model_generic import REFUSED, adapter_class, record_path, verdict
 from kvcdn_model_generic.shrink import shrink
 
-from kvcdn_core.tiny import SAMPLE_TEXT, build_tiny_model
+from kvcdn_core.model.tiny import SAMPLE_TEXT, build_tiny_model
 
 PASSES = "PersimmonForCausalLM"  # plain full attention: no family claims it in this repository
 #: xLSTM keeps its recurrent state in its own xLSTMCache, outside transformers' Cache API: given a

@@ -5,8 +5,8 @@ from kvcdn_model_glm import GlmDsaAdapter
 
 from kvcdn_core import artifact as fmt
 from kvcdn_core import runtime
+from kvcdn_core.model.tiny import build_tiny_model, config_variants
 from kvcdn_core.testing import assert_adapter_contract, assert_prefix_reuse
-from kvcdn_core.tiny import build_tiny_model, config_variants
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

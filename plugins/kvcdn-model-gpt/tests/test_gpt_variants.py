@@ -6,8 +6,8 @@ from kvcdn_model_gpt import GptAdapter
 from kvcdn_core import Manifest, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.model.tiny import build_tiny_model
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_core.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

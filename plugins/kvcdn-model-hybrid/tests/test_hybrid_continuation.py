@@ -11,9 +11,9 @@ from kvcdn_model_hybrid import HybridAdapter, seeded
 from kvcdn_core import LayerEntry, ModelAdapter, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.exactness.architecture import long_context
+from kvcdn_core.model.tiny import build_tiny_model, config_variants
 from kvcdn_core.testing import assert_chunked_prefill_exact
-from kvcdn_core.tiny import build_tiny_model, config_variants
-from kvcdn_core.validation import long_context
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny shape
 
@@ -68,7 +68,7 @@ def restored(session, ids, tmp_path, chunk=64):
 def test_question_on_a_restored_artifact_equals_the_full_prefill(architecture, variant, session_of, tmp_path):
     """Logits of a multi-token question fed on a loaded artifact, then 16 greedy steps, against a
     full prefill of context ∥ question."""
-    from kvcdn_core.verify import cached, reference
+    from kvcdn_core.exactness.against_prefill import cached, reference
 
     session = session_of(architecture, variant)
     ids = context_ids(session)
@@ -161,7 +161,7 @@ def test_bfloat16_keeps_the_float32_state_and_verifies(architecture, tmp_path):
     """Under bfloat16 the SSM state stays float32 through save and load, and 32 tokens verify.
     (Zamba2's tiny model meets an exact bfloat16 tie at step 24, whichever way the context is
     prefilled, so it is left out here; it is exact in float32 above.)"""
-    from kvcdn_core.verify import run_verify
+    from kvcdn_core.exactness.against_prefill import run_verify
 
     path = build_tiny_model(HybridAdapter, architecture, tmp_path / "model")
     session = runtime.load_session(str(path), device="cpu", dtype="bfloat16", adapter_cls=HybridAdapter)

@@ -5,7 +5,7 @@ Llama models use the standard transformers ``DynamicCache`` of full-attention la
 adapter exports and imports the cache; this plugin names the architecture and its tiny validation
 configs. RoPE scaling: ``linear``, ``llama3`` and ``yarn`` rotate a position the same way at any
 sequence length, so a cache continues exactly; ``dynamic`` (NTK) and ``longrope`` depend on the
-sequence length and are kept exact or refused by core (``kvcdn_core.rope_regime``).
+sequence length and are kept exact or refused by core (``kvcdn_core.model.rope_regime``).
 
 transformers has no ``YiForCausalLM`` class: Yi checkpoints on the hub declare
 ``LlamaForCausalLM`` and are served by this adapter; the early remote-code ``YiForCausalLM``

@@ -2,8 +2,8 @@ import pytest
 from kvcdn_model_llama import LLAMA3_ROPE, LlamaAdapter
 
 from kvcdn_core import artifact as fmt
+from kvcdn_core.exactness.architecture import validate_tiny
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_core.validation import validate_tiny
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

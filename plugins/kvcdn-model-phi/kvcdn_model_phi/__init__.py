@@ -3,7 +3,7 @@
 Both use a standard transformers ``DynamicCache`` (full attention, or sliding-window layers when a
 Phi-3 config sets ``sliding_window``), which the base adapter exports and imports. Phi-3's LongRoPE
 switches every position from short to long rotation factors once a sequence passes
-``original_max_position_embeddings``; core (``kvcdn_core.rope_regime``) recomputes the prefix when a
+``original_max_position_embeddings``; core (``kvcdn_core.model.rope_regime``) recomputes the prefix when a
 chunked prefill crosses that threshold, so an artifact equals a full prefill, and refuses to continue
 a short-factor artifact past it. Phi-2 rotates only part of each head (``partial_rotary_factor``).
 """

@@ -2,11 +2,12 @@ import pytest
 from kvcdn_model_phi import PhiAdapter
 
 from kvcdn_core import artifact as fmt
-from kvcdn_core import rope_regime, runtime
+from kvcdn_core import runtime
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.exactness.against_prefill import run_verify
+from kvcdn_core.exactness.architecture import validate_tiny
+from kvcdn_core.model import rope_regime
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_core.validation import validate_tiny
-from kvcdn_core.verify import run_verify
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

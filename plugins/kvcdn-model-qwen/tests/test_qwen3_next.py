@@ -12,8 +12,8 @@ from kvcdn_model_qwen import QwenAdapter
 from kvcdn_core import LayerEntry, Manifest, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import KvcdnError
+from kvcdn_core.exactness.architecture import long_context
 from kvcdn_core.testing import assert_chunked_prefill_exact
-from kvcdn_core.validation import long_context
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 

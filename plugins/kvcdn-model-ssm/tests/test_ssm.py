@@ -12,8 +12,8 @@ from kvcdn_model_ssm import SSMAdapter
 from kvcdn_core import Manifest, ModelAdapter, runtime
 from kvcdn_core import artifact as fmt
 from kvcdn_core.errors import ArtifactError, KvcdnError
+from kvcdn_core.exactness.architecture import long_context
 from kvcdn_core.testing import assert_adapter_contract
-from kvcdn_core.validation import long_context
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
@@ -169,7 +169,7 @@ def test_import_refuses_another_layer_kind(sessions, tmp_path):
 
 def test_bfloat16_restores_the_float32_state(tiny_model, tmp_path):
     """Under bfloat16 the model keeps its SSM state in float32; loading must not narrow it."""
-    from kvcdn_core.verify import run_verify
+    from kvcdn_core.exactness.against_prefill import run_verify
 
     session = fresh_session(tiny_model, "MambaForCausalLM", dtype="bfloat16")
     ids = context_ids(session, 150)

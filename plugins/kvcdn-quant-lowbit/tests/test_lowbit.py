@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcdn_core import KEY, VALUE, artifact, quant
+from kvcdn_core import KEY, VALUE, artifact
+from kvcdn_core.quant import codec
 from kvcdn_quant_lowbit import Int2Quantizer, Int4Quantizer, pack, unpack
 
 PROFILE = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,8 +99,8 @@ def test_int4_artifact_loads_through_continue(tiny_model, tmp_path):
     from kvcdn_model_qwen import QwenAdapter
 
     from kvcdn_core import runtime
-    from kvcdn_core.cli import make_cli
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.cli.app import make_cli
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     model_dir = tiny_model(QwenAdapter, "Qwen3ForCausalLM")
     session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
@@ -129,13 +130,13 @@ def test_a_streamed_load_equals_the_whole_load(cls, tiny_session, tmp_path, monk
     from kvcdn_model_qwen import QwenAdapter
 
     from kvcdn_core import cores, runtime
-    from kvcdn_core.layer_stream import GatedLayers
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.artifact.layer_stream import GatedLayers
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     session = tiny_session(QwenAdapter, "Qwen3ForCausalLM")
     src, ids = runtime.generate(session, SAMPLE_TEXT, tmp_path / "doc.kv", progress=False)
     header = artifact.read_header(src)
-    result = quant.quantize_cache(header.manifest, artifact.load_tensors(header), cls(group_size=16, residual=8))
+    result = codec.quantize_cache(header.manifest, artifact.load_tensors(header), cls(group_size=16, residual=8))
     out = artifact.write_artifact(tmp_path / f"doc.{cls.scheme}.kv", result.manifest, result.tensors)
     whole, _ = runtime.load_cache(session, artifact.read_header(out))
     monkeypatch.setattr(cores, "stream_workers", lambda _torch_threads: 1)  # streamed, whatever the cores
@@ -165,11 +166,11 @@ def test_context_shorter_than_the_residual_window_round_trips_bitwise(tmp_path):
             {"index": 0, "kind": artifact.FULL_ATTENTION, "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
         ],
     }
-    result = quant.quantize_cache(manifest, tensors, Int4Quantizer())
+    result = codec.quantize_cache(manifest, tensors, Int4Quantizer())
     out = artifact.write_artifact(tmp_path / "short.int4.kv", result.manifest, result.tensors)
     header = artifact.read_header(out)
     assert header.entries["layers.0.key"]["shape"] == [0]
-    deq = quant.dequantize_tensors(header)
+    deq = codec.dequantize_tensors(header)
     for name, t in tensors.items():
         assert torch.equal(deq[name], t), name
 

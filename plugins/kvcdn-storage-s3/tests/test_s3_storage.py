@@ -149,7 +149,7 @@ def test_part_size_setting_is_checked(monkeypatch):
 
 
 def test_registered_through_the_storage_hook(discovered_host, s3_env):
-    from kvcdn_core.registry import open_storage
+    from kvcdn_core.plugin_host.registry import open_storage
 
     store = open_storage(f"s3://{BUCKET}/hooked")
     assert isinstance(store, S3Storage) and store.prefix == "hooked"

@@ -54,7 +54,7 @@ PREPARE_SMOLLM2 = """
 import sys
 from pathlib import Path
 from kvcdn_core import runtime
-from kvcdn_core.cli import main
+from kvcdn_core.cli.app import main
 from kvcdn_core.testing.smollm2 import smollm2_dir
 context, ledger, other_text, other, other_int8 = sys.argv[1:]
 model = smollm2_dir()
@@ -98,7 +98,7 @@ def tiny_qwen(tmp: Path) -> Path:
     """A tiny trained Qwen2 (head size 64, which vLLM's CPU attention supports)."""
     from kvcdn_model_qwen import QwenAdapter
 
-    from kvcdn_core.tiny import build_tiny_model, teach_tiny_model
+    from kvcdn_core.model.tiny import build_tiny_model, teach_tiny_model
 
     class VllmSizedQwen(QwenAdapter):
         validation_configs = {
@@ -201,7 +201,7 @@ def serve_and_complete(tmp: Path, model: Path, source: Path, prompt: list[int]) 
 def engines(tmp_path_factory):
     from kvcdn_core import artifact as fmt
     from kvcdn_core import runtime
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     tmp = tmp_path_factory.mktemp("vllm")
     source, qwen_source = tmp / "artifacts", tmp / "qwen-artifacts"
@@ -370,7 +370,7 @@ def test_saved_artifact_passes_inspect_check_and_verify(engines):
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert json.loads(verify.stdout)["status"] == "PASS"
-    from kvcdn_core.tiny import SAMPLE_TEXT
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     search = subprocess.run(
         [
