@@ -84,13 +84,12 @@ def measure(session, path: Path, question_ids: list[int], reps: int, question: b
 
     import torch
 
-    from kvcdn_core import artifact as fmt
-    from kvcdn_core import runtime
+    from kvcdn_core import artifact, runtime
     from kvcdn_core.artifact import digests
     from kvcdn_core.artifact.pagecache import evict
     from kvcdn_core.benchmark import plain_read
 
-    resident, _ = runtime.load_cache(session, fmt.read_header(path))
+    resident, _ = runtime.load_cache(session, artifact.read_header(path))
     samples: dict[str, list[float]] = {}
 
     def forward(cache):
@@ -109,17 +108,17 @@ def measure(session, path: Path, question_ids: list[int], reps: int, question: b
         return result
 
     def ttft(stream):
-        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=stream)
+        cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=stream)
         assert forward(cache) == expected, "the loaded cache continues differently from the resident one"
 
     with torch.inference_mode():
         for rep in range(reps + 1):  # rep 0: the discarded warm-up
             timed("read", lambda: plain_read(path), rep=rep)
-            timed("load", lambda: runtime.load_cache(session, fmt.read_header(path)), rep=rep)
-            timed("load buffered", lambda: fmt.load_tensors(fmt.read_header(path), direct=False), rep=rep)
+            timed("load", lambda: runtime.load_cache(session, artifact.read_header(path)), rep=rep)
+            timed("load buffered", lambda: artifact.load_tensors(artifact.read_header(path), direct=False), rep=rep)
             timed(
                 "load unverified",
-                lambda: runtime.load_cache(session, fmt.read_header(path), verify_hashes=False),
+                lambda: runtime.load_cache(session, artifact.read_header(path), verify_hashes=False),
                 rep=rep,
             )
             timed("fresh memory", lambda: touch_fresh(path.stat().st_size), cold=False, rep=rep)

@@ -124,8 +124,7 @@ def time_ways(ways: dict[str, Way | None], reps: int) -> dict[str, dict | None]:
 def kvcdn_way(session, ctx, question, path: Path) -> Way:
     import torch
 
-    from kvcdn_core import artifact as fmt
-    from kvcdn_core import runtime
+    from kvcdn_core import artifact, runtime
     from kvcdn_core.artifact.pagecache import evict
 
     def prefill():
@@ -138,7 +137,7 @@ def kvcdn_way(session, ctx, question, path: Path) -> Way:
 
     def load():
         evict(path)
-        return runtime.load_cache(session, fmt.read_header(path), stream=True)[0]
+        return runtime.load_cache(session, artifact.read_header(path), stream=True)[0]
 
     def cached():
         with torch.inference_mode():

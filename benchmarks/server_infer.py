@@ -43,8 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
 
-    from kvcdn_core import artifact as fmt
-    from kvcdn_core import runtime
+    from kvcdn_core import artifact, runtime
     from kvcdn_core.benchmark import set_threads
     from kvcdn_server.inference import InferenceEngine, InferLimits, ModelPolicy
 
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
     threads = set_threads(args.threads)
     path = random_artifact(session, args.tokens, work / f"server-{args.tokens}.kv")
     question = session.adapter.encode_continuation(session.tokenizer, QUESTION)
-    cache, _ = runtime.load_cache(session, fmt.read_header(path))
+    cache, _ = runtime.load_cache(session, artifact.read_header(path))
     limits = InferLimits(slots=1, timeout=3600, max_models=1, cache_bytes=1 << 40, device="cpu", dtype="float32")
     engine = InferenceEngine(ModelPolicy([str(model_dir)]), limits)
 

@@ -70,8 +70,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from kvcdn_core import artifact as fmt
-    from kvcdn_core import cores, runtime
+    from kvcdn_core import artifact, cores, runtime
     from kvcdn_core.artifact.pagecache import evict
     from kvcdn_core.benchmark.measure import quantize
 
@@ -90,7 +89,7 @@ def main(argv=None) -> int:
     def ttft(path, stream: bool) -> float:
         evict(path)
         start = time.perf_counter()
-        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=stream)
+        cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=stream)
         session.adapter.last_logits(session.model, torch.tensor([question]), cache)
         return time.perf_counter() - start
 

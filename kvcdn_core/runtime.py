@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import kvcdn_core
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, ModelInfo, manifest_of, reuse_of
 from kvcdn_core.errors import ArtifactError, KvcdnError, interruption
 from kvcdn_core.model.defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
@@ -205,8 +205,8 @@ def save_cache(session: Session, cache, ids: list[int], context: str, path: Path
 
     layers, tensors = session.adapter.export_cache(session.model, cache)
     manifest = build_manifest(session, layers, context)
-    tensors[fmt.TOKEN_IDS] = torch.tensor(ids, dtype=torch.long)
-    return fmt.write_artifact(path, manifest, tensors)
+    tensors[artifact.TOKEN_IDS] = torch.tensor(ids, dtype=torch.long)
+    return artifact.write_artifact(path, manifest, tensors)
 
 
 def generate(
@@ -236,7 +236,7 @@ def check_model(session: Session, typed: Manifest, force: bool = False) -> None:
 
 
 def load_cache(
-    session: Session, header: fmt.Header, force: bool = False, verify_hashes: bool = True, stream: bool = False
+    session: Session, header: artifact.Header, force: bool = False, verify_hashes: bool = True, stream: bool = False
 ):
     """Load an artifact's cache into tensors for the session's model; return ``(cache, token ids)``.
 
@@ -266,8 +266,8 @@ def load_cache(
 
         tensors = dequantize_tensors(header, session.device, verify_hashes)
     else:
-        tensors = fmt.load_tensors(header, verify_hashes=verify_hashes)
-    ids = tensors.pop(fmt.TOKEN_IDS).tolist()
+        tensors = artifact.load_tensors(header, verify_hashes=verify_hashes)
+    ids = tensors.pop(artifact.TOKEN_IDS).tolist()
     tensors = {name: convert(name, t) for name, t in tensors.items()}
     cache = session.adapter.import_cache(session.model, layers, tensors, session.device)
     return cache, ids
@@ -293,7 +293,7 @@ def _converter(session: Session, compute_dtype: str, layers: tuple[LayerEntry, .
     return convert
 
 
-def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry, ...], convert):
+def _layer_source(session: Session, header: artifact.Header, layers: tuple[LayerEntry, ...], convert):
     """What the streamed load builds each layer from: its stored tensors, or for a quantized
     artifact its parts dequantized on the device (the same steps as the whole load, per layer)."""
     from kvcdn_core.artifact.layer_stream import LayerSource
@@ -318,17 +318,17 @@ def _layer_source(session: Session, header: fmt.Header, layers: tuple[LayerEntry
 
 
 def _stream_cache(
-    session: Session, header: fmt.Header, source, layers: tuple[LayerEntry, ...], verify_hashes: bool, workers: int
+    session: Session, header: artifact.Header, source, layers: tuple[LayerEntry, ...], verify_hashes: bool, workers: int
 ):
     from kvcdn_core.artifact import tensor_io
     from kvcdn_core.artifact.layer_stream import LayerStream
 
     reader = tensor_io.TensorReader(header)
-    reader.fetch(*reader.span(fmt.TOKEN_IDS))
-    if verify_hashes and not reader.hash_matches(fmt.TOKEN_IDS):
+    reader.fetch(*reader.span(artifact.TOKEN_IDS))
+    if verify_hashes and not reader.hash_matches(artifact.TOKEN_IDS):
         reader.close()
-        raise ArtifactError(f"{header.path}: corrupted: {header.digest} mismatch in '{fmt.TOKEN_IDS}'")
-    ids = tensor_io.as_tensor(reader, fmt.TOKEN_IDS).tolist()
+        raise ArtifactError(f"{header.path}: corrupted: {header.digest} mismatch in '{artifact.TOKEN_IDS}'")
+    ids = tensor_io.as_tensor(reader, artifact.TOKEN_IDS).tolist()
     cache = session.adapter.new_cache(session.model)
     targets = session.adapter.cache_layers(cache)
     if len(targets) != len(layers):

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
 
@@ -33,20 +33,20 @@ def _write(path, n_tokens=5, **manifest_extra):
         "layers.0.value": torch.randn(1, 2, n_tokens, 4, generator=g),
         "token_ids": torch.arange(n_tokens, dtype=torch.long) + 100,
     }
-    fmt.write_artifact(path, manifest, tensors)
+    artifact.write_artifact(path, manifest, tensors)
     return tensors
 
 
 def test_header_and_token_ids_read_without_tensors(tmp_path):
     path = tmp_path / "a.kv"
     _write(path)
-    header = fmt.read_header(path)
+    header = artifact.read_header(path)
     assert header.manifest["token_count"] == 5
-    assert fmt.read_token_ids(path) == [100, 101, 102, 103, 104]
+    assert artifact.read_token_ids(path) == [100, 101, 102, 103, 104]
     assert set(header.manifest["tensors"]) == {"layers.0.key", "layers.0.value", "token_ids"}
     assert header.format_version == 2 and header.digest == "blake3"
     assert all(len(t["blake3"]) == 64 and "sha256" not in t for t in header.manifest["tensors"].values())
-    assert fmt.check_hashes(header) == []
+    assert artifact.check_hashes(header) == []
 
 
 def test_tensors_round_trip_bitwise_and_interoperate_with_safetensors(tmp_path):
@@ -55,11 +55,11 @@ def test_tensors_round_trip_bitwise_and_interoperate_with_safetensors(tmp_path):
 
     path = tmp_path / "a.kv"
     written = _write(path)
-    loaded = fmt.load_tensors(fmt.read_header(path))
+    loaded = artifact.load_tensors(artifact.read_header(path))
     for name, tensor in written.items():
         assert torch.equal(loaded[name], tensor)
     with safe_open(str(path), "pt") as fh:  # a plain safetensors reader sees the same file
-        assert fh.metadata()[fmt.META_FORMAT] == fmt.FORMAT_NAME
+        assert fh.metadata()[artifact.META_FORMAT] == artifact.FORMAT_NAME
         assert torch.equal(fh.get_tensor("layers.0.key"), written["layers.0.key"])
 
 
@@ -69,10 +69,10 @@ def test_truncated_file_is_refused(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[:-7])
     with pytest.raises(ArtifactError, match="truncated"):
-        fmt.read_header(path)
+        artifact.read_header(path)
     path.write_bytes(data[:20])
     with pytest.raises(ArtifactError, match="truncated"):
-        fmt.read_header(path)
+        artifact.read_header(path)
 
 
 def test_corrupted_tensor_bytes_fail_the_hash_check(tmp_path):
@@ -81,10 +81,10 @@ def test_corrupted_tensor_bytes_fail_the_hash_check(tmp_path):
     data = bytearray(path.read_bytes())
     data[-50] ^= 0xFF
     path.write_bytes(bytes(data))
-    header = fmt.read_header(path)  # structure is intact
-    assert fmt.check_hashes(header)
+    header = artifact.read_header(path)  # structure is intact
+    assert artifact.check_hashes(header)
     with pytest.raises(ArtifactError, match="blake3 mismatch"):
-        fmt.load_tensors(header)
+        artifact.load_tensors(header)
 
 
 def test_corrupted_header_and_foreign_files_are_refused(tmp_path):
@@ -97,17 +97,17 @@ def test_corrupted_header_and_foreign_files_are_refused(tmp_path):
     data[8] = ord("#")  # the opening brace of the JSON header
     path.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="not valid JSON"):
-        fmt.read_header(path)
+        artifact.read_header(path)
 
     foreign = tmp_path / "model.kv"
     save_file({"w": torch.zeros(2)}, str(foreign))
     with pytest.raises(ArtifactError, match="without a kvcdn manifest"):
-        fmt.read_header(foreign)
+        artifact.read_header(foreign)
 
     text = tmp_path / "notes.kv"
     text.write_text("hello world, this is not an artifact at all")
     with pytest.raises(ArtifactError, match="not a kvcdn artifact"):
-        fmt.read_header(text)
+        artifact.read_header(text)
 
 
 def _rewrite_metadata(path, **changes):
@@ -123,16 +123,16 @@ def _rewrite_metadata(path, **changes):
 def test_newer_format_version_and_manifest_mismatch_are_refused(tmp_path):
     path = tmp_path / "a.kv"
     _write(path)
-    _rewrite_metadata(path, **{fmt.META_VERSION: "3"})
+    _rewrite_metadata(path, **{artifact.META_VERSION: "3"})
     with pytest.raises(ArtifactError, match="format version 3 is newer than this kvcdn reads"):
-        fmt.read_header(path)
+        artifact.read_header(path)
 
     _write(path)
-    manifest = fmt.read_manifest(path)
+    manifest = artifact.read_manifest(path)
     manifest["tensors"]["layers.0.key"]["shape"] = [1, 2, 6, 4]
-    _rewrite_metadata(path, **{fmt.META_MANIFEST: json.dumps(manifest)})
+    _rewrite_metadata(path, **{artifact.META_MANIFEST: json.dumps(manifest)})
     with pytest.raises(ArtifactError, match="the manifest says"):
-        fmt.read_header(path)
+        artifact.read_header(path)
 
 
 def test_write_is_atomic_and_leaves_nothing_on_error(tmp_path, monkeypatch):
@@ -189,11 +189,11 @@ def test_artifacts_follow_the_umask(tmp_path):
 def test_malformed_manifests_are_refused_as_corrupted(tmp_path, change):
     path = tmp_path / "a.kv"
     _write(path)
-    manifest = fmt.read_manifest(path)
+    manifest = artifact.read_manifest(path)
     manifest.update(change)
-    _rewrite_metadata(path, **{fmt.META_MANIFEST: json.dumps(manifest)})
+    _rewrite_metadata(path, **{artifact.META_MANIFEST: json.dumps(manifest)})
     with pytest.raises(ArtifactError, match="corrupted"):
-        fmt.read_header(path)
+        artifact.read_header(path)
 
 
 def test_metadata_that_is_not_a_map_is_refused(tmp_path):
@@ -207,4 +207,4 @@ def test_metadata_that_is_not_a_map_is_refused(tmp_path):
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
     with pytest.raises(ArtifactError, match="not a kvcdn artifact"):
-        fmt.read_header(path)
+        artifact.read_header(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import Manifest
 from kvcdn_core.errors import ArtifactError
 
@@ -17,11 +17,11 @@ def _write(path, **entry_changes):
 
     entry = {
         "index": 0,
-        "kind": fmt.MLA_INDEXED,
+        "kind": artifact.MLA_INDEXED,
         "kv_lora_rank": 8,
         "qk_rope_head_dim": 4,
         "index_head_dim": 6,
-        "tensors": {role: f"layers.0.{role}" for role in fmt.MLA_ROLES},
+        "tensors": {role: f"layers.0.{role}" for role in artifact.MLA_ROLES},
         **entry_changes,
     }
     manifest = {
@@ -37,13 +37,13 @@ def _write(path, **entry_changes):
         "layers.0.indexer_key": torch.zeros(1, T, 6),
         "token_ids": torch.arange(T, dtype=torch.long),
     }
-    fmt.write_artifact(path, manifest, tensors)  # the writer trusts its caller; every reader checks
-    return fmt.read_header(path)
+    artifact.write_artifact(path, manifest, tensors)  # the writer trusts its caller; every reader checks
+    return artifact.read_header(path)
 
 
 def test_an_indexed_mla_layer_is_read_and_croppable(tmp_path):
     header = _write(tmp_path / "a.kv")
-    assert header.manifest["layers"][0]["kind"] == fmt.MLA_INDEXED
+    assert header.manifest["layers"][0]["kind"] == artifact.MLA_INDEXED
     assert Manifest.from_dict(header.manifest).reuse == "any_prefix"
 
 

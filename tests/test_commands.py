@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from tests.support.budget import budget
 
 
@@ -17,7 +17,7 @@ def test_generate_then_verify_passes(cli, qwen3_dir, context_file, tmp_path):
     result = cli("generate", "--model", qwen3_dir, "--context-file", context_file, "--output", out, "-q")
     assert result.exit_code == 0, result.stderr
     assert f"wrote {out}" in result.stdout
-    manifest = fmt.read_manifest(out)
+    manifest = artifact.read_manifest(out)
     assert manifest["model"]["id"] == str(qwen3_dir)
     assert manifest["context"] == context_file.read_text()
     assert manifest["compute_dtype"] == "float32"
@@ -113,7 +113,7 @@ def test_continue_matches_a_full_prefill(cli, qwen3_artifact, qwen3_dir):
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="float32")
-    context_ids = fmt.read_token_ids(qwen3_artifact)
+    context_ids = artifact.read_token_ids(qwen3_artifact)
     question_ids = session.adapter.encode_continuation(session.tokenizer, " And then?")
     expected, _ = against_prefill.reference(session, context_ids, question_ids, 12)
     assert data["token_ids"] == expected
@@ -200,7 +200,7 @@ def test_other_weights_with_the_same_config_are_refused(cli, qwen3_artifact, tmp
     from kvcdn_core.model.tiny import build_tiny_model
 
     other = build_tiny_model(QwenAdapter, "Qwen3ForCausalLM", tmp_path / "other-seed", seed=7)
-    assert fmt.read_manifest(qwen3_artifact)["model"]["weights_sha256"]
+    assert artifact.read_manifest(qwen3_artifact)["model"]["weights_sha256"]
     result = cli("continue", "--kv-path", qwen3_artifact, "--model", other, "--n", "2")
     assert result.exit_code == 2
     assert "weights differs" in result.stderr and "architecture" not in result.stderr.split(":")[-1]
@@ -236,7 +236,7 @@ def test_continue_dir_skips_a_damaged_best_artifact(cli, qwen3_artifact, tmp_pat
     data[len(data) // 2] ^= 0x40
     (cache / "a-damaged.kv").write_bytes(bytes(data))
     prompt = tmp_path / "prompt.txt"
-    prompt.write_text(fmt.read_manifest(qwen3_artifact)["context"] + " What next?")
+    prompt.write_text(artifact.read_manifest(qwen3_artifact)["context"] + " What next?")
     result = cli("continue", "--dir", cache, "--prompt-file", prompt, "--n", "4", "--format", "json")
     assert result.exit_code == 0, result.stderr
     assert "skipping" in result.stderr and "a-damaged.kv" in result.stderr

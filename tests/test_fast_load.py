@@ -12,8 +12,7 @@ import threading
 
 import pytest
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import artifact, runtime
 from kvcdn_core.artifact import tensor_io
 from kvcdn_core.artifact.layer_stream import GatedLayers
 from kvcdn_core.artifact.manifest import LayerEntry, Manifest
@@ -58,7 +57,7 @@ def verifiers(request, monkeypatch):
 
 
 def _kinds(path):
-    return {layer["kind"] for layer in fmt.read_header(path).manifest["layers"]}
+    return {layer["kind"] for layer in artifact.read_header(path).manifest["layers"]}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -70,7 +69,7 @@ def test_loaded_cache_continues_exactly_like_a_full_prefill(case, stream, direct
         monkeypatch.setattr(
             tensor_io.TensorReader, "__init__", lambda self, header, _direct=None: original(self, header, direct)
         )
-    cache, loaded_ids = runtime.load_cache(session, fmt.read_header(path), stream=stream)
+    cache, loaded_ids = runtime.load_cache(session, artifact.read_header(path), stream=stream)
     assert isinstance(cache.layers, GatedLayers) is stream
     assert loaded_ids == ids
     got, _ = runtime.greedy(session, cache, question, N_NEW)
@@ -80,7 +79,7 @@ def test_loaded_cache_continues_exactly_like_a_full_prefill(case, stream, direct
 def test_the_sliding_window_model_really_has_sliding_layers(case):
     _, path, *_ = case
     if "Gemma" in str(path):
-        assert _kinds(path) == {fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW}
+        assert _kinds(path) == {artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW}
 
 
 def test_load_tensors_is_bitwise_the_file_in_both_read_modes(case):
@@ -89,7 +88,7 @@ def test_load_tensors_is_bitwise_the_file_in_both_read_modes(case):
     _, path, *_ = case
     reference = load_file(str(path))
     for direct in (True, False):
-        tensors = fmt.load_tensors(fmt.read_header(path), direct=direct)
+        tensors = artifact.load_tensors(artifact.read_header(path), direct=direct)
         assert tensors.keys() == reference.keys()
         for name, t in reference.items():
             assert tensors[name].dtype == t.dtype and tensors[name].equal(t), (direct, name)
@@ -101,7 +100,7 @@ def test_the_model_starts_before_the_last_layer_is_read(case, verifiers, monkeyp
     must run while later layers are still unread; a model that waited for the whole cache first
     would leave the reads held."""
     session, path, _, question, expected = case
-    layers = fmt.read_header(path).manifest["layers"]
+    layers = artifact.read_header(path).manifest["layers"]
     firsts = {
         kind: next(i for i, layer in enumerate(layers) if layer["kind"] == kind)
         for kind in {layer["kind"] for layer in layers}
@@ -120,7 +119,7 @@ def test_the_model_starts_before_the_last_layer_is_read(case, verifiers, monkeyp
     monkeypatch.setattr(tensor_io.TensorReader, "_read_piece", slow_read)
     hook = session.model.model.layers[0].register_forward_pre_hook(lambda *_: layer_zero_runs.set())
     try:
-        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+        cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=True)
         got, _ = runtime.greedy(session, cache, question, N_NEW)
     finally:
         hook.remove()
@@ -155,7 +154,7 @@ def test_layers_are_read_in_layer_order_several_at_a_time(case, verifiers, monke
 
     monkeypatch.setattr(tensor_io.TensorReader, "_read_piece", counted_read)
     monkeypatch.setattr(tensor_io.TensorReader, "fetch_groups", recorded_groups)
-    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=True)
     list(cache.layers)  # waits for every layer
     assert order == list(range(len(cache.layers)))
     assert most[0] > 1, "one read at a time"
@@ -164,7 +163,7 @@ def test_layers_are_read_in_layer_order_several_at_a_time(case, verifiers, monke
 def _corrupt_last_layer(path, tmp_path):
     """A copy of the artifact with one byte of its last layer's value tensor (its codes, when
     quantized) flipped."""
-    header = fmt.read_header(path)
+    header = artifact.read_header(path)
     last = header.manifest["layers"][-1]["tensors"]["value"]
     start, end = header.entries[last]["data_offsets"]
     data = bytearray(path.read_bytes())
@@ -183,8 +182,8 @@ def test_a_corrupted_layer_fails_loudly_and_is_never_used(case, tmp_path, direct
         tensor_io.TensorReader, "__init__", lambda self, header, _direct=None: original(self, header, direct)
     )
     with pytest.raises(ArtifactError, match="blake3 mismatch"):
-        runtime.load_cache(session, fmt.read_header(bad))
-    cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=True)
+        runtime.load_cache(session, artifact.read_header(bad))
+    cache, _ = runtime.load_cache(session, artifact.read_header(bad), stream=True)
     with pytest.raises(ArtifactError, match=f"blake3 mismatch in layer {last} "):
         runtime.greedy(session, cache, question, N_NEW)
     # The bad layer was never imported: its cache layer is still empty.
@@ -204,14 +203,14 @@ def test_concurrent_loads_share_the_pools_and_stay_exact(case, tmp_path, verifie
     reference = load_file(str(path))
 
     def good(stream: bool) -> list[str]:
-        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=stream)
+        cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=stream)
         list(cache.layers)  # a streamed load: wait for every layer
         _, tensors = session.adapter.export_cache(session.model, cache)
         return [name for name, t in tensors.items() if not t.equal(reference[name])]
 
     def corrupted(stream: bool) -> str:
         try:
-            cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=stream)
+            cache, _ = runtime.load_cache(session, artifact.read_header(bad), stream=stream)
             list(cache.layers)
         except ArtifactError as exc:
             return str(exc)
@@ -220,7 +219,7 @@ def test_concurrent_loads_share_the_pools_and_stay_exact(case, tmp_path, verifie
     with ThreadPoolExecutor(6) as pool:
         goods = [pool.submit(good, i % 2 == 1) for i in range(8)]
         bads = [pool.submit(corrupted, i % 2 == 1) for i in range(4)]
-        raw = [pool.submit(fmt.load_tensors, fmt.read_header(path)) for _ in range(4)]
+        raw = [pool.submit(artifact.load_tensors, artifact.read_header(path)) for _ in range(4)]
     assert [f.result() for f in goods] == [[]] * 8  # every tensor of every good load is the file's
     assert all("blake3 mismatch" in f.result() for f in bads), [f.result() for f in bads]
     for f in raw:
@@ -236,10 +235,10 @@ def _layer_filled(cache, index) -> bool:
 def test_a_truncated_file_fails_the_streamed_load(case, tmp_path, verifiers):
     """Cut after its header was read: the reader hits the end early and the model is told."""
     session, path, _, question, _ = case
-    header = fmt.read_header(path)
+    header = artifact.read_header(path)
     short = tmp_path / "short.kv"
     short.write_bytes(path.read_bytes()[: header.file_size - 4096])
-    cut = fmt.Header(short, header.manifest, header.entries, header.data_start, header.file_size)
+    cut = artifact.Header(short, header.manifest, header.entries, header.data_start, header.file_size)
     cache, _ = runtime.load_cache(session, cut, stream=True)
     with pytest.raises(ArtifactError, match="truncated"):
         runtime.greedy(session, cache, question, N_NEW)
@@ -247,7 +246,7 @@ def test_a_truncated_file_fails_the_streamed_load(case, tmp_path, verifiers):
 
 def test_a_streamed_cache_copies_and_crops_like_a_plain_one(case, verifiers):
     session, path, ids, question, expected = case
-    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=True)
     twin = copy.deepcopy(cache)  # waits for the whole load, then a plain list of layers
     assert type(twin.layers) is list
     assert runtime.greedy(session, twin, question, N_NEW)[0] == expected
@@ -271,7 +270,7 @@ def _imports(session, monkeypatch) -> list[tuple[int, str]]:
 def test_workers_finish_the_layers_read_before_the_model_asks(case, verifiers, monkeypatch):
     session, path, _, question, expected = case
     calls = _imports(session, monkeypatch)
-    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=True)
     stream = cache.layers.stream
     stream.thread.join(timeout=budget(30))  # every byte read and every layer finished before the model starts
     assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
@@ -295,7 +294,7 @@ def test_the_model_thread_finishes_a_layer_no_worker_has_started(case, verifiers
         finish(self, index)
 
     monkeypatch.setattr(LayerStream, "_finish", held_finish)
-    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=True)
     try:
         assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
     finally:
@@ -310,7 +309,7 @@ def test_without_a_spare_core_the_load_is_whole(case, monkeypatch):
 
     session, path, _, question, expected = case
     monkeypatch.setattr(cores, "stream_workers", lambda _torch_threads: 0)
-    cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=True)
+    cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=True)
     assert not isinstance(cache.layers, GatedLayers)
     assert runtime.greedy(session, cache, question, N_NEW)[0] == expected
 
@@ -319,9 +318,9 @@ def test_adapters_that_reshape_the_cache_load_whole(case):
     from kvcdn_core import ModelAdapter
 
     session, path, *_ = case
-    layers = Manifest.from_dict(fmt.read_header(path).manifest).layers
+    layers = Manifest.from_dict(artifact.read_header(path).manifest).layers
     assert session.adapter.streams_layers(layers)
-    assert not session.adapter.streams_layers([*layers, LayerEntry(len(layers), fmt.RECURRENT_STATE)])
+    assert not session.adapter.streams_layers([*layers, LayerEntry(len(layers), artifact.RECURRENT_STATE)])
 
     class Reshaping(type(session.adapter)):
         def import_cache(self, model, layers, tensors, device):
@@ -353,12 +352,12 @@ def quantized(case, tmp_path_factory):
     from kvcdn_core.plugin_host.registry import quantizer_for
 
     _, path, *_ = case
-    header = fmt.read_header(path)
+    header = artifact.read_header(path)
     folder = tmp_path_factory.mktemp("quantized")
     out = {}
     for scheme in QUANT_SCHEMES:
-        result = codec.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer_for(scheme)())
-        out[scheme] = fmt.write_artifact(folder / f"ctx.{scheme}.kv", result.manifest, result.tensors)
+        result = codec.quantize_cache(header.manifest, artifact.load_tensors(header), quantizer_for(scheme)())
+        out[scheme] = artifact.write_artifact(folder / f"ctx.{scheme}.kv", result.manifest, result.tensors)
     return out
 
 
@@ -377,10 +376,10 @@ def test_a_streamed_quantized_load_equals_the_whole_load(case, quantized, scheme
     import torch
 
     session, _, ids, question, _ = case
-    header = fmt.read_header(quantized[scheme])
+    header = artifact.read_header(quantized[scheme])
     assert header.manifest["quantization"]["scheme"] == scheme
     whole, whole_ids = runtime.load_cache(session, header, stream=False)
-    streamed, streamed_ids = runtime.load_cache(session, fmt.read_header(quantized[scheme]), stream=True)
+    streamed, streamed_ids = runtime.load_cache(session, artifact.read_header(quantized[scheme]), stream=True)
     assert isinstance(streamed.layers, GatedLayers) and not isinstance(whole.layers, GatedLayers)
     assert streamed_ids == whole_ids == ids
     assert len(streamed.layers) == len(whole.layers) == len(header.manifest["layers"])
@@ -405,8 +404,8 @@ def test_a_corrupted_quantized_layer_fails_only_when_reached(case, quantized, tm
     session, _, _, question, _ = case
     bad, last = _corrupt_last_layer(quantized["int8"], tmp_path)
     with pytest.raises(ArtifactError, match="blake3 mismatch"):
-        runtime.load_cache(session, fmt.read_header(bad))
-    cache, _ = runtime.load_cache(session, fmt.read_header(bad), stream=True)
+        runtime.load_cache(session, artifact.read_header(bad))
+    cache, _ = runtime.load_cache(session, artifact.read_header(bad), stream=True)
     for index in range(last):
         assert cache.layers[index].keys.numel() > 0  # verified, dequantized, usable
     with pytest.raises(ArtifactError, match=f"blake3 mismatch in layer {last} "):

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import artifact, runtime
 from kvcdn_core.errors import ArtifactError
 from tests.support import kvfiles
 
@@ -28,11 +27,11 @@ def both(qwen3_artifact, tmp_path_factory):
 
 def test_a_format_1_file_reads_with_sha256_digests(both):
     new, old = both
-    header = fmt.read_header(old)
+    header = artifact.read_header(old)
     assert (header.format_version, header.digest) == (1, "sha256")
-    assert fmt.read_header(new).digest == "blake3"
-    assert fmt.check_hashes(header) == []
-    assert fmt.read_token_ids(old) == fmt.read_token_ids(new)
+    assert artifact.read_header(new).digest == "blake3"
+    assert artifact.check_hashes(header) == []
+    assert artifact.read_token_ids(old) == artifact.read_token_ids(new)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -41,7 +40,7 @@ def test_a_format_1_file_continues_like_the_format_2_file(qwen3_session, both, s
     question = qwen3_session.adapter.encode_continuation(qwen3_session.tokenizer, QUESTION)
     runs = []
     for path in (new, old):
-        cache, _ = runtime.load_cache(qwen3_session, fmt.read_header(path), stream=stream)
+        cache, _ = runtime.load_cache(qwen3_session, artifact.read_header(path), stream=stream)
         runs.append(runtime.greedy(qwen3_session, cache, question, 8))
     (tokens_new, logits_new), (tokens_old, logits_old) = runs
     assert tokens_old == tokens_new
@@ -55,20 +54,20 @@ def test_a_corrupted_format_1_file_fails_its_sha256(both, tmp_path):
     bad = tmp_path / "bad.kv"
     bad.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="sha256 mismatch"):
-        fmt.check_file(bad)
+        artifact.check_file(bad)
 
 
 @pytest.mark.parametrize("version,key", [("1", "blake3"), ("2", "sha256")])
 def test_a_digest_under_the_other_formats_key_is_refused(tmp_path, version, key):
     parts = kvfiles.valid_parts()
-    parts.metadata[fmt.META_VERSION] = version
+    parts.metadata[artifact.META_VERSION] = version
     for spec in parts.manifest["tensors"].values():
         spec[key] = spec.pop(kvfiles.DIGEST)
     path = tmp_path / "swapped.kv"
     path.write_bytes(parts.to_bytes())
     wanted = "sha256" if version == "1" else "blake3"
     with pytest.raises(ArtifactError, match=f"lacks a {wanted} digest \\(format version {version}\\)"):
-        fmt.read_header(path)
+        artifact.read_header(path)
 
 
 def test_inspect_names_the_files_format_and_digest(cli, both):

@@ -209,7 +209,7 @@ def parse_header(path: Any, raw: bytes, file_size: int) -> Header:
     if not isinstance(manifest, dict):
         raise _fail(path, "corrupted: the manifest is not a JSON object")
     result = Header(path, manifest, header, 8 + header_len, file_size, int(version))
-    _validate(result)
+    _check_header_structure(result)
     return result
 
 
@@ -443,7 +443,10 @@ def _check_quantization(expect: Callable[[bool, str], None], q: dict[str, Any]) 
                 )
 
 
-def _validate(h: Header) -> None:
+def _check_header_structure(h: Header) -> None:
+    """The header alone describes a well-formed file: typed manifest, tensors that tile the data region
+    exactly, the same tensors in the header and the manifest. Reads no tensor bytes (their digests are
+    :func:`check_file`'s; exactness against a prefill is :mod:`kvcdn_core.exactness`'s)."""
     path, manifest = h.path, h.manifest
     _check_manifest_types(h)
     spans = []

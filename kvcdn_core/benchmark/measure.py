@@ -49,8 +49,7 @@ def run_benchmark(
     """
     import torch
 
-    from kvcdn_core import artifact as fmt
-    from kvcdn_core import runtime
+    from kvcdn_core import artifact, runtime
     from kvcdn_core.progress import Progress
 
     if reps < 1:
@@ -115,11 +114,11 @@ def run_benchmark(
                 session, cache, ctx, runtime.decode(session, ctx), workdir / f"bench-{length}-none.kv"
             )
             del cache
-            header = fmt.read_header(base)
+            header = artifact.read_header(base)
             kv_bytes = sum(
                 e["data_offsets"][1] - e["data_offsets"][0]
                 for name, e in header.entries.items()
-                if name != fmt.TOKEN_IDS
+                if name != artifact.TOKEN_IDS
             )
             compute = dict(
                 tokens=length,
@@ -168,8 +167,7 @@ def _measure_load(
 ) -> BenchRow:
     """Per rep, each from a cold file: a plain read, the load + question (sequential and
     pipelined) and the load without hashes. Rep 0 is the warm-up."""
-    from kvcdn_core import artifact as fmt
-    from kvcdn_core import runtime
+    from kvcdn_core import artifact, runtime
 
     size = path.stat().st_size
     samples: dict[str, list[float]] = {
@@ -186,7 +184,7 @@ def _measure_load(
         return start, time.perf_counter(), result
 
     def cached_ttft(stream: bool) -> float:
-        cache, _ = runtime.load_cache(session, fmt.read_header(path), stream=stream)
+        cache, _ = runtime.load_cache(session, artifact.read_header(path), stream=stream)
         sync(session.device)
         loaded = time.perf_counter()
         token, _ = forward(cache, question_ids)
@@ -200,7 +198,7 @@ def _measure_load(
         runs.update(load_s=loaded - start, ttft_cached_s=end - start)
         start, end, _ = cold(lambda: cached_ttft(stream=True))
         runs["ttft_pipelined_s"] = end - start
-        start, end, _ = cold(lambda: runtime.load_cache(session, fmt.read_header(path), verify_hashes=False))
+        start, end, _ = cold(lambda: runtime.load_cache(session, artifact.read_header(path), verify_hashes=False))
         runs["load_unverified_s"] = end - start
         if rep:  # rep 0 is the warm-up
             for name, value in runs.items():
@@ -227,14 +225,14 @@ def _measure_load(
 
 def quantize(source: Path, scheme: str, target: Path) -> Path:
     """Quantize an artifact with an installed quantizer (the same code path as ``kvcdn quant``)."""
-    from kvcdn_core import artifact as fmt
+    from kvcdn_core import artifact
     from kvcdn_core.plugin_host.registry import quantizer_for
     from kvcdn_core.quant import codec
 
-    header = fmt.read_header(source)
+    header = artifact.read_header(source)
     quantizer = quantizer_for(scheme)()
-    result = codec.quantize_cache(header.manifest, fmt.load_tensors(header), quantizer)
-    return fmt.write_artifact(target, result.manifest, result.tensors)
+    result = codec.quantize_cache(header.manifest, artifact.load_tensors(header), quantizer)
+    return artifact.write_artifact(target, result.manifest, result.tensors)
 
 
 @contextlib.contextmanager

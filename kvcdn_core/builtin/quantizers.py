@@ -12,8 +12,7 @@ the error bounds in :meth:`body_error_bound` hold exactly. This module imports t
 
 from __future__ import annotations
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import hookimpl
+from kvcdn_core import artifact, hookimpl
 from kvcdn_core.contracts.quantizer import KEY, Quantizer
 from kvcdn_core.quant.numerics import round_up_param
 
@@ -33,7 +32,7 @@ def _divide(x, scale):
 class Int8TensorQuantizer(Quantizer):
     scheme = "int8-tensor"
     description = "symmetric int8, one scale per K or V tensor (baseline)"
-    supported_kinds = (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW, fmt.MLA_LATENT)
+    supported_kinds = (artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW, artifact.MLA_LATENT)
     storage_dtype = "I8"
 
     def encode(self, role, x):
@@ -55,7 +54,7 @@ class Int8TensorQuantizer(Quantizer):
 class Int8Quantizer(Quantizer):
     scheme = "int8"
     description = "symmetric int8, per-channel scales for keys, per-token scales for values"
-    supported_kinds = (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW, fmt.MLA_LATENT)
+    supported_kinds = (artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW, artifact.MLA_LATENT)
     storage_dtype = "I8"
     output_suffix = "q8"
 
@@ -82,7 +81,7 @@ class Int8Quantizer(Quantizer):
 class Fp8Quantizer(Quantizer):
     scheme = "fp8"
     description = "float8 e4m3 codes with per-token scales"
-    supported_kinds = (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW)
+    supported_kinds = (artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW)
     storage_dtype = "F8_E4M3"
 
     def encode(self, role, x):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
@@ -205,7 +205,7 @@ class ModelAdapter:
             cls.import_cache is ModelAdapter.import_cache
             and cls.cache_layers is ModelAdapter.cache_layers
             and cls.new_cache is ModelAdapter.new_cache
-            and all(entry.kind in (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW) for entry in layers)
+            and all(entry.kind in (artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW) for entry in layers)
         )
 
     def fork_cache(self, cache: Cache) -> Cache:
@@ -246,9 +246,9 @@ class ModelAdapter:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         if isinstance(layer, DynamicSlidingWindowLayer):
-            return fmt.SLIDING_WINDOW
+            return artifact.SLIDING_WINDOW
         if type(layer) is DynamicLayer:
-            return fmt.FULL_ATTENTION
+            return artifact.FULL_ATTENTION
         raise KvcdnError(
             f"cache layer type {type(layer).__name__} is not supported by the {self.family or 'base'} "
             "adapter; no artifact was written"
@@ -257,7 +257,7 @@ class ModelAdapter:
     def export_layer(self, index: int, layer: CacheLayer) -> tuple[LayerEntry, Tensors]:
         """One layer's manifest entry and its tensors by role (:meth:`export_cache` names them)."""
         kind = self.layer_kind(layer)
-        if kind == fmt.SLIDING_WINDOW:
+        if kind == artifact.SLIDING_WINDOW:
             entry = LayerEntry(
                 index, kind, window=int(layer.sliding_window), cumulative_length=int(layer.cumulative_length)
             )
@@ -273,7 +273,7 @@ class ModelAdapter:
         keys, values = named["key"], named["value"]
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
-        if kind == fmt.SLIDING_WINDOW:
+        if kind == artifact.SLIDING_WINDOW:
             if entry.window != int(layer.sliding_window):
                 raise ArtifactError(f"layer {entry.index} has window {entry.window}, the model {layer.sliding_window}")
             # Without the cumulative length, positions and the sliding mask drift after reload.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -77,7 +77,7 @@ def role_of(local_name: str) -> str:
 
 
 def _st_name(torch_dtype: Any) -> str:
-    return fmt.TORCH_TO_ST[str(torch_dtype).removeprefix("torch.")]
+    return artifact.TORCH_TO_ST[str(torch_dtype).removeprefix("torch.")]
 
 
 class Quantizer:
@@ -99,7 +99,7 @@ class Quantizer:
     #: One line for ``kvcdn quant --help`` and the docs.
     description: ClassVar[str] = ""
     #: Layer kinds this scheme quantizes; layers of other kinds are kept in full precision.
-    supported_kinds: ClassVar[tuple[str, ...]] = (fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW)
+    supported_kinds: ClassVar[tuple[str, ...]] = (artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW)
     #: safetensors dtype of the codes (``U8`` for packed sub-byte codes).
     storage_dtype: ClassVar[str] = "I8"
     #: Parameter name → default; ``residual`` (most recent tokens kept unquantized) is handled here.
@@ -167,7 +167,7 @@ class Quantizer:
         import torch
 
         shape = list(record["shape"])
-        dtype = dtype or getattr(torch, fmt.DTYPES[record["dtype"]][1])
+        dtype = dtype or getattr(torch, artifact.DTYPES[record["dtype"]][1])
         pieces = []
         if record["quantized_tokens"] and record.get("empty"):  # a zero-width tensor: nothing was encoded
             pieces.append(torch.zeros(shape[:-2] + [record["quantized_tokens"], shape[-1]], dtype=dtype))

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import artifact, runtime
 
 
 @dataclasses.dataclass
@@ -100,7 +99,7 @@ def _step_stats(a, b) -> dict:
 def run_diag(session, header, question: str, n: int, force: bool = False) -> list[dict]:
     """Per-step logit comparison; both paths are fed the reference's tokens (teacher forcing)."""
     question_ids = session.adapter.encode_continuation(session.tokenizer, question)
-    context_ids = fmt.read_token_ids(header.path, header)
+    context_ids = artifact.read_token_ids(header.path, header)
     ref_ids, ref_logits = reference(session, context_ids, question_ids, n)
     _, cached_logits, _ = cached(session, header, question_ids, n, force=force, forced=ref_ids)
     steps = []

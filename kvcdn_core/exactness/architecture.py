@@ -14,8 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import artifact, runtime
 from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.model.defaults import DEFAULT_QUESTION
@@ -85,10 +84,10 @@ def compare_roundtrip(session, header) -> tuple[bool, str]:
     """Load the artifact, export the rebuilt cache again, and compare every tensor bitwise."""
     import torch
 
-    stored = fmt.load_tensors(header)
+    stored = artifact.load_tensors(header)
     cache, _ = runtime.load_cache(session, header)
     _, again = session.adapter.export_cache(session.model, cache)
-    expected = set(stored) - {fmt.TOKEN_IDS}
+    expected = set(stored) - {artifact.TOKEN_IDS}
     if set(again) != expected:
         return False, f"re-export names differ: {sorted(set(again) ^ expected)[:4]}"
     for name, tensor in again.items():
@@ -105,7 +104,7 @@ def phase_roundtrip(run: ValidationRun) -> PhaseResult:
     session = run.session
     run.path = run.workdir / f"{run.architecture}.kv"
     _, run.context_ids = runtime.generate(session, run.context, run.path, chunk=64, progress=False)
-    run.header = fmt.read_header(run.path)
+    run.header = artifact.read_header(run.path)
     ok, detail = compare_roundtrip(session, run.header)
     return run.result("roundtrip", ok, f"{detail}, {len(run.context_ids)} context tokens")
 
@@ -161,7 +160,7 @@ def phase_fork(run: ValidationRun) -> PhaseResult:
     res = VerifyResult(run.n, len(run.context_ids), len(run.question_ids), run.reference_ids, ids, "", "")
     if not res.passed:
         return run.result("fork", False, f"token match {res.matches}/{run.n} on the fork", res.first_divergence)
-    stored = fmt.load_tensors(run.header)
+    stored = artifact.load_tensors(run.header)
     _, after = session.adapter.export_cache(session.model, resident)
     changed = [name for name, t in after.items() if not torch.equal(stored[name], t.cpu())]
     if changed:
@@ -275,10 +274,10 @@ def exercised(config, layers: Sequence[LayerEntry]) -> dict[str, Any]:
     """
     cfg = config.get_text_config(decoder=True)
     kinds = sorted({layer.kind for layer in layers})
-    features = [kind for kind in (fmt.SLIDING_WINDOW, *fmt.STATE_KINDS) if kind in kinds]
-    if fmt.MLA_LATENT in kinds or fmt.MLA_INDEXED in kinds:
+    features = [kind for kind in (artifact.SLIDING_WINDOW, *artifact.STATE_KINDS) if kind in kinds]
+    if artifact.MLA_LATENT in kinds or artifact.MLA_INDEXED in kinds:
         features.append("mla")
-    if fmt.MLA_INDEXED in kinds:
+    if artifact.MLA_INDEXED in kinds:
         features.append("sparse_attention")
     if any(layer.family_fields.get("shared_by") for layer in layers):
         features.append("kv_sharing")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import ArtifactError
 
@@ -38,22 +38,22 @@ class LinearAttentionLayers(_MixinBase):
 
     def layer_kind(self, layer) -> str:
         if is_linear_attention(layer):
-            return fmt.LINEAR_ATTENTION
+            return artifact.LINEAR_ATTENTION
         return super().layer_kind(layer)
 
     def export_layer(self, index: int, layer):
         if not is_linear_attention(layer):
             return super().export_layer(index, layer)
         entry = LayerEntry(
-            index, fmt.LINEAR_ATTENTION, family_fields={"conv_kernel": int(layer.conv_kernel_size[0] or 0)}
+            index, artifact.LINEAR_ATTENTION, family_fields={"conv_kernel": int(layer.conv_kernel_size[0] or 0)}
         )
         return entry, self.export_linear_state(layer)
 
     def import_layer(self, entry: LayerEntry, named: dict, layer) -> None:
         if not is_linear_attention(layer):
             return super().import_layer(entry, named, layer)
-        if entry.kind != fmt.LINEAR_ATTENTION:
+        if entry.kind != artifact.LINEAR_ATTENTION:
             raise ArtifactError(
-                f"layer {entry.index} is '{entry.kind}' in the artifact but '{fmt.LINEAR_ATTENTION}' in the model"
+                f"layer {entry.index} is '{entry.kind}' in the artifact but '{artifact.LINEAR_ATTENTION}' in the model"
             )
         self.import_linear_state(entry, named, layer)

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import ArtifactError, KvcdnError
 
-LATENT, ROTARY_KEY, INDEXER_KEY = fmt.MLA_ROLES
-MLA_KINDS = (fmt.MLA_LATENT, fmt.MLA_INDEXED)
+LATENT, ROTARY_KEY, INDEXER_KEY = artifact.MLA_ROLES
+MLA_KINDS = (artifact.MLA_LATENT, artifact.MLA_INDEXED)
 
 
 def mla_widths(config) -> tuple[int, int]:
@@ -97,9 +97,9 @@ class MlaLayers(_MixinBase):
         from transformers.cache_utils import DynamicLayer
 
         if _is_indexed(layer):
-            return fmt.MLA_INDEXED if layer.is_indexer_initialized else fmt.MLA_LATENT
+            return artifact.MLA_INDEXED if layer.is_indexer_initialized else artifact.MLA_LATENT
         if type(layer) is DynamicLayer:
-            return fmt.MLA_LATENT
+            return artifact.MLA_LATENT
         raise KvcdnError(
             f"cache layer type {type(layer).__name__} is not an MLA latent layer the {self.family} adapter "
             "knows; no artifact was written"
@@ -108,7 +108,7 @@ class MlaLayers(_MixinBase):
     def export_layer(self, index: int, layer) -> tuple[LayerEntry, dict[str, Any]]:
         kind = self.layer_kind(layer)
         named = {LATENT: layer.keys, ROTARY_KEY: layer.values}
-        if kind == fmt.MLA_INDEXED:
+        if kind == artifact.MLA_INDEXED:
             if layer.indexer_position_ids is not None:
                 raise KvcdnError(
                     f"layer {index} caches indexer positions, which the {self.family} adapter does not "
@@ -136,12 +136,12 @@ class MlaLayers(_MixinBase):
                     "artifact was written"
                 )
             entry = entry.with_fields(kv_lora_rank=rank, qk_rope_head_dim=rope)
-            if (entry.kind == fmt.MLA_INDEXED) != has_indexer(model.config, index):
+            if (entry.kind == artifact.MLA_INDEXED) != has_indexer(model.config, index):
                 raise KvcdnError(
-                    f"layer {index} {'holds' if entry.kind == fmt.MLA_INDEXED else 'lacks'} DSA indexer "
+                    f"layer {index} {'holds' if entry.kind == artifact.MLA_INDEXED else 'lacks'} DSA indexer "
                     "keys where the model's config says otherwise; no artifact was written"
                 )
-            if entry.kind == fmt.MLA_INDEXED:
+            if entry.kind == artifact.MLA_INDEXED:
                 indexer = tensors[entry.tensors[INDEXER_KEY]]
                 width = int(model.config.index_head_dim)
                 if indexer.dim() != 3 or indexer.shape[1] != latent.shape[-2] or indexer.shape[-1] != width:
@@ -159,7 +159,7 @@ class MlaLayers(_MixinBase):
             if entry.kind not in MLA_KINDS:
                 continue
             index = entry.index
-            expected = fmt.MLA_INDEXED if has_indexer(model.config, index) else fmt.MLA_LATENT
+            expected = artifact.MLA_INDEXED if has_indexer(model.config, index) else artifact.MLA_LATENT
             if entry.kind != expected:
                 raise ArtifactError(f"layer {index} is '{entry.kind}' in the artifact, the model caches '{expected}'")
             stored = entry.family_fields.get("kv_lora_rank"), entry.family_fields.get("qk_rope_head_dim")
@@ -169,7 +169,7 @@ class MlaLayers(_MixinBase):
                     f"key of {stored[1]}, the model uses {rank} and {rope}"
                 )
             width = entry.family_fields.get("index_head_dim")
-            if expected == fmt.MLA_INDEXED and width != int(model.config.index_head_dim):
+            if expected == artifact.MLA_INDEXED and width != int(model.config.index_head_dim):
                 raise ArtifactError(
                     f"layer {index} holds indexer keys of width {width}, the model uses {model.config.index_head_dim}"
                 )
@@ -182,7 +182,7 @@ class MlaLayers(_MixinBase):
         latent, rotary = named[LATENT], named[ROTARY_KEY]
         layer.lazy_initialization(latent, rotary)
         layer.keys, layer.values = latent, rotary
-        if entry.kind == fmt.MLA_INDEXED:
+        if entry.kind == artifact.MLA_INDEXED:
             if not _is_indexed(layer):
                 raise ArtifactError(f"layer {entry.index} holds DSA indexer keys, the model's cache has none")
             layer.lazy_initialization_indexer(named[INDEXER_KEY])
@@ -190,5 +190,5 @@ class MlaLayers(_MixinBase):
 
     def crop_layer(self, entry: LayerEntry, layer, n_tokens: int) -> None:
         super().crop_layer(entry, layer, n_tokens)
-        if entry.kind == fmt.MLA_INDEXED:  # one indexer key per token: [batch, tokens, width]
+        if entry.kind == artifact.MLA_INDEXED:  # one indexer key per token: [batch, tokens, width]
             layer.indexer_keys = layer.indexer_keys[:, :n_tokens, :]

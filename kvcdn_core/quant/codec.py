@@ -20,7 +20,7 @@ import datetime as _dt
 from collections.abc import Callable
 from typing import Any
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import Manifest, manifest_of
 from kvcdn_core.contracts.quantizer import (
     DTYPE_ALIASES,
@@ -112,10 +112,10 @@ def quantize_cache(
             f"the input is already quantized (scheme {typed.scheme}); quantize the "
             "unquantized artifact instead of stacking quantization errors"
         )
-    target = target_dtype or fmt.TORCH_TO_ST.get(typed.compute_dtype, "F32")
+    target = target_dtype or artifact.TORCH_TO_ST.get(typed.compute_dtype, "F32")
     if target not in TARGET_DTYPES:
         raise KvcdnError(f"target dtype {target} is not one of {', '.join(TARGET_DTYPES)}")
-    stored = {fmt.TOKEN_IDS: tensors[fmt.TOKEN_IDS]}
+    stored = {artifact.TOKEN_IDS: tensors[artifact.TOKEN_IDS]}
     errors: dict[str, ErrorStats] = {}
     layer_records = []
     done = kept = 0
@@ -158,7 +158,7 @@ def quantize_cache(
         "parameters": dict(quantizer.params),
         "target_dtype": target,
         "storage_dtype": quantizer.storage_dtype,
-        "source_dtype": fmt.TORCH_TO_ST.get(typed.compute_dtype, typed.compute_dtype),
+        "source_dtype": artifact.TORCH_TO_ST.get(typed.compute_dtype, typed.compute_dtype),
         "source_created_at": manifest.get("created_at"),
         "layers": layer_records,
     }
@@ -168,7 +168,7 @@ def quantize_cache(
 # -- dequantizing on load ----------------------------------------------------------------------
 
 
-def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: bool = True) -> dict[str, Any]:
+def dequantize_tensors(header: artifact.Header, device: str = "cpu", verify_hashes: bool = True) -> dict[str, Any]:
     """Load a quantized artifact and return the tensors an unquantized one would hold.
 
     Same names (each layer's tensors and ``token_ids``), same shapes, in the target dtype;
@@ -176,8 +176,8 @@ def dequantize_tensors(header: fmt.Header, device: str = "cpu", verify_hashes: b
     (its streamed load goes through :class:`QuantizedLayers` one layer at a time instead).
     """
     layers = QuantizedLayers(header)
-    raw = fmt.load_tensors(header, device=device, verify_hashes=verify_hashes)
-    out = {fmt.TOKEN_IDS: raw[fmt.TOKEN_IDS]}
+    raw = artifact.load_tensors(header, device=device, verify_hashes=verify_hashes)
+    out = {artifact.TOKEN_IDS: raw[artifact.TOKEN_IDS]}
     for position in range(len(layers.layers)):
         out.update(layers.dequantize_layer(position, raw.__getitem__))
     return out
@@ -191,7 +191,7 @@ class QuantizedLayers:
     quantization block is checked here, before any tensor is read.
     """
 
-    def __init__(self, header: fmt.Header) -> None:
+    def __init__(self, header: artifact.Header) -> None:
         import torch
 
         self.path = header.path

@@ -6,7 +6,7 @@ loads artifacts through :mod:`kvcdn_core.runtime`, which dequantizes through :mo
 
 from __future__ import annotations
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.plugin_host.registry import quantizer_for
 from kvcdn_core.quant.codec import dequantize_tensors, quantize_cache
@@ -69,11 +69,11 @@ def validation_phase(scheme: str = "int8"):
         if run.header is None or run.reference_ids is None:
             return run.result(name, False, "skipped: an earlier phase failed")
         quantizer = quantizer_for(scheme)()
-        original = fmt.load_tensors(run.header)
+        original = artifact.load_tensors(run.header)
         result = quantize_cache(run.header.manifest, original, quantizer)
         path = run.workdir / f"{run.architecture}.{quantizer.default_output_suffix()}.kv"
-        fmt.write_artifact(path, result.manifest, result.tensors)
-        header = fmt.read_header(path)
+        artifact.write_artifact(path, result.manifest, result.tensors)
+        header = artifact.read_header(path)
         outside = bound_violations(header.manifest, original, quantizer, dequantize_tensors(header))
         ids, _, _ = cached(run.session, header, run.question_ids, run.n)
         _, ref_logits = reference(run.session, run.context_ids, run.question_ids, run.n)

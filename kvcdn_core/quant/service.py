@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import notices
+from kvcdn_core import artifact, notices
 from kvcdn_core.artifact.manifest import manifest_of
 from kvcdn_core.atomic import write_json_atomic
 from kvcdn_core.contracts.quantizer import Quantizer
@@ -83,7 +82,7 @@ def default_output(source: str | os.PathLike[str], scheme: str) -> Path:
 
 
 def quantize_artifact(
-    header: fmt.Header,
+    header: artifact.Header,
     out: Path,
     quantizer: Quantizer,
     target: str | None,
@@ -96,9 +95,9 @@ def quantize_artifact(
     """Quantize ``header``'s artifact into ``out``; with ``n``, verify ``n`` tokens against a full
     prefill on ``session``. The event is written next to ``out`` also when verification fails."""
     start = time.perf_counter()
-    tensors = fmt.load_tensors(header)
+    tensors = artifact.load_tensors(header)
     result = quantize_cache(header.manifest, tensors, quantizer, target)
-    fmt.write_artifact(out, result.manifest, result.tensors)
+    artifact.write_artifact(out, result.manifest, result.tensors)
     seconds = time.perf_counter() - start
     q = result.manifest["quantization"]
     original, quantized = header.file_size, out.stat().st_size
@@ -132,7 +131,7 @@ def quantize_artifact(
     )
     if n is not None:
         try:
-            event.verify = verify_quantized(session, header, fmt.read_header(out), question, n)
+            event.verify = verify_quantized(session, header, artifact.read_header(out), question, n)
         except KvcdnError as exc:  # the record still says what was written and why verification stopped
             event.verification, event.verification_error = "Error", str(exc)
             event.write()
@@ -159,7 +158,7 @@ def _warn_not_smaller(original: int, quantized: int, tokens: int, params: dict[s
 
 
 def verify_quantized(
-    session: Any, source_header: fmt.Header, quant_header: fmt.Header, question: str, n: int
+    session: Any, source_header: artifact.Header, quant_header: artifact.Header, question: str, n: int
 ) -> dict[str, Any]:
     """Token ids of the quantized artifact's continuation against a full prefill and the unquantized one."""
     from kvcdn_core import runtime

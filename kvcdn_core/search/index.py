@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import notices
+from kvcdn_core import artifact, notices
 from kvcdn_core.artifact.manifest import Manifest
 from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import ArtifactError, KvcdnError
@@ -66,8 +65,8 @@ class Entry:
 
 
 def _entry_from_file(path: Path, st: os.stat_result) -> Entry:
-    header = fmt.read_header(path)
-    ids = fmt.read_token_ids(path, header)
+    header = artifact.read_header(path)
+    ids = artifact.read_token_ids(path, header)
     array = np.asarray(ids, dtype=np.int64)
     if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
         raise ArtifactError(f"{path}: corrupted: token ids out of range")

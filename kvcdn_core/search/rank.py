@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import notices
+from kvcdn_core import artifact, notices
 from kvcdn_core.artifact.manifest import ANY_PREFIX
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.model.files import fingerprint_differences
@@ -200,7 +199,7 @@ def _reproduces(tok, adapter, entry: Entry | None) -> bool:
     if entry is None:
         return True
     try:
-        context = fmt.read_manifest(entry.path).get("context")
+        context = artifact.read_manifest(entry.path).get("context")
     except (ArtifactError, OSError):
         return True
     if not isinstance(context, str) or not context:

@@ -11,8 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import notices
+from kvcdn_core import artifact, notices
 from kvcdn_core.artifact.manifest import manifest_of
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.search.index import Warn
@@ -25,7 +24,7 @@ def session_for_search(found: Search, revision: str | None = None, device: str =
     from kvcdn_core import runtime
 
     best = found.ranking.best_usable
-    manifest = manifest_of(fmt.read_header(best.path)) if best is not None else None
+    manifest = manifest_of(artifact.read_header(best.path)) if best is not None else None
     session = runtime.session_for_artifact(manifest, found.model_ref, revision, device, dtype)
     return session, found.retokenized(session.tokenizer, session.fingerprint)
 
@@ -87,7 +86,7 @@ def prefill_reusing(
         raise KvcdnError("the prompt has no tokens")
     for match in [m for m in ranking.matches if m.usable_tokens > 0]:
         try:  # a damaged or foreign-weights artifact is skipped for the next best, not fatal
-            header = fmt.read_header(match.path)
+            header = artifact.read_header(match.path)
             cache, ids = runtime.load_cache(session, header, force=force)
         except ArtifactError as exc:
             warn(f"skipping {match.path}: {str(exc).removeprefix(str(match.path) + ': ')}")

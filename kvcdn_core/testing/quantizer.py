@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.contracts.quantizer import KEY, VALUE, Quantizer, role_of
 from kvcdn_core.errors import KvcdnError
 
 #: Layer kinds a scheme may declare.
-LAYER_KINDS = fmt.LAYER_KINDS
+LAYER_KINDS = artifact.LAYER_KINDS
 
 
 def _tensors() -> list[tuple[str, Any]]:
@@ -55,7 +55,7 @@ def assert_quantizer_contract(cls: type[Quantizer]) -> None:
     assert cls.supported_kinds and set(cls.supported_kinds) <= set(LAYER_KINDS), (
         f"{cls.__name__}.supported_kinds must be layer kinds of {LAYER_KINDS}"
     )
-    assert cls.storage_dtype in fmt.DTYPES, (
+    assert cls.storage_dtype in artifact.DTYPES, (
         f"{cls.__name__}.storage_dtype {cls.storage_dtype!r} is no safetensors dtype"
     )
     assert all(isinstance(v, int) for v in cls.default_params.values()), "default_params must be integers"
@@ -105,20 +105,20 @@ def _check_artifact_roundtrip(cls: type[Quantizer]) -> None:
         "compute_dtype": "float32",
         "token_count": tokens,
         "layers": [
-            {"index": 0, "kind": fmt.FULL_ATTENTION, "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
+            {"index": 0, "kind": artifact.FULL_ATTENTION, "tensors": {"key": "layers.0.key", "value": "layers.0.value"}}
         ],
     }
     quantizer = cls()
-    if not quantizer.supports(fmt.FULL_ATTENTION):
+    if not quantizer.supports(artifact.FULL_ATTENTION):
         return
-    result = quantize_cache(manifest, {**cache, fmt.TOKEN_IDS: ids}, quantizer)
+    result = quantize_cache(manifest, {**cache, artifact.TOKEN_IDS: ids}, quantizer)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            path = fmt.write_artifact(Path(tmp) / "contract.kv", result.manifest, result.tensors)
-            header = fmt.read_header(path)
+            path = artifact.write_artifact(Path(tmp) / "contract.kv", result.manifest, result.tensors)
+            header = artifact.read_header(path)
         except KvcdnError as exc:
             raise AssertionError(f"{cls.scheme}: an artifact it quantized is refused by the reader: {exc}") from exc
-        stored = fmt.load_tensors(header)
+        stored = artifact.load_tensors(header)
         records = header.manifest["quantization"]["layers"][0]["tensors"]
         for local, full in (("key", "layers.0.key"), ("value", "layers.0.value")):
             rec = records[local]

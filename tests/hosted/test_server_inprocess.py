@@ -293,13 +293,13 @@ def test_two_confirms_of_one_upload_one_wins(make_app, small_kv):
 
 def test_a_put_during_confirm_cannot_swap_in_unchecked_bytes(make_app, tmp_path, small_kv, monkeypatch):
     """A second PUT with the still-valid URL while confirm checks the bytes is refused (409)."""
-    from kvcdn_core import artifact as kvformat
+    from kvcdn_core import artifact
 
     app, client, key = make_app()
     plan, put_url = _start(client, key, small_kv)
     assert client.put(put_url, content=small_kv.read_bytes()).status_code == 200
     evil = bytes(small_kv.stat().st_size)
-    real_read_header = kvformat.read_header
+    real_read_header = artifact.read_header
     swapped = []
 
     def read_then_put(path, *args, **kwargs):
@@ -308,9 +308,9 @@ def test_a_put_during_confirm_cannot_swap_in_unchecked_bytes(make_app, tmp_path,
             swapped.append(client.put(put_url, content=evil).status_code)
         return header
 
-    monkeypatch.setattr(kvformat, "read_header", read_then_put)
+    monkeypatch.setattr(artifact, "read_header", read_then_put)
     r = client.post(f"{API}/artifacts/{plan['artifact_id']}/confirm-upload", headers=bearer(key))
-    monkeypatch.setattr(kvformat, "read_header", real_read_header)
+    monkeypatch.setattr(artifact, "read_header", real_read_header)
     assert swapped == [409] and r.status_code == 200, (swapped, r.text)
     d = client.post(f"{API}/artifacts/{plan['artifact_id']}/download-url", headers=bearer(key)).json()
     got = client.get("/" + d["download_url"].split("://", 1)[1].split("/", 1)[1])

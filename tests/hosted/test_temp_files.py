@@ -104,11 +104,11 @@ def test_a_live_confirms_copy_is_never_collected(s3_app, small_kv, monkeypatch):
     """While a confirm checks its copy, the collector runs with the copy looking older than the
     grace: the copy stays (this process uses it, its lease is live), the confirm succeeds, and the
     copy is gone after."""
-    from kvcdn_core import artifact as kvformat
+    from kvcdn_core import artifact
 
     store, upload, confirm_upload = s3_app
     artifact_id = upload(small_kv)
-    real_check = kvformat.check_file
+    real_check = artifact.check_file
     seen = []
 
     def collect_meanwhile(path):
@@ -119,7 +119,7 @@ def test_a_live_confirms_copy_is_never_collected(s3_app, small_kv, monkeypatch):
         seen.append(Path(path).exists())
         return real_check(path)
 
-    monkeypatch.setattr(kvformat, "check_file", collect_meanwhile)
+    monkeypatch.setattr(artifact, "check_file", collect_meanwhile)
     r = confirm_upload(artifact_id)
     assert r.status_code == 200, r.text
     assert seen == [0, True]

@@ -21,12 +21,20 @@ weights compute.
 
 from __future__ import annotations
 
-from kvcdn_core import TINY_DEEPSEEK_MOE, TINY_MLA, MlaLayers, ModelAdapter, hookimpl, mla_widths, ungroup_mla_heads
-from kvcdn_core import artifact as fmt
+from kvcdn_core import (
+    TINY_DEEPSEEK_MOE,
+    TINY_MLA,
+    MlaLayers,
+    ModelAdapter,
+    artifact,
+    hookimpl,
+    mla_widths,
+    ungroup_mla_heads,
+)
 
 __version__ = "0.1.0"
 
-LATENT, ROTARY_KEY, INDEXER_KEY = fmt.MLA_ROLES
+LATENT, ROTARY_KEY, INDEXER_KEY = artifact.MLA_ROLES
 __all__ = ["INDEXER_KEY", "LATENT", "ROTARY_KEY", "DeepseekAdapter", "mla_widths", "ungroup_mla_heads"]
 
 _MLA = dict(TINY_MLA, **TINY_DEEPSEEK_MOE)

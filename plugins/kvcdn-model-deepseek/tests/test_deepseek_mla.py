@@ -5,8 +5,7 @@ import dataclasses
 import pytest
 from kvcdn_model_deepseek import LATENT, ROTARY_KEY, DeepseekAdapter
 
-from kvcdn_core import Manifest, runtime
-from kvcdn_core import artifact as fmt
+from kvcdn_core import Manifest, artifact, runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.exactness.architecture import long_context
 
@@ -22,24 +21,24 @@ def session(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def artifact(session, tmp_path_factory):
+def header(session, tmp_path_factory):
     context = long_context(96, session.tokenizer)
     path, _ = runtime.generate(session, context, tmp_path_factory.mktemp("kv") / "doc.kv", progress=False)
-    return fmt.read_header(path)
+    return artifact.read_header(path)
 
 
-def test_artifact_holds_the_latent_not_per_head_keys(session, artifact):
+def test_artifact_holds_the_latent_not_per_head_keys(session, header):
     config = session.model.config
-    manifest = artifact.manifest
+    manifest = header.manifest
     assert manifest["reuse"] == "any_prefix"
     per_token_floats = 0
     for layer in manifest["layers"]:
-        assert layer["kind"] == fmt.MLA_LATENT
+        assert layer["kind"] == artifact.MLA_LATENT
         assert set(layer["tensors"]) == {LATENT, ROTARY_KEY}
         latent = manifest["tensors"][layer["tensors"][LATENT]]["shape"]
         rotary = manifest["tensors"][layer["tensors"][ROTARY_KEY]]["shape"]
-        assert latent == [1, 1, artifact.token_count, config.kv_lora_rank]
-        assert rotary == [1, 1, artifact.token_count, config.qk_rope_head_dim]
+        assert latent == [1, 1, header.token_count, config.kv_lora_rank]
+        assert rotary == [1, 1, header.token_count, config.qk_rope_head_dim]
         per_token_floats += config.kv_lora_rank + config.qk_rope_head_dim
     heads = config.num_attention_heads
     decompressed = (
@@ -48,23 +47,23 @@ def test_artifact_holds_the_latent_not_per_head_keys(session, artifact):
     assert per_token_floats * 4 == decompressed  # 40 vs 160 floats per token per layer here
 
 
-def test_rebuilt_cache_is_the_prefill_cache(session, artifact):
+def test_rebuilt_cache_is_the_prefill_cache(session, header):
     import torch
 
-    ids = fmt.read_token_ids(artifact.path, artifact)
+    ids = artifact.read_token_ids(header.path, header)
     fresh, _ = runtime.prefill(session, ids, progress=False)
-    rebuilt, loaded_ids = runtime.load_cache(session, artifact)
+    rebuilt, loaded_ids = runtime.load_cache(session, header)
     assert loaded_ids == ids
     for a, b in zip(fresh.layers, rebuilt.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 @pytest.mark.parametrize("keep", [1, 57])
-def test_a_cropped_latent_continues_exactly(session, artifact, keep):
+def test_a_cropped_latent_continues_exactly(session, header, keep):
     """mla_latent is croppable: any prefix of the stored latent continues like a fresh prefill."""
-    ids = fmt.read_token_ids(artifact.path, artifact)
+    ids = artifact.read_token_ids(header.path, header)
     question = session.adapter.encode_continuation(session.tokenizer, " What did the keeper write?")
-    cache, _ = runtime.load_cache(session, artifact)
+    cache, _ = runtime.load_cache(session, header)
     cache.crop(keep - len(ids))  # transformers 5: a negative count of tokens to drop
     assert cache.get_seq_length() == keep
     cropped, _ = runtime.greedy(session, cache, ids[keep:] + question, 16)
@@ -73,19 +72,19 @@ def test_a_cropped_latent_continues_exactly(session, artifact, keep):
     assert len(set(reference)) > 3  # the check compares real output, not one repeated token
 
 
-def test_other_widths_are_refused(session, artifact):
-    layers = [layer.with_fields(kv_lora_rank=64) for layer in Manifest.from_dict(artifact.manifest).layers]
-    tensors = fmt.load_tensors(artifact)
+def test_other_widths_are_refused(session, header):
+    layers = [layer.with_fields(kv_lora_rank=64) for layer in Manifest.from_dict(header.manifest).layers]
+    tensors = artifact.load_tensors(header)
     with pytest.raises(ArtifactError, match="latent of 64"):
         session.adapter.import_cache(session.model, layers, tensors, "cpu")
 
 
-def test_full_attention_artifact_is_refused(session, artifact):
+def test_full_attention_artifact_is_refused(session, header):
     layers = [
-        dataclasses.replace(layer, kind=fmt.FULL_ATTENTION) for layer in Manifest.from_dict(artifact.manifest).layers
+        dataclasses.replace(layer, kind=artifact.FULL_ATTENTION) for layer in Manifest.from_dict(header.manifest).layers
     ]
     with pytest.raises(ArtifactError, match="'full_attention' in the artifact"):
-        session.adapter.import_cache(session.model, layers, fmt.load_tensors(artifact), "cpu")
+        session.adapter.import_cache(session.model, layers, artifact.load_tensors(header), "cpu")
 
 
 def test_a_cache_of_decompressed_heads_is_refused(session):

@@ -4,8 +4,7 @@ import pytest
 from kvcdn_model_gemma import Gemma3nAdapter
 from kvcdn_model_gemma.gemma3n import sharing
 
-from kvcdn_core import LayerEntry, runtime
-from kvcdn_core import artifact as fmt
+from kvcdn_core import LayerEntry, artifact, runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.exactness.architecture import long_context
 from kvcdn_core.model.tiny import build_tiny_model, config_variants
@@ -14,7 +13,7 @@ from kvcdn_core.testing import assert_adapter_contract, assert_prefix_reuse
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
 ARCH = "Gemma3nForCausalLM"
-KINDS = {"sliding_attention": fmt.SLIDING_WINDOW, "full_attention": fmt.FULL_ATTENTION}
+KINDS = {"sliding_attention": artifact.SLIDING_WINDOW, "full_attention": artifact.FULL_ATTENTION}
 
 
 def session_of(tmp_path, variant="default"):
@@ -27,7 +26,7 @@ def test_adapter_contract(tmp_path):
     assert_adapter_contract(Gemma3nAdapter, ARCH, tmp_path)
     for variant, config in config_variants(Gemma3nAdapter, ARCH).items():
         where = tmp_path if variant == "default" else tmp_path / variant
-        manifest = fmt.read_manifest(where / f"{ARCH}.kv")
+        manifest = artifact.read_manifest(where / f"{ARCH}.kv")
         first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
         assert [layer["index"] for layer in manifest["layers"]] == list(range(first_shared))
         assert [layer["kind"] for layer in manifest["layers"]] == [
@@ -46,24 +45,24 @@ def session(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def artifact(session, tmp_path_factory):
+def header(session, tmp_path_factory):
     path, _ = runtime.generate(
         session, long_context(96, session.tokenizer), tmp_path_factory.mktemp("kv") / "doc.kv", progress=False
     )
-    return fmt.read_header(path)
+    return artifact.read_header(path)
 
 
 def test_sharing_of_the_default_shape(session):
     assert sharing(session.model.config) == ([0, 1, 2], {1: [3, 4], 2: [5]})
 
 
-def test_rebuilt_cache_is_the_prefill_cache(session, artifact):
+def test_rebuilt_cache_is_the_prefill_cache(session, header):
     import torch
     from transformers.cache_utils import DummyLayer
 
-    ids = fmt.read_token_ids(artifact.path, artifact)
+    ids = artifact.read_token_ids(header.path, header)
     fresh, _ = runtime.prefill(session, ids, progress=False)
-    rebuilt, _ = runtime.load_cache(session, artifact)
+    rebuilt, _ = runtime.load_cache(session, header)
     assert [type(layer) for layer in rebuilt.layers] == [type(layer) for layer in fresh.layers]
     assert sum(isinstance(layer, DummyLayer) for layer in rebuilt.layers) == 3
     for a, b in zip(fresh.layers, rebuilt.layers):
@@ -71,9 +70,9 @@ def test_rebuilt_cache_is_the_prefill_cache(session, artifact):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_another_sharing_is_refused(session, artifact):
-    tensors = fmt.load_tensors(artifact)
-    entries = [LayerEntry.from_dict(layer) for layer in artifact.manifest["layers"]]
+def test_another_sharing_is_refused(session, header):
+    tensors = artifact.load_tensors(header)
+    entries = [LayerEntry.from_dict(layer) for layer in header.manifest["layers"]]
     moved = [entry.with_fields(shared_by=[5]) if entry.index == 1 else entry for entry in entries]
     with pytest.raises(ArtifactError, match=r"layer 1 is shared by layers \[5\] in the artifact, by \[3, 4\]"):
         session.adapter.import_cache(session.model, moved, tensors, "cpu")
@@ -81,13 +80,13 @@ def test_another_sharing_is_refused(session, artifact):
         session.adapter.import_cache(session.model, entries[:2], tensors, "cpu")
 
 
-def test_a_windowed_artifact_is_not_cropped(session, artifact, tmp_path):
+def test_a_windowed_artifact_is_not_cropped(session, header, tmp_path):
     """Sliding layers keep only their window: search prefills from scratch, crop refuses by name."""
-    assert artifact.manifest["reuse"] == "whole_prefix"
+    assert header.manifest["reuse"] == "whole_prefix"
     assert assert_prefix_reuse(session, tmp_path) == 0
-    cache, ids = runtime.load_cache(session, artifact)
+    cache, ids = runtime.load_cache(session, header)
     with pytest.raises(KvcdnError, match="layer 0 is 'sliding_window', reusable only as the whole prefix"):
-        entries = [LayerEntry.from_dict(layer) for layer in artifact.manifest["layers"]]
+        entries = [LayerEntry.from_dict(layer) for layer in header.manifest["layers"]]
         session.adapter.crop(cache, entries, 40, token_count=len(ids))
 
 

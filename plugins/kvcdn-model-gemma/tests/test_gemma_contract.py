@@ -1,12 +1,12 @@
 import pytest
 from kvcdn_model_gemma import GemmaAdapter
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.testing import assert_adapter_contract
 
 pytestmark = pytest.mark.slow  # real model runs on every tiny config of the family
 
-F, S = fmt.FULL_ATTENTION, fmt.SLIDING_WINDOW
+F, S = artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW
 EXPECTED_KINDS = {
     "GemmaForCausalLM": [F, F],
     "Gemma2ForCausalLM": [S, F],
@@ -18,7 +18,7 @@ EXPECTED_KINDS = {
 def test_adapter_contract(architecture, tmp_path):
     """Sliding layers alternate with global ones; the context crosses the 16-token window."""
     assert_adapter_contract(GemmaAdapter, architecture, tmp_path)
-    manifest = fmt.read_manifest(tmp_path / f"{architecture}.kv")
+    manifest = artifact.read_manifest(tmp_path / f"{architecture}.kv")
     assert [layer["kind"] for layer in manifest["layers"]] == EXPECTED_KINDS[architecture]
     for layer in manifest["layers"]:
         if layer["kind"] == S:
@@ -34,5 +34,5 @@ def test_gemma3_with_sliding_window_pattern_is_exact(tmp_path):
         validation_configs = {"Gemma3ForCausalLM": dict(config, num_hidden_layers=3, sliding_window_pattern=3)}
 
     assert_adapter_contract(PatternGemma3, "Gemma3ForCausalLM", tmp_path)
-    kinds = [layer["kind"] for layer in fmt.read_manifest(tmp_path / "Gemma3ForCausalLM.kv")["layers"]]
+    kinds = [layer["kind"] for layer in artifact.read_manifest(tmp_path / "Gemma3ForCausalLM.kv")["layers"]]
     assert kinds == [S, S, F]

@@ -8,8 +8,7 @@ import pytest
 import torch
 from kvcdn_model_gemma.recurrent import RecurrentGemmaAdapter
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import artifact, runtime
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.testing.continuation import (
     assert_chunked_prefill_is_one_pass,
@@ -49,7 +48,7 @@ def test_manifest_holds_the_recurrent_states(session, tmp_path):
     header = save_prefix(session, context_ids(session, 60), tmp_path / "ctx.kv")
     manifest = header.manifest
     kinds = [layer["kind"] for layer in manifest["layers"]]
-    assert kinds == [fmt.LINEAR_ATTENTION, fmt.LINEAR_ATTENTION, fmt.SLIDING_WINDOW]
+    assert kinds == [artifact.LINEAR_ATTENTION, artifact.LINEAR_ATTENTION, artifact.SLIDING_WINDOW]
     recurrent, local = manifest["layers"][0], manifest["layers"][2]
     conv = manifest["tensors"][recurrent["tensors"]["conv_state"]]
     state = manifest["tensors"][recurrent["tensors"]["recurrent_state"]]

@@ -3,8 +3,7 @@
 import pytest
 from kvcdn_model_glm import GlmDsaAdapter
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import artifact, runtime
 from kvcdn_core.model.tiny import build_tiny_model, config_variants
 from kvcdn_core.testing import assert_adapter_contract, assert_prefix_reuse
 
@@ -18,13 +17,13 @@ def test_adapter_contract(tmp_path):
     assert_adapter_contract(GlmDsaAdapter, ARCH, tmp_path)
     for variant, config in config_variants(GlmDsaAdapter, ARCH).items():
         where = tmp_path if variant == "default" else tmp_path / variant
-        manifest = fmt.read_manifest(where / f"{ARCH}.kv")
+        manifest = artifact.read_manifest(where / f"{ARCH}.kv")
         assert manifest["model"]["family"] == "glm" and manifest["reuse"] == "any_prefix"
         assert config["index_topk"] < manifest["token_count"] // 4
-        expected = [fmt.MLA_INDEXED if t == "full" else fmt.MLA_LATENT for t in config["indexer_types"]]
+        expected = [artifact.MLA_INDEXED if t == "full" else artifact.MLA_LATENT for t in config["indexer_types"]]
         assert [layer["kind"] for layer in manifest["layers"]] == expected
         for layer in manifest["layers"]:
-            assert ("indexer_key" in layer["tensors"]) == (layer["kind"] == fmt.MLA_INDEXED)
+            assert ("indexer_key" in layer["tensors"]) == (layer["kind"] == artifact.MLA_INDEXED)
 
 
 def test_prefix_search_crops_exactly(tmp_path):

@@ -3,8 +3,7 @@
 import pytest
 from kvcdn_model_gpt import GptAdapter
 
-from kvcdn_core import Manifest, runtime
-from kvcdn_core import artifact as fmt
+from kvcdn_core import Manifest, artifact, runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.model.tiny import build_tiny_model
 from kvcdn_core.testing import assert_adapter_contract
@@ -43,7 +42,7 @@ def _artifact(adapter_cls, architecture, tmp_path):
     model_dir = build_tiny_model(adapter_cls, architecture, tmp_path / "model")
     session = runtime.load_session(str(model_dir), device="cpu", dtype="float32")
     path, _ = runtime.generate(session, "The lighthouse keeper kept a ledger.", tmp_path / "a.kv", progress=False)
-    return session, fmt.read_header(path)
+    return session, artifact.read_header(path)
 
 
 def test_falcon_grouped_heads_are_stored_once(tmp_path):
@@ -56,7 +55,7 @@ def test_falcon_grouped_heads_are_stored_once(tmp_path):
     assert layer["kv_heads"] == config.num_kv_heads == 2
     assert layer["repeated_heads"] == config.num_attention_heads // config.num_kv_heads
     assert header.manifest["tensors"][layer["tensors"]["key"]]["shape"][1] == 2
-    ids = fmt.read_token_ids(header.path, header)
+    ids = artifact.read_token_ids(header.path, header)
     fresh, _ = runtime.prefill(session, ids, progress=False)
     rebuilt, _ = runtime.load_cache(session, header)
     for a, b in zip(fresh.layers, rebuilt.layers):
@@ -67,7 +66,7 @@ def test_falcon_grouped_heads_are_stored_once(tmp_path):
 def test_manifest_names_position_encoding_and_kv_heads(tmp_path):
     _, header = _artifact(GptAdapter, "GPTBigCodeForCausalLM", tmp_path)
     for layer in header.manifest["layers"]:
-        assert layer["kind"] == fmt.FULL_ATTENTION
+        assert layer["kind"] == artifact.FULL_ATTENTION
         assert layer["kv_heads"] == 1
         assert layer["position_encoding"] == "learned"
 
@@ -92,7 +91,7 @@ def test_cross_attention_config_is_refused(tmp_path):
 def test_a_cropped_cache_continues_exactly(architecture, tmp_path):
     """Prefix search crops restored caches: exact for repeated (Falcon) heads and ALiBi (Bloom) too."""
     session, header = _artifact(GptAdapter, architecture, tmp_path)
-    ids = fmt.read_token_ids(header.path, header)
+    ids = artifact.read_token_ids(header.path, header)
     keep = len(ids) // 2
     tail = ids[keep:] + session.adapter.encode_continuation(session.tokenizer, " and the sea")
     cache, _ = runtime.load_cache(session, header)
@@ -107,7 +106,7 @@ def test_gpt_neo_local_layers_are_named(tmp_path):
     """GPT-Neo's local layers cache every token (full attention) and say what window they attend to."""
     _, header = _artifact(GptAdapter, "GPTNeoForCausalLM", tmp_path)
     global_layer, local_layer = header.manifest["layers"]
-    assert global_layer["kind"] == local_layer["kind"] == fmt.FULL_ATTENTION
+    assert global_layer["kind"] == local_layer["kind"] == artifact.FULL_ATTENTION
     assert "attention_window" not in global_layer
     assert local_layer["attention_window"] == 32
     assert header.manifest["tensors"][local_layer["tensors"]["key"]]["shape"][2] == header.token_count

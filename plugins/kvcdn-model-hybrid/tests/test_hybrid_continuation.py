@@ -8,8 +8,7 @@ import pytest
 import torch
 from kvcdn_model_hybrid import HybridAdapter, seeded
 
-from kvcdn_core import LayerEntry, ModelAdapter, runtime
-from kvcdn_core import artifact as fmt
+from kvcdn_core import LayerEntry, ModelAdapter, artifact, runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.exactness.architecture import long_context
 from kvcdn_core.model.tiny import build_tiny_model, config_variants
@@ -58,7 +57,7 @@ def restored(session, ids, tmp_path, chunk=64):
     """The cache of ``ids`` (chunked prefill), saved to a `.kv` file and loaded back."""
     cache, _ = runtime.prefill(session, ids, chunk=chunk, progress=False)
     path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "ctx.kv")
-    header = fmt.read_header(path)
+    header = artifact.read_header(path)
     cache, loaded_ids = runtime.load_cache(session, header)
     assert loaded_ids == ids
     return cache, header
@@ -141,16 +140,16 @@ def test_manifest_records_state_and_attention_layers(architecture, session_of, t
     cache, header = restored(session, ids, tmp_path)
     manifest = header.manifest
     assert manifest["reuse"] == "whole_prefix"
-    hybrid = [layer for layer in manifest["layers"] if layer["kind"] == fmt.LINEAR_AND_FULL_ATTENTION]
+    hybrid = [layer for layer in manifest["layers"] if layer["kind"] == artifact.LINEAR_AND_FULL_ATTENTION]
     assert hybrid
     for layer in hybrid:
         assert set(layer["tensors"]) == {"key", "value", "conv_state", "recurrent_state"}
         assert layer["conv_kernel"] == manifest["tensors"][layer["tensors"]["conv_state"]]["shape"][-1]
         assert manifest["tensors"][layer["tensors"]["key"]]["shape"][-2] == len(ids)
     entries = [LayerEntry.from_dict(layer) for layer in manifest["layers"]]
-    first = next(layer for layer in manifest["layers"] if layer["kind"] not in fmt.CROPPABLE_KINDS)
+    first = next(layer for layer in manifest["layers"] if layer["kind"] not in artifact.CROPPABLE_KINDS)
     if architecture == "FalconH1ForCausalLM":  # every layer holds a state and keys/values
-        assert first["kind"] == fmt.LINEAR_AND_FULL_ATTENTION
+        assert first["kind"] == artifact.LINEAR_AND_FULL_ATTENTION
     with pytest.raises(KvcdnError, match=f"layer {first['index']} is '{first['kind']}', reusable only as the whole"):
         session.adapter.crop(cache, entries, len(ids) - 1, len(ids))
     assert session.adapter.crop(cache, entries, len(ids), len(ids)) is cache
@@ -167,7 +166,7 @@ def test_bfloat16_keeps_the_float32_state_and_verifies(architecture, tmp_path):
     session = runtime.load_session(str(path), device="cpu", dtype="bfloat16", adapter_cls=HybridAdapter)
     ids = context_ids(session)
     cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
-    header = fmt.read_header(runtime.save_cache(session, cache, ids, "ctx", tmp_path / "bf16.kv"))
+    header = artifact.read_header(runtime.save_cache(session, cache, ids, "ctx", tmp_path / "bf16.kv"))
     restored_cache, _ = runtime.load_cache(session, header)
     states = [layer for layer in restored_cache.layers if getattr(layer, "recurrent_states", None)]
     assert states and all(layer.recurrent_states[0].dtype == torch.float32 for layer in states)

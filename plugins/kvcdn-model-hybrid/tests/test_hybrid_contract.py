@@ -1,19 +1,19 @@
 import pytest
 from kvcdn_model_hybrid import HybridAdapter
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.testing import assert_adapter_contract
 
 #: The layer kinds each architecture's tiny default config writes.
 KINDS = {
-    "JambaForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
-    "GraniteMoeHybridForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
-    "Lfm2ForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
-    "Lfm2MoeForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
-    "BambaForCausalLM": {fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION},
-    "FalconH1ForCausalLM": {fmt.LINEAR_AND_FULL_ATTENTION},
-    "ZambaForCausalLM": {fmt.LINEAR_ATTENTION, fmt.LINEAR_AND_FULL_ATTENTION},
-    "Zamba2ForCausalLM": {fmt.LINEAR_ATTENTION, fmt.LINEAR_AND_FULL_ATTENTION},
+    "JambaForCausalLM": {artifact.LINEAR_ATTENTION, artifact.FULL_ATTENTION},
+    "GraniteMoeHybridForCausalLM": {artifact.LINEAR_ATTENTION, artifact.FULL_ATTENTION},
+    "Lfm2ForCausalLM": {artifact.LINEAR_ATTENTION, artifact.FULL_ATTENTION},
+    "Lfm2MoeForCausalLM": {artifact.LINEAR_ATTENTION, artifact.FULL_ATTENTION},
+    "BambaForCausalLM": {artifact.LINEAR_ATTENTION, artifact.FULL_ATTENTION},
+    "FalconH1ForCausalLM": {artifact.LINEAR_AND_FULL_ATTENTION},
+    "ZambaForCausalLM": {artifact.LINEAR_ATTENTION, artifact.LINEAR_AND_FULL_ATTENTION},
+    "Zamba2ForCausalLM": {artifact.LINEAR_ATTENTION, artifact.LINEAR_AND_FULL_ATTENTION},
 }
 
 
@@ -24,7 +24,7 @@ def test_every_architecture_has_its_kinds():
 @pytest.mark.parametrize("architecture", HybridAdapter.architectures)
 def test_adapter_contract(architecture, tmp_path):
     assert_adapter_contract(HybridAdapter, architecture, tmp_path)
-    manifest = fmt.read_manifest(tmp_path / f"{architecture}.kv")
+    manifest = artifact.read_manifest(tmp_path / f"{architecture}.kv")
     kinds = {layer["kind"] for layer in manifest["layers"]}
     assert kinds == KINDS[architecture]
     assert manifest["reuse"] == "whole_prefix"

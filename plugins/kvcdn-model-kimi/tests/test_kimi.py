@@ -9,8 +9,7 @@ import pytest
 import torch
 from kvcdn_model_kimi import KimiAdapter
 
-from kvcdn_core import Manifest
-from kvcdn_core import artifact as fmt
+from kvcdn_core import Manifest, artifact
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.testing.continuation import (
     assert_reusable_only_whole,
@@ -40,7 +39,7 @@ def test_manifest_holds_the_delta_state_and_the_latent(session, tmp_path):
     config = session.model.config
     header = save_prefix(session, context_ids(session, 40), tmp_path / "ctx.kv")
     manifest = header.manifest
-    assert [layer["kind"] for layer in manifest["layers"]] == [fmt.LINEAR_ATTENTION, fmt.MLA_LATENT] * 2
+    assert [layer["kind"] for layer in manifest["layers"]] == [artifact.LINEAR_ATTENTION, artifact.MLA_LATENT] * 2
     assert manifest["reuse"] == "whole_prefix"
     linear, mla = manifest["layers"][0], manifest["layers"][1]
     assert set(linear["tensors"]) == {"conv_state", "recurrent_state"}
@@ -74,13 +73,13 @@ def test_mla_layer_mismatch_is_refused(session, tmp_path):
     from kvcdn_core.errors import ArtifactError
 
     header = save_prefix(session, context_ids(session, 40), tmp_path / "ctx.kv")
-    tensors = fmt.load_tensors(header)
+    tensors = artifact.load_tensors(header)
     layers = Manifest.from_dict(header.manifest).layers
-    wider = [layer.with_fields(kv_lora_rank=64) if layer.kind == fmt.MLA_LATENT else layer for layer in layers]
+    wider = [layer.with_fields(kv_lora_rank=64) if layer.kind == artifact.MLA_LATENT else layer for layer in layers]
     with pytest.raises(ArtifactError, match="latent of 64"):
         session.adapter.import_cache(session.model, wider, tensors, "cpu")
     swapped = [
-        dataclasses.replace(layer, kind=fmt.LINEAR_ATTENTION) if layer.kind == fmt.MLA_LATENT else layer
+        dataclasses.replace(layer, kind=artifact.LINEAR_ATTENTION) if layer.kind == artifact.MLA_LATENT else layer
         for layer in layers
     ]
     with pytest.raises(ArtifactError, match="'linear_attention' in the artifact"):

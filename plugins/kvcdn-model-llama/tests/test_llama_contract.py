@@ -1,7 +1,7 @@
 import pytest
 from kvcdn_model_llama import LLAMA3_ROPE, LlamaAdapter
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.exactness.architecture import validate_tiny
 from kvcdn_core.testing import assert_adapter_contract
 
@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow  # real model runs on every tiny config of the fam
 @pytest.mark.parametrize("architecture", sorted(LlamaAdapter.validation_configs))
 def test_adapter_contract(architecture, tmp_path):
     assert_adapter_contract(LlamaAdapter, architecture, tmp_path)
-    kinds = {layer["kind"] for layer in fmt.read_manifest(tmp_path / f"{architecture}.kv")["layers"]}
-    assert kinds == {fmt.FULL_ATTENTION}
+    kinds = {layer["kind"] for layer in artifact.read_manifest(tmp_path / f"{architecture}.kv")["layers"]}
+    assert kinds == {artifact.FULL_ATTENTION}
 
 
 def _variant(**overrides):

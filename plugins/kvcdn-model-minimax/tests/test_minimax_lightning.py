@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvcdn_model_minimax.lightning import LightningAdapter
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.testing import assert_adapter_contract
 from kvcdn_core.testing.continuation import (
     assert_chunked_prefill_is_one_pass,
@@ -38,7 +38,7 @@ def test_manifest_holds_one_state_per_lightning_layer(session, tmp_path):
     config = session.model.config
     header = save_prefix(session, context_ids(session, 40), tmp_path / "ctx.kv")
     manifest = header.manifest
-    assert [layer["kind"] for layer in manifest["layers"]] == [fmt.LINEAR_ATTENTION, fmt.FULL_ATTENTION] * 2
+    assert [layer["kind"] for layer in manifest["layers"]] == [artifact.LINEAR_ATTENTION, artifact.FULL_ATTENTION] * 2
     assert manifest["reuse"] == "whole_prefix"
     lightning, softmax = manifest["layers"][0], manifest["layers"][1]
     assert set(lightning["tensors"]) == {"recurrent_state"}

@@ -1,8 +1,7 @@
 import pytest
 from kvcdn_model_phi import PhiAdapter
 
-from kvcdn_core import artifact as fmt
-from kvcdn_core import runtime
+from kvcdn_core import artifact, runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.exactness.against_prefill import run_verify
 from kvcdn_core.exactness.architecture import validate_tiny
@@ -15,8 +14,8 @@ pytestmark = pytest.mark.slow  # real model runs on every tiny config of the fam
 @pytest.mark.parametrize("architecture", sorted(PhiAdapter.validation_configs))
 def test_adapter_contract(architecture, tmp_path):
     assert_adapter_contract(PhiAdapter, architecture, tmp_path)
-    kinds = {layer["kind"] for layer in fmt.read_manifest(tmp_path / f"{architecture}.kv")["layers"]}
-    assert kinds == {fmt.FULL_ATTENTION}
+    kinds = {layer["kind"] for layer in artifact.read_manifest(tmp_path / f"{architecture}.kv")["layers"]}
+    assert kinds == {artifact.FULL_ATTENTION}
 
 
 def test_longrope_context_crosses_the_switch(tmp_path, monkeypatch):
@@ -36,7 +35,7 @@ def test_short_longrope_artifact_is_not_continued_past_the_switch(tiny_model, tm
     )
     path, ids = runtime.generate(session, "The lighthouse keeper kept a ledger.", tmp_path / "short.kv", progress=False)
     assert len(ids) < 64
-    header = fmt.read_header(path)
+    header = artifact.read_header(path)
     assert run_verify(session, header, " Reuse", 4).passed  # stays below the switch: exact
     with pytest.raises(KvcdnError, match="LongRoPE .* 64 tokens"):
         run_verify(session, header, " Reuse", 64)
@@ -54,5 +53,5 @@ def test_sliding_window_phi3_is_exact(tmp_path):
         validation_configs = {"Phi3ForCausalLM": dict(plain, sliding_window=24)}
 
     assert_adapter_contract(SlidingPhi3, "Phi3ForCausalLM", tmp_path)
-    kinds = {layer["kind"] for layer in fmt.read_manifest(tmp_path / "Phi3ForCausalLM.kv")["layers"]}
-    assert kinds == {fmt.SLIDING_WINDOW}
+    kinds = {layer["kind"] for layer in artifact.read_manifest(tmp_path / "Phi3ForCausalLM.kv")["layers"]}
+    assert kinds == {artifact.SLIDING_WINDOW}

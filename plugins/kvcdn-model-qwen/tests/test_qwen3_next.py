@@ -9,8 +9,7 @@ import pytest
 import torch
 from kvcdn_model_qwen import QwenAdapter
 
-from kvcdn_core import LayerEntry, Manifest, runtime
-from kvcdn_core import artifact as fmt
+from kvcdn_core import LayerEntry, Manifest, artifact, runtime
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.exactness.architecture import long_context
 from kvcdn_core.testing import assert_chunked_prefill_exact
@@ -32,7 +31,7 @@ def ids_of(session, n_tokens):
 def saved(session, ids, tmp_path):
     cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
     path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "ctx.kv")
-    return fmt.read_header(path)
+    return artifact.read_header(path)
 
 
 def question_ids(session):
@@ -46,10 +45,10 @@ def test_manifest_records_linear_and_full_layers(session_of, tmp_path):
     header = saved(session, ids_of(session, 40), tmp_path)
     manifest = header.manifest
     assert [layer["kind"] for layer in manifest["layers"]] == [
-        fmt.LINEAR_ATTENTION,
-        fmt.LINEAR_ATTENTION,
-        fmt.LINEAR_ATTENTION,
-        fmt.FULL_ATTENTION,
+        artifact.LINEAR_ATTENTION,
+        artifact.LINEAR_ATTENTION,
+        artifact.LINEAR_ATTENTION,
+        artifact.FULL_ATTENTION,
     ]
     assert manifest["reuse"] == "whole_prefix"
     linear, full = manifest["layers"][0], manifest["layers"][3]
@@ -81,7 +80,7 @@ def test_multi_token_question_on_restored_state(session_of, tmp_path):
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-3)
     assert torch.equal(cached.argmax(-1), full.argmax(-1))
     # Control: the same check on a state that lost its linear-attention memory fails clearly.
-    broken, _ = runtime.load_cache(session, fmt.read_header(tmp_path / "ctx.kv"))
+    broken, _ = runtime.load_cache(session, artifact.read_header(tmp_path / "ctx.kv"))
     for layer in broken.layers[:3]:
         layer.recurrent_states[0].zero_()
     with torch.inference_mode():
@@ -131,7 +130,7 @@ def test_crop_refuses_sliding_window(tmp_path):
     layer.update(torch.zeros(1, 1, 20, 4), torch.zeros(1, 1, 20, 4))
     cache = DynamicCache()
     cache.layers = [layer]
-    layers = [LayerEntry(0, fmt.SLIDING_WINDOW, window=8, cumulative_length=20)]
+    layers = [LayerEntry(0, artifact.SLIDING_WINDOW, window=8, cumulative_length=20)]
     with pytest.raises(KvcdnError, match="'sliding_window'"):
         QwenAdapter().crop(cache, layers, 10, token_count=20)
 

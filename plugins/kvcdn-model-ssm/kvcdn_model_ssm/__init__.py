@@ -14,8 +14,7 @@ on a restored state are exact. Mamba2's chunked scan takes the saved state itsel
 
 from __future__ import annotations
 
-from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, ModelAdapter, hookimpl
-from kvcdn_core import artifact as fmt
+from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, ModelAdapter, artifact, hookimpl
 from kvcdn_model_ssm import scan
 
 __version__ = "0.1.0"
@@ -66,7 +65,7 @@ class SSMAdapter(ModelAdapter):
         from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin):
-            return fmt.RECURRENT_STATE
+            return artifact.RECURRENT_STATE
         raise KvcdnError(
             f"cache layer type {type(layer).__name__} is not a recurrent state; the ssm adapter "
             "serves pure state-space models only; no artifact was written"

@@ -9,8 +9,7 @@ import pytest
 import torch
 from kvcdn_model_ssm import SSMAdapter
 
-from kvcdn_core import Manifest, ModelAdapter, runtime
-from kvcdn_core import artifact as fmt
+from kvcdn_core import Manifest, ModelAdapter, artifact, runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.exactness.architecture import long_context
 from kvcdn_core.testing import assert_adapter_contract
@@ -99,7 +98,7 @@ def test_multi_token_question_on_restored_state(architecture, sessions, tmp_path
     assert len(question) > 4
     cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
     path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "ctx.kv")
-    restored, restored_ids = runtime.load_cache(session, fmt.read_header(path))
+    restored, restored_ids = runtime.load_cache(session, artifact.read_header(path))
     assert restored_ids == ids
     with torch.inference_mode():
         cached, _ = session.adapter.forward(session.model, torch.tensor([question]), restored)
@@ -117,12 +116,12 @@ def test_manifest_says_recurrent_whole_prefix(architecture, sessions, tmp_path):
     ids = context_ids(session, 40)
     cache, _ = runtime.prefill(session, ids, progress=False)
     path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "a.kv")
-    manifest = fmt.read_manifest(path)
+    manifest = artifact.read_manifest(path)
     assert manifest["reuse"] == "whole_prefix"
     layers = manifest["layers"]
     assert len(layers) == session.model.config.num_hidden_layers
     for layer in layers:
-        assert layer["kind"] == fmt.RECURRENT_STATE
+        assert layer["kind"] == artifact.RECURRENT_STATE
         assert set(layer["tensors"]) == {"conv_state", "recurrent_state"}
         assert layer["conv_kernel"] == session.model.config.conv_kernel
         conv = manifest["tensors"][layer["tensors"]["conv_state"]]
@@ -134,7 +133,7 @@ def test_crop_refuses_a_recurrent_state(sessions, tmp_path):
     ids = context_ids(session, 40)
     cache, _ = runtime.prefill(session, ids, progress=False)
     path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "a.kv")
-    header = fmt.read_header(path)
+    header = artifact.read_header(path)
     restored, _ = runtime.load_cache(session, header)
     layers = Manifest.from_dict(header.manifest).layers
     before = states(session, restored)
@@ -162,7 +161,7 @@ def test_import_refuses_another_layer_kind(sessions, tmp_path):
     ids = context_ids(session, 40)
     cache, _ = runtime.prefill(session, ids, progress=False)
     layers, tensors = session.adapter.export_cache(session.model, cache)
-    layers[1] = dataclasses.replace(layers[1], kind=fmt.LINEAR_ATTENTION)
+    layers[1] = dataclasses.replace(layers[1], kind=artifact.LINEAR_ATTENTION)
     with pytest.raises(ArtifactError, match="'linear_attention' in the artifact"):
         session.adapter.import_cache(session.model, layers, tensors, "cpu")
 
@@ -174,8 +173,8 @@ def test_bfloat16_restores_the_float32_state(tiny_model, tmp_path):
     session = fresh_session(tiny_model, "MambaForCausalLM", dtype="bfloat16")
     ids = context_ids(session, 150)
     cache, _ = runtime.prefill(session, ids, chunk=64, progress=False)
-    artifact = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "bf16.kv")
-    header = fmt.read_header(artifact)
+    path = runtime.save_cache(session, cache, ids, "ctx", tmp_path / "bf16.kv")
+    header = artifact.read_header(path)
     assert header.manifest["compute_dtype"] == "bfloat16"
     restored, _ = runtime.load_cache(session, header)
     for layer in restored.layers:

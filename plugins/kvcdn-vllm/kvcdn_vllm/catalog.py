@@ -14,8 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from kvcdn_core import ArtifactError, KvcdnError, fingerprint_differences, manifest_of, search
-from kvcdn_core import artifact as fmt
+from kvcdn_core import ArtifactError, KvcdnError, artifact, fingerprint_differences, manifest_of, search
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +87,7 @@ class Catalog:
         key = (str(entry.path), entry.size, entry.mtime_ns, entry.ino)
         if key not in self._checked:
             try:
-                self.check(fmt.read_header(entry.path))
+                self.check(artifact.read_header(entry.path))
                 self._checked[key] = True
             except (ArtifactError, OSError) as exc:
                 detail = str(exc).removeprefix(f"{entry.path}: ")
@@ -96,11 +95,11 @@ class Catalog:
                 self._checked[key] = False
         return self._checked[key]
 
-    def check(self, header: fmt.Header) -> None:
+    def check(self, header: artifact.Header) -> None:
         """Raise :class:`ArtifactError` unless the artifact fits the engine's paged cache."""
         path, manifest, shape = header.path, header.manifest, self.shape
         layers = manifest_of(header).layers
-        kinds = sorted({layer.kind for layer in layers} - {fmt.FULL_ATTENTION})
+        kinds = sorted({layer.kind for layer in layers} - {artifact.FULL_ATTENTION})
         if kinds:
             raise ArtifactError(f"{path}: has {', '.join(kinds)} layers; vLLM loads full-attention caches only")
         if len(layers) != shape.num_layers:
@@ -120,7 +119,7 @@ class Catalog:
                         f"{path}: layer {layer.index} {part} is {got}, the engine needs "
                         f"[1, {want[0]}, {want[1]}, {want[2]}]"
                     )
-        bad = fmt.check_hashes(header)
+        bad = artifact.check_hashes(header)
         if bad:
             raise ArtifactError(
                 f"{path}: corrupted: {header.digest} mismatch in {len(bad)} tensor(s), first '{bad[0]}'"

@@ -25,8 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcdn_core import KvcdnError
-from kvcdn_core import artifact as fmt
+from kvcdn_core import KvcdnError, artifact
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.settings import Settings
@@ -245,7 +244,7 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def _load(self, job: LoadJob) -> None:
         tensors = self._read_artifact(job.path)
-        ids = tensors[fmt.TOKEN_IDS]
+        ids = tensors[artifact.TOKEN_IDS]
         if ids.numel() < job.end or ids[: job.end].tolist() != job.prompt_ids[: job.end]:
             raise KvcdnError(f"{job.path}: its tokens no longer match the prompt's first {job.end}")
         slots = self._slots(job.block_ids, job.end, job.start)
@@ -276,13 +275,13 @@ class KvcdnConnector(KVConnectorBase_V1):
         key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
         if self._artifact_cache is not None and self._artifact_cache[0] == key:
             return self._artifact_cache[1]
-        header = fmt.read_header(path)
+        header = artifact.read_header(path)
         if header.manifest.get("quantization"):
             from kvcdn_core import dequantize_tensors
 
             tensors = dequantize_tensors(header, "cpu", verify_hashes=True)
         else:
-            tensors = fmt.load_tensors(header, verify_hashes=True)
+            tensors = artifact.load_tensors(header, verify_hashes=True)
         self._artifact_cache = (key, tensors)
         return tensors
 

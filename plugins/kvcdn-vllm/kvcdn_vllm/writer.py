@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcdn_core import LayerEntry
-from kvcdn_core import artifact as fmt
+from kvcdn_core import LayerEntry, artifact
 
 
 def artifact_name(prompt_ids: list[int]) -> str:
@@ -46,9 +45,9 @@ def write_prompt_artifact(
         tensors[f"layers.{index}.key"] = keys.unsqueeze(0)
         tensors[f"layers.{index}.value"] = values.unsqueeze(0)
         entries.append(
-            LayerEntry(index, fmt.FULL_ATTENTION, {"key": f"layers.{index}.key", "value": f"layers.{index}.value"})
+            LayerEntry(index, artifact.FULL_ATTENTION, {"key": f"layers.{index}.key", "value": f"layers.{index}.value"})
         )
-    tensors[fmt.TOKEN_IDS] = torch.tensor(prompt_ids, dtype=torch.long)
+    tensors[artifact.TOKEN_IDS] = torch.tensor(prompt_ids, dtype=torch.long)
     manifest = runtime.model_manifest(
         mc.model,
         mc.revision,
@@ -59,7 +58,7 @@ def write_prompt_artifact(
         _context(model_dir, prompt_ids),
     )
     manifest["producer"] = {"engine": "vllm", "version": _vllm_version()}
-    return fmt.write_artifact(Path(directory) / artifact_name(prompt_ids), manifest, tensors)
+    return artifact.write_artifact(Path(directory) / artifact_name(prompt_ids), manifest, tensors)
 
 
 def _family(fingerprint: dict) -> str | None:

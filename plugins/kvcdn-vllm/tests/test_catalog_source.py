@@ -11,8 +11,7 @@ import torch
 from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.source import Source
 
-from kvcdn_core import LayerEntry
-from kvcdn_core import artifact as fmt
+from kvcdn_core import LayerEntry, artifact
 from kvcdn_core.runtime import model_manifest
 
 FINGERPRINT = {
@@ -28,12 +27,12 @@ BUCKET = "kvcdn-vllm-test"
 def write(path, ids, fingerprint=FINGERPRINT, heads=2):
     layers, tensors = [], {}
     for i in range(SHAPE.num_layers):
-        layers.append(LayerEntry(i, fmt.FULL_ATTENTION, {"key": f"layers.{i}.key", "value": f"layers.{i}.value"}))
+        layers.append(LayerEntry(i, artifact.FULL_ATTENTION, {"key": f"layers.{i}.key", "value": f"layers.{i}.value"}))
         tensors[f"layers.{i}.key"] = torch.randn(1, heads, len(ids), SHAPE.head_size)
         tensors[f"layers.{i}.value"] = torch.randn(1, heads, len(ids), SHAPE.head_size)
-    tensors[fmt.TOKEN_IDS] = torch.tensor(ids)
+    tensors[artifact.TOKEN_IDS] = torch.tensor(ids)
     manifest = model_manifest("m", None, "llama", fingerprint, "float32", layers, None)
-    return fmt.write_artifact(path, manifest, tensors)
+    return artifact.write_artifact(path, manifest, tensors)
 
 
 def catalog(directory, warnings):

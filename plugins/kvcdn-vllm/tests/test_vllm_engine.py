@@ -199,8 +199,7 @@ def serve_and_complete(tmp: Path, model: Path, source: Path, prompt: list[int]) 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from kvcdn_core import artifact as fmt
-    from kvcdn_core import runtime
+    from kvcdn_core import artifact, runtime
     from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     tmp = tmp_path_factory.mktemp("vllm")
@@ -235,13 +234,13 @@ def engines(tmp_path_factory):
         fh.truncate((source / "ledger.kv").stat().st_size // 2)
     shutil.copy(qwen_source / "qwen.kv", source / "0-foreign.kv")
 
-    ledger = fmt.read_token_ids(source / "ledger.kv")
+    ledger = artifact.read_token_ids(source / "ledger.kv")
     prompts = [
         ledger + encode(smol, QUESTION_1, False),
         ledger + encode(smol, QUESTION_2, False),
-        fmt.read_token_ids(tmp / "other.kv") + encode(smol, QUESTION_3, False),
+        artifact.read_token_ids(tmp / "other.kv") + encode(smol, QUESTION_3, False),
     ]
-    qwen_prompt = fmt.read_token_ids(qwen_source / "qwen.kv") + encode(qwen, QUESTION_1, False)
+    qwen_prompt = artifact.read_token_ids(qwen_source / "qwen.kv") + encode(qwen, QUESTION_1, False)
 
     reference = drive(
         tmp,
