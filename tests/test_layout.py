@@ -1,4 +1,5 @@
-"""The module layout holds: no import cycle in core, one caller of the plugin host, plugins on the public API.
+"""The module layout holds: grouped packages, layers that import only what sits below them, no import
+cycle in core, no torch at import time, one caller of the plugin host, plugins on the public API.
 
 Imports are read from the source (AST), counting those inside functions and under
 ``if TYPE_CHECKING:``: a cycle hidden by a deferred import is still a cycle.
@@ -201,3 +202,102 @@ def test_the_public_api_imports_no_torch():
 def test_every_package_is_typed():
     packages = [CORE, *(p.parent for p in ROOT.glob("plugins/*/*/__init__.py") if p.parent.name != "tests")]
     assert [str(p.relative_to(ROOT)) for p in packages if not (p / "py.typed").is_file()] == []
+
+
+#: What may sit at the top of kvcdn_core: the packages that show the architecture, and a few small
+#: foundations every layer uses. ``artifact`` and ``runtime`` are public modules (``from kvcdn_core
+#: import artifact, runtime``): the format's code is ``artifact/__init__.py``; the runtime stays one
+#: module, since a ``runtime/`` package whose ``__init__`` loads models would run on every import of
+#: a model helper (and close a cycle through the plugin host).
+PACKAGES = {
+    "artifact",  # the .kv format: header, manifest, digests, tensor reading, streaming
+    "model",  # model files, fingerprints, defaults, extra layer kinds, the RoPE guard, tiny configs
+    "exactness",  # continuing from an artifact against a full prefill; the per-architecture check
+    "quant",  # quantization: codec, numerics, the quant service, the quantized validation phase
+    "search",  # prefix search over artifacts
+    "store",  # the chunk store
+    "benchmark",  # kvcdn benchmark and its plots
+    "plugin_host",  # hook specs, the plugin manager, lookup
+    "cli",  # the kvcdn command, its commands and output
+    "contracts",  # public: the plugin contracts
+    "builtin",  # public: the built-in plugins
+    "testing",  # public: the test API for plugins
+}
+FOUNDATIONS = {"errors", "text", "paths", "atomic", "notices", "progress", "cores"}
+TOP_MODULES = {"__init__", "__main__", "runtime", *FOUNDATIONS}
+
+
+def test_only_the_grouped_packages_and_foundations_sit_at_the_top():
+    found = {p.stem for p in CORE.glob("*.py")} | {p.name for p in CORE.iterdir() if (p / "__init__.py").is_file()}
+    assert found - TOP_MODULES - PACKAGES == set()
+    assert found >= PACKAGES
+
+
+#: Group → the groups it must not import (foundations may be imported by anyone). Lower layers stay
+#: below: the format knows nothing of models, and no library layer knows the command line.
+FORBIDDEN = {
+    "artifact": set(PACKAGES) | {"runtime"},
+    "model": {"runtime", "exactness", "quant", "search", "store", "benchmark", "cli", "builtin", "testing"},
+    "contracts": {"runtime", "exactness", "quant", "search", "store", "benchmark", "cli", "plugin_host", "builtin"},
+    "plugin_host": {"runtime", "model", "exactness", "quant", "search", "store", "benchmark", "cli", "builtin"},
+    "store": {"runtime", "exactness", "quant", "search", "benchmark", "cli", "plugin_host", "builtin", "testing"},
+    "search": {"exactness", "quant", "benchmark", "cli", "builtin", "testing"},
+    "quant": {"search", "store", "benchmark", "cli", "builtin", "testing"},
+    "exactness": {"search", "store", "benchmark", "cli", "builtin", "testing"},
+    "runtime": {"exactness", "search", "store", "benchmark", "cli", "builtin", "testing"},
+    **{name: (PACKAGES | {"runtime"}) - FOUNDATIONS for name in FOUNDATIONS},
+}
+
+
+def group_of(module: str) -> str:
+    return (module.split(".") + [""])[1]
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if group_of(target) != group_of(module) and group_of(target) in FORBIDDEN.get(group_of(module), set())
+    )
+
+
+def test_each_layer_imports_only_what_sits_below_it():
+    assert layering_violations(core_graph()) == []
+
+
+def test_the_layering_check_catches_the_format_importing_a_model_helper():
+    tree = ast.parse("def f():\n    from kvcdn_core.model.files import fingerprint\n")
+    graph = {"kvcdn_core.artifact.manifest": imported_modules(tree, "kvcdn_core.artifact.manifest")}
+    assert layering_violations(graph) == [
+        "kvcdn_core.artifact.manifest imports kvcdn_core.model",
+        "kvcdn_core.artifact.manifest imports kvcdn_core.model.files",
+    ]
+
+
+def test_only_the_command_line_and_the_builtin_commands_import_the_cli():
+    users = {m for m, targets in core_graph().items() if any(group_of(t) == "cli" for t in targets)}
+    assert {group_of(m) for m in users} - {"cli", "builtin", "__main__"} == set()
+
+
+def module_level_imports(tree: ast.Module) -> set[str]:
+    """Top-level package names imported when the module itself is imported (not inside functions)."""
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+    return found
+
+
+def test_no_core_module_imports_torch_when_imported():
+    """Import cost: torch and transformers load inside the functions that need them, so the CLI,
+    search and the store start fast (store/ and search/ above all: they scan many headers)."""
+    heavy = {"torch", "transformers"}
+    assert {
+        name: sorted(imports & heavy)
+        for name, path in MODULES.items()
+        if (imports := module_level_imports(ast.parse(path.read_text(encoding="utf-8")))) & heavy
+    } == {}
+    assert module_level_imports(ast.parse("import torch\ndef f():\n    import transformers\n")) == {"torch"}
