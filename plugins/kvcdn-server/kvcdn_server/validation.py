@@ -16,8 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcdn_core import KvcdnError, StorageBackend, nfc, text_problem
-from kvcdn_core import artifact as kvformat
+from kvcdn_core import KvcdnError, StorageBackend, artifact, nfc, text_problem
 from kvcdn_server.errors import ApiError, not_found
 from kvcdn_server.rows import artifact_key, upload_key
 
@@ -84,10 +83,10 @@ def check_hint(field: str, value: object) -> None:
             raise ApiError(422, "validation_error", f"manifest.{field}: must {problem}")
 
 
-def manifest_summary(header: kvformat.Header) -> dict[str, Any]:
+def manifest_summary(header: artifact.Header) -> dict[str, Any]:
     """What listings show, read from the artifact's own header."""
     return {
-        **kvformat.summary(header.manifest),
+        **artifact.summary(header.manifest),
         "format_version": header.format_version,
         "kvcdn_version": header.manifest.get("kvcdn_version"),
     }
@@ -149,7 +148,7 @@ def check_upload(
         if computed != row.sha256 or (digest is not None and digest.lower() != computed):
             raise Refused(422, "sha256_mismatch", "the uploaded bytes do not match the declared sha256")
         try:
-            header = kvformat.check_file(path)  # structure, every tensor's sha256, the token ids
+            header = artifact.check_file(path)  # structure, every tensor's sha256, the token ids
         except KvcdnError as exc:
             reason = (str(exc).partition(": ")[2] or str(exc) or "unreadable").splitlines()[0][:300]
             raise Refused(422, "not_a_kv_artifact", f"the upload is not a valid .kv artifact: {reason}") from None
