@@ -106,10 +106,10 @@ _EXPORTS = {
 
 #: Public modules: the `.kv` format (read, write, validate), model sessions (load, prefill, decode)
 #: and prefix search (index, rank, reuse).
-_MODULES = ("artifact", "runtime", "search")
+_MODULES = ("artifact", "runtime", "search", "settings")
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tests/test_public_api.py keeps it in step)
-    from kvcdn_core import artifact as artifact, runtime as runtime, search as search
+    from kvcdn_core import artifact as artifact, runtime as runtime, search as search, settings as settings
     from kvcdn_core.contracts.adapter import ModelAdapter as ModelAdapter
     from kvcdn_core.contracts.quantizer import Quantizer as Quantizer, KEY as KEY, VALUE as VALUE, role_of as role_of
     from kvcdn_core.contracts.storage import (

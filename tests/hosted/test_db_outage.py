@@ -46,7 +46,7 @@ def make_app(monkeypatch, tmp_path, database_url):
     def make(storage: str | None = None, **env):
         for name, value in {"KVCDN_API_KEY_ORGS": "acme", "KVCDN_LEASE_SECONDS": "5", **env}.items():
             monkeypatch.setenv(name, str(value))
-        config = load_config(storage=storage or str(tmp_path / "objects"), database=database_url)
+        config = load_config(storage=storage or str(tmp_path / "objects"), database_url=database_url)
         app = create_app(config)  # not started: no collector thread, the test calls collect()
         clock = [0.0]
         app.state.services.store.clock = lambda: time.time() + clock[0]

@@ -523,7 +523,7 @@ def test_replicas_racing_for_the_last_slot_exactly_one_gets_it(database_url, tmp
     from kvcdn_server.errors import ApiError
 
     monkeypatch.setenv("KVCDN_QUOTA_ARTIFACTS", "3")
-    config = load_config(storage=str(tmp_path / "objects"), database=database_url)
+    config = load_config(storage=str(tmp_path / "objects"), database_url=database_url)
     from kvcdn_core import LocalStorage
 
     replicas = [

@@ -130,7 +130,7 @@ def test_the_collector_aborts_multipart_uploads_no_open_upload_owns(moto_s3, mon
 
     for name, value in {**moto_s3.env, "KVCDN_S3_PART_SIZE": str(5 << 20), "KVCDN_API_KEY_ORGS": "acme"}.items():
         monkeypatch.setenv(name, value)
-    config = load_config(storage=f"s3://{S3_BUCKET}/collector", database=f"sqlite:///{tmp_path / 'state.db'}")
+    config = load_config(storage=f"s3://{S3_BUCKET}/collector", database_url=f"sqlite:///{tmp_path / 'state.db'}")
     app = create_app(config)
     client, store = TestClient(app), app.state.services.store
     key = derive_key(config.api_key_seed, "acme")

@@ -40,7 +40,7 @@ def s3_app(moto_s3, monkeypatch, tmp_path):
     env = {**moto_s3.env, "KVCDN_API_KEY_ORGS": "acme", "KVCDN_ORPHAN_GRACE": str(GRACE)}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    config = load_config(storage=f"s3://{S3_BUCKET}/temp-{tmp_path.name}", database=f"sqlite:///{tmp_path / 'db'}")
+    config = load_config(storage=f"s3://{S3_BUCKET}/temp-{tmp_path.name}", database_url=f"sqlite:///{tmp_path / 'db'}")
     app = create_app(config)
     client = TestClient(app)
     key = derive_key(config.api_key_seed, "acme")

@@ -7,31 +7,84 @@ explains how to set one instead of silently talking to someone's server.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import sys
 from pathlib import Path
+from typing import Any
 
-from kvcdn_core import KvcdnError, config_home, warn
+from kvcdn_core import KvcdnError, config_home, settings
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
-#: setting → environment variable; every setting may also appear in config.toml under its name.
-ENV = {
-    "api_url": "KVCDN_API_URL",
-    "issuer_url": "KVCDN_ISSUER_URL",
-    "client_id": "KVCDN_CLIENT_ID",
-    "default_org": "KVCDN_DEFAULT_ORG",
-    "default_project": "KVCDN_DEFAULT_PROJECT",
-    "api_key": "KVCDN_API_KEY",
-    # for identity providers that need them (an API scope, a resource indicator for JWT access tokens)
-    "oidc_scope": "KVCDN_OIDC_SCOPE",
-    "oidc_resource": "KVCDN_OIDC_RESOURCE",
-}
-DEFAULTS = {"client_id": "kvcdn-cli", "oidc_scope": "openid offline_access"}
+def _url(raw: Any) -> str:
+    url = settings.text(raw)
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise ValueError(f"must be an http(s) URL, not '{url}'")
+    return url.rstrip("/")
+
+
+def _optional(raw: Any) -> str | None:
+    return settings.text(raw) or None
+
+
+#: Every client setting; the config-file key is the name, the variable ``KVCDN_`` and the name in capitals.
+SETTINGS: tuple[settings.Setting, ...] = (
+    settings.Setting(
+        "api_url",
+        "The hosted endpoint every hosted command talks to.",
+        _url,
+        env="KVCDN_API_URL",
+        flag="--api-url",
+        default_doc="none: there is no built-in production endpoint",
+    ),
+    settings.Setting(
+        "issuer_url",
+        "The OIDC issuer `kvcdn login` signs in with.",
+        _url,
+        env="KVCDN_ISSUER_URL",
+        flag="--issuer-url",
+    ),
+    settings.Setting(
+        "client_id",
+        "The OIDC client id of `kvcdn login`.",
+        default="kvcdn-cli",
+        env="KVCDN_CLIENT_ID",
+        flag="--client-id",
+    ),
+    settings.Setting(
+        "default_org",
+        "The org `kvcdn infer` names to older servers.",
+        _optional,
+        env="KVCDN_DEFAULT_ORG",
+        flag="--org",
+    ),
+    settings.Setting(
+        "default_project",
+        "The project `kvcdn infer` names to older servers.",
+        _optional,
+        env="KVCDN_DEFAULT_PROJECT",
+        flag="--project",
+    ),
+    settings.Setting(
+        "api_key",
+        "An org API key (`kv_...`); it wins over a login session.",
+        _optional,
+        env="KVCDN_API_KEY",
+        flag="--api-key",
+        default_doc="none (see credentials)",
+    ),
+    settings.Setting(
+        "oidc_scope",
+        "The scopes `kvcdn login` asks for (some identity providers need an API scope).",
+        default="openid offline_access",
+        env="KVCDN_OIDC_SCOPE",
+    ),
+    settings.Setting(
+        "oidc_resource",
+        "A resource indicator `kvcdn login` sends, for issuers that issue JWT access tokens per resource.",
+        _optional,
+        env="KVCDN_OIDC_RESOURCE",
+    ),
+)
+NAMES = tuple(s.name for s in SETTINGS)
 
 
 def config_path() -> Path:
@@ -70,73 +123,14 @@ class Settings:
         return self.issuer_url
 
 
-_WARNED: set[tuple[str, str]] = set()
-
-
-def read_config_file(path: Path | None = None) -> dict[str, str]:
-    """The settings of ``config.toml``; a missing file is empty, a malformed one a one-line error."""
-    path = path or config_path()
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise KvcdnError(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise KvcdnError(f"config file {path} is not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as exc:
-        line = getattr(exc, "lineno", None)
-        message = str(getattr(exc, "msg", "") or exc)
-        if line is None:
-            found = re.search(r"at line (\d+)", message)
-            line = int(found.group(1)) if found else None
-        message = re.sub(r"\s*\(at line \d+, column \d+\)\s*$", "", message)
-        where = f" at line {line}" if line else ""
-        raise KvcdnError(f"config file {path}: malformed TOML{where}: {message}") from None
-    settings = {}
-    for key, value in data.items():
-        if key not in ENV:
-            if (str(path), key) not in _WARNED:  # settings are read more than once per command
-                _WARNED.add((str(path), key))
-                warn(f"config file {path}: unknown setting '{key}' ignored (known: {', '.join(ENV)})")
-            continue
-        if not isinstance(value, str):
-            raise KvcdnError(f"config file {path}: '{key}' must be a string, got {type(value).__name__}")
-        settings[key] = value
-    return settings
+def read_config_file(path: Path | None = None) -> dict[str, Any]:
+    """The settings of ``config.toml``; a missing file is empty; a malformed one, an unknown key or a
+    value of the wrong type is a one-line error."""
+    return settings.read_config_file(path or config_path(), SETTINGS)
 
 
 def load_settings(**flags: str | None) -> Settings:
     """Resolve every setting; ``flags`` are command-line values (``None`` when not given)."""
-    unknown = set(flags) - set(ENV)
-    if unknown:
-        raise TypeError(f"unknown settings {sorted(unknown)}")
     path = config_path()
-    from_file = read_config_file(path)
-    values: dict[str, str | None] = {}
-    sources: dict[str, str] = {}
-    for key, env_name in ENV.items():
-        candidates = (
-            (flags.get(key), "flag"),
-            (os.environ.get(env_name), f"env {env_name}"),
-            (from_file.get(key), f"config {path}"),
-            (DEFAULTS.get(key), "default"),
-        )
-        for value, source in candidates:
-            if value:  # an empty string means "not set", as shells make it easy to export one
-                values[key], sources[key] = value.strip(), source
-                break
-        else:
-            values[key] = None
-    for key in ("api_url", "issuer_url"):
-        if values[key]:
-            values[key] = normalize_url(values[key], key)
+    values, sources = settings.resolve(SETTINGS, flags, read_config_file(path), path)
     return Settings(**values, sources=sources)
-
-
-def normalize_url(url: str, what: str) -> str:
-    if not re.match(r"^https?://[^/\s]+", url):
-        raise KvcdnError(f"{what} '{url}' is not an http(s) URL")
-    return url.rstrip("/")

@@ -21,12 +21,20 @@ def _is_loopback(host: str) -> bool:
 
 @click.command("serve")
 @click.option(
-    "--host",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to bind; the default is loopback only (put TLS and a load balancer in front otherwise).",
+    "--config",
+    "config_file",
+    default=None,
+    metavar="PATH",
+    help="TOML file of settings (keys as in docs/deployment.md; no secrets) "
+    "[env KVCDN_SERVER_CONFIG; default: $XDG_CONFIG_HOME/kvcdn/server.toml if there].",
 )
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="TCP port to listen on.")
+@click.option(
+    "--host",
+    default=None,
+    help="Address to bind; the default is loopback only (put TLS and a load balancer in front otherwise) "
+    "[default: 127.0.0.1].",
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="TCP port to listen on [default: 8080].")
 @click.option(
     "--storage",
     default=None,
@@ -92,11 +100,11 @@ def _is_loopback(host: str) -> bool:
 @click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-    default="info",
-    show_default=True,
-    help="Least severe server log lines shown on stderr (requests are logged at info).",
+    default=None,
+    help="Least severe server log lines shown on stderr (requests are logged at info) [default: info].",
 )
 def serve(
+    config_file,
     host,
     port,
     storage,
@@ -119,6 +127,9 @@ def serve(
     first start it creates its API-key seed, admin secret and URL-signing key (files 0600 in
     $XDG_DATA_HOME/kvcdn/server/) unless KVCDN_API_KEY_SEED / KVCDN_ADMIN_SECRET /
     KVCDN_URL_SIGNING_KEY are set, and prints how to mint an org API key.
+
+    Each setting is resolved flag, then environment variable, then config file, then default; the
+    settings without a flag are in the config file and the environment (docs/deployment.md).
     """
     import uvicorn
 
@@ -126,18 +137,23 @@ def serve(
     from kvcdn_server.config import load_config
 
     config = load_config(
-        storage,
-        models,
-        public_url,
-        issuer_url,
-        client_id,
-        infer_concurrency,
-        infer_timeout,
-        device,
-        database,
-        infer_dtype,
-        forwarded_allow_ips,
+        config_file,
+        host=host,
+        port=port,
+        log_level=log_level,
+        storage=storage,
+        database_url=database,
+        models=models,
+        public_url=public_url,
+        issuer_url=issuer_url,
+        client_id=client_id,
+        infer_concurrency=infer_concurrency,
+        infer_timeout=infer_timeout,
+        infer_device=device,
+        infer_dtype=infer_dtype,
+        forwarded_allow_ips=forwarded_allow_ips,
     )
+    host, port = config.host, config.port
     check_local_models(config.models)
     sock = bind_socket(host, port)  # before any output: a busy port is the only line
     shown = f"[{host}]" if ":" in host else host
@@ -149,7 +165,9 @@ def serve(
     base = config.public_url
     click.echo(
         f"kvcdn serve: storage {config.storage_uri}; database {_redacted(config.database_url)}; "
-        "auth: org API keys" + (f", OIDC tokens from {config.issuer_url}" if config.issuer_url else ""),
+        "auth: org API keys"
+        + (f", OIDC tokens from {config.issuer_url}" if config.issuer_url else "")
+        + (f"; settings from {config.config_file}" if config.config_file else ""),
         err=True,
     )
     if config.created_secrets:
@@ -175,7 +193,7 @@ def serve(
             app,
             host=host,
             port=port,
-            log_level=log_level,
+            log_level=config.log_level,
             proxy_headers=bool(proxies),
             forwarded_allow_ips=proxies or None,
             server_header=False,
