@@ -190,7 +190,7 @@ def read_config_file(path: Path, table: Iterable[Setting], missing_ok: bool = Tr
     except OSError as exc:
         raise KvcdnError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        data: dict[str, Any] = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise KvcdnError(f"config file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
