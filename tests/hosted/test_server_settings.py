@@ -138,6 +138,7 @@ def test_values_keep_their_meaning_from_every_source(tmp_path, monkeypatch):
             "config file {path}: 'jwt_algorithms' HS256 not allowed (asymmetric algorithms only)",
         ),
         ("api_key_orgs = 'acme:x'\n", {}, "config file {path}: 'api_key_orgs' has a bad generation in 'acme:x'"),
+        ("", {"KVCDN_API_KEY_ORGS": "Acme!"}, "KVCDN_API_KEY_ORGS has a bad org slug: org slug 'Acme!' must match"),
         ("", {"KVCDN_GC_INTERVAL": "soon"}, "KVCDN_GC_INTERVAL must be a number, not 'soon'"),
         ("", {"KVCDN_INFER_DEVICE": "tpu"}, "KVCDN_INFER_DEVICE must be one of auto, cpu, cuda, mps, not 'tpu'"),
         ("", {"KVCDN_FORWARDED_ALLOW_IPS": "10.0.0.0/33"}, "KVCDN_FORWARDED_ALLOW_IPS '10.0.0.0/33' is not an IP"),

@@ -126,7 +126,11 @@ def parse_orgs(raw: Any) -> dict[str, int]:
     for item in settings.comma_list(raw):
         slug, _, gen = item.partition(":")
         try:
-            orgs[check_slug(slug)] = int(gen) if gen else 1
+            check_slug(slug)
+        except ValueError as exc:
+            raise ValueError(f"has a bad org slug: {exc}") from None
+        try:
+            orgs[slug] = int(gen) if gen else 1
         except ValueError:
             raise ValueError(f"has a bad generation in '{item}'") from None
     return orgs
