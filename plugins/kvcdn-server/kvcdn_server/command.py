@@ -9,6 +9,14 @@ import socket
 
 import click
 
+from kvcdn_core import settings
+from kvcdn_server.config import INFER_DTYPES, LOG_LEVELS, SETTINGS
+
+
+def _help(name: str) -> str:
+    """A flag's help, from the settings table (the docs table says the same)."""
+    return settings.flag_help(next(s for s in SETTINGS if s.name == name))
+
 
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -28,81 +36,20 @@ def _is_loopback(host: str) -> bool:
     help="TOML file of settings (keys as in docs/deployment.md; no secrets) "
     "[env KVCDN_SERVER_CONFIG; default: $XDG_CONFIG_HOME/kvcdn/server.toml if there].",
 )
-@click.option(
-    "--host",
-    default=None,
-    help="Address to bind; the default is loopback only (put TLS and a load balancer in front otherwise) "
-    "[default: 127.0.0.1].",
-)
-@click.option("--port", type=click.IntRange(0, 65535), default=None, help="TCP port to listen on [default: 8080].")
-@click.option(
-    "--storage",
-    default=None,
-    metavar="PATH|s3://bucket/prefix",
-    help="Where artifacts live [env KVCDN_STORAGE; default: $XDG_DATA_HOME/kvcdn/server/objects].",
-)
-@click.option(
-    "--database",
-    default=None,
-    metavar="URL",
-    help="Where the server keeps its state: postgresql://user@host/db for several replicas, or "
-    "sqlite:///PATH [env KVCDN_DATABASE_URL; default: SQLite file $XDG_DATA_HOME/kvcdn/server/kvcdn.db].",
-)
-@click.option(
-    "--models",
-    default=None,
-    metavar="ID,...",
-    help="Models inference may load, and the only ones: hub ids (from the local cache) "
-    "or local directories [env KVCDN_MODELS].",
-)
-@click.option(
-    "--public-url",
-    default=None,
-    help="External base URL used in signed links, e.g. https://kv.example.com [env KVCDN_PUBLIC_URL; "
-    "default: the address it listens on]. The request's Host header is never used.",
-)
-@click.option("--issuer-url", default=None, help="OIDC issuer whose access tokens are accepted [env KVCDN_ISSUER_URL].")
-@click.option(
-    "--client-id", default=None, help="Audience required in access tokens [env KVCDN_CLIENT_ID; default kvcdn-cli]."
-)
-@click.option(
-    "--infer-concurrency",
-    type=click.IntRange(1),
-    default=None,
-    help="Inference requests run at once; more get 429 [env KVCDN_INFER_CONCURRENCY; default 2].",
-)
-@click.option(
-    "--infer-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Seconds before an inference request gets 504 [env KVCDN_INFER_TIMEOUT; default 120].",
-)
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda", "mps"]),
-    default=None,
-    help="Where inference runs [env KVCDN_INFER_DEVICE; default auto].",
-)
-@click.option(
-    "--infer-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default=None,
-    help="The compute dtype of inference; artifacts computed in another are refused "
-    "[env KVCDN_INFER_DTYPE; default auto: float32 on CPU, bfloat16 on CUDA].",
-)
-@click.option(
-    "--forwarded-allow-ips",
-    default=None,
-    metavar="IP|NET,...",
-    help="Proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (addresses or networks, "
-    "* for any) [env KVCDN_FORWARDED_ALLOW_IPS; default: none, not even loopback].",
-)
-@click.option(
-    "--log-level",
-    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-    default=None,
-    help="Least severe server log lines shown on stderr (requests are logged at info) [default: info].",
-)
+@click.option("--host", default=None, help=_help("host"))
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help=_help("port"))
+@click.option("--storage", default=None, metavar="PATH|s3://bucket/prefix", help=_help("storage"))
+@click.option("--database", default=None, metavar="URL", help=_help("database_url"))
+@click.option("--models", default=None, metavar="ID,...", help=_help("models"))
+@click.option("--public-url", default=None, metavar="URL", help=_help("public_url"))
+@click.option("--issuer-url", default=None, metavar="URL", help=_help("issuer_url"))
+@click.option("--client-id", default=None, help=_help("client_id"))
+@click.option("--infer-concurrency", type=click.IntRange(1), default=None, help=_help("infer_concurrency"))
+@click.option("--infer-timeout", type=click.FloatRange(min=0, min_open=True), default=None, help=_help("infer_timeout"))
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default=None, help=_help("infer_device"))
+@click.option("--infer-dtype", type=click.Choice(list(INFER_DTYPES)), default=None, help=_help("infer_dtype"))
+@click.option("--forwarded-allow-ips", default=None, metavar="IP|NET,...", help=_help("forwarded_allow_ips"))
+@click.option("--log-level", type=click.Choice(list(LOG_LEVELS)), default=None, help=_help("log_level"))
 def serve(
     config_file,
     host,

@@ -26,6 +26,7 @@ MIN_SECRET = 32
 ALLOWED_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 #: compute dtypes the server may be told to use (auto: float32 on CPU, bfloat16 on CUDA)
 INFER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 #: where ``--config`` points when given by environment
 CONFIG_ENV = "KVCDN_SERVER_CONFIG"
 
@@ -207,7 +208,7 @@ SETTINGS: tuple[settings.Setting, ...] = (
     settings.Setting(
         "log_level",
         "Least severe server log lines shown on stderr (requests are logged at info).",
-        settings.choice("critical", "error", "warning", "info", "debug"),
+        settings.choice(*LOG_LEVELS),
         "info",
         flag="--log-level",
     ),
