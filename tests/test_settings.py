@@ -157,3 +157,14 @@ def test_every_declared_flag_is_an_option_of_its_command():
         )
     )
     assert {s.flag for s in settings.table_at("kvcdn_hosted.config.SETTINGS") if s.flag} <= hosted
+
+
+def test_serve_help_is_the_table():
+    from kvcdn_server.command import serve
+
+    helps = {opt: param.help for param in serve.params for opt in getattr(param, "opts", [])}
+    for s in settings.table_at("kvcdn_server.config.SETTINGS"):
+        if s.flag:
+            assert helps[s.flag] == settings.flag_help(s), s.flag
+    port = next(s for s in settings.table_at("kvcdn_server.config.SETTINGS") if s.name == "port")
+    assert settings.flag_help(port) == "TCP port to listen on (0: any free port). [config port; default: 8080]"
