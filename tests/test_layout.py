@@ -223,7 +223,9 @@ PACKAGES = {
     "builtin",  # public: the built-in plugins
     "testing",  # public: the test API for plugins
 }
-FOUNDATIONS = {"errors", "text", "paths", "atomic", "notices", "progress", "cores"}
+#: ``settings`` is the declared-settings mechanism the server, the hosted client and the vLLM
+#: connector share (public: ``from kvcdn_core import settings``); it imports only ``errors``.
+FOUNDATIONS = {"errors", "text", "paths", "atomic", "notices", "progress", "cores", "settings"}
 TOP_MODULES = {"__init__", "__main__", "runtime", *FOUNDATIONS}
 
 
