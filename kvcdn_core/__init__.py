@@ -44,6 +44,7 @@ _EXPORTS = {
     "RECURRENT_STATE": "kvcdn_core.artifact",
     "LINEAR_AND_FULL_ATTENTION": "kvcdn_core.artifact",
     "TOKEN_IDS": "kvcdn_core.artifact",
+    "layer_tensor_name": "kvcdn_core.artifact",
     # the manifest, typed: layer entries adapters build and read, and the whole manifest
     "LayerEntry": "kvcdn_core.artifact.manifest",
     "Manifest": "kvcdn_core.artifact.manifest",
@@ -134,6 +135,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         RECURRENT_STATE as RECURRENT_STATE,
         LINEAR_AND_FULL_ATTENTION as LINEAR_AND_FULL_ATTENTION,
         TOKEN_IDS as TOKEN_IDS,
+        layer_tensor_name as layer_tensor_name,
     )
     from kvcdn_core.text import text_problem as text_problem, nfc as nfc
     from kvcdn_core.artifact.manifest import (

@@ -8,6 +8,8 @@ Imports are read from the source (AST), counting those inside functions and unde
 from __future__ import annotations
 
 import ast
+import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -303,3 +305,14 @@ def test_no_core_module_imports_torch_when_imported():
         if (imports := module_level_imports(ast.parse(path.read_text(encoding="utf-8")))) & heavy
     } == {}
     assert module_level_imports(ast.parse("import torch\ndef f():\n    import transformers\n")) == {"torch"}
+
+
+def test_the_layer_tensor_naming_rule_is_written_once():
+    """``layers.{i}.{role}`` lives in :func:`kvcdn_core.layer_tensor_name`: a writer or reader that
+    spelled it again (core's adapter base, the vLLM connector and writer did) would drift."""
+    spelled = re.compile(r"""f["']layers\.\{""")
+    rule = Path(inspect.getsourcefile(kvcdn_core.layer_tensor_name) or "")
+    sources = [p for p in CORE.rglob("*.py") if p != rule] + plugin_sources()
+    again = [str(p.relative_to(ROOT)) for p in sources if spelled.search(p.read_text(encoding="utf-8"))]
+    assert again == []
+    assert spelled.search(rule.read_text(encoding="utf-8"))

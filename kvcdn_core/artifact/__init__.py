@@ -35,6 +35,13 @@ META_VERSION = "kvcdn.format_version"
 META_MANIFEST = "kvcdn.manifest"
 TOKEN_IDS = "token_ids"
 
+
+def layer_tensor_name(index: int, role: str) -> str:
+    """The name of cache layer ``index``'s tensor ``role`` (``key``, ``value``, ``latent``...): the
+    one naming rule of every writer (core's runtime, the vLLM connector), so readers may rely on it."""
+    return f"layers.{index}.{role}"
+
+
 #: Largest header accepted. A real header is mostly the manifest's ``context`` (the document, about
 #: 4-5 bytes per token of text) plus about 0.3 KB per tensor: 32 KB for a 36-layer model and 4k tokens
 #: (docs/artifact-format.md has the measurements), so 8 MiB holds the context of more than a million

@@ -179,9 +179,9 @@ class ModelAdapter:
         layers, tensors = [], {}
         for index, layer in self.stored_layers(cache):
             entry, named = self.export_layer(index, layer)
-            names = {k: f"layers.{index}.{k}" for k in named}
+            names = {k: fmt.layer_tensor_name(index, k) for k in named}
             layers.append(dataclasses.replace(entry, index=index, tensors=names))
-            tensors.update({f"layers.{index}.{k}": v for k, v in named.items()})
+            tensors.update({names[k]: v for k, v in named.items()})
         return layers, tensors
 
     def import_cache(self, model: Model, layers: Sequence[LayerEntry], tensors: Tensors, device: str) -> Cache:

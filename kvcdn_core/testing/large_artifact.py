@@ -35,7 +35,7 @@ def write_large_kv(path: str | os.PathLike, size: int, seed: int = 0, corrupt: b
     width = max(1, size // (2 * LAYERS) // row)
     tensor_bytes = width * row
     block = random.Random(seed).randbytes(BLOCK)
-    names = [f"layers.{i}.{role}" for i in range(LAYERS) for role in ("key", "value")]
+    names = [artifact.layer_tensor_name(i, role) for i in range(LAYERS) for role in ("key", "value")]
     token_ids = struct.pack(f"<{TOKENS}q", *range(TOKENS))
     algorithm = digests.BY_FORMAT_VERSION[artifact.FORMAT_VERSION]
 

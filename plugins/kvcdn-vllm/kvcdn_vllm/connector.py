@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcdn_core import KvcdnError, artifact
+from kvcdn_core import KvcdnError, artifact, layer_tensor_name
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.settings import Settings
@@ -250,8 +250,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         slots = self._slots(job.block_ids, job.end, job.start)
         for name, kv in self._caches.items():
             index = _layer_index(name)
-            keys = tensors[f"layers.{index}.key"][0, self._heads, job.start : job.end]
-            values = tensors[f"layers.{index}.value"][0, self._heads, job.start : job.end]
+            keys = tensors[layer_tensor_name(index, "key")][0, self._heads, job.start : job.end]
+            values = tensors[layer_tensor_name(index, "value")][0, self._heads, job.start : job.end]
             paged.scatter(kv, slots(name, kv), keys, values)
 
     def _slots(self, block_ids: list[int], end: int, start: int = 0):

@@ -1,10 +1,11 @@
 """Writing a prompt's cache, gathered from vLLM's blocks, as an ordinary kvcdn artifact.
 
-The tensors are laid out as kvcdn's transformers runtime writes them (``layers.<i>.key`` and
-``layers.<i>.value`` of shape ``[1, kv_heads, tokens, head_size]``, ``token_ids``), the manifest
-is core's (:func:`kvcdn_core.runtime.model_manifest`: model id, revision, fingerprint, compute
-dtype, layers) and core's writer adds the per-tensor sha256 and writes atomically. So ``kvcdn
-inspect --check``, ``kvcdn verify``, ``kvcdn search`` and another engine all accept the file.
+The tensors are laid out as kvcdn's transformers runtime writes them (named by core's rule,
+:func:`kvcdn_core.layer_tensor_name`: ``layers.<i>.key`` and ``layers.<i>.value`` of shape
+``[1, kv_heads, tokens, head_size]``, and ``token_ids``), the manifest is core's
+(:func:`kvcdn_core.runtime.model_manifest`: model id, revision, fingerprint, compute dtype, layers)
+and core's writer adds the per-tensor sha256 and writes atomically. So ``kvcdn inspect --check``,
+``kvcdn verify``, ``kvcdn search`` and another engine all accept the file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvcdn_core import LayerEntry, artifact
+from kvcdn_core import LayerEntry, artifact, layer_tensor_name
 
 
 def artifact_name(prompt_ids: list[int]) -> str:
@@ -42,11 +43,10 @@ def write_prompt_artifact(
     for index in sorted(layers):
         keys, values = layers[index]
         dtype = keys.dtype
-        tensors[f"layers.{index}.key"] = keys.unsqueeze(0)
-        tensors[f"layers.{index}.value"] = values.unsqueeze(0)
-        entries.append(
-            LayerEntry(index, artifact.FULL_ATTENTION, {"key": f"layers.{index}.key", "value": f"layers.{index}.value"})
-        )
+        names = {role: layer_tensor_name(index, role) for role in ("key", "value")}
+        tensors[names["key"]] = keys.unsqueeze(0)
+        tensors[names["value"]] = values.unsqueeze(0)
+        entries.append(LayerEntry(index, artifact.FULL_ATTENTION, names))
     tensors[artifact.TOKEN_IDS] = torch.tensor(prompt_ids, dtype=torch.long)
     manifest = runtime.model_manifest(
         mc.model,
