@@ -21,6 +21,7 @@ hookimpl = pluggy.HookimplMarker("kvcdn")
 _EXPORTS = {
     # contracts
     "ModelAdapter": "kvcdn_core.contracts.adapter",
+    "TinyDecoderFamily": "kvcdn_core.contracts.adapter",
     "Quantizer": "kvcdn_core.contracts.quantizer",
     "KEY": "kvcdn_core.contracts.quantizer",
     "VALUE": "kvcdn_core.contracts.quantizer",
@@ -111,7 +112,7 @@ _MODULES = ("artifact", "runtime", "search", "settings")
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tests/test_public_api.py keeps it in step)
     from kvcdn_core import artifact as artifact, runtime as runtime, search as search, settings as settings
-    from kvcdn_core.contracts.adapter import ModelAdapter as ModelAdapter
+    from kvcdn_core.contracts.adapter import ModelAdapter as ModelAdapter, TinyDecoderFamily as TinyDecoderFamily
     from kvcdn_core.contracts.quantizer import Quantizer as Quantizer, KEY as KEY, VALUE as VALUE, role_of as role_of
     from kvcdn_core.contracts.storage import (
         StorageBackend as StorageBackend,

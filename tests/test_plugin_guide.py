@@ -163,6 +163,8 @@ def test_installed_examples_show_in_kvcdn_plugins(installed, tmp_path):
     assert rows["sqlite"]["distribution"] == "kvcdn-storage-sqlite" and rows["sqlite"]["version"] == "0.1.0"
     assert rows["sqlite"]["provides"] == {"uri_schemes": ["sqlite"]}
     assert rows["bf16"]["provides"] == {"schemes": ["bf16-round"]}
+    # Installed next to the shipped plugins, the guide's examples take over none of their names.
+    assert [(row["name"], row["overridden"]) for row in rows.values() if row.get("overridden")] == []
 
 
 @pytest.mark.slow

@@ -301,3 +301,38 @@ def test_an_error_from_a_taken_over_scheme_names_both_plugins(kvcdn_host, recwar
     message = str(err.value)
     assert "takes no parameter group_size" in message
     assert "scheme int6 is provided by plugin 'aaa-int6'; plugin 'zzz-int6' also claims it" in message
+
+
+def test_an_entry_point_group_does_not_limit_which_hooks_run(tmp_path, run_kvcdn):
+    """What the guide says: the group names a module, and every hook the module implements runs. A
+    module named under ``kvcdn.commands`` that registers a quantizer serves its scheme."""
+    import os
+
+    site = tmp_path / "site"
+    site.mkdir()
+    _fake_distribution(
+        site,
+        "cross-group",
+        "kvcdn.commands",
+        "cross_group_mod",
+        """
+        from kvcdn_core import Quantizer, hookimpl
+
+        class CrossGroup(Quantizer):
+            scheme = "cross-group"
+            description = "a scheme registered from a module named in kvcdn.commands"
+
+        @hookimpl
+        def kvcdn_register_quantizers():
+            return [CrossGroup]
+        """,
+    )
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    code, out, err = run_kvcdn("plugins", "--format", "json", env=env)
+    assert code == 0, err
+    row = {row["name"]: row for row in json.loads(out)}["cross-group"]
+    assert row["groups"] == ["kvcdn.commands"] and row["status"] == "loaded"
+    assert row["hooks"] == ["kvcdn_register_quantizers"]
+    assert row["provides"] == {"schemes": ["cross-group"]}
+    code, out, err = run_kvcdn("quant", "--help", env=env)
+    assert code == 0 and "cross-group (a scheme registered from a module" in " ".join(out.split()), err

@@ -6,19 +6,17 @@ layer, the global ones without rotary embeddings).
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family cohere``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class CohereAdapter(ModelAdapter):
+class CohereAdapter(TinyDecoderFamily):
     family = "cohere"
-    architectures = ("CohereForCausalLM", "Cohere2ForCausalLM")
-    validation_configs = {
-        "CohereForCausalLM": dict(_COMMON, logit_scale=0.5),
+    tiny_changes = {
+        "CohereForCausalLM": dict(logit_scale=0.5),
         "Cohere2ForCausalLM": dict(
-            _COMMON, num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+            num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
         ),
     }
     validation_variants = {

@@ -5,18 +5,15 @@ over plain full attention with QK norms.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family dots``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class DotsAdapter(ModelAdapter):
+class DotsAdapter(TinyDecoderFamily):
     family = "dots"
-    architectures = ("Dots1ForCausalLM",)
-    validation_configs = {
+    tiny_changes = {
         "Dots1ForCausalLM": dict(
-            _COMMON,
             n_routed_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,

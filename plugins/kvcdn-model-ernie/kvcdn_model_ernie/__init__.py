@@ -4,17 +4,15 @@ ERNIE 4.5's dense models are full attention with interleaved rotary embeddings.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family ernie``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class ErnieAdapter(ModelAdapter):
+class ErnieAdapter(TinyDecoderFamily):
     family = "ernie"
-    architectures = ("Ernie4_5ForCausalLM",)
-    validation_configs = {
-        "Ernie4_5ForCausalLM": dict(_COMMON),
+    tiny_changes = {
+        "Ernie4_5ForCausalLM": {},
     }
     validation_variants = {
         "Ernie4_5ForCausalLM": [dict(_variant="8q-kv2-tied", num_attention_heads=8, tie_word_embeddings=True)],

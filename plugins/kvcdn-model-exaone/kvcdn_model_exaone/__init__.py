@@ -5,18 +5,16 @@ layers have no rotary embedding.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family exaone``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class ExaoneAdapter(ModelAdapter):
+class ExaoneAdapter(TinyDecoderFamily):
     family = "exaone"
-    architectures = ("Exaone4ForCausalLM",)
-    validation_configs = {
+    tiny_changes = {
         "Exaone4ForCausalLM": dict(
-            _COMMON, num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+            num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
         ),
     }
     validation_variants = {

@@ -10,22 +10,19 @@ contract covers it. The tiny Gemma 2/3 configs untie the output embedding: tied,
 repeats one token, which would let a broken cache pass.
 """
 
-from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, TinyDecoderFamily, hookimpl
 from kvcdn_model_gemma.gemma3n import Gemma3nAdapter
 from kvcdn_model_gemma.recurrent import RecurrentGemmaAdapter
 
 __version__ = "0.1.0"
 
-_COMMON = dict(TINY_DECODER, _bos=True)
 
-
-class GemmaAdapter(ModelAdapter):
+class GemmaAdapter(TinyDecoderFamily):
     family = "gemma"
-    architectures = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-    validation_configs = {
-        "GemmaForCausalLM": dict(_COMMON, tie_word_embeddings=True),
+    tiny_base = dict(TINY_DECODER, _bos=True)
+    tiny_changes = {
+        "GemmaForCausalLM": dict(tie_word_embeddings=True),
         "Gemma2ForCausalLM": dict(
-            _COMMON,
             sliding_window=16,
             layer_types=["sliding_attention", "full_attention"],
             query_pre_attn_scalar=16,
@@ -33,7 +30,6 @@ class GemmaAdapter(ModelAdapter):
             final_logit_softcapping=30.0,
         ),
         "Gemma3ForCausalLM": dict(
-            _COMMON,
             num_hidden_layers=4,
             sliding_window=16,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],

@@ -9,23 +9,20 @@ The older ChatGLM checkpoints (``ChatGLMModel``, remote code) are a different ar
 not served.
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 from kvcdn_model_glm.dsa import GlmDsaAdapter
 
 __version__ = "0.1.0"
 __all__ = ["GlmAdapter", "GlmDsaAdapter"]
 
 
-class GlmAdapter(ModelAdapter):
+class GlmAdapter(TinyDecoderFamily):
     family = "glm"
-    architectures = ("GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
-    validation_configs = {
-        "GlmForCausalLM": dict(_COMMON),
-        "Glm4ForCausalLM": dict(_COMMON),
+    tiny_changes = {
+        "GlmForCausalLM": {},
+        "Glm4ForCausalLM": {},
         # GLM-4.5: a dense first layer then routed + shared experts, QK norms, partial rotary.
         "Glm4MoeForCausalLM": dict(
-            _COMMON,
             n_routed_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,

@@ -5,18 +5,15 @@ logit in the softmax, not cached) and a mixture of experts; its YaRN rotary is t
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family gptoss``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class GptOssAdapter(ModelAdapter):
+class GptOssAdapter(TinyDecoderFamily):
     family = "gptoss"
-    architectures = ("GptOssForCausalLM",)
-    validation_configs = {
+    tiny_changes = {
         "GptOssForCausalLM": dict(
-            _COMMON,
             num_local_experts=4,
             num_experts_per_tok=2,
             sliding_window=16,

@@ -4,17 +4,15 @@ Helium is a Llama-layout full-attention decoder.
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family helium``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class HeliumAdapter(ModelAdapter):
+class HeliumAdapter(TinyDecoderFamily):
     family = "helium"
-    architectures = ("HeliumForCausalLM",)
-    validation_configs = {
-        "HeliumForCausalLM": dict(_COMMON),
+    tiny_changes = {
+        "HeliumForCausalLM": {},
     }
     validation_variants = {
         "HeliumForCausalLM": [dict(_variant="mha", num_key_value_heads=4)],

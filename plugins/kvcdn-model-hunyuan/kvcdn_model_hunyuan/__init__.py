@@ -5,17 +5,15 @@ checkpoints (kept exact or refused by core, like every length-dependent RoPE).
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family hunyuan``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class HunYuanAdapter(ModelAdapter):
+class HunYuanAdapter(TinyDecoderFamily):
     family = "hunyuan"
-    architectures = ("HunYuanDenseV1ForCausalLM",)
-    validation_configs = {
-        "HunYuanDenseV1ForCausalLM": dict(_COMMON),
+    tiny_changes = {
+        "HunYuanDenseV1ForCausalLM": {},
     }
     validation_variants = {
         "HunYuanDenseV1ForCausalLM": [dict(_variant="8q-kv1", num_attention_heads=8, num_key_value_heads=1)],

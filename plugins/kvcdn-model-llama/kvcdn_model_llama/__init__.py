@@ -12,11 +12,10 @@ transformers has no ``YiForCausalLM`` class: Yi checkpoints on the hub declare
 checkpoints are not.
 """
 
-from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(TINY_DECODER, _bos=True)
 
 #: Llama 3.1-style RoPE scaling, its original context shrunk below the validation context so the
 #: scaled and unscaled frequency bands both matter.
@@ -30,14 +29,13 @@ LLAMA3_ROPE = {
 }
 
 
-class LlamaAdapter(ModelAdapter):
+class LlamaAdapter(TinyDecoderFamily):
     family = "llama"
-    architectures = ("LlamaForCausalLM", "SmolLM3ForCausalLM", "ArceeForCausalLM")
-    validation_configs = {
-        "LlamaForCausalLM": dict(_COMMON),
-        "SmolLM3ForCausalLM": dict(_COMMON, num_hidden_layers=4, no_rope_layer_interval=2),
+    tiny_base = dict(TINY_DECODER, _bos=True)
+    tiny_changes = {
+        "LlamaForCausalLM": {},
+        "SmolLM3ForCausalLM": dict(num_hidden_layers=4, no_rope_layer_interval=2),
         "ArceeForCausalLM": dict(
-            _COMMON,
             rope_parameters={
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,

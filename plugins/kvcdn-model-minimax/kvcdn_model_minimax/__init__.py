@@ -6,18 +6,16 @@ MiniMax-Text-01 alternates lightning (linear) attention with softmax attention; 
 :mod:`kvcdn_model_minimax.lightning`.
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 from kvcdn_model_minimax.lightning import LightningAdapter
 
 __version__ = "0.1.0"
 
 
-class MiniMaxAdapter(ModelAdapter):
+class MiniMaxAdapter(TinyDecoderFamily):
     family = "minimax"
-    architectures = ("MiniMaxM2ForCausalLM",)
-    validation_configs = {
-        "MiniMaxM2ForCausalLM": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    tiny_changes = {
+        "MiniMaxM2ForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
     }
     validation_variants = {
         "MiniMaxM2ForCausalLM": [dict(_variant="12q-kv2", num_attention_heads=12, num_key_value_heads=2, head_dim=8)],

@@ -7,20 +7,18 @@ be reused as a whole (its cache cannot be cropped to a shorter prefix). Mixtral'
 nothing in the cache: it is a plain full-attention (or sliding) cache.
 """
 
-from kvcdn_core import TINY_DECODER, ModelAdapter, hookimpl
+from kvcdn_core import TINY_DECODER, TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
-_COMMON = dict(TINY_DECODER, _bos=True)
 
-
-class MistralAdapter(ModelAdapter):
+class MistralAdapter(TinyDecoderFamily):
     family = "mistral"
-    architectures = ("MistralForCausalLM", "MixtralForCausalLM")
-    validation_configs = {
+    tiny_base = dict(TINY_DECODER, _bos=True)
+    tiny_changes = {
         # A small window, so the validation context (2 x window + 8 tokens or more) crosses it.
-        "MistralForCausalLM": dict(_COMMON, sliding_window=20),
-        "MixtralForCausalLM": dict(_COMMON, sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+        "MistralForCausalLM": dict(sliding_window=20),
+        "MixtralForCausalLM": dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
     }
 
 

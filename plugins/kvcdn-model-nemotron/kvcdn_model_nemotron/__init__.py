@@ -4,17 +4,15 @@ Nemotron is full attention with partial rotary embeddings, LayerNorm1p and a squ
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family nemotron``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class NemotronAdapter(ModelAdapter):
+class NemotronAdapter(TinyDecoderFamily):
     family = "nemotron"
-    architectures = ("NemotronForCausalLM",)
-    validation_configs = {
-        "NemotronForCausalLM": dict(_COMMON, partial_rotary_factor=0.5),
+    tiny_changes = {
+        "NemotronForCausalLM": dict(partial_rotary_factor=0.5),
     }
     validation_variants = {
         "NemotronForCausalLM": [dict(_variant="8q-kv1", num_attention_heads=8, num_key_value_heads=1)],

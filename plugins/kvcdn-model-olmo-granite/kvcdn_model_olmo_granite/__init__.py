@@ -7,13 +7,12 @@ embeddings, biases, experts) live in the forward pass, not in the cache, so the 
 and imports them unchanged.
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class OlmoGraniteAdapter(ModelAdapter):
+class OlmoGraniteAdapter(TinyDecoderFamily):
     family = "olmo-granite"
     architectures = (
         "OlmoForCausalLM",
@@ -25,14 +24,13 @@ class OlmoGraniteAdapter(ModelAdapter):
         "StableLmForCausalLM",
         "Starcoder2ForCausalLM",
     )
-    validation_configs = {
-        "OlmoForCausalLM": dict(_COMMON, clip_qkv=8.0),
-        "Olmo2ForCausalLM": dict(_COMMON),
+    tiny_changes = {
+        "OlmoForCausalLM": dict(clip_qkv=8.0),
+        "Olmo2ForCausalLM": {},
         "GraniteForCausalLM": dict(
-            _COMMON, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=2.0
+            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=2.0
         ),
         "GraniteMoeForCausalLM": dict(
-            _COMMON,
             num_local_experts=4,
             num_experts_per_tok=2,
             embedding_multiplier=4.0,
@@ -40,12 +38,12 @@ class OlmoGraniteAdapter(ModelAdapter):
             attention_multiplier=0.25,
             logits_scaling=2.0,
         ),
-        "StableLmForCausalLM": dict(_COMMON, partial_rotary_factor=0.25, qk_layernorm=True, use_qkv_bias=True),
-        "Starcoder2ForCausalLM": dict(_COMMON, sliding_window=24),
+        "StableLmForCausalLM": dict(partial_rotary_factor=0.25, qk_layernorm=True, use_qkv_bias=True),
+        "Starcoder2ForCausalLM": dict(sliding_window=24),
         "Olmo3ForCausalLM": dict(
-            _COMMON, num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+            num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
         ),
-        "OlmoeForCausalLM": dict(_COMMON, num_experts=4, num_experts_per_tok=2, clip_qkv=8.0),
+        "OlmoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, clip_qkv=8.0),
     }
     validation_variants = {
         # OLMo 2 1B-style: equal head counts, YaRN-extended context.

@@ -8,8 +8,7 @@ chunked prefill crosses that threshold, so an artifact equals a full prefill, an
 a short-factor artifact past it. Phi-2 rotates only part of each head (``partial_rotary_factor``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
@@ -23,12 +22,11 @@ LONGROPE = {
 }
 
 
-class PhiAdapter(ModelAdapter):
+class PhiAdapter(TinyDecoderFamily):
     family = "phi"
-    architectures = ("Phi3ForCausalLM", "PhiForCausalLM")
-    validation_configs = {
-        "Phi3ForCausalLM": dict(_COMMON, original_max_position_embeddings=64, rope_parameters=dict(LONGROPE)),
-        "PhiForCausalLM": dict(_COMMON, partial_rotary_factor=0.5, qk_layernorm=True),
+    tiny_changes = {
+        "Phi3ForCausalLM": dict(original_max_position_embeddings=64, rope_parameters=dict(LONGROPE)),
+        "PhiForCausalLM": dict(partial_rotary_factor=0.5, qk_layernorm=True),
     }
 
 

@@ -6,14 +6,13 @@ Qwen3-Next and Qwen3.5 (dense and MoE, the text models) add gated-DeltaNet linea
 (see :mod:`kvcdn_model_qwen.qwen3_next`); their artifacts are reusable as a whole prefix only.
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 from kvcdn_model_qwen.qwen3_next import QWEN3_5_CONFIG, QWEN3_NEXT_CONFIG, LinearAttentionLayers
 
 __version__ = "0.1.0"
 
 
-class QwenAdapter(LinearAttentionLayers, ModelAdapter):
+class QwenAdapter(LinearAttentionLayers, TinyDecoderFamily):
     family = "qwen"
     architectures = (
         "Qwen2ForCausalLM",
@@ -24,15 +23,15 @@ class QwenAdapter(LinearAttentionLayers, ModelAdapter):
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",
     )
-    validation_configs = {
-        "Qwen2ForCausalLM": dict(_COMMON),
-        "Qwen3ForCausalLM": dict(_COMMON),
+    tiny_changes = {
+        "Qwen2ForCausalLM": {},
+        "Qwen3ForCausalLM": {},
         "Qwen3MoeForCausalLM": dict(
-            _COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1
         ),
         "Qwen3NextForCausalLM": dict(QWEN3_NEXT_CONFIG),
         "Qwen2MoeForCausalLM": dict(
-            _COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
         ),
         # Alternating here: with three random linear layers before the only global one, the tiny
         # dense model's output stops depending on the context (the MoE variant keeps the 3:1 pattern).

@@ -4,17 +4,15 @@ Seed-OSS is full attention with attention biases on the query/key/value projecti
 A plain ``DynamicCache``: the base adapter does the work (``kvcdn validate --family seed-oss``).
 """
 
-from kvcdn_core import TINY_DECODER as _COMMON
-from kvcdn_core import ModelAdapter, hookimpl
+from kvcdn_core import TinyDecoderFamily, hookimpl
 
 __version__ = "0.1.0"
 
 
-class SeedOssAdapter(ModelAdapter):
+class SeedOssAdapter(TinyDecoderFamily):
     family = "seed-oss"
-    architectures = ("SeedOssForCausalLM",)
-    validation_configs = {
-        "SeedOssForCausalLM": dict(_COMMON),
+    tiny_changes = {
+        "SeedOssForCausalLM": {},
     }
     validation_variants = {
         "SeedOssForCausalLM": [dict(_variant="10q-kv2-wide-heads", num_attention_heads=10, head_dim=32)],
