@@ -35,3 +35,33 @@ def test_ruff_format():
 def test_mypy():
     result = run("mypy")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def _mypy_config() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]
+
+
+def test_mypy_covers_every_plugin_and_checks_contract_plugins_strictly():
+    """Every plugin package is type-checked; those implementing a contract (model families,
+    quantizers, storage backends) at the contracts' own strict level."""
+    config = _mypy_config()
+    checked = {p for pattern in config["files"] for p in ROOT.glob(pattern) if (p / "__init__.py").is_file()}
+    packages = {p.parent for p in ROOT.glob("plugins/*/kvcdn_*/__init__.py")}
+    assert packages and packages <= checked, sorted(str(p.relative_to(ROOT)) for p in packages - checked)
+
+    def flags(block: dict) -> dict:
+        return {k: v for k, v in block.items() if k != "module"}
+
+    contracts = next(b for b in config["overrides"] if "kvcdn_core.contracts.*" in b["module"])
+    strict = {
+        module.removesuffix(".*")
+        for block in config["overrides"]
+        if flags(block) == flags(contracts) and block is not contracts
+        for module in block["module"]
+    }
+    implementers = {
+        p.name for p in packages if p.parent.name.startswith(("kvcdn-model-", "kvcdn-quant-", "kvcdn-storage-"))
+    }
+    assert implementers and implementers <= strict, sorted(implementers - strict)

@@ -5,11 +5,16 @@ This module imports torch lazily.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
 F16_MAX = 60000.0
 F16_TINY = 6.2e-5  # smallest normal float16 is 6.1e-5
 
 
-def round_up_param(t):
+def round_up_param(t: torch.Tensor) -> torch.Tensor:
     """Round positive parameters up to float16 when that stays exact enough, else keep float32.
 
     A scale rounded *up* never lets a code overflow its range, so the stated bounds hold; float16
@@ -28,7 +33,7 @@ def round_up_param(t):
     return torch.where(t > 0, half, torch.zeros_like(half))
 
 
-def round_down_param(t):
+def round_down_param(t: torch.Tensor) -> torch.Tensor:
     """Round a (signed) offset down to float16 when its range allows, else keep float32."""
     import torch
 
@@ -43,7 +48,7 @@ def round_down_param(t):
     return half
 
 
-def safe_reciprocal(scale):
+def safe_reciprocal(scale: torch.Tensor) -> torch.Tensor:
     import torch
 
     s = scale.to(torch.float32)

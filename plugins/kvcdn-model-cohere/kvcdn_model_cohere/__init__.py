@@ -26,5 +26,5 @@ class CohereAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[CohereAdapter]]:
     return [CohereAdapter]

@@ -127,5 +127,5 @@ class DeepseekAdapter(MlaLayers, ModelAdapter):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[DeepseekAdapter]]:
     return [DeepseekAdapter]

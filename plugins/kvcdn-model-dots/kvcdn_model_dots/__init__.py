@@ -24,5 +24,5 @@ class DotsAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[DotsAdapter]]:
     return [DotsAdapter]

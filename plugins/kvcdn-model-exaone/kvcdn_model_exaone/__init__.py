@@ -25,5 +25,5 @@ class ExaoneAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[ExaoneAdapter]]:
     return [ExaoneAdapter]

@@ -10,7 +10,7 @@ contract covers it. The tiny Gemma 2/3 configs untie the output embedding: tied,
 repeats one token, which would let a broken cache pass.
 """
 
-from kvcdn_core import TINY_DECODER, TinyDecoderFamily, hookimpl
+from kvcdn_core import TINY_DECODER, ModelAdapter, TinyDecoderFamily, hookimpl
 from kvcdn_model_gemma.gemma3n import Gemma3nAdapter
 from kvcdn_model_gemma.recurrent import RecurrentGemmaAdapter
 
@@ -40,5 +40,5 @@ class GemmaAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[ModelAdapter]]:
     return [GemmaAdapter, RecurrentGemmaAdapter, Gemma3nAdapter]

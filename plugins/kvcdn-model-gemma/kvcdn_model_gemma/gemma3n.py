@@ -16,18 +16,24 @@ artifact ``whole_prefix``; a Gemma 3n whose layers are all global is croppable (
 
 from __future__ import annotations
 
-from kvcdn_core import TINY_DECODER, ArtifactError, KvcdnError, ModelAdapter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcdn_core import TINY_DECODER, ArtifactError, KvcdnError, LayerEntry, ModelAdapter
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def _owns_cache(layer) -> bool:
+def _owns_cache(layer: Any) -> bool:
     from transformers.cache_utils import DummyLayer
 
     return not isinstance(layer, DummyLayer)
 
 
-def sharing(config) -> tuple[list[int], dict[int, list[int]]]:
+def sharing(config: Any) -> tuple[list[int], dict[int, list[int]]]:
     """The layers that own a cache, and owner → the later layers that reuse its keys and values."""
     modes = list(config.kv_sharing_modes)
     owners = [i for i, mode in enumerate(modes) if mode != "reuse"]
@@ -79,13 +85,13 @@ class Gemma3nAdapter(ModelAdapter):
         ],
     }
 
-    def cache_layers(self, cache):
+    def cache_layers(self, cache: Any) -> list[Any]:
         return [layer for _, layer in self.stored_layers(cache)]
 
-    def stored_layers(self, cache):
+    def stored_layers(self, cache: Any) -> list[tuple[int, Any]]:
         return [(index, layer) for index, layer in enumerate(cache.layers) if _owns_cache(layer)]
 
-    def export_cache(self, model, cache):
+    def export_cache(self, model: Any, cache: Any) -> tuple[list[LayerEntry], dict[str, torch.Tensor]]:
         layers, tensors = super().export_cache(model, cache)
         owners, readers = sharing(model.config)
         stored = [entry.index for entry in layers]
@@ -99,7 +105,9 @@ class Gemma3nAdapter(ModelAdapter):
         ]
         return shared, tensors
 
-    def import_cache(self, model, layers, tensors, device):
+    def import_cache(
+        self, model: Any, layers: Sequence[LayerEntry], tensors: dict[str, torch.Tensor], device: str
+    ) -> Any:
         owners, readers = sharing(model.config)
         stored = [entry.index for entry in layers]
         if stored != owners:

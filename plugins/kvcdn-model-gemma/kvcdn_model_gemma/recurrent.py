@@ -26,7 +26,13 @@ linear-attention layers, so core's :class:`~kvcdn_core.LinearAttentionLayers` sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from kvcdn_core import TINY_DECODER, LinearAttentionLayers, ModelAdapter
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 #: TINY_DECODER plus Griffin's own fields: recurrent width, convolution, local-attention window.
 _GRIFFIN = dict(
@@ -63,7 +69,7 @@ class RecurrentGemmaAdapter(LinearAttentionLayers, ModelAdapter):
         ],
     }
 
-    def forward(self, model, input_ids, cache):
+    def forward(self, model: Any, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         """Run ``input_ids`` on ``cache``; recurrent blocks read and write their state in the cache."""
         import torch
 
@@ -76,13 +82,13 @@ class RecurrentGemmaAdapter(LinearAttentionLayers, ModelAdapter):
         return torch.cat(pieces, dim=1), cache
 
 
-def recurrent_blocks(model) -> list[tuple[int, object]]:
+def recurrent_blocks(model: Any) -> list[tuple[int, Any]]:
     """``(layer index, temporal block)`` of every recurrent block of ``model``."""
     layers = getattr(getattr(model, "model", model), "layers", [])
     return [(i, layer.temporal_block) for i, layer in enumerate(layers) if hasattr(layer.temporal_block, "rg_lru")]
 
 
-def own_states(model) -> bool:
+def own_states(model: Any) -> bool:
     """Wrap each recurrent block of ``model`` (once) so its state lives in the cache it is called with.
 
     Returns whether multi-token continuation is exact too (:func:`continue_block` knows the blocks);
@@ -90,20 +96,28 @@ def own_states(model) -> bool:
     """
     done = getattr(model, "_kvcdn_owned_states", None)
     if done is not None:
-        return done
+        return bool(done)
     blocks = recurrent_blocks(model)
     for index, block in blocks:
         block.forward = _cache_owned_forward(index, block, block.forward)
-    model._kvcdn_owned_states = all(all(hasattr(b, p) for p in _BLOCK_PARTS) for _, b in blocks)
-    return model._kvcdn_owned_states
+    owned = all(all(hasattr(b, p) for p in _BLOCK_PARTS) for _, b in blocks)
+    model._kvcdn_owned_states = owned
+    return owned
 
 
-def _has_state(cache) -> bool:
+def _has_state(cache: Any) -> bool:
     return any(getattr(layer, "has_previous_state", {}).get(0) for layer in cache.layers)
 
 
-def _cache_owned_forward(index: int, block, inner):
-    def forward(input_states, position_ids, attention_mask, use_cache=True, cache=None, **kwargs):
+def _cache_owned_forward(index: int, block: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(
+        input_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        use_cache: bool = True,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         if cache is None or not use_cache:
             return inner(input_states, position_ids, attention_mask, use_cache=use_cache, cache=cache, **kwargs)
         slot = cache.layers[index]
@@ -122,7 +136,7 @@ def _cache_owned_forward(index: int, block, inner):
     return forward
 
 
-def _store(slot, conv_state, recurrent_state) -> None:
+def _store(slot: Any, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
     if not slot.is_conv_states_initialized[0]:
         slot.lazy_initialization(conv_states=conv_state, conv_kernel_size=int(conv_state.shape[-1]))
         slot.lazy_initialization(recurrent_states=recurrent_state)
@@ -131,7 +145,7 @@ def _store(slot, conv_state, recurrent_state) -> None:
     slot.has_previous_state[0] = True
 
 
-def continue_block(block, input_states, position_ids):
+def continue_block(block: Any, input_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
     """The recurrent block's forward on several new tokens, continuing from the state it holds.
 
     The same steps as transformers' prefill branch, except that the causal convolution sees the

@@ -22,6 +22,7 @@ import datetime as _dt
 import json
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl, note
@@ -74,7 +75,7 @@ def record_path(architecture: str) -> Path:
     return cache_home() / "generic" / versions / f"{architecture}.json"
 
 
-def read_record(architecture: str) -> dict | None:
+def read_record(architecture: str) -> dict[str, Any] | None:
     try:
         record = json.loads(record_path(architecture).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -82,7 +83,7 @@ def read_record(architecture: str) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("passed"), bool) else None
 
 
-def run_guard(architecture: str, config: dict[str, Any]) -> dict:
+def run_guard(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     """Validate ``architecture`` on its shrunk config; return (and store) the verdict record."""
     from kvcdn_core import atomic_open, validate_tiny
     from kvcdn_model_generic.shrink import shrink
@@ -110,7 +111,9 @@ def run_guard(architecture: str, config: dict[str, Any]) -> dict:
     return record
 
 
-def verdict(architecture: str, config: dict[str, Any], say=None) -> type[GenericAdapter] | str:
+def verdict(
+    architecture: str, config: dict[str, Any], say: Callable[[str], object] | None = None
+) -> type[GenericAdapter] | str:
     """The adapter class for ``architecture`` if its guard passed, else the refusal line."""
     if architecture in REFUSED:
         return f"kvcdn cannot serve {architecture} exactly: {REFUSED[architecture]}"
@@ -131,7 +134,7 @@ def verdict(architecture: str, config: dict[str, Any], say=None) -> type[Generic
 
 
 @hookimpl
-def kvcdn_adapt_unclaimed_architecture(architecture, config):
+def kvcdn_adapt_unclaimed_architecture(architecture: str, config: dict[str, Any]) -> type[GenericAdapter] | str | None:
     if not architecture or not str(architecture).endswith(("ForCausalLM", "LMHeadModel")):
         return None  # not a causal LM: let core say that no plugin serves it
     import transformers

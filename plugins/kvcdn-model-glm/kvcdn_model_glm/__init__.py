@@ -9,7 +9,7 @@ The older ChatGLM checkpoints (``ChatGLMModel``, remote code) are a different ar
 not served.
 """
 
-from kvcdn_core import TinyDecoderFamily, hookimpl
+from kvcdn_core import ModelAdapter, TinyDecoderFamily, hookimpl
 from kvcdn_model_glm.dsa import GlmDsaAdapter
 
 __version__ = "0.1.0"
@@ -41,5 +41,5 @@ class GlmAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[ModelAdapter]]:
     return [GlmAdapter, GlmDsaAdapter]

@@ -22,7 +22,14 @@ multi-query, grouped), so the base adapter exports and imports them. What this p
 
 from __future__ import annotations
 
-from kvcdn_core import ArtifactError, KvcdnError, ModelAdapter, hookimpl
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, ModelAdapter, hookimpl
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 __version__ = "0.1.0"
 
@@ -30,7 +37,7 @@ __version__ = "0.1.0"
 LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions", "gpt_neo": "max_position_embeddings"}
 
 
-def position_encoding(config) -> str:
+def position_encoding(config: Any) -> str:
     """How the model encodes positions: ``learned`` (absolute table), ``rotary`` or ``alibi``."""
     model_type = config.model_type
     if model_type in LEARNED_POSITIONS:
@@ -90,7 +97,7 @@ class GptAdapter(ModelAdapter):
         ),
     }
 
-    def load(self, model_dir, device, dtype):
+    def load(self, model_dir: Path, device: str, dtype: str) -> tuple[Any, Any]:
         model, tokenizer = super().load(model_dir, device, dtype)
         config = model.config
         if getattr(config, "add_cross_attention", False):
@@ -101,7 +108,7 @@ class GptAdapter(ModelAdapter):
             )
         return model, tokenizer
 
-    def forward(self, model, input_ids, cache):
+    def forward(self, model: Any, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         attr = LEARNED_POSITIONS.get(model.config.model_type)
         if attr is not None:
             limit = int(getattr(model.config, attr))
@@ -113,7 +120,7 @@ class GptAdapter(ModelAdapter):
                 )
         return super().forward(model, input_ids, cache)
 
-    def cache_layers(self, cache) -> list:
+    def cache_layers(self, cache: Any) -> list[Any]:
         from transformers import DynamicCache
 
         if not isinstance(cache, DynamicCache):
@@ -122,13 +129,13 @@ class GptAdapter(ModelAdapter):
             )
         return super().cache_layers(cache)
 
-    def export_cache(self, model, cache):
+    def export_cache(self, model: Any, cache: Any) -> tuple[list[LayerEntry], dict[str, torch.Tensor]]:
         layers, tensors = super().export_cache(model, cache)
         encoding = position_encoding(model.config)
         groups = falcon_kv_groups(model.config)
         typed = []
         for entry in layers:
-            fields = {}
+            fields: dict[str, Any] = {}
             if groups:
                 names = list(entry.tensors.values())
                 collapsed = [collapse_heads(tensors[name], groups) for name in names]
@@ -142,7 +149,9 @@ class GptAdapter(ModelAdapter):
             typed.append(entry.with_fields(**fields))
         return typed, tensors
 
-    def import_cache(self, model, layers, tensors, device):
+    def import_cache(
+        self, model: Any, layers: Sequence[LayerEntry], tensors: dict[str, torch.Tensor], device: str
+    ) -> Any:
         tensors = dict(tensors)
         heads = int(model.config.num_attention_heads)
         for entry in layers:
@@ -160,19 +169,19 @@ class GptAdapter(ModelAdapter):
         return super().import_cache(model, layers, tensors, device)
 
 
-def local_attention(config, index: int) -> bool:
+def local_attention(config: Any, index: int) -> bool:
     """GPT-Neo's ``local`` layers: attention masked to ``window_size`` tokens, cache kept whole."""
     layers = getattr(config, "attention_layers", None) if config.model_type == "gpt_neo" else None
-    return bool(layers) and layers[index] == "local"
+    return layers is not None and bool(layers) and layers[index] == "local"
 
 
-def _bit_views():
+def _bit_views() -> dict[int, torch.dtype]:
     import torch
 
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def falcon_kv_groups(config) -> int | None:
+def falcon_kv_groups(config: Any) -> int | None:
     """Falcon's new decoder architecture caches every query head, though only ``num_kv_heads``
     distinct key/value heads exist (transformers broadcasts each group before caching)."""
     if config.model_type != "falcon" or not getattr(config, "new_decoder_architecture", False):
@@ -181,7 +190,7 @@ def falcon_kv_groups(config) -> int | None:
     return groups if groups < int(config.num_attention_heads) else None
 
 
-def collapse_heads(t, groups: int):
+def collapse_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     """Keep one head per group when every head of the group is an exact copy; else ``t`` unchanged.
 
     Exact copies only: the check is bitwise, so a cache that does not repeat its heads is stored as is.
@@ -189,7 +198,7 @@ def collapse_heads(t, groups: int):
     heads = t.shape[1]
     if heads == groups or heads % groups:
         return t
-    grouped = t.unflatten(1, (groups, heads // groups))
+    grouped = t.reshape(t.shape[0], groups, heads // groups, *t.shape[2:])
     first = grouped[:, :, :1]
     bits = _bit_views()[t.element_size()]
     if not bool((grouped.view(bits) == first.view(bits)).all()):
@@ -198,5 +207,5 @@ def collapse_heads(t, groups: int):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[GptAdapter]]:
     return [GptAdapter]

@@ -35,5 +35,5 @@ class GptOssAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[GptOssAdapter]]:
     return [GptOssAdapter]

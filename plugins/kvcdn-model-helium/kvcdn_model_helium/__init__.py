@@ -20,5 +20,5 @@ class HeliumAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[HeliumAdapter]]:
     return [HeliumAdapter]

@@ -21,5 +21,5 @@ class HunYuanAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[HunYuanAdapter]]:
     return [HunYuanAdapter]

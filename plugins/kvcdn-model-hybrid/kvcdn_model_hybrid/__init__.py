@@ -17,10 +17,17 @@ state on multi-token input (:mod:`kvcdn_model_hybrid.seeded`, for Jamba and Zamb
 ``kvcdn validate`` against a full prefill; see docs/model-families-hybrid-ssm.md.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from kvcdn_core import TINY_DECODER, LinearAttentionLayers, ModelAdapter, hookimpl
 from kvcdn_model_hybrid import seeded
 from kvcdn_model_hybrid.positions import position_kwargs
 from kvcdn_model_hybrid.state_and_attention import StateAndAttentionLayers
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 __version__ = "0.1.0"
 
@@ -179,13 +186,13 @@ class HybridAdapter(StateAndAttentionLayers, LinearAttentionLayers, ModelAdapter
         ],
     }
 
-    def forward(self, model, input_ids, cache):
+    def forward(self, model: Any, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         return seeded.continue_forward(super().forward, model, input_ids, cache)
 
-    def forward_kwargs(self, model, input_ids, cache):
+    def forward_kwargs(self, model: Any, input_ids: torch.Tensor, cache: Any) -> dict[str, Any]:
         return position_kwargs(input_ids, cache)
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[HybridAdapter]]:
     return [HybridAdapter]

@@ -10,8 +10,13 @@ Mamba2 states and keys/values are bitwise right. kvcdn numbers the positions its
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 
-def attention_length(cache) -> int | None:
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+
+def attention_length(cache: Any) -> int | None:
     """Tokens held by the cache's first attention layer; None when no layer has keys/values."""
     from transformers.cache_utils import CacheLayerMixin
 
@@ -21,7 +26,7 @@ def attention_length(cache) -> int | None:
     return None
 
 
-def position_kwargs(input_ids, cache) -> dict:
+def position_kwargs(input_ids: torch.Tensor, cache: Any) -> dict[str, torch.Tensor]:
     """``{"position_ids": [[past, ..., past + T - 1]]}`` for ``input_ids`` [1, T] on ``cache``.
 
     A cache without attention layers needs no positions (nothing is rotated): nothing is passed.

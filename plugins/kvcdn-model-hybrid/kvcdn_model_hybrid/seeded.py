@@ -14,8 +14,12 @@ Falcon-H1, Granite 4 hybrid) take the state themselves and are not touched.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 from kvcdn_model_ssm import scan
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 #: Zamba mixer attributes :func:`continue_zamba_mixer` reads: Mamba's, with per-head x/Δ weights.
 ZAMBA_ATTRIBUTES = (
@@ -28,12 +32,12 @@ ZAMBA_ATTRIBUTES = (
 )
 
 
-def supports_zamba(mixer) -> bool:
+def supports_zamba(mixer: Any) -> bool:
     """Whether :func:`continue_zamba_mixer` computes what this mixer would."""
     return scan.supports(mixer, ZAMBA_ATTRIBUTES)
 
 
-def continue_zamba_mixer(mixer, hidden_states, cache):
+def continue_zamba_mixer(mixer: Any, hidden_states: torch.Tensor, cache: Any) -> torch.Tensor:
     """Zamba's mixer output for ``hidden_states`` [B, T, H] after the state cached for its layer.
 
     Each Mamba head scans its share of the channels with its own x/dt projections, from its part of
@@ -70,7 +74,8 @@ def continue_zamba_mixer(mixer, hidden_states, cache):
         outputs.append((y + x[h] * mixer.D[h].float()[None, :, None]) * F.silu(gate[h]))
         last_states.append(last)
     cache.update_recurrent_state(torch.stack(last_states, dim=1), idx)
-    return mixer.out_proj(torch.cat(outputs, dim=1).transpose(1, 2).to(dtype))
+    output: torch.Tensor = mixer.out_proj(torch.cat(outputs, dim=1).transpose(1, 2).to(dtype))
+    return output
 
 
 #: ``config.model_type`` → (mixer class names, continuation, support check) for the hybrids whose
@@ -81,12 +86,14 @@ STATE_DROPPING = {
 }
 
 
-def holds_state(cache) -> bool:
+def holds_state(cache: Any) -> bool:
     """Whether some linear-attention layer of ``cache`` already holds a state."""
     return any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers)
 
 
-def continue_forward(forward, model, input_ids, cache):
+def continue_forward(
+    forward: scan.Forward, model: Any, input_ids: torch.Tensor, cache: Any
+) -> tuple[torch.Tensor, Any]:
     """``forward(model, input_ids, cache)``, continuing every Mamba layer from its cached state."""
     spec = STATE_DROPPING.get(model.config.model_type)
     if spec is None or input_ids.shape[1] == 1 or not holds_state(cache) or scan.seed_mixers(model, *spec):

@@ -10,7 +10,7 @@ the artifact is reusable only as the whole prefix, like a ``linear_attention`` l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcdn_core import LINEAR_AND_FULL_ATTENTION, ArtifactError, KvcdnError, LayerEntry
 
@@ -18,12 +18,15 @@ from kvcdn_core import LINEAR_AND_FULL_ATTENTION, ArtifactError, KvcdnError, Lay
 ATTENTION_ROLES = ("key", "value")
 
 
-def is_linear_and_full_attention(layer) -> bool:
+def is_linear_and_full_attention(layer: Any) -> bool:
     """A transformers cache layer holding a linear-attention state and full-attention keys/values."""
     from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 
     return type(layer) is LinearAttentionAndFullAttentionLayer
 
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 if TYPE_CHECKING:  # a mixin of ModelAdapter subclasses: type-check it as one
     from kvcdn_core import ModelAdapter as _MixinBase
@@ -35,12 +38,12 @@ class StateAndAttentionLayers(_MixinBase):
     """Adapter mixin: export and import ``LinearAttentionAndFullAttentionLayer`` cache layers whole;
     other layers go to the next base."""
 
-    def layer_kind(self, layer) -> str:
+    def layer_kind(self, layer: Any) -> str:
         if is_linear_and_full_attention(layer):
             return LINEAR_AND_FULL_ATTENTION
         return super().layer_kind(layer)
 
-    def export_layer(self, index: int, layer):
+    def export_layer(self, index: int, layer: Any) -> tuple[LayerEntry, dict[str, torch.Tensor]]:
         if not is_linear_and_full_attention(layer):
             return super().export_layer(index, layer)
         if getattr(layer, "keys", None) is None or not layer.keys.numel():
@@ -50,7 +53,7 @@ class StateAndAttentionLayers(_MixinBase):
         )
         return entry, {"key": layer.keys, "value": layer.values, **self.export_linear_state(layer)}
 
-    def import_layer(self, entry: LayerEntry, named: dict, layer) -> None:
+    def import_layer(self, entry: LayerEntry, named: dict[str, torch.Tensor], layer: Any) -> None:
         if not is_linear_and_full_attention(layer):
             return super().import_layer(entry, named, layer)
         if entry.kind != LINEAR_AND_FULL_ATTENTION:

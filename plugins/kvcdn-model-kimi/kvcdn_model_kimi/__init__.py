@@ -69,5 +69,5 @@ class KimiAdapter(LinearAttentionLayers, MlaLayers, ModelAdapter):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[KimiAdapter]]:
     return [KimiAdapter]

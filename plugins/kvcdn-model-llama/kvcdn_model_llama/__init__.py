@@ -61,5 +61,5 @@ class LlamaAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[LlamaAdapter]]:
     return [LlamaAdapter]

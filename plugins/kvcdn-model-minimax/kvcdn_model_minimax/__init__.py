@@ -6,7 +6,7 @@ MiniMax-Text-01 alternates lightning (linear) attention with softmax attention; 
 :mod:`kvcdn_model_minimax.lightning`.
 """
 
-from kvcdn_core import TinyDecoderFamily, hookimpl
+from kvcdn_core import ModelAdapter, TinyDecoderFamily, hookimpl
 from kvcdn_model_minimax.lightning import LightningAdapter
 
 __version__ = "0.1.0"
@@ -23,5 +23,5 @@ class MiniMaxAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[ModelAdapter]]:
     return [MiniMaxAdapter, LightningAdapter]

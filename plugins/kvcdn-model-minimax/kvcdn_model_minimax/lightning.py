@@ -28,6 +28,7 @@ by ``kvcdn validate --family minimax``).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from kvcdn_core import TINY_DECODER, LinearAttentionLayers, ModelAdapter
 
@@ -62,33 +63,33 @@ class LightningAdapter(LinearAttentionLayers, ModelAdapter):
         ],
     }
 
-    def new_cache(self, model):
+    def new_cache(self, model: Any) -> Any:
         return lightning_cache(model.config)
 
 
-def lightning_cache(config):
+def lightning_cache(config: Any) -> Any:
     """An empty ``MiniMaxCache`` laid out per layer (see the module docstring)."""
     return _lightning_cache_class()(config)
 
 
 @functools.cache
-def _lightning_cache_class():
+def _lightning_cache_class() -> type:
     """The cache class, built on first use: transformers is imported only when a model runs."""
     from transformers.cache_utils import DynamicCache
     from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
-    class LightningCache(MiniMaxCache):
+    class LightningCache(MiniMaxCache):  # type: ignore[misc]  # transformers is typed as Any here
         """``MiniMaxCache`` whose lightning states live in per-layer ``LinearAttentionLayer`` objects."""
 
-        def __init__(self, config):
+        def __init__(self, config: Any) -> None:
             # DynamicCache's layout from config.layer_types; MiniMaxCache's own side list is not used.
             DynamicCache.__init__(self, config=config)
 
-        def get_linear_cache(self, layer_idx: int):
+        def get_linear_cache(self, layer_idx: int) -> Any:
             layer = self.layers[layer_idx]
             return layer.recurrent_states[0] if layer.has_previous_state[0] else None
 
-        def set_linear_cache(self, layer_idx: int, linear_cache) -> None:
+        def set_linear_cache(self, layer_idx: int, linear_cache: Any) -> None:
             layer = self.layers[layer_idx]
             layer.update_recurrent_state(linear_cache)
             layer.has_previous_state[0] = True

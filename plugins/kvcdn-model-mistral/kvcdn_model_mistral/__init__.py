@@ -23,5 +23,5 @@ class MistralAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[MistralAdapter]]:
     return [MistralAdapter]

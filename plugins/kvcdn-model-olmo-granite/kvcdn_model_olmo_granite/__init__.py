@@ -67,5 +67,5 @@ class OlmoGraniteAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[OlmoGraniteAdapter]]:
     return [OlmoGraniteAdapter]

@@ -31,5 +31,5 @@ class PhiAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[PhiAdapter]]:
     return [PhiAdapter]

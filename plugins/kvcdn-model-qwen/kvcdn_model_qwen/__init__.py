@@ -6,8 +6,8 @@ Qwen3-Next and Qwen3.5 (dense and MoE, the text models) add gated-DeltaNet linea
 (see :mod:`kvcdn_model_qwen.qwen3_next`); their artifacts are reusable as a whole prefix only.
 """
 
-from kvcdn_core import TinyDecoderFamily, hookimpl
-from kvcdn_model_qwen.qwen3_next import QWEN3_5_CONFIG, QWEN3_NEXT_CONFIG, LinearAttentionLayers
+from kvcdn_core import LinearAttentionLayers, TinyDecoderFamily, hookimpl
+from kvcdn_model_qwen.qwen3_next import QWEN3_5_CONFIG, QWEN3_NEXT_CONFIG
 
 __version__ = "0.1.0"
 
@@ -72,5 +72,5 @@ class QwenAdapter(LinearAttentionLayers, TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[QwenAdapter]]:
     return [QwenAdapter]

@@ -9,7 +9,7 @@ state on multi-token input, so chunked prefill and multi-token continuation need
 
 from __future__ import annotations
 
-from kvcdn_core import TINY_DECODER, LinearAttentionLayers, is_linear_attention  # noqa: F401 (re-exported)
+from kvcdn_core import TINY_DECODER
 
 #: Qwen3.5 text model: three linear-attention layers then one full-attention layer, the real model's
 #: pattern (its MoE variant adds the experts).

@@ -20,5 +20,5 @@ class SeedOssAdapter(TinyDecoderFamily):
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[SeedOssAdapter]]:
     return [SeedOssAdapter]

@@ -14,8 +14,13 @@ on a restored state are exact. Mamba2's chunked scan takes the saved state itsel
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, ModelAdapter, artifact, hookimpl
 from kvcdn_model_ssm import scan
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 __version__ = "0.1.0"
 
@@ -41,7 +46,7 @@ class SSMAdapter(ModelAdapter):
 
     # -- running ------------------------------------------------------------------------------
 
-    def forward(self, model, input_ids, cache):
+    def forward(self, model: Any, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         """Run ``input_ids`` on ``cache``, continuing from its state.
 
         Only the new tokens are fed, never the cached prefix (``generate()`` would re-run it: an
@@ -54,14 +59,14 @@ class SSMAdapter(ModelAdapter):
             return super().forward(model, input_ids, cache)
         return scan.step_by_step(super().forward, model, input_ids, cache)
 
-    def _restarts_from_zero(self, model, cache) -> bool:
+    def _restarts_from_zero(self, model: Any, cache: Any) -> bool:
         if model.config.model_type not in STATE_DROPPING_MODEL_TYPES:
             return False
         return any(any(layer.has_previous_state.values()) for layer in self.cache_layers(cache))
 
     # -- export / import ------------------------------------------------------------------------
 
-    def layer_kind(self, layer) -> str:
+    def layer_kind(self, layer: Any) -> str:
         from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin):
@@ -71,19 +76,19 @@ class SSMAdapter(ModelAdapter):
             "serves pure state-space models only; no artifact was written"
         )
 
-    def export_layer(self, index: int, layer) -> tuple[LayerEntry, dict]:
+    def export_layer(self, index: int, layer: Any) -> tuple[LayerEntry, dict[str, torch.Tensor]]:
         kind = self.layer_kind(layer)
         named = self.export_linear_state(layer)
         return LayerEntry(index, kind, family_fields={"conv_kernel": int(layer.conv_kernel_size[0] or 0)}), named
 
-    def import_layer(self, entry: LayerEntry, named: dict, layer) -> None:
+    def import_layer(self, entry: LayerEntry, named: dict[str, torch.Tensor], layer: Any) -> None:
         kind = self.layer_kind(layer)
         if entry.kind != kind:
             raise ArtifactError(f"layer {entry.index} is '{entry.kind}' in the artifact but '{kind}' in the model")
         self.import_linear_state(entry, named, layer)
 
 
-def seed_mixers(model) -> bool:
+def seed_mixers(model: Any) -> bool:
     """Make each Mamba/FalconMamba mixer of ``model`` continue multi-token input from the cache.
 
     Returns False (and changes nothing) when a mixer lacks what
@@ -93,5 +98,5 @@ def seed_mixers(model) -> bool:
 
 
 @hookimpl
-def kvcdn_register_model_adapters():
+def kvcdn_register_model_adapters() -> list[type[SSMAdapter]]:
     return [SSMAdapter]

@@ -12,6 +12,16 @@ module's convolution function; the tests hold it to a full prefill of the same t
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+#: ``forward(model, input_ids, cache) -> (logits, cache)``: an adapter's forward.
+Forward = Callable[[Any, "torch.Tensor", Any], "tuple[torch.Tensor, Any]"]
+#: ``continue_fn(mixer, hidden_states, cache) -> output``: a mixer's continuation from its state.
+Continuation = Callable[[Any, "torch.Tensor", Any], "torch.Tensor"]
 
 #: Mixer attributes :func:`continue_mixer` reads; a transformers version without them falls back to
 #: token-by-token feeding (see ``SSMAdapter.forward``).
@@ -33,7 +43,7 @@ MIXER_ATTRIBUTES = (
 FALCON_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
-def supports(mixer, attributes=MIXER_ATTRIBUTES) -> bool:
+def supports(mixer: Any, attributes: Sequence[str] = MIXER_ATTRIBUTES) -> bool:
     """Whether a continuation reading ``attributes`` (by default :func:`continue_mixer`'s) computes
     what this mixer would (weights used as plain tensors)."""
     module = sys.modules.get(type(mixer).__module__)
@@ -42,7 +52,7 @@ def supports(mixer, attributes=MIXER_ATTRIBUTES) -> bool:
     return all(hasattr(mixer, a) for a in attributes) and hasattr(module, "causal_conv1d_fn")
 
 
-def continue_mixer(mixer, hidden_states, cache):
+def continue_mixer(mixer: Any, hidden_states: torch.Tensor, cache: Any) -> torch.Tensor:
     """The mixer's output for ``hidden_states`` [B, T, H] after the state cached for its layer.
 
     Updates the layer's conv and recurrent state in ``cache`` as the mixer would.
@@ -80,10 +90,19 @@ def continue_mixer(mixer, hidden_states, cache):
     y, h = selective_scan(x, dt, -torch.exp(mixer.A_log.float()), B, C, state, dtype)
     y = (y + x * mixer.D.float()[None, :, None]) * F.silu(gate)
     cache.update_recurrent_state(h, idx)
-    return mixer.out_proj(y.transpose(1, 2).to(dtype))
+    output: torch.Tensor = mixer.out_proj(y.transpose(1, 2).to(dtype))
+    return output
 
 
-def selective_scan(x, dt, A, B, C, state, dtype):
+def selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' torch selective scan, started from ``state`` instead of zeros.
 
     ``x`` and ``dt`` (time step after bias and softplus) are [b, I, T], ``A`` [I, S], ``B`` and ``C``
@@ -102,7 +121,7 @@ def selective_scan(x, dt, A, B, C, state, dtype):
     return torch.stack(outputs, dim=-1), h
 
 
-def seed_mixers(model, classes, continue_fn, supports) -> bool:
+def seed_mixers(model: Any, classes: Sequence[str], continue_fn: Continuation, supports: Callable[[Any], bool]) -> bool:
     """Wrap the ``forward`` of every mixer of ``model`` whose class is named in ``classes``, once per
     model, so that multi-token input on a cached state runs ``continue_fn(mixer, hidden, cache)``.
 
@@ -111,7 +130,7 @@ def seed_mixers(model, classes, continue_fn, supports) -> bool:
     """
     done = getattr(model, "_kvcdn_seeded_mixers", None)
     if done is not None:
-        return done
+        return bool(done)
     mixers = [m for m in model.modules() if type(m).__name__ in classes]
     ok = bool(mixers) and all(supports(m) for m in mixers)
     if ok:
@@ -121,8 +140,10 @@ def seed_mixers(model, classes, continue_fn, supports) -> bool:
     return ok
 
 
-def _seeded_forward(mixer, inner, continue_fn):
-    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+def _seeded_forward(mixer: Any, inner: Callable[..., Any], continue_fn: Continuation) -> Callable[..., Any]:
+    def forward(
+        hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
         idx = mixer.layer_idx
         if (
             cache is not None
@@ -137,7 +158,7 @@ def _seeded_forward(mixer, inner, continue_fn):
     return forward
 
 
-def step_by_step(forward, model, input_ids, cache):
+def step_by_step(forward: Forward, model: Any, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
     """``forward(model, input_ids, cache)`` one token at a time, through the model's single-step path
     (which continues from the cached state): exact, slower on long inputs."""
     import torch

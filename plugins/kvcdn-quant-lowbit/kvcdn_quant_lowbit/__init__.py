@@ -12,7 +12,12 @@ schemes do not declare those layer kinds, so kvcdn keeps such layers in full pre
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from kvcdn_core import FULL_ATTENTION, KEY, SLIDING_WINDOW, Quantizer, hookimpl, round_down_param, round_up_param
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 __version__ = "0.1.0"
 
@@ -22,7 +27,7 @@ _SLACK = 1 + 2e-3
 _F16_QUANTUM = 6e-8
 
 
-def pack(codes, bits: int):
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes (< 2^bits) into bytes, the first code in the low bits; returns 1-D uint8."""
     import torch
 
@@ -38,7 +43,7 @@ def pack(codes, bits: int):
     return packed
 
 
-def unpack(packed, bits: int, count: int):
+def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of :func:`pack`: the first ``count`` codes as uint8."""
     import torch
 
@@ -62,10 +67,10 @@ class GroupedQuantizer(Quantizer):
         return (1 << self.bits) - 1
 
     @staticmethod
-    def _axis(role):
+    def _axis(role: str) -> int:
         return -2 if role == KEY else -1
 
-    def _groups(self, x, role):
+    def _groups(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, int]:
         """``x`` with the grouped axis last, padded (edge value) to whole groups: ``[..., n, G]``."""
         import torch
 
@@ -77,7 +82,7 @@ class GroupedQuantizer(Quantizer):
             moved = torch.cat([moved, moved[..., -1:].expand(*moved.shape[:-1], pad)], dim=-1)
         return moved.reshape(*moved.shape[:-1], -1, g), length
 
-    def encode(self, role, x):
+    def encode(self, role: str, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         import torch
 
         groups, length = self._groups(x, role)
@@ -96,7 +101,7 @@ class GroupedQuantizer(Quantizer):
         }
         return {"": pack(codes, self.bits), "scale": scale, "zero": zero}, record
 
-    def decode(self, role, parts, record):
+    def decode(self, role: str, parts: dict[str, torch.Tensor], record: dict[str, Any]) -> torch.Tensor:
         import torch
 
         shape = list(record["shape"])
@@ -117,7 +122,7 @@ class GroupedQuantizer(Quantizer):
         values = values.reshape(*moved[:-1], -1)[..., :length]
         return values.movedim(-1, axis)
 
-    def body_error_bound(self, role, x):
+    def body_error_bound(self, role: str, x: torch.Tensor) -> torch.Tensor:
         """Half a step of the group: ``(max - min + |min| 2^-10) / (2^bits - 1) / 2``, with slack."""
         import torch
 
@@ -145,5 +150,5 @@ class Int2Quantizer(GroupedQuantizer):
 
 
 @hookimpl
-def kvcdn_register_quantizers():
+def kvcdn_register_quantizers() -> list[type[Quantizer]]:
     return [Int4Quantizer, Int2Quantizer]

@@ -18,10 +18,11 @@ boto3 is imported when a backend is created, never when kvcdn starts.
 
 from __future__ import annotations
 
+import builtins
 import math
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar, cast
 from urllib.parse import urlparse
 
 from kvcdn_core import (
@@ -86,8 +87,8 @@ class S3Storage(StorageBackend):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.part_size = part_size or part_size_from_env()
-        self._client = None
-        self._presigner = None
+        self._client: Any = None
+        self._presigner: Any = None
 
     @classmethod
     def from_uri(cls, uri: str) -> S3Storage:
@@ -101,7 +102,7 @@ class S3Storage(StorageBackend):
 
     # -- clients ---------------------------------------------------------------------------
 
-    def _make_client(self, endpoint: str | None):
+    def _make_client(self, endpoint: str | None) -> Any:
         import boto3
         from botocore.config import Config
 
@@ -121,13 +122,13 @@ class S3Storage(StorageBackend):
         return boto3.session.Session().client("s3", **kwargs)
 
     @property
-    def client(self):
+    def client(self) -> Any:
         if self._client is None:
             self._client = self._make_client(_env("KVCDN_S3_ENDPOINT_URL"))
         return self._client
 
     @property
-    def presigner(self):
+    def presigner(self) -> Any:
         """The client that signs URLs for others: the public endpoint when one is configured."""
         if self._presigner is None:
             public = _env("KVCDN_S3_PUBLIC_ENDPOINT_URL")
@@ -198,7 +199,7 @@ class S3Storage(StorageBackend):
 
     def read_bytes(self, key: str) -> bytes | None:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            return cast(bytes, self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read())
         except Exception as exc:
             if _is_missing(exc):
                 return None
@@ -210,10 +211,10 @@ class S3Storage(StorageBackend):
         except Exception as exc:
             raise _error(exc, f"write of '{key}'") from None
 
-    def open_read(self, key: str):
+    def open_read(self, key: str) -> IO[bytes]:
         """A streaming binary reader of object ``key`` (``.read(n)``, ``.close()``)."""
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            return cast(IO[bytes], self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"])
         except Exception as exc:
             if _is_missing(exc):
                 raise ObjectNotFound(f"no object '{key}' in {self!r}") from None
@@ -261,7 +262,7 @@ class S3Storage(StorageBackend):
             if size is not None:
                 # Signed into the URL: S3 refuses a PUT of any other length.
                 params["ContentLength"] = int(size)
-        return self.presigner.generate_presigned_url(operation, Params=params, ExpiresIn=int(expires_in))
+        return cast(str, self.presigner.generate_presigned_url(operation, Params=params, ExpiresIn=int(expires_in)))
 
     def needs_multipart(self, size: int) -> bool:
         """Objects over one part go up in parts (S3 refuses one PUT over 5 GiB)."""
@@ -298,7 +299,7 @@ class S3Storage(StorageBackend):
             parts.append({"part_number": number, "url": url, "size": part_bytes})
         return {"upload_id": upload_id, "part_size": self.part_size, "parts": parts}
 
-    def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+    def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[dict[str, Any]]) -> None:
         """Finish a multipart upload from ``[{"part_number", "etag"}]``."""
         listing = [{"PartNumber": int(p["part_number"]), "ETag": str(p["etag"])} for p in parts]
         try:
@@ -308,7 +309,7 @@ class S3Storage(StorageBackend):
         except Exception as exc:
             raise _error(exc, f"multipart completion of '{key}'") from None
 
-    def list_multipart(self, prefix: str = "") -> list[tuple[str, str]]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[tuple[str, str]]:
         """``(key, upload_id)`` of the multipart uploads in progress under ``prefix`` (for the
         hosted server's garbage collector: parts of an abandoned upload cost storage)."""
         if ".." in prefix.split("/") or prefix.startswith("/"):
@@ -342,5 +343,5 @@ def _is_missing(exc: Exception) -> bool:
 
 
 @hookimpl
-def kvcdn_register_storage_backends():
+def kvcdn_register_storage_backends() -> list[type[S3Storage]]:
     return [S3Storage]

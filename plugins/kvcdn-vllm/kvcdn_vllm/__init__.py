@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["KvcdnConnector"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "KvcdnConnector":
         from kvcdn_vllm.connector import KvcdnConnector
 

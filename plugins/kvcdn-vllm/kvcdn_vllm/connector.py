@@ -17,6 +17,7 @@ saved prompt's keys and values layer by layer, and :meth:`wait_for_save` writes 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +143,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._hits[request.request_id] = hit
         return hit.tokens - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         hit = self._hits.pop(req_id, None)
         prompt = list(request.prompt_token_ids or [])
@@ -197,7 +198,7 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     # ==== worker side =============================================================================
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Learn each attention layer's block layout, once per distinct cache geometry."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -207,8 +208,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         by_geometry: dict[tuple, paged.BlockLayout] = {}
         for name, kv in kv_caches.items():
             layer = layers.get(name)
-            kv = getattr(layer, "kv_cache", None) if layer is not None else None
-            kv = kv if isinstance(kv, torch.Tensor) else kv_caches[name]
+            own = getattr(layer, "kv_cache", None) if layer is not None else None
+            kv = own if isinstance(own, torch.Tensor) else kv_caches[name]
             if layer is None or not hasattr(layer, "num_kv_heads"):
                 continue
             heads, head_size = int(layer.num_kv_heads), int(layer.head_size)
@@ -254,7 +255,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             values = tensors[layer_tensor_name(index, "value")][0, self._heads, job.start : job.end]
             paged.scatter(kv, slots(name, kv), keys, values)
 
-    def _slots(self, block_ids: list[int], end: int, start: int = 0):
+    def _slots(self, block_ids: list[int], end: int, start: int = 0) -> Callable[[str, torch.Tensor], paged.TokenSlots]:
         """``slots(layer_name, kv) -> TokenSlots``, computed once per distinct layout of the request."""
         blocks = self._kernel_blocks(block_ids)
         known: dict[int, paged.TokenSlots] = {}
@@ -307,7 +308,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 continue
             self._gathered.setdefault(job.req_id, {})[_layer_index(layer_name)] = (keys.cpu(), values.cpu())
 
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KvcdnMetadata) or not meta.saves:
             return
@@ -352,7 +353,7 @@ def _layer_index(layer_name: str) -> int:
     return extract_layer_index(layer_name)
 
 
-def _backend_name(layer) -> str:
+def _backend_name(layer: Any) -> str:
     backend = getattr(layer, "attn_backend", None)
     try:
         return str(backend.get_name()) if backend is not None else ""
@@ -360,19 +361,19 @@ def _backend_name(layer) -> str:
         return ""
 
 
-def _layout_for(layer, kv: torch.Tensor, backend: str, heads: int, head_size: int) -> paged.BlockLayout:
+def _layout_for(layer: Any, kv: torch.Tensor, backend: str, heads: int, head_size: int) -> paged.BlockLayout:
     """The CPU backend's layout is probed through its own cache write; others follow their strides."""
     if backend == "CPU_ATTN":
         impl = layer.impl
 
-        def write(keys, values, scratch, slots):
+        def write(keys: torch.Tensor, values: torch.Tensor, scratch: torch.Tensor, slots: torch.Tensor) -> None:
             impl.do_kv_cache_update(layer, keys, values, scratch, slots)
 
         return paged.probe_layout(kv, heads, head_size, write)
     return paged.strided_layout(kv, head_size)
 
 
-def _head_selection(total: int, local: int, tp: int, rank: int):
+def _head_selection(total: int, local: int, tp: int, rank: int) -> slice:
     """The artifact's KV heads this worker holds under tensor parallelism (replicated when tp > heads)."""
     if tp == 1 or local == total:
         return slice(None)

@@ -60,7 +60,7 @@ class BlockLayout:
     def head_size(self) -> int:
         return int(self.key_offsets.shape[2])
 
-    def to(self, device) -> BlockLayout:
+    def to(self, device: str | torch.device) -> BlockLayout:
         return BlockLayout(self.block_stride, self.key_offsets.to(device), self.value_offsets.to(device))
 
 
@@ -135,6 +135,8 @@ def probe_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, writ
             found += flat[where].long() * _PROBE_BASE**i
         if not torch.equal(torch.sort(found).values, torch.arange(count, device=device)):
             raise LayoutError(f"probe: the {part} codes read back are not one per element")
+        if where is None:
+            raise LayoutError(f"probe: no pass wrote the {part} codes")
         offset = torch.empty(count, dtype=torch.long, device=device)
         offset[found] = where
         offsets[part] = offset.view(num_kv_heads, block_size, head_size)
@@ -170,7 +172,9 @@ class TokenSlots:
     shape: tuple[int, int, int]
 
 
-def token_slots(layout: BlockLayout, block_ids: list[int], end: int, start: int = 0, device="cpu") -> TokenSlots:
+def token_slots(
+    layout: BlockLayout, block_ids: list[int], end: int, start: int = 0, device: str | torch.device = "cpu"
+) -> TokenSlots:
     """Where tokens ``[start, end)`` of a request whose blocks are ``block_ids`` live.
 
     Token ``t`` lives in ``block_ids[t // block_size]`` at row ``t % block_size``, so a last block

@@ -72,7 +72,17 @@ def server_command(
 @click.option("--dry-run", is_flag=True, help="Print the server command instead of running it.")
 @format_option
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def command(model, source, save, min_tokens, host, port, dry_run, fmt, vllm_args):
+def command(
+    model: str,
+    source: str,
+    save: bool,
+    min_tokens: int | None,
+    host: str,
+    port: int,
+    dry_run: bool,
+    fmt: str,
+    vllm_args: tuple[str, ...],
+) -> None:
     """Start vLLM's OpenAI-compatible server with the kvcdn KV connector.
 
     vLLM then loads the longest matching prompt prefix from the .kv artifacts under --source (same
