@@ -21,8 +21,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvcdn_core import LinearAttentionLayers, ModelAdapter, hookimpl, note
