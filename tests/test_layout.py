@@ -316,3 +316,20 @@ def test_the_layer_tensor_naming_rule_is_written_once():
     again = [str(p.relative_to(ROOT)) for p in sources if spelled.search(p.read_text(encoding="utf-8"))]
     assert again == []
     assert spelled.search(rule.read_text(encoding="utf-8"))
+
+
+def test_commands_open_an_artifacts_model_one_way():
+    """A command that continues an artifact gets its session from ``commands.common.open_artifact``
+    (the artifact's model, at its compute dtype), never by building one itself (quant did)."""
+    import kvcdn_core.commands
+    import kvcdn_core.commands.common
+
+    common = Path(inspect.getsourcefile(kvcdn_core.commands.common) or "")
+    commands = Path(inspect.getsourcefile(kvcdn_core.commands) or "").parent
+    builders = [
+        str(p.relative_to(ROOT))
+        for p in sorted(commands.rglob("*.py"))
+        if p != common and "session_for_artifact" in p.read_text(encoding="utf-8")
+    ]
+    assert builders == []
+    assert "session_for_artifact" in common.read_text(encoding="utf-8")

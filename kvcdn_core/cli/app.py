@@ -40,7 +40,8 @@ class KvcdnGroup(click.Group):
             if debug_enabled():
                 traceback.print_exc()
             hint = "" if debug_enabled() else " (set KVCDN_DEBUG=1 for the traceback)"
-            _fail(ctx, f"unexpected {type(exc).__name__}: {exc}{hint}", 2)
+            detail = " ".join(str(exc).split())  # one line, whatever the message holds
+            _fail(ctx, f"unexpected {type(exc).__name__}: {detail}{hint}", 2)
 
 
 def _fail(ctx, message: str, code: int):

@@ -18,11 +18,12 @@ from kvcdn_core.cli.commands.common import (
     force_output_option,
     format_option,
     model_options,
+    open_artifact,
     read_text_file,
 )
 from kvcdn_core.cli.render import render
 from kvcdn_core.errors import CheckFailed, KvcdnError
-from kvcdn_core.model.defaults import DEFAULT_QUESTION
+from kvcdn_core.model.defaults import DEFAULT_MODEL, DEFAULT_QUESTION
 from kvcdn_core.paths import ensure_kv_suffix, input_artifact
 
 
@@ -132,23 +133,20 @@ def command(
 
     temp_input = None
     try:
+        from kvcdn_core import artifact, runtime
+
         session, header, source_kind = None, None, "artifact"
-        if input_path:
-            from kvcdn_core import artifact
+        if input_path and do_verify:  # the artifact's model, loaded and checked before anything is written
+            from kvcdn_core.artifact.manifest import manifest_of
 
+            session, header = open_artifact(source, model, revision, device, dtype)
+            runtime.check_model(session, manifest_of(header))
+        elif input_path:
             header = artifact.read_header(source)
-            if do_verify:  # load and check the model before anything is written
-                from kvcdn_core import runtime
-                from kvcdn_core.artifact.manifest import manifest_of
-
-                session = runtime.session_for_artifact(manifest_of(header), model, revision, device, dtype)
-                runtime.check_model(session, manifest_of(header))
-        else:
-            from kvcdn_core import artifact, runtime
-
+        else:  # a document: its cache is generated first, as by kvcdn generate
             source_kind = "context"
             context = read_text_file(context_file)
-            session = runtime.session_for_artifact(None, model, revision, device, dtype)
+            session = runtime.load_session(model or DEFAULT_MODEL, revision, device, dtype)
             fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".source.kv", dir=out.parent)
             os.close(fd)
             temp_input = Path(name)

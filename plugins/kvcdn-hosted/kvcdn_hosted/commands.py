@@ -76,35 +76,19 @@ def settings_from(kwargs: dict):
 
 
 def hosted_command(name: str):
-    """Run a command body; write its error line itself, then send the telemetry event."""
+    """Run a command body, then send its telemetry event, success or not. An error is reported by
+    core's command group, as for every kvcdn command: one line and the documented exit code."""
 
     def decorate(f):
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
-            started = time.monotonic()
+            started, success = time.monotonic(), False
             try:
                 result = f(*args, **kwargs)
-            except KvcdnError as exc:
-                click.echo(f"error: {exc}", err=True)
-                _telemetry(kwargs, name, started, False)
-                raise click.exceptions.Exit(exc.exit_code) from None
-            except (click.exceptions.Exit, click.Abort, click.ClickException, KeyboardInterrupt):
-                _telemetry(kwargs, name, started, False)
-                raise
-            except (TypeError, KeyError, AttributeError, ValueError) as exc:
-                # A server (or a proxy in front of it) answered with a shape the command did not
-                # expect: one line and exit 2, not a traceback (KVCDN_DEBUG=1 shows where).
-                if os.environ.get("KVCDN_DEBUG"):
-                    raise
-                click.echo(
-                    f"error: {name}: unexpected data in the server's answer "
-                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
-                    err=True,
-                )
-                _telemetry(kwargs, name, started, False)
-                raise click.exceptions.Exit(2) from None
-            _telemetry(kwargs, name, started, True)
-            return result
+                success = True
+                return result
+            finally:
+                _telemetry(kwargs, name, started, success)
 
         return wrapper
 
@@ -128,19 +112,99 @@ def _hosted(settings, quiet: bool = True):
     return HostedStorage(settings, quiet=quiet)
 
 
-def _backend(uri: str | None, settings, quiet: bool):
-    """``(hosted, backend)``: the hosted endpoint unless ``--to/--from`` names another backend."""
+class _Endpoint:
+    """The artifacts of a hosted endpoint, by the ids its server gives them (with visibility and
+    the server's own records): what upload, list, download and delete do there."""
+
+    def __init__(self, storage):
+        self.storage = storage
+
+    def upload(self, source: Path, name: str, visibility: str, force: bool) -> dict:
+        return self.storage.upload(source, name, visibility)
+
+    def listing(self, long_: bool) -> list[dict]:
+        return self.storage.artifacts()
+
+    def default_name(self, artifact_id: str) -> str:
+        try:
+            record = self.storage.describe(artifact_id)
+        except KvcdnError:
+            record = None  # a public artifact of another tenant: download-url works, describe may not
+        return _default_download_name(artifact_id, record)
+
+    def fetch(self, artifact_id: str, target: Path) -> None:
+        self.storage.download(artifact_id, target)
+
+    def find(self, artifact_id: str) -> tuple[str, str]:
+        name = self.storage.describe(artifact_id).get("name")
+        return artifact_id, f"{artifact_id} ({name})" if name else artifact_id
+
+    def delete(self, artifact_id: str) -> None:
+        self.storage.remove(artifact_id)
+
+
+class _Store:
+    """The artifacts of any other storage backend, through the storage contract alone: an
+    artifact's id is its key (its name and ``.kv``)."""
+
+    def __init__(self, backend, uri: str):
+        self.backend, self.uri = backend, uri
+
+    def upload(self, source: Path, name: str, visibility: str, force: bool) -> dict:
+        from kvcdn_hosted.transfer import sha256_file
+
+        key = _store_key(name)
+        if not force and self.backend.exists(key):
+            raise KvcdnError(f"'{key}' exists in {self.uri}; pass --force to replace it or --name to choose another")
+        self.backend.put_file(key, source)
+        size = source.stat().st_size
+        return {
+            "artifact_id": key,
+            "name": name,
+            "size_bytes": size,
+            "sha256": sha256_file(source),
+            "storage": self.uri,
+        }
+
+    def listing(self, long_: bool) -> list[dict]:
+        items = [{"artifact_id": o.key, "name": o.key, "size_bytes": o.size} for o in self.backend.list()]
+        items = [item for item in items if item["artifact_id"].endswith(".kv")]
+        if long_:  # the long columns come from each artifact's header: read it, not the data
+            for item in items:
+                item["manifest"] = _stored_summary(self.backend, item["artifact_id"], item["size_bytes"])
+        return items
+
+    def default_name(self, artifact_id: str) -> str:
+        name = Path(artifact_id).name
+        return name if name.endswith(".kv") else name + ".kv"
+
+    def fetch(self, artifact_id: str, target: Path) -> None:
+        _download_generic(self.backend, _store_key(artifact_id), target)
+
+    def find(self, artifact_id: str) -> tuple[str, str]:
+        key = _store_key(artifact_id)
+        if not self.backend.exists(key):
+            raise KvcdnError(f"no artifact '{key}' in {self.uri}")
+        return key, key
+
+    def delete(self, artifact_id: str) -> None:
+        self.backend.delete(artifact_id)
+
+
+def _artifacts(uri: str | None, settings, quiet: bool):
+    """The artifacts a command works on: the hosted endpoint's, unless ``--to/--from`` names
+    another store (a ``kvcdn+https://`` URI is an endpoint too)."""
     from kvcdn_hosted.storage import HostedStorage
 
     if uri is None:
-        return True, _hosted(settings, quiet)
+        return _Endpoint(_hosted(settings, quiet))
     from kvcdn_core import open_storage
 
     backend = open_storage(uri)
     if isinstance(backend, HostedStorage):
         backend.quiet = quiet
-        return True, backend
-    return False, backend
+        return _Endpoint(backend)
+    return _Store(backend, uri)
 
 
 def _human_bytes(n) -> str:
@@ -353,29 +417,11 @@ def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key
     source, _manifest = _check_upload_source(artifact_path)
     name = name or source.name.removesuffix(".kv") or source.name
     settings = settings_from(locals())
-    hosted, backend = _backend(to_uri, settings, quiet)
-    if hosted:
-        record = backend.upload(source, name, visibility)
-        artifact_id = record["artifact_id"]
-    else:
-        from kvcdn_hosted.transfer import sha256_file
-
-        key = _store_key(name)
-        if not force and backend.exists(key):
-            raise KvcdnError(f"'{key}' exists in {to_uri}; pass --force to replace it or --name to choose another")
-        backend.put_file(key, source)
-        record = {
-            "artifact_id": key,
-            "name": name,
-            "size_bytes": source.stat().st_size,
-            "sha256": sha256_file(source),
-            "storage": to_uri,
-        }
-        artifact_id = key
+    record = _artifacts(to_uri, settings, quiet).upload(source, name, visibility, force)
     if fmt == "json":
         emit_json(record)
     else:
-        click.echo(artifact_id)
+        click.echo(record["artifact_id"])
 
 
 @click.command("list")
@@ -387,16 +433,7 @@ def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key
 def list_cmd(fmt, long_, from_uri, api_url, api_key):
     """List the artifacts you can see (all pages)."""
     settings = settings_from(locals())
-    hosted, backend = _backend(from_uri, settings, True)
-    if hosted:
-        items = backend.artifacts()
-    else:
-        items = [
-            {"artifact_id": o.key, "name": o.key, "size_bytes": o.size} for o in backend.list() if o.key.endswith(".kv")
-        ]
-        if long_:  # the long columns come from each artifact's header: read it, not the data
-            for item in items:
-                item["manifest"] = _stored_summary(backend, item["artifact_id"], item["size_bytes"])
+    items = _artifacts(from_uri, settings, True).listing(long_)
     if fmt == "json":
         emit_json(items)
     elif fmt == "ids":
@@ -470,27 +507,14 @@ def download(artifact_id, output, force, from_uri, api_url, api_key, quiet, fmt)
     from kvcdn_core import check_output, ensure_kv_suffix
 
     settings = settings_from(locals())
-    hosted, backend = _backend(from_uri, settings, quiet)
+    artifacts = _artifacts(from_uri, settings, quiet)
     if output and not Path(output).is_dir():
         target = ensure_kv_suffix(output)
     else:  # the artifact's own name, in the current directory or inside --output's directory (as cp does)
-        folder = Path(output) if output else Path()
-        if hosted:
-            record = None
-            try:
-                record = backend.describe(artifact_id)
-            except KvcdnError:
-                pass  # a public artifact of another tenant: download-url works, describe may not
-            target = folder / _default_download_name(artifact_id, record)
-        else:
-            name = Path(artifact_id).name
-            target = folder / (name if name.endswith(".kv") else name + ".kv")
+        target = (Path(output) if output else Path()) / artifacts.default_name(artifact_id)
     check_output(target, force)
     with _terminate_as_interrupt():
-        if hosted:
-            backend.download(artifact_id, target)
-        else:
-            _download_generic(backend, _store_key(artifact_id), target)
+        artifacts.fetch(artifact_id, target)
     if fmt == "json":
         emit_json({"artifact_id": artifact_id, "path": str(target), "size_bytes": target.stat().st_size})
     else:
@@ -546,23 +570,13 @@ def _download_generic(backend, key: str, target: Path) -> None:
 def delete(artifact_id, yes, from_uri, api_url, api_key, fmt):
     """Delete an artifact (asks first unless --yes)."""
     settings = settings_from(locals())
-    hosted, backend = _backend(from_uri, settings, True)
-    if hosted:
-        record = backend.describe(artifact_id)
-        label = f"{artifact_id} ({record.get('name')})" if record.get("name") else artifact_id
-    else:
-        artifact_id = _store_key(artifact_id)
-        if not backend.exists(artifact_id):
-            raise KvcdnError(f"no artifact '{artifact_id}' in {from_uri}")
-        label = artifact_id
+    artifacts = _artifacts(from_uri, settings, True)
+    artifact_id, label = artifacts.find(artifact_id)
     if not yes:
         if not sys.stdin.isatty():
             raise KvcdnError(f"refusing to delete {label} without confirmation: pass --yes")
         click.confirm(f"Delete artifact {label}?", abort=True, err=True)
-    if hosted:
-        backend.remove(artifact_id)
-    else:
-        backend.delete(artifact_id)
+    artifacts.delete(artifact_id)
     if fmt == "json":
         emit_json({"artifact_id": artifact_id, "deleted": True})
     else:

@@ -395,3 +395,27 @@ def test_infer_q_is_the_old_spelling_of_question(endpoint):
     assert "warning: infer -q is deprecated" in old.stderr and old.stdout.strip() == "yes"
     missing = run("infer", "abc")
     assert missing.exit_code == 2 and "--question" in missing.stderr
+
+
+def test_hosted_commands_leave_their_errors_to_cores_handler(endpoint):
+    """One error handler: a hosted command's error reaches core's command group, which writes the one
+    line every kvcdn command writes (the hosted commands had a second handler, with its own wording)."""
+    import click
+
+    from kvcdn_core import KvcdnError
+    from kvcdn_hosted.commands import quota
+
+    endpoint.routes[("GET", "/api/v1/quota")] = lambda h: (500, {}, {"error": "internal_error", "message": "broke"})
+    bare = CliRunner().invoke(click.Group(commands=[quota]), ["quota"])
+    assert isinstance(bare.exception, KvcdnError) and bare.stderr == ""
+    through_core = run("quota")
+    assert through_core.exit_code == 2 and through_core.stderr == "error: quota: the server answered 500: broke\n"
+
+
+def test_an_unexpected_answer_is_one_line_from_cores_handler(endpoint):
+    """A listing whose entries are not objects: one line naming the error, exit 2, no traceback."""
+    endpoint.routes[("GET", "/api/v1/artifacts")] = lambda h: (200, {}, {"artifacts": ["a\nb"], "next_cursor": None})
+    result = run("list")
+    assert result.exit_code == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
