@@ -21,7 +21,6 @@ hookimpl = pluggy.HookimplMarker("kvcdn")
 _EXPORTS = {
     # contracts
     "ModelAdapter": "kvcdn_core.contracts.adapter",
-    "TinyDecoderFamily": "kvcdn_core.contracts.adapter",
     "Quantizer": "kvcdn_core.contracts.quantizer",
     "KEY": "kvcdn_core.contracts.quantizer",
     "VALUE": "kvcdn_core.contracts.quantizer",
@@ -68,6 +67,7 @@ _EXPORTS = {
     "TINY_DECODER": "kvcdn_core.model.tiny",
     "TINY_MLA": "kvcdn_core.model.tiny",
     "TINY_DEEPSEEK_MOE": "kvcdn_core.model.tiny",
+    "TinyDecoderFamily": "kvcdn_core.model.tiny",
     "validate_tiny": "kvcdn_core.exactness.architecture",
     # quantized artifacts
     "dequantize_tensors": "kvcdn_core.quant.codec",
@@ -112,7 +112,7 @@ _MODULES = ("artifact", "runtime", "search", "settings")
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tests/test_public_api.py keeps it in step)
     from kvcdn_core import artifact as artifact, runtime as runtime, search as search, settings as settings
-    from kvcdn_core.contracts.adapter import ModelAdapter as ModelAdapter, TinyDecoderFamily as TinyDecoderFamily
+    from kvcdn_core.contracts.adapter import ModelAdapter as ModelAdapter
     from kvcdn_core.contracts.quantizer import Quantizer as Quantizer, KEY as KEY, VALUE as VALUE, role_of as role_of
     from kvcdn_core.contracts.storage import (
         StorageBackend as StorageBackend,
@@ -163,6 +163,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         TINY_DECODER as TINY_DECODER,
         TINY_MLA as TINY_MLA,
         TINY_DEEPSEEK_MOE as TINY_DEEPSEEK_MOE,
+        TinyDecoderFamily as TinyDecoderFamily,
     )
     from kvcdn_core.exactness.architecture import validate_tiny as validate_tiny
     from kvcdn_core.quant.codec import dequantize_tensors as dequantize_tensors

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.model.tiny import TINY_DECODER
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -403,25 +402,3 @@ class ModelAdapter:
     def install_requirement(cls) -> str:
         """What to ``pip install`` for this adapter: :attr:`requirement`, else ``kvcdn[<extra>]``."""
         return cls.requirement or f"kvcdn[{cls.extra_name()}]"
-
-
-class TinyDecoderFamily(ModelAdapter):
-    """The base of a family validated on one shared tiny config with a few changes per architecture.
-
-    A family names only what differs: ``tiny_changes`` maps each architecture to the config keys it
-    changes from ``tiny_base`` (:data:`kvcdn_core.TINY_DECODER` unless the family sets another), and
-    the class gets the complete ``validation_configs`` built from the two and, unless it names them
-    itself, ``architectures`` in the same order. Everything else is :class:`ModelAdapter`'s.
-    """
-
-    #: The config every architecture of the family starts from.
-    tiny_base: ClassVar[dict[str, Any]] = TINY_DECODER
-    #: architecture → the keys its tiny config changes (``{}``: the base as it is).
-    tiny_changes: ClassVar[dict[str, dict[str, Any]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "tiny_changes" in vars(cls):
-            cls.validation_configs = {arch: {**cls.tiny_base, **changes} for arch, changes in cls.tiny_changes.items()}
-            if "architectures" not in vars(cls):
-                cls.architectures = tuple(cls.tiny_changes)

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any, ClassVar
+
+from kvcdn_core.contracts.adapter import ModelAdapter
 
 SAMPLE_TEXT = """\
 The lighthouse keeper kept a ledger of every ship that passed the northern cape. Each entry noted
@@ -102,6 +105,28 @@ TINY_MLA = dict(
 TINY_DEEPSEEK_MOE = dict(
     moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1
 )
+
+
+class TinyDecoderFamily(ModelAdapter):
+    """The base of a family validated on one shared tiny config with a few changes per architecture.
+
+    A family names only what differs: ``tiny_changes`` maps each architecture to the config keys it
+    changes from ``tiny_base`` (:data:`kvcdn_core.TINY_DECODER` unless the family sets another), and
+    the class gets the complete ``validation_configs`` built from the two and, unless it names them
+    itself, ``architectures`` in the same order. Everything else is :class:`ModelAdapter`'s.
+    """
+
+    #: The config every architecture of the family starts from.
+    tiny_base: ClassVar[dict[str, Any]] = TINY_DECODER
+    #: architecture → the keys its tiny config changes (``{}``: the base as it is).
+    tiny_changes: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "tiny_changes" in vars(cls):
+            cls.validation_configs = {arch: {**cls.tiny_base, **changes} for arch, changes in cls.tiny_changes.items()}
+            if "architectures" not in vars(cls):
+                cls.architectures = tuple(cls.tiny_changes)
 
 
 def config_variants(adapter_cls, architecture: str) -> dict[str, dict]:
