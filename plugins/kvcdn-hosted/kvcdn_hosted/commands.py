@@ -14,11 +14,17 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from kvcdn_core import CheckFailed, KvcdnError, emit_json, print_table
 from kvcdn_hosted import wire
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvcdn_core import StorageBackend
+    from kvcdn_hosted.config import Settings
+    from kvcdn_hosted.storage import HostedStorage
 
 # -- shared options and plumbing -----------------------------------------------------------------
 
@@ -116,7 +122,7 @@ class _Endpoint:
     """The artifacts of a hosted endpoint, by the ids its server gives them (with visibility and
     the server's own records): what upload, list, download and delete do there."""
 
-    def __init__(self, storage):
+    def __init__(self, storage: HostedStorage) -> None:
         self.storage = storage
 
     def upload(self, source: Path, name: str, visibility: str, force: bool) -> dict:
@@ -147,7 +153,7 @@ class _Store:
     """The artifacts of any other storage backend, through the storage contract alone: an
     artifact's id is its key (its name and ``.kv``)."""
 
-    def __init__(self, backend, uri: str):
+    def __init__(self, backend: StorageBackend, uri: str) -> None:
         self.backend, self.uri = backend, uri
 
     def upload(self, source: Path, name: str, visibility: str, force: bool) -> dict:
@@ -167,11 +173,11 @@ class _Store:
         }
 
     def listing(self, long_: bool) -> list[dict]:
-        items = [{"artifact_id": o.key, "name": o.key, "size_bytes": o.size} for o in self.backend.list()]
-        items = [item for item in items if item["artifact_id"].endswith(".kv")]
+        objects = [o for o in self.backend.list() if o.key.endswith(".kv")]
+        items: list[dict] = [{"artifact_id": o.key, "name": o.key, "size_bytes": o.size} for o in objects]
         if long_:  # the long columns come from each artifact's header: read it, not the data
-            for item in items:
-                item["manifest"] = _stored_summary(self.backend, item["artifact_id"], item["size_bytes"])
+            for item, o in zip(items, objects):
+                item["manifest"] = _stored_summary(self.backend, o.key, o.size)
         return items
 
     def default_name(self, artifact_id: str) -> str:
@@ -191,7 +197,7 @@ class _Store:
         self.backend.delete(artifact_id)
 
 
-def _artifacts(uri: str | None, settings, quiet: bool):
+def _artifacts(uri: str | None, settings: Settings, quiet: bool) -> _Endpoint | _Store:
     """The artifacts a command works on: the hosted endpoint's, unless ``--to/--from`` names
     another store (a ``kvcdn+https://`` URI is an endpoint too)."""
     from kvcdn_hosted.storage import HostedStorage
