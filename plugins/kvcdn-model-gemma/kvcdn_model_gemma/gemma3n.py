@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcdn_core import TINY_DECODER, ArtifactError, KvcdnError, LayerEntry, ModelAdapter
+from kvcdn_core import ArtifactError, KvcdnError, LayerEntry, TinyDecoderFamily
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -46,7 +46,6 @@ def sharing(config: Any) -> tuple[list[int], dict[int, list[int]]]:
 
 
 _GEMMA3N = dict(
-    TINY_DECODER,
     num_hidden_layers=6,
     # Two sliding layers per global one, as Gemma 3n's 4:1 scaled down; the last three reuse the
     # caches of layers 1 (sliding) and 2 (global).
@@ -61,10 +60,9 @@ _GEMMA3N = dict(
 )
 
 
-class Gemma3nAdapter(ModelAdapter):
+class Gemma3nAdapter(TinyDecoderFamily):
     family = "gemma"
-    architectures = ("Gemma3nForCausalLM",)
-    validation_configs = {"Gemma3nForCausalLM": _GEMMA3N}
+    tiny_changes = {"Gemma3nForCausalLM": _GEMMA3N}
     validation_variants = {
         "Gemma3nForCausalLM": [
             # Every layer global: the artifact is croppable; two of four layers reuse layer 1's cache.

@@ -29,14 +29,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvcdn_core import TINY_DECODER, LinearAttentionLayers, ModelAdapter
+from kvcdn_core import LinearAttentionLayers, TinyDecoderFamily
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
 #: TINY_DECODER plus Griffin's own fields: recurrent width, convolution, local-attention window.
 _GRIFFIN = dict(
-    TINY_DECODER,
     num_hidden_layers=3,
     block_types=["recurrent", "recurrent", "attention"],
     lru_width=64,
@@ -50,10 +49,9 @@ _GRIFFIN = dict(
 _BLOCK_PARTS = ("linear_x", "linear_y", "linear_out", "conv_1d", "conv1d_width", "act_fn", "rg_lru")
 
 
-class RecurrentGemmaAdapter(LinearAttentionLayers, ModelAdapter):
+class RecurrentGemmaAdapter(LinearAttentionLayers, TinyDecoderFamily):
     family = "gemma"
-    architectures = ("RecurrentGemmaForCausalLM",)
-    validation_configs = {"RecurrentGemmaForCausalLM": _GRIFFIN}
+    tiny_changes = {"RecurrentGemmaForCausalLM": _GRIFFIN}
     validation_variants = {
         "RecurrentGemmaForCausalLM": [
             # recurrentgemma-2b's multi-query attention (one key-value head), a wider kernel, a

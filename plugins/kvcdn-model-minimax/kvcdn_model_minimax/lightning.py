@@ -30,12 +30,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvcdn_core import TINY_DECODER, LinearAttentionLayers, ModelAdapter
+from kvcdn_core import LinearAttentionLayers, TinyDecoderFamily
 
 #: TINY_DECODER plus MiniMax's own fields. Lightning blocks of 16 tokens so that a 64-token prefill
 #: chunk crosses block boundaries (the real model uses 256).
 _LIGHTNING = dict(
-    TINY_DECODER,
     num_hidden_layers=4,
     block_size=16,
     num_local_experts=4,
@@ -46,10 +45,9 @@ _LIGHTNING = dict(
 )
 
 
-class LightningAdapter(LinearAttentionLayers, ModelAdapter):
+class LightningAdapter(LinearAttentionLayers, TinyDecoderFamily):
     family = "minimax"
-    architectures = ("MiniMaxForCausalLM",)
-    validation_configs = {"MiniMaxForCausalLM": _LIGHTNING}
+    tiny_changes = {"MiniMaxForCausalLM": _LIGHTNING}
     validation_variants = {
         "MiniMaxForCausalLM": [
             dict(
