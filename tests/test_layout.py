@@ -321,11 +321,11 @@ def test_the_layer_tensor_naming_rule_is_written_once():
 def test_commands_open_an_artifacts_model_one_way():
     """A command that continues an artifact gets its session from ``commands.common.open_artifact``
     (the artifact's model, at its compute dtype), never by building one itself (quant did)."""
-    import kvcdn_core.commands
-    import kvcdn_core.commands.common
+    import kvcdn_core.cli.commands
+    import kvcdn_core.cli.commands.common
 
-    common = Path(inspect.getsourcefile(kvcdn_core.commands.common) or "")
-    commands = Path(inspect.getsourcefile(kvcdn_core.commands) or "").parent
+    common = Path(inspect.getsourcefile(kvcdn_core.cli.commands.common) or "")
+    commands = Path(inspect.getsourcefile(kvcdn_core.cli.commands) or "").parent
     builders = [
         str(p.relative_to(ROOT))
         for p in sorted(commands.rglob("*.py"))

@@ -179,7 +179,7 @@ class ModelAdapter:
         layers, tensors = [], {}
         for index, layer in self.stored_layers(cache):
             entry, named = self.export_layer(index, layer)
-            names = {k: fmt.layer_tensor_name(index, k) for k in named}
+            names = {k: artifact.layer_tensor_name(index, k) for k in named}
             layers.append(dataclasses.replace(entry, index=index, tensors=names))
             tensors.update({names[k]: v for k, v in named.items()})
         return layers, tensors
