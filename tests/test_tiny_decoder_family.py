@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcdn_core import TINY_DECODER, ModelAdapter, TinyDecoderFamily
-from kvcdn_core.registry import adapter_classes
+from kvcdn_core.plugin_host.registry import adapter_classes
 
 
 def test_the_configs_are_the_base_with_each_architectures_changes():
