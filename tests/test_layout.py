@@ -217,6 +217,7 @@ PACKAGES = {
     "exactness",  # continuing from an artifact against a full prefill; the per-architecture check
     "quant",  # quantization: codec, numerics, the quant service, the quantized validation phase
     "search",  # prefix search over artifacts
+    "compose",  # cached documents composed out of prefix order: moved keys, selective recomputation
     "store",  # the chunk store
     "benchmark",  # kvcdn benchmark and its plots
     "plugin_host",  # hook specs, the plugin manager, lookup
@@ -248,7 +249,8 @@ FORBIDDEN = {
     "search": {"exactness", "quant", "benchmark", "cli", "builtin", "testing"},
     "quant": {"search", "store", "benchmark", "cli", "builtin", "testing"},
     "exactness": {"search", "store", "benchmark", "cli", "builtin", "testing"},
-    "runtime": {"exactness", "search", "store", "benchmark", "cli", "builtin", "testing"},
+    "runtime": {"exactness", "search", "store", "benchmark", "cli", "builtin", "testing", "compose"},
+    "compose": {"exactness", "search", "store", "quant", "benchmark", "cli", "builtin", "testing"},
     **{name: (PACKAGES | {"runtime"}) - FOUNDATIONS for name in FOUNDATIONS},
 }
 

@@ -1,0 +1,342 @@
+"""Composing several cached documents into one prompt, in any order (issue #28, after CacheBlend).
+
+A RAG prompt is documents in an order that changes per query, then a question. Prefix reuse serves
+only the first document; this module reuses every document's artifact:
+
+1. **Position correction.** Every artifact was computed from position 0. Document ``i`` now starts
+   at offset ``o_i``; its keys were rotated by ``R(p)`` and must be ``R(p + o_i)``. Rotary
+   rotations compose (``R(p + o) = R(o) R(p)``, the same 2-D rotation per frequency pair in every
+   layout), so the cached keys are rotated once more by ``o_i`` with the model's own rotary module
+   and its own ``apply_rotary_pos_emb`` (interleaved or half-split layouts, partial rotary). The
+   module's cos/sin carry an attention scaling (YaRN's mscale) that was applied once already: it
+   is divided out. Values carry no position and are kept.
+2. **Selective recomputation.** Cross-document attention is missing from the moved caches. A share
+   ``R`` of the non-first tokens is recomputed: the chosen tokens run through the model in one pass
+   at their true positions (explicit ``position_ids``) on the composed cache, under a mask that lets
+   a token see every earlier position once: the cached entry of a token that is not recomputed, the
+   fresh one of a token that is. Their fresh keys and values then replace the cached ones in every
+   layer. (CacheBlend narrows the set layer by layer on GPU kernels; a fixed set chosen up front is
+   the same computation for that set.)
+3. **R = 1** is the full prefill itself: the first artifact (the prompt's true prefix, exact as in
+   prefix reuse) is kept and every later token is prefilled on it, token-exact with a full prefill.
+
+Token selection rules (:data:`RULES`): ``deviation`` (CacheBlend's: the tokens whose values at an
+early layer differ most between the moved cache and a fresh computation of that layer) and
+``doc-start`` (each later document's first tokens, which the moved cache lets attend to nothing of
+the documents before them; attention sinks sit there).
+
+Refused with one line: artifacts of different models; layers that are not plain full attention
+(sliding windows keep only the last tokens of the whole prefix, recurrent and linear-attention
+states summarise the prefix, MLA stores its rotary key apart and is not handled here); models with no
+rotary embedding (absolute positions, ALiBi); length-dependent RoPE (dynamic NTK, LongRoPE) past the
+length where its rotation changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from kvcdn_core import artifact as fmt
+from kvcdn_core.artifact.manifest import manifest_of
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.model.defaults import COMPOSE_RULES as RULES
+from kvcdn_core.model.defaults import DEFAULT_COMPOSE_RULE as DEFAULT_RULE
+from kvcdn_core.model.files import fingerprint_differences
+
+#: The layer whose value deviation ranks tokens under ``deviation``: layer 0's values depend on the
+#: token alone (identical in both caches), layer 1's already on the attention over the prompt.
+DEVIATION_LAYER = 1
+
+
+@dataclasses.dataclass
+class Composition:
+    """A composed cache and how it was made."""
+
+    cache: Any
+    ids: list[int]
+    offsets: list[int]
+    recomputed: list[int]
+    rule: str
+    recompute: float
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens of the first artifact: reused exactly, never recomputed."""
+        return self.offsets[1] if len(self.offsets) > 1 else len(self.ids)
+
+    def summary(self) -> str:
+        return (
+            f"composed {len(self.offsets)} artifacts: {len(self.ids)} context tokens, "
+            f"{len(self.recomputed)} recomputed ({self.rule}, --recompute {self.recompute:g})"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "context_tokens": len(self.ids),
+            "documents": len(self.offsets),
+            "offsets": self.offsets,
+            "recompute": self.recompute,
+            "rule": self.rule,
+            "recomputed_tokens": len(self.recomputed),
+        }
+
+
+def check_same_model(headers: list[fmt.Header]) -> None:
+    """All artifacts must share one model fingerprint and compute dtype: refuse otherwise."""
+    first = manifest_of(headers[0])
+    for header in headers[1:]:
+        other = manifest_of(header)
+        differs = fingerprint_differences(dataclasses.asdict(first.model), dataclasses.asdict(other.model))
+        if other.compute_dtype != first.compute_dtype:
+            differs.append("compute dtype")
+        if differs:
+            raise KvcdnError(
+                f"cannot compose {headers[0].path} and {header.path}: made with different models "
+                f"({', '.join(differs)} differ)"
+            )
+
+
+def composable(session, layers) -> None:
+    """Refuse, with the reason in one line, a model whose caches cannot be moved to a new offset."""
+    for entry in layers:
+        if entry.kind != fmt.FULL_ATTENTION:
+            why = {
+                fmt.SLIDING_WINDOW: "a sliding window keeps only the last tokens of the whole prefix",
+                fmt.MLA_LATENT: "multi-head latent attention stores its rotary key apart (not handled)",
+                fmt.MLA_INDEXED: "multi-head latent attention stores its rotary key apart (not handled)",
+            }.get(entry.kind, "a recurrent or linear-attention state summarises the whole prefix")
+            raise KvcdnError(f"cannot compose: layer {entry.index} is '{entry.kind}': {why}")
+    _rotary(session.model)
+
+
+def _rotary(model):
+    """``(rotary module, apply_rotary_pos_emb of the model's attention)``, or a one-line refusal."""
+    inner = getattr(model, "base_model", model)
+    rotary = getattr(inner, "rotary_emb", None)
+    layers = getattr(inner, "layers", None)
+    attention = _attention(layers[0]) if layers is not None and len(layers) else None
+    apply = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None) if attention else None
+    name = type(model).__name__
+    if rotary is None or apply is None:
+        raise KvcdnError(
+            f"cannot compose with {name}: it has no rotary position embedding kvcdn can move (absolute "
+            "positions, ALiBi, or rotary kept inside the attention), so cached keys cannot change offset"
+        )
+    if getattr(rotary, "rope_type", "default") == "mrope" or getattr(model.config, "mrope_section", None):
+        raise KvcdnError(f"cannot compose with {name}: multimodal rotary sections are not handled")
+    return rotary, apply
+
+
+def rotated_layers(model) -> list[bool]:
+    """Per decoder layer, whether its keys carry rotary positions (SmolLM3 and Llama 4 leave some
+    layers without: their keys need no move)."""
+    inner = getattr(model, "base_model", model)
+    return [bool(getattr(_attention(layer), "use_rope", True)) for layer in inner.layers]
+
+
+def _attention(layer):
+    return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+
+
+def move_keys(model, keys, offset: int):
+    """Keys computed at positions ``0..T-1`` re-rotated to ``offset..offset+T-1`` (``[B, H, T, D]``).
+
+    Rotated in float32 and cast back, so a bfloat16 cache loses nothing more than its own rounding.
+    """
+    import torch
+
+    if offset == 0:
+        return keys
+    rotary, apply = _rotary(model)
+    probe = torch.zeros(1, dtype=torch.float32, device=keys.device)
+    position = torch.tensor([[offset]], dtype=torch.long, device=keys.device)
+    cos, sin = rotary(probe, position)
+    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    cos, sin = cos.float() / scale, sin.float() / scale
+    k = keys.float()
+    try:  # the model's apply takes the whole head (half-width cos of chunked layouts, its own partial split)
+        _, moved = apply(k, k, cos, sin)
+    except RuntimeError:  # partial rotary split by the attention: the rotary part leads the head
+        width = cos.shape[-1]
+        _, moved = apply(k[..., :width], k[..., :width], cos, sin)
+        moved = torch.cat([moved, k[..., width:]], dim=-1)
+    return moved.to(keys.dtype)
+
+
+def _check_length(session, total: int) -> None:
+    from kvcdn_core.model.rope_regime import length_dependent_rope
+
+    regime = length_dependent_rope(session.model.config)
+    if regime is not None and total > regime[1]:
+        raise KvcdnError(
+            f"cannot compose {total} tokens: {regime[0]} RoPE rotates positions differently past "
+            f"{regime[1]} tokens, so moved keys would not match; keep the prompt within {regime[1]} tokens"
+        )
+
+
+def load_parts(session, headers: list[fmt.Header], force: bool = False):
+    """Each artifact's ``(cache, token ids)``, after the checks that refuse a composition."""
+    from kvcdn_core import runtime
+
+    check_same_model(headers)
+    composable(session, manifest_of(headers[0]).layers)
+    return [runtime.load_cache(session, header, force=force) for header in headers]
+
+
+def compose(
+    session,
+    headers: list[fmt.Header],
+    recompute: float = 0.0,
+    rule: str = DEFAULT_RULE,
+    force: bool = False,
+    parts=None,
+) -> Composition:
+    """One cache for the artifacts' documents in the order given, ``recompute`` of the later tokens redone.
+
+    ``parts`` (from :func:`load_parts`) skips the load, for callers that compose one set several ways.
+    """
+    if not 0.0 <= recompute <= 1.0:
+        raise KvcdnError(f"--recompute must be between 0 and 1, not {recompute}")
+    if rule not in RULES:
+        raise KvcdnError(f"unknown selection rule {rule!r}; one of: {', '.join(RULES)}")
+    parts = parts if parts is not None else load_parts(session, headers, force)
+    ids: list[int] = []
+    offsets: list[int] = []
+    for _, part_ids in parts:
+        offsets.append(len(ids))
+        ids += part_ids
+    _check_length(session, len(ids))
+    first_cache, first_ids = parts[0]
+    later = len(ids) - len(first_ids)
+    count = round(recompute * later)
+    if later and count == later:  # the full prefill: the true prefix kept, the rest prefilled on it
+        cache = session.adapter.fork_cache(first_cache)
+        cache, _ = _prefill(session, ids[len(first_ids) :], cache)
+        return Composition(cache, ids, offsets, list(range(len(first_ids), len(ids))), rule, recompute)
+    cache = _concatenate(session, parts, offsets)
+    selected: list[int] = []
+    if count:
+        if rule == "deviation":
+            selected = _by_deviation(session, first_cache, ids, len(first_ids), cache, count)
+        else:
+            selected = _by_doc_start(offsets, len(ids), recompute)
+        recompute_tokens(session, cache, ids, selected)
+    return Composition(cache, ids, offsets, selected, rule, recompute)
+
+
+def _prefill(session, ids: list[int], cache):
+    from kvcdn_core import runtime
+
+    return runtime.prefill(session, ids, cache=cache, progress=False)
+
+
+def _concatenate(session, parts, offsets: list[int]):
+    """A cache holding every part's keys (moved to its offset) and values, in order."""
+    import torch
+
+    cache = session.adapter.new_cache(session.model)
+    targets = session.adapter.cache_layers(cache)
+    sources = [session.adapter.cache_layers(part_cache) for part_cache, _ in parts]
+    rotated = rotated_layers(session.model)
+    for i, target in enumerate(targets):
+        keys = torch.cat(
+            [move_keys(session.model, s[i].keys, o) if rotated[i] else s[i].keys for s, o in zip(sources, offsets)],
+            dim=-2,
+        )
+        values = torch.cat([s[i].values for s in sources], dim=-2)
+        target.lazy_initialization(keys, values)
+        target.keys, target.values = keys, values
+    return cache
+
+
+def _by_doc_start(offsets: list[int], total: int, share: float) -> list[int]:
+    """Each later document's first ``round(share * its length)`` tokens."""
+    ends = offsets[1:] + [total]
+    chosen: list[int] = []
+    for start, end in zip(offsets[1:], ends[1:]):
+        chosen += range(start, start + round(share * (end - start)))
+    return chosen
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the layer it watches has run."""
+
+
+def _by_deviation(session, first_cache, ids: list[int], prefix: int, cache, count: int) -> list[int]:
+    """CacheBlend's rule: the ``count`` later tokens whose values at :data:`DEVIATION_LAYER` differ
+    most (L2 over heads) between the composed cache and a fresh pass of the first layers.
+
+    The fresh pass runs only the later tokens, on the first artifact's (exact) cache, and stops
+    after the watched layer: its cost is that share of the model's layers.
+    """
+    import torch
+
+    from kvcdn_core.contracts.adapter import cache_keyword
+
+    model = session.model
+    layers = getattr(model, "base_model", model).layers
+    watched = min(DEVIATION_LAYER, len(layers) - 1)
+
+    def stop(*_):
+        raise _Stop
+
+    probe = session.adapter.fork_cache(first_cache)
+    hook = layers[watched].register_forward_hook(stop)
+    try:
+        with torch.inference_mode():
+            model(
+                input_ids=torch.tensor([ids[prefix:]], device=session.device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_keyword(model): probe},
+            )
+    except _Stop:
+        pass
+    finally:
+        hook.remove()
+    fresh = session.adapter.cache_layers(probe)[watched].values[..., prefix:, :]
+    moved = session.adapter.cache_layers(cache)[watched].values[..., prefix:, :]
+    deviation = (fresh.float() - moved.float()).pow(2).sum(dim=(0, 1, 3))
+    top = torch.topk(deviation, count).indices + prefix
+    return sorted(int(i) for i in top)
+
+
+def recompute_tokens(session, cache, ids: list[int], selected: list[int]) -> None:
+    """Recompute ``selected`` positions' keys and values on ``cache`` (all of ``ids``), in place.
+
+    One forward of the selected tokens at their true positions. Each attends to every earlier
+    position once: the cached entry of a position not selected, the fresh entry of one selected
+    (and itself). Their fresh entries then replace the cached ones in every layer.
+    """
+    import torch
+
+    from kvcdn_core.contracts.adapter import cache_keyword
+
+    if not selected:
+        return
+    model, device = session.model, session.device
+    total = len(ids)
+    chosen = torch.tensor(selected, dtype=torch.long, device=device)
+    positions = torch.arange(total, device=device)
+    sees_cached = positions[None, :] < chosen[:, None]
+    sees_cached[:, chosen] = False
+    sees_fresh = chosen[None, :] <= chosen[:, None]
+    allowed = torch.cat([sees_cached, sees_fresh], dim=-1)
+    dtype = getattr(torch, session.dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    with torch.inference_mode():
+        model(
+            input_ids=torch.tensor([[ids[i] for i in selected]], device=device),
+            position_ids=chosen[None, :],
+            attention_mask=mask[None, None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_keyword(model): cache},
+        )
+        for layer in session.adapter.cache_layers(cache):
+            keys, values = layer.keys[..., :total, :].clone(), layer.values[..., :total, :].clone()
+            keys[..., chosen, :] = layer.keys[..., total:, :]
+            values[..., chosen, :] = layer.values[..., total:, :]
+            layer.keys, layer.values = keys, values

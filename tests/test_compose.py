@@ -1,0 +1,283 @@
+"""Composing cached documents out of prefix order (kvcdn_core.compose), float32 on tiny models.
+
+Tolerances: float32 prefills of the same ids in a different split (one pass against chunks, a key
+rotated twice against once) agree to a few ulp of the largest entry; 1e-4 relative is three orders
+above what was measured (about 4e-6 at worst) and far below any real error (a key left at its old
+position differs by order one).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcdn_core import artifact, compose, runtime
+from kvcdn_core.artifact.manifest import LayerEntry
+from kvcdn_core.errors import KvcdnError
+from kvcdn_core.model.tiny import SAMPLE_TEXT, config_variants, model_class
+from kvcdn_core.plugin_host.registry import adapter_classes
+
+TOL = 1e-4
+DOCUMENTS = [p.strip() for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
+QUESTION = "\n\nQ: Which ship was lost?\nA:"
+
+#: One architecture per rotary layout the families use (half-split, interleaved, partial, NoPE layers).
+FAMILIES = [
+    "Qwen3ForCausalLM",
+    "LlamaForCausalLM",
+    "PhiForCausalLM",  # partial rotary, split by the attention
+    "StableLmForCausalLM",  # partial rotary
+    "GlmForCausalLM",  # partial and interleaved
+    "CohereForCausalLM",  # interleaved
+    "NemotronForCausalLM",  # partial, split inside apply_rotary_pos_emb
+    "GPTNeoXForCausalLM",  # partial, another module layout
+    "SmolLM3ForCausalLM",  # every other layer without rotary positions
+    "Ernie4_5ForCausalLM",
+]
+
+_ROPE = {"rope_theta": 10000.0}
+#: (architecture, variant, config changes): every rotary kind, as a model built in memory.
+ROTARY_KINDS = {
+    "plain": ("Qwen3ForCausalLM", None, {}),
+    "linear": ("LlamaForCausalLM", None, {"rope_parameters": {**_ROPE, "rope_type": "linear", "factor": 4.0}}),
+    "dynamic": ("LlamaForCausalLM", None, {"rope_parameters": {**_ROPE, "rope_type": "dynamic", "factor": 4.0}}),
+    "yarn": (
+        "LlamaForCausalLM",
+        None,
+        {
+            "max_position_embeddings": 4096,
+            "rope_parameters": {**_ROPE, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        },
+    ),
+    "llama3": ("LlamaForCausalLM", "llama3-rope-8q-kv1", {}),
+    "longrope": ("Phi3ForCausalLM", None, {}),
+    "partial": ("PhiForCausalLM", None, {}),
+    "partial-interleaved": ("GlmForCausalLM", None, {}),
+    "interleaved": ("CohereForCausalLM", None, {}),
+    "partial-in-apply": ("NemotronForCausalLM", None, {}),
+    "nope-layers": ("SmolLM3ForCausalLM", None, {}),
+    "chunked-halves": ("GptOssForCausalLM", None, {}),
+}
+
+
+def _model(architecture, variant, changes):
+    import torch
+
+    adapter = adapter_classes()[architecture]
+    kwargs = dict(config_variants(adapter, architecture)[variant or "default"])
+    kwargs.pop("_bos", None)
+    kwargs.update(vocab_size=384, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=1, **changes)
+    cls = model_class(architecture)
+    torch.manual_seed(0)
+    return cls(cls.config_class(**kwargs)).float().eval()
+
+
+def _prefilled_at(model, ids, offset):
+    """The cache of ``ids`` alone, at positions ``offset..``: what a moved cache must equal."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    positions = torch.arange(offset, offset + ids.shape[1])[None]
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+    return cache
+
+
+def _relative(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("kind", list(ROTARY_KINDS))
+def test_a_moved_document_equals_its_prefill_at_the_new_offset(kind):
+    """Rotary attention depends on relative positions only, so a document prefilled alone at offset
+    p has, layer for layer, the keys of its offset-0 cache moved by p and the same values."""
+    import torch
+
+    model = _model(*ROTARY_KINDS[kind])
+    ids = torch.randint(0, 384, (1, 40), generator=torch.Generator().manual_seed(1))
+    at_zero, at_p = _prefilled_at(model, ids, 0), _prefilled_at(model, ids, 23)
+    rotated = compose.rotated_layers(model)
+    checked = 0
+    for moved_from, want, has_rope in zip(at_zero.layers, at_p.layers, rotated):
+        if getattr(want, "keys", None) is None or want.keys.shape != moved_from.keys.shape:
+            continue  # a sliding-window layer's buffer (gpt-oss): refused for composition anyway
+        keys = compose.move_keys(model, moved_from.keys, 23) if has_rope else moved_from.keys
+        assert _relative(keys, want.keys) < TOL
+        assert _relative(moved_from.values, want.values) < TOL
+        # and the move is real: the unmoved keys are far off (order one)
+        if has_rope:
+            assert _relative(moved_from.keys, want.keys) > 1e-2
+        checked += 1
+    assert checked >= 2
+
+
+@pytest.fixture(scope="module")
+def family_artifacts(tiny_session, tmp_path_factory):
+    """Factory ``(session, headers)``: the tiny model of an architecture and an artifact per document."""
+    made = {}
+
+    def get(architecture, documents=DOCUMENTS[:3]):
+        key = (architecture, tuple(documents))
+        if key not in made:
+            session = tiny_session(adapter_classes()[architecture], architecture)
+            out = tmp_path_factory.mktemp(f"compose-{architecture}")
+            headers = []
+            for i, text in enumerate(documents):
+                path, _ = runtime.generate(session, text, out / f"doc{i}.kv", progress=False)
+                headers.append(artifact.read_header(path))
+            made[key] = session, headers
+        return made[key]
+
+    return get
+
+
+def _reference(session, ids, question_ids, n=8):
+    return runtime.greedy(session, session.adapter.new_cache(session.model), ids + question_ids, n)
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("architecture", FAMILIES)
+def test_recompute_one_is_the_full_prefill(family_artifacts, architecture):
+    session, headers = family_artifacts(architecture)
+    question = session.adapter.encode_continuation(session.tokenizer, QUESTION)
+    composed = compose.compose(session, headers, recompute=1.0)
+    ref_ids, ref_logits = _reference(session, composed.ids, question)
+    ids, logits = runtime.greedy(session, composed.cache, question, 8)
+    assert ids == ref_ids
+    assert _max_diff(logits, ref_logits) < TOL * max(float(x.abs().max()) for x in ref_logits)
+    assert len(composed.recomputed) == len(composed.ids) - composed.prefix_tokens
+
+
+@pytest.mark.parametrize("architecture", FAMILIES)
+def test_recomputing_every_later_token_through_the_mask_is_the_full_prefill(family_artifacts, architecture):
+    """The selective path itself (mask, true positions, write-back), with every later token chosen:
+    each then sees only fresh entries after the exact prefix, as a full prefill does."""
+    session, headers = family_artifacts(architecture)
+    question = session.adapter.encode_continuation(session.tokenizer, QUESTION)
+    composed = compose.compose(session, headers, recompute=0.0)
+    compose.recompute_tokens(
+        session, composed.cache, composed.ids, list(range(composed.prefix_tokens, len(composed.ids)))
+    )
+    ref_ids, ref_logits = _reference(session, composed.ids, question)
+    ids, logits = runtime.greedy(session, composed.cache, question, 8, forced=ref_ids)
+    assert _max_diff(logits, ref_logits) < TOL * max(float(x.abs().max()) for x in ref_logits)
+    assert ids == ref_ids
+
+
+def test_recompute_zero_moves_keys_and_keeps_the_first_artifact_exact(family_artifacts):
+    import torch
+
+    session, headers = family_artifacts("Qwen3ForCausalLM")
+    composed = compose.compose(session, headers, recompute=0.0)
+    assert composed.recomputed == []
+    parts = compose.load_parts(session, headers)
+    first = len(parts[0][1])
+    for i, layer in enumerate(session.adapter.cache_layers(composed.cache)):
+        original = session.adapter.cache_layers(parts[0][0])[i]
+        assert torch.equal(layer.keys[..., :first, :], original.keys)
+        assert torch.equal(layer.values[..., :first, :], original.values)
+    # Layer 0's keys depend on the token and its position only: the moved ones are the full prefill's.
+    full, _ = runtime.prefill(session, composed.ids, progress=False)
+    got, want = session.adapter.cache_layers(composed.cache)[0].keys, session.adapter.cache_layers(full)[0].keys
+    assert _relative(got, want) < TOL
+    assert composed.offsets == [0, first, first + len(parts[1][1])]
+
+
+@pytest.mark.parametrize("rule", compose.RULES)
+def test_selection_rules_pick_the_share_of_later_tokens(family_artifacts, rule):
+    session, headers = family_artifacts("Qwen3ForCausalLM")
+    composed = compose.compose(session, headers, recompute=0.25, rule=rule)
+    later = len(composed.ids) - composed.prefix_tokens
+    assert abs(len(composed.recomputed) - round(0.25 * later)) <= len(headers)
+    assert len(set(composed.recomputed)) == len(composed.recomputed)
+    assert min(composed.recomputed) >= composed.prefix_tokens  # the true prefix is never recomputed
+    if rule == "doc-start":
+        for start in composed.offsets[1:]:
+            assert start in composed.recomputed
+
+
+def test_deviation_ranks_by_the_early_layer_values(family_artifacts):
+    """The chosen tokens are those whose layer-1 values moved most (checked against a direct computation)."""
+    import torch
+
+    session, headers = family_artifacts("Qwen3ForCausalLM")
+    moved = compose.compose(session, headers, recompute=0.0)
+    full, _ = runtime.prefill(session, moved.ids, progress=False)
+    layer = compose.DEVIATION_LAYER
+    prefix = moved.prefix_tokens
+    fresh = session.adapter.cache_layers(full)[layer].values[..., prefix:, :]
+    stale = session.adapter.cache_layers(moved.cache)[layer].values[..., prefix:, :]
+    deviation = (fresh - stale).pow(2).sum(dim=(0, 1, 3))
+    want = sorted(int(i) + prefix for i in torch.topk(deviation, 10).indices)
+    later = len(moved.ids) - prefix
+    picked = compose.compose(session, headers, recompute=10 / later, rule="deviation").recomputed
+    assert picked == want
+
+
+def test_recomputation_brings_the_composition_closer_to_the_full_prefill(family_artifacts):
+    session, headers = family_artifacts("Qwen3ForCausalLM")
+    question = session.adapter.encode_continuation(session.tokenizer, QUESTION)
+    errors = []
+    for share in (0.0, 0.5, 1.0):
+        composed = compose.compose(session, headers, recompute=share)
+        ref_ids, ref_logits = _reference(session, composed.ids, question)
+        _, logits = runtime.greedy(session, composed.cache, question, 8, forced=ref_ids)
+        errors.append(_max_diff(logits, ref_logits))
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_artifacts_of_different_models_are_refused(family_artifacts):
+    _, qwen = family_artifacts("Qwen3ForCausalLM")
+    _, llama = family_artifacts("LlamaForCausalLM")
+    with pytest.raises(KvcdnError, match=r"different models \(.*config.*differ\)"):
+        compose.check_same_model([qwen[0], llama[1]])
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("sliding_window", "sliding window keeps only the last tokens"),
+        ("mla_latent", "latent attention stores its rotary key apart"),
+        ("linear_attention", "summarises the whole prefix"),
+        ("recurrent_state", "summarises the whole prefix"),
+    ],
+)
+def test_layers_that_cannot_move_are_refused_with_the_reason(family_artifacts, kind, reason):
+    session, _ = family_artifacts("Qwen3ForCausalLM")
+    layers = [LayerEntry(0, "full_attention"), LayerEntry(1, kind)]
+    with pytest.raises(KvcdnError, match=f"layer 1 is '{kind}': .*{reason}"):
+        compose.composable(session, layers)
+
+
+@pytest.mark.parametrize(
+    "architecture", ["GPT2LMHeadModel", "BloomForCausalLM", "GPTBigCodeForCausalLM", "GPTJForCausalLM"]
+)
+def test_models_without_rotary_positions_are_refused(architecture):
+    model = _model(architecture, None, {})
+    with pytest.raises(KvcdnError, match="no rotary position embedding"):
+        compose.move_keys(model, None, 3)
+
+
+def test_multimodal_rotary_sections_are_refused():
+    model = _model("Qwen3ForCausalLM", None, {})
+    model.config.mrope_section = [2, 3, 3]
+    with pytest.raises(KvcdnError, match="multimodal rotary sections are not handled"):
+        compose.move_keys(model, None, 3)
+
+
+def test_longrope_past_its_switch_is_refused(family_artifacts):
+    """Phi-3's tiny LongRoPE switches factors past 64 tokens: moved short-factor keys would be wrong."""
+    session, headers = family_artifacts("Phi3ForCausalLM", DOCUMENTS[:2])
+    with pytest.raises(KvcdnError, match=r"longrope RoPE rotates positions differently past 64 tokens"):
+        compose.compose(session, headers)
+
+
+def test_bad_knobs_are_refused(family_artifacts):
+    session, headers = family_artifacts("Qwen3ForCausalLM")
+    with pytest.raises(KvcdnError, match="between 0 and 1"):
+        compose.compose(session, headers, recompute=1.5)
+    with pytest.raises(KvcdnError, match="unknown selection rule"):
+        compose.compose(session, headers, rule="random")
