@@ -124,3 +124,19 @@ def test_int8_quant_verify(smol, artifact, workdir, kvcdn):
     )
     assert out["verification"] == "Match", out["verify"]
     assert out["verify"]["reference_matches"] == 32 and out["verify"]["unquantized_matches"] == 32
+
+
+def test_composition_at_recompute_one_is_token_exact(smol, workdir, kvcdn):
+    """Documents composed out of prefix order (docs/compose.md): at --recompute 1 the composition is
+    the full prefill of the documents' token ids, token for token and to diag's logit threshold."""
+    paths = []
+    for i, text in enumerate(p for p in SAMPLE_TEXT.split("\n\n") if p.strip()):
+        context = workdir / f"part{i}.txt"
+        context.write_text(text, encoding="utf-8")
+        paths.append(workdir / f"part{i}.kv")
+        kvcdn("generate", "--model", smol, "--context-file", context, "--output", paths[-1], "-q", "--format", "json")
+    kv = [arg for p in reversed(paths) for arg in ("--kv-path", p)]
+    out = kvcdn("verify", *kv, "--recompute", "1", "--question", QUESTION, "--n", "32", "--format", "json")
+    assert out["status"] == "PASS" and out["matches"] == 32
+    out = kvcdn("diag", *kv, "--recompute", "1", "--question", QUESTION, "--n", "8", "--format", "json")
+    assert out["status"] == "PASS" and out["first_divergence"] is None

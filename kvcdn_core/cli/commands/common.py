@@ -100,6 +100,72 @@ def open_artifact(path: Path, model: str | None, revision: str | None, device: s
     return runtime.session_for_artifact(manifest_of(header), model, revision, device, dtype), header
 
 
+def open_artifacts(paths, model: str | None, revision: str | None, device: str, dtype: str):
+    """Several artifacts to compose: ``(session, headers)``, the model named by the first."""
+    from kvcdn_core import artifact
+    from kvcdn_core.paths import input_artifact
+
+    found = [input_artifact(p, "--kv-path") for p in paths]
+    session, first = open_artifact(found[0], model, revision, device, dtype)
+    return session, [first] + [artifact.read_header(p) for p in found[1:]]
+
+
+class _ShareOrAuto(click.ParamType):
+    """A share from 0 to 1, or ``auto`` (diag: the smallest share of a ladder under ``--max-kl``)."""
+
+    name = "R|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, float):
+            return value
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if not 0.0 <= share <= 1.0:
+            self.fail(f"{value!r} is not a share from 0 to 1, nor auto", param, ctx)
+        return share
+
+
+def composition_options(auto: bool = False):
+    """``--recompute --select``: how several ``--kv-path`` artifacts are composed into one prompt.
+
+    ``auto``: ``--recompute`` also takes ``auto`` (``kvcdn diag`` with ``--max-kl``).
+    """
+    from kvcdn_core.model.defaults import COMPOSE_RULES as RULES
+    from kvcdn_core.model.defaults import DEFAULT_COMPOSE_RULE as DEFAULT_RULE
+    from kvcdn_core.model.defaults import DEFAULT_RECOMPUTE
+
+    def decorate(f):
+        f = click.option(
+            "--select",
+            "rule",
+            type=click.Choice(RULES),
+            default=None,
+            help=f"With several --kv-path: how the tokens to recompute are chosen [default: {DEFAULT_RULE}].",
+        )(f)
+        return click.option(
+            "--recompute",
+            type=_ShareOrAuto() if auto else click.FloatRange(0.0, 1.0),
+            default=None,
+            help="With several --kv-path: the share of the later documents' tokens recomputed, 0 to 1; "
+            + ("auto: the smallest share whose mean KL is within --max-kl; " if auto else "")
+            + f"1 is the full prefill [default: {DEFAULT_RECOMPUTE}].",
+        )(f)
+
+    return decorate
+
+
+def composition_knobs(paths, recompute, rule):
+    """``(recompute, rule)`` with their defaults; refused when there is nothing to compose."""
+    from kvcdn_core.model.defaults import DEFAULT_COMPOSE_RULE as DEFAULT_RULE
+    from kvcdn_core.model.defaults import DEFAULT_RECOMPUTE
+
+    if len(paths) < 2 and (recompute is not None or rule is not None):
+        raise KvcdnError("--recompute and --select compose several artifacts: pass two or more --kv-path")
+    return (DEFAULT_RECOMPUTE if recompute is None else recompute), (rule or DEFAULT_RULE)
+
+
 def text_or_file(text: str | None, path: str | None, what: str) -> str:
     """The text of ``--<what>`` or of ``--<what>-file``: exactly one, and not empty."""
     if (text is None) == (path is None):

@@ -1,8 +1,10 @@
 """``kvcdn continue``: the local inference path, continuing from a saved artifact.
 
-Two ways in: ``--kv-path`` + ``--question`` feeds a question after one artifact's context;
-``--dir`` + ``--prompt-file`` takes a whole prompt, finds the artifact with the longest usable
-prefix of it, reuses that prefix and prefills only the rest (token-exact with a full prefill).
+Two ways in: ``--kv-path`` + ``--question`` feeds a question after one artifact's context (after
+several artifacts' contexts composed in the order given, with ``--kv-path`` repeated: see
+:mod:`kvcdn_core.compose`); ``--dir`` + ``--prompt-file`` takes a whole prompt, finds the artifact
+with the longest usable prefix of it, reuses that prefix and prefills only the rest (token-exact
+with a full prefill).
 """
 
 from __future__ import annotations
@@ -11,7 +13,16 @@ from pathlib import Path
 
 import click
 
-from kvcdn_core.cli.commands.common import force_option, format_option, model_options, open_artifact, text_or_file
+from kvcdn_core.cli.commands.common import (
+    composition_knobs,
+    composition_options,
+    force_option,
+    format_option,
+    model_options,
+    open_artifact,
+    open_artifacts,
+    text_or_file,
+)
 from kvcdn_core.cli.render import emit_json
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.model.defaults import DEFAULT_QUESTION
@@ -20,7 +31,11 @@ from kvcdn_core.paths import input_artifact
 
 @click.command("continue")
 @model_options()
-@click.option("--kv-path", default=None, help="Artifact to continue from (with --question).")
+@click.option(
+    "--kv-path",
+    multiple=True,
+    help="Artifact to continue from (with --question); repeat it to compose several documents in that order.",
+)
 @click.option(
     "--question", default=None, help=f"Text fed after the artifact's context [default: {DEFAULT_QUESTION!r}]."
 )
@@ -40,19 +55,37 @@ from kvcdn_core.paths import input_artifact
 @click.option("--prompt", default=None, help="The whole prompt (with --dir or --store).")
 @click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file instead.")
 @click.option("--n", "n", type=click.IntRange(1), default=64, show_default=True, help="Tokens to generate.")
+@composition_options()
 @force_option
 @format_option
 def command(
-    model, revision, device, dtype, quiet, kv_path, question, directory, store, prompt, prompt_file, n, force, fmt
+    model,
+    revision,
+    device,
+    dtype,
+    quiet,
+    kv_path,
+    question,
+    directory,
+    store,
+    prompt,
+    prompt_file,
+    n,
+    recompute,
+    rule,
+    force,
+    fmt,
 ):
     """Generate N tokens greedily, continuing from a saved artifact.
 
-    With --kv-path: load the artifact and feed QUESTION after its context. With --prompt or
+    With --kv-path: load the artifact and feed QUESTION after its context. With --kv-path repeated:
+    compose the artifacts' documents in that order (keys moved to their new positions, a share
+    --recompute of the later documents' tokens recomputed), then feed QUESTION. With --prompt or
     --prompt-file (and --dir or --store): reuse the best saved artifact's usable prefix of the prompt, prefill the rest, and
     report how many prompt tokens were reused; the output is the same as a full prefill's.
     """
     if directory is not None or store is not None or prompt is not None or prompt_file is not None:
-        if kv_path is not None or question is not None:
+        if kv_path or question is not None or recompute is not None or rule is not None:
             raise KvcdnError("--dir/--prompt-file and --kv-path/--question are two modes; pass one pair")
         if prompt is None and prompt_file is None:
             raise KvcdnError(f"--{'store' if store is not None else 'dir'} needs --prompt or --prompt-file")
@@ -60,9 +93,38 @@ def command(
             raise KvcdnError("pass one of --dir and --store")
         text = text_or_file(prompt, prompt_file, "prompt")
         return _continue_prompt(model, revision, device, dtype, quiet, directory, store, text, n, force, fmt)
-    if kv_path is None:
+    if not kv_path:
         raise KvcdnError("pass --kv-path (with --question), or --dir with --prompt-file")
-    _continue_artifact(model, revision, device, dtype, kv_path, question or DEFAULT_QUESTION, n, force, fmt)
+    recompute, rule = composition_knobs(kv_path, recompute, rule)
+    if len(kv_path) > 1:
+        return _continue_composed(
+            model, revision, device, dtype, kv_path, question or DEFAULT_QUESTION, n, recompute, rule, force, fmt
+        )
+    _continue_artifact(model, revision, device, dtype, kv_path[0], question or DEFAULT_QUESTION, n, force, fmt)
+
+
+def _continue_composed(model, revision, device, dtype, paths, question, n, recompute, rule, force, fmt):
+    from kvcdn_core import compose, runtime
+
+    session, headers = open_artifacts(paths, model, revision, device, dtype)
+    composed = compose.compose(session, headers, recompute, rule, force=force)
+    question_ids = session.adapter.encode_continuation(session.tokenizer, question)
+    ids, _ = runtime.greedy(session, composed.cache, question_ids, n)
+    text = runtime.decode(session, ids)
+    if fmt == "json":
+        emit_json(
+            {
+                "paths": [str(h.path) for h in headers],
+                "model": session.model_ref,
+                **composed.as_dict(),
+                "question_tokens": len(question_ids),
+                "token_ids": ids,
+                "text": text,
+            }
+        )
+    else:
+        click.echo(composed.summary(), err=True)
+        click.echo(text)
 
 
 def _continue_artifact(model, revision, device, dtype, kv_path, question, n, force, fmt):

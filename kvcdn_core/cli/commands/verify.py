@@ -9,10 +9,13 @@ import click
 
 from kvcdn_core.cli.commands.common import (
     artifact_path,
+    composition_knobs,
+    composition_options,
     force_option,
     format_option,
     model_options,
     open_artifact,
+    open_artifacts,
     read_text_file,
 )
 from kvcdn_core.cli.render import emit_json
@@ -22,8 +25,19 @@ from kvcdn_core.paths import input_artifact
 
 
 def prepare(command_name, model, revision, device, dtype, quiet, kv_path, context_file):
-    """The artifact to check: the existing one at ``kv_path``, or one generated from the context."""
+    """The artifact to check: the existing one at ``kv_path``, or one generated from the context.
+
+    ``kv_path`` is the tuple of ``--kv-path`` values: with several, ``(session, [headers])`` of the
+    artifacts to compose (they must exist).
+    """
     from kvcdn_core import artifact, runtime
+
+    if len(kv_path) > 1:
+        if context_file:
+            raise KvcdnError("--context-file generates one artifact; with several --kv-path pass existing artifacts")
+        announce(quiet, f"loading the model of {kv_path[0]} ...")
+        return open_artifacts(kv_path, model, revision, device, dtype)
+    kv_path = kv_path[0] if kv_path else None
 
     if kv_path and Path(kv_path).exists():  # an artifact to read: taken as given, never renamed
         path = input_artifact(kv_path, "--kv-path")
@@ -64,8 +78,9 @@ def check_options(f):
             model_options(),
             click.option(
                 "--kv-path",
-                default=None,
-                help="Artifact to check; generated from --context-file when it does not exist.",
+                multiple=True,
+                help="Artifact to check; generated from --context-file when it does not exist. Repeat it to "
+                "check the composition of several artifacts against the full prefill of their documents.",
             ),
             click.option("--context-file", default=None, help="Document to generate the artifact from."),
             click.option(
@@ -86,30 +101,38 @@ def check_options(f):
 
 @click.command("verify")
 @check_options
-def command(model, revision, device, dtype, quiet, kv_path, context_file, question, n, force, fmt):
+@composition_options()
+def command(model, revision, device, dtype, quiet, kv_path, context_file, question, n, recompute, rule, force, fmt):
     """Check that continuing from an artifact is token-exact against a full prefill.
 
     Path A prefills context + question from scratch; path B loads the artifact from disk and feeds
     only the question. Both decode N tokens greedily and are compared by token id. Exit 0 on PASS,
-    1 on MISMATCH.
+    1 on MISMATCH. With --kv-path repeated, path B is the artifacts composed (--recompute, --select)
+    and path A the full prefill of their documents in that order.
     """
-    from kvcdn_core.exactness.against_prefill import run_verify
+    from kvcdn_core.exactness.against_prefill import run_verify, run_verify_composed
 
+    recompute, rule = composition_knobs(kv_path, recompute, rule)
     session, header = prepare("verify", model, revision, device, dtype, quiet, kv_path, context_file)
-    announce(
-        quiet,
-        f"decoding {n} tokens twice: from the artifact, and after a full prefill of its "
-        f"{header.token_count} context tokens ...",
-    )
-    result = run_verify(session, header, question, n, force=force)
-    if fmt == "json":
-        emit_json({"path": str(header.path), "model": session.model_ref, **result.as_dict()})
+    if isinstance(header, list):
+        announce(quiet, f"decoding {n} tokens twice: from the composition, and after a full prefill ...")
+        result, composition = run_verify_composed(session, header, question, n, recompute, rule, force=force)
+        where, described = {"paths": [str(h.path) for h in header], **composition.as_dict()}, composition.summary()
     else:
-        click.echo(
-            f"artifact: {header.path} ({result.context_tokens} context + {result.question_tokens} question tokens)"
+        announce(
+            quiet,
+            f"decoding {n} tokens twice: from the artifact, and after a full prefill of its "
+            f"{header.token_count} context tokens ...",
         )
+        result = run_verify(session, header, question, n, force=force)
+        where, described = {"path": str(header.path)}, f"artifact: {header.path}"
+    if fmt == "json":
+        emit_json({**where, "model": session.model_ref, **result.as_dict()})
+    else:
+        click.echo(f"{described} ({result.context_tokens} context + {result.question_tokens} question tokens)")
         click.echo(f"reference (full prefill): {result.reference_text!r}")
-        click.echo(f"cached (artifact):        {result.cached_text!r}")
+        label = "composed" if isinstance(header, list) else "artifact"
+        click.echo(f"cached ({label}):        {result.cached_text!r}")
         status = "PASS" if result.passed else "MISMATCH"
         click.echo(f"token match: {result.matches}/{result.n} ({status})")
         first = result.first_divergence
