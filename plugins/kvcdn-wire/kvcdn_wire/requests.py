@@ -1,13 +1,13 @@
-"""The hosted API's request bodies and telemetry event, as pydantic models shared by the server
-(which validates with them) and the client (which builds its bodies with them)."""
+"""The request bodies, as pydantic models: the server validates with them, the client builds its
+bodies with them. Unknown fields are refused; the original kvcdn client's spellings are accepted."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints
 
-from kvcdn_hosted.wire import MAX_INFER_TOKENS, MAX_QUESTION_CHARS
+from kvcdn_wire.routes import MAX_INFER_TOKENS, MAX_QUESTION_CHARS
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
 
@@ -21,8 +21,8 @@ class Strict(BaseModel):
 class ManifestHints(Strict):
     model_id: str | None = None
     architecture: str | None = None
-    tokens: int | None = Field(None, ge=0, validation_alias=AliasChoices("tokens", "token_count"))
-    layers: int | None = Field(None, ge=0)
+    tokens: int | None = Field(default=None, ge=0, validation_alias=AliasChoices("tokens", "token_count"))
+    layers: int | None = Field(default=None, ge=0)
     dtype: str | None = None
     quantization: str | None = None
 
@@ -33,7 +33,7 @@ class SeedMetadata(BaseModel):
     name: str | None = None
     sha256: Sha256 | None = None
     storage_dtype: str | None = None
-    num_layers: int | None = Field(None, ge=0)
+    num_layers: int | None = Field(default=None, ge=0)
     quantized: bool | None = None
 
 
@@ -48,8 +48,8 @@ class UploadUrlRequest(Strict):
     checksum: Sha256 | None = None
     visibility: Literal["private", "public"] = "private"
     manifest: ManifestHints | None = None
-    dtype: str | None = Field(None, max_length=64)
-    num_tokens: int | None = Field(None, ge=0)
+    dtype: str | None = Field(default=None, max_length=64)
+    num_tokens: int | None = Field(default=None, ge=0)
     metadata: SeedMetadata | None = None
 
     def resolved(self) -> tuple[str, str, dict[str, Any]]:
@@ -81,10 +81,10 @@ class Part(Strict):
 
 
 class ConfirmRequest(Strict):
-    parts: list[Part] | None = Field(None, max_length=10000)
+    parts: list[Part] | None = Field(default=None, max_length=10000)
     #: the original client's confirm: the sha256 and size it uploaded (checked against the bytes)
     digest: Sha256 | None = None
-    size_bytes: int | None = Field(None, ge=0)
+    size_bytes: int | None = Field(default=None, ge=0)
     #: delete the caller's other ready artifacts of this name in the same step (the storage backend's overwrite)
     replace: bool = False
 
@@ -100,23 +100,3 @@ class OrgRequest(Strict):
 
 class VerifyRequest(Strict):
     api_key: str | None = None
-
-
-PropKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-PropValue = Union[bool, int, float, Annotated[str, StringConstraints(max_length=256)]]
-
-
-class TelemetryEvent(BaseModel):
-    """One usage event (``POST /api/v1/telemetry``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    event: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]
-    kvcdn_version: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    command: Annotated[str, StringConstraints(max_length=64)] | None = None
-    ok: bool | None = None
-    duration_ms: Annotated[float, Field(ge=0)] | None = None
-    os: Annotated[str, StringConstraints(max_length=32)] | None = None
-    python: Annotated[str, StringConstraints(max_length=16)] | None = None
-    install_id: Annotated[str, StringConstraints(max_length=64)] | None = None
-    props: Annotated[dict[PropKey, PropValue], Field(max_length=20)] | None = None

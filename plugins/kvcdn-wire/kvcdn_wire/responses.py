@@ -1,0 +1,218 @@
+"""The response bodies, as pydantic models: what the server answers and the client reads.
+
+A field the server always sends is required; one it sends only sometimes has a default. Fields a
+newer server adds are kept (``extra="allow"``), so an older client still reads the answer and
+``model_dump(exclude_unset=True)`` gives back what the server sent. The client parses each body
+once, with :func:`parse`; a body of another shape is one error, never a ``KeyError`` later.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Answer(BaseModel):
+    """A response body: known fields typed, unknown ones kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+A = TypeVar("A", bound=Answer)
+
+
+def parse(model: type[A], data: object) -> A:
+    """``data`` (decoded JSON) as ``model``; raises :class:`pydantic.ValidationError` (a ValueError)."""
+    return model.model_validate(data)
+
+
+class ErrorBody(Answer):
+    """Every refusal. ``error`` is an :class:`~kvcdn_wire.ErrorCode` value; a client keeps it a
+    string, so that a code a newer server adds is still read."""
+
+    error: str
+    message: str
+
+
+class Health(Answer):
+    status: Literal["ok"]
+    version: str
+    #: the storage backend's kind: ``local``, or the first URI scheme of the backend (``s3``, ...)
+    storage: str
+    #: the database dialect: ``sqlite`` or ``postgresql``
+    database: str
+
+
+class Identity(Answer):
+    """``GET /whoami``: who the credential is."""
+
+    customer_id: str
+    org: str | None
+    project: str
+    method: Literal["api_key", "oidc"]
+    subject: str | None
+    issuer: str | None
+    email: str | None
+
+
+class KeyVerification(Answer):
+    """``POST /api-keys/verify``: the org a valid key belongs to."""
+
+    customer_id: str
+    org: str
+    method: Literal["api_key"]
+
+
+class Limits(Answer):
+    artifacts: int
+    storage_bytes: int
+    max_artifact_bytes: int
+
+
+class Usage(Answer):
+    artifacts: int
+    storage_bytes: int
+    pending_artifacts: int
+    pending_bytes: int
+
+
+class SeedCounts(Answer):
+    """The original client's quota table (one org, one project)."""
+
+    organizations: int
+    projects: int
+    artifacts: int
+    storage_bytes: int
+
+
+class Quota(Answer):
+    customer_id: str
+    limits: Limits
+    usage: Usage
+    quota: SeedCounts
+    used: SeedCounts
+
+
+class OrgKey(Answer):
+    """``POST /admin/api-keys`` and ``/admin/api-keys/rotate``: the org's current key."""
+
+    api_key: str
+    org_slug: str
+    customer_id: str
+    generation: int
+
+
+class UploadPart(Answer):
+    part_number: int = Field(ge=1)
+    url: str
+    #: bytes of this part; the part starts at ``(part_number - 1) * part_size``
+    size: int = Field(ge=0)
+
+
+class Multipart(Answer):
+    part_size: int = Field(ge=1)
+    parts: list[UploadPart]
+
+
+class UploadGrant(Answer):
+    """``POST /artifacts/upload-url``: PUT the bytes to ``url``, or each part to its own URL."""
+
+    artifact_id: str
+    method: Literal["PUT"]
+    url: str | None
+    headers: dict[str, str]
+    expires_at: str
+    multipart: Multipart | None
+
+
+class ManifestSummary(Answer):
+    """What listings show of an artifact's manifest (read from its header at confirm)."""
+
+    model_id: str | None = None
+    architecture: str | None = None
+    tokens: int | None = None
+    layers: int | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    format_version: int | None = None
+    kvcdn_version: str | None = None
+
+
+class ArtifactRecord(Answer):
+    """An artifact as ``GET /artifacts/{id}``, lists and confirm show it.
+
+    ``customer_id`` is the owner's, absent from someone else's public artifact. ``dtype`` ...
+    ``quantized`` are the original client's list fields, read from the manifest.
+    """
+
+    artifact_id: str
+    name: str
+    visibility: Literal["private", "public"]
+    #: pending (bytes awaited or uploaded), confirming (being checked) or ready
+    status: str
+    size_bytes: int
+    sha256: str
+    created_at: str
+    confirmed_at: str | None
+    #: the confirm's instant to the microsecond: orders artifacts of one name confirmed within a second
+    confirmed_at_unix: float | None
+    manifest: ManifestSummary | None
+    customer_id: str | None = None
+    dtype: str | None
+    storage_dtype: str | None
+    num_tokens: int | None
+    num_layers: int | None
+    quantized: bool
+
+
+class ArtifactPage(Answer):
+    """``GET /artifacts``: one page of ready artifacts; pass ``next_cursor`` as ``cursor`` for the next."""
+
+    artifacts: list[ArtifactRecord]
+    next_cursor: str | None
+
+
+class DownloadGrant(Answer):
+    """``POST /artifacts/{id}/download-url``: GET ``download_url``; check the size and sha256."""
+
+    artifact_id: str
+    download_url: str
+    sha256: str
+    size_bytes: int
+    expires_at: str
+
+
+class InferAnswer(Answer):
+    """``POST .../infer``: the greedy continuation."""
+
+    artifact_id: str
+    tokens: list[int]
+    token_count: int
+    text: str
+    model: str
+    reused_tokens: int
+    question_tokens: int
+
+
+__all__ = [
+    "Answer",
+    "ArtifactPage",
+    "ArtifactRecord",
+    "DownloadGrant",
+    "ErrorBody",
+    "Health",
+    "Identity",
+    "InferAnswer",
+    "KeyVerification",
+    "Limits",
+    "ManifestSummary",
+    "Multipart",
+    "OrgKey",
+    "Quota",
+    "SeedCounts",
+    "UploadGrant",
+    "UploadPart",
+    "Usage",
+    "parse",
+]

@@ -1,0 +1,39 @@
+"""Route paths (templates name their parameters as FastAPI does) and body limits."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+API = "/api/v1"
+
+HEALTH = "/health"
+WHOAMI = f"{API}/whoami"
+QUOTA = f"{API}/quota"
+VERIFY_API_KEY = f"{API}/api-keys/verify"
+ADMIN_API_KEYS = f"{API}/admin/api-keys"
+ADMIN_ROTATE = f"{API}/admin/api-keys/rotate"
+UPLOAD_URL = f"{API}/artifacts/upload-url"
+ARTIFACTS = f"{API}/artifacts"
+ARTIFACT = f"{API}/artifacts/{{artifact_id}}"
+CONFIRM_UPLOAD = f"{API}/artifacts/{{artifact_id}}/confirm-upload"
+DOWNLOAD_URL = f"{API}/artifacts/{{artifact_id}}/download-url"
+INFER = f"{API}/artifacts/{{artifact_id}}/infer"
+#: the original client's infer route (org and project are ignored: the credential names the tenant)
+LEGACY_INFER = f"{API}/orgs/{{org}}/projects/{{project}}/artifacts/{{artifact_id}}/infer"
+TELEMETRY = f"{API}/telemetry"
+BLOB = f"{API}/blobs/{{artifact_id}}"
+BLOBS_PREFIX = f"{API}/blobs/"
+
+
+def path(template: str, **params: str) -> str:
+    """A route with its parameters filled in, each quoted as one path segment."""
+    return template.format(**{name: quote(str(value), safe="") for name, value in params.items()})
+
+
+#: bytes of a JSON request body (``413 payload_too_large`` above)
+MAX_JSON_BODY = 64 * 1024
+#: bytes of a telemetry event
+MAX_TELEMETRY_BODY = 8 * 1024
+#: characters of an infer question, and tokens an infer may ask for (the request model's bounds)
+MAX_QUESTION_CHARS = 32768
+MAX_INFER_TOKENS = 256
