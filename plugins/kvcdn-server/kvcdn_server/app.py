@@ -4,7 +4,7 @@ Stateless processes: state lives in the database (``db.py``) and bytes in the st
 any number of replicas can serve one PostgreSQL database and one bucket. JSON routes are plain
 functions (FastAPI runs them in its thread pool, where the blocking storage and model calls
 belong); the blob routes stream. Route paths, request models and error codes come from the wire
-contract shared with the client (``kvcdn_hosted.wire``, ``kvcdn_hosted.wire_schema``).
+contract shared with the client (the ``kvcdn-wire`` package).
 """
 
 import contextlib
@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvcdn_core
+import kvcdn_wire as wire
 from kvcdn_core import KvcdnError, open_storage
-from kvcdn_hosted import wire
 from kvcdn_server.apikeys import OrgRegistry
 from kvcdn_server.artifacts import ArtifactStore
 from kvcdn_server.config import ServerConfig
@@ -33,10 +33,17 @@ from kvcdn_server.routes import account, admin, artifacts, blobs, telemetry
 from kvcdn_server.services import Services
 from kvcdn_server.signing import UrlSigner
 from kvcdn_server.telemetry import RateLimit, TelemetrySink
+from kvcdn_wire import ErrorCode
 
 log = logging.getLogger("kvcdn.server")
 #: where signed URLs point when no public URL is configured (``kvcdn serve`` sets the bound address)
 DEFAULT_PUBLIC_URL = "http://127.0.0.1:8080"
+#: the codes of the errors Starlette itself raises (an unknown route, a wrong method)
+HTTP_ERROR_CODES = {
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+}
 
 
 class BodyLimit:
@@ -57,7 +64,7 @@ class BodyLimit:
         limit = wire.MAX_TELEMETRY_BODY if scope["path"] == wire.TELEMETRY else wire.MAX_JSON_BODY
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await _send_error(send, 413, "payload_too_large", f"request body is over {limit} bytes")
+            return await _send_error(send, 413, ErrorCode.PAYLOAD_TOO_LARGE, f"request body is over {limit} bytes")
         seen = 0
         started = False
 
@@ -80,29 +87,29 @@ class BodyLimit:
             await self.app(scope, counting_receive, tracking_send)
         except BodyLimit.TooLarge:
             if not started:
-                await _send_error(send, 413, "payload_too_large", f"request body is over {limit} bytes")
+                await _send_error(send, 413, ErrorCode.PAYLOAD_TOO_LARGE, f"request body is over {limit} bytes")
 
 
-async def _send_error(send, status: int, code: str, message: str) -> None:
-    response = JSONResponse({"error": code, "message": message}, status_code=status)
+async def _send_error(send, status: int, code: ErrorCode, message: str) -> None:
+    response = JSONResponse({"error": code.value, "message": message}, status_code=status)
     await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
 
 
 def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status, headers=exc.headers)
+    return JSONResponse({"error": exc.code.value, "message": exc.message}, status_code=exc.status, headers=exc.headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[int, str, str]:
+def _validation_message(exc: RequestValidationError) -> tuple[int, ErrorCode, str]:
     errors = exc.errors()
     for err in errors:
         if err.get("type") == "json_invalid" or (
             tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type")
         ):
-            return 400, "invalid_json", "the body must be a JSON object"
+            return 400, ErrorCode.INVALID_JSON, "the body must be a JSON object"
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-    return 422, "validation_error", f"{where}: {first.get('msg', 'invalid')}"
+    return 422, ErrorCode.VALIDATION_ERROR, f"{where}: {first.get('msg', 'invalid')}"
 
 
 # -- the app ----------------------------------------------------------------------------------------
@@ -208,21 +215,19 @@ def create_app(config: ServerConfig, storage=None, db_engine=None, clock: Callab
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
         status, code, message = _validation_message(exc)
-        return JSONResponse({"error": code, "message": message}, status_code=status)
+        return JSONResponse({"error": code.value, "message": message}, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
-            exc.status_code, "http_error"
-        )
-        return JSONResponse({"error": code, "message": str(exc.detail)}, status_code=exc.status_code)
+        code = HTTP_ERROR_CODES.get(exc.status_code, ErrorCode.HTTP_ERROR)
+        return JSONResponse({"error": code.value, "message": str(exc.detail)}, status_code=exc.status_code)
 
     @app.exception_handler(KvcdnError)
     async def storage_failed(_request, exc: KvcdnError):
         # Storage errors name internal object keys: log them, answer without them.
         log.error("storage error: %s", exc)
         return JSONResponse(
-            {"error": wire.STORAGE_ERROR, "message": "the object store failed; try again"}, status_code=502
+            {"error": ErrorCode.STORAGE_ERROR.value, "message": "the object store failed; try again"}, status_code=502
         )
 
     @app.exception_handler(sa.exc.SQLAlchemyError)
@@ -239,6 +244,8 @@ def create_app(config: ServerConfig, storage=None, db_engine=None, clock: Callab
     @app.exception_handler(Exception)
     async def crashed(_request, exc: Exception):
         log.error("unhandled error", exc_info=exc)
-        return JSONResponse({"error": wire.INTERNAL_ERROR, "message": "internal server error"}, status_code=500)
+        return JSONResponse(
+            {"error": ErrorCode.INTERNAL_ERROR.value, "message": "internal server error"}, status_code=500
+        )
 
     return app

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 
 from kvcdn_server.errors import ApiError, unauthorized
 from kvcdn_server.services import Services, services
+from kvcdn_wire import ErrorCode
 
 
 @dataclass
@@ -61,7 +62,7 @@ def authenticate(request: Request, s: Services, required: bool = True) -> Identi
         )
     legacy_org = request.path_params.get("org") or request.headers.get("x-kvcdn-org") or request.query_params.get("org")
     if legacy_org and identity.method == "api_key" and legacy_org != identity.org:
-        raise ApiError(403, "forbidden", "the org given does not match the API key's org")
+        raise ApiError(403, ErrorCode.FORBIDDEN, "the org given does not match the API key's org")
     return identity
 
 
@@ -80,7 +81,7 @@ def require_admin(request: Request, s: Annotated[Services, Depends(services)]) -
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip() if scheme.lower() == "bearer" else ""
     if not hmac.compare_digest(given.encode(), s.config.admin_secret.encode()):
-        raise ApiError(403, "forbidden", "missing or wrong admin secret (X-Kvcdn-Admin-Secret or Bearer)")
+        raise ApiError(403, ErrorCode.FORBIDDEN, "missing or wrong admin secret (X-Kvcdn-Admin-Secret or Bearer)")
 
 
 Auth = Annotated[Identity, Depends(identity_required)]

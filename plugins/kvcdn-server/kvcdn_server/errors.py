@@ -4,36 +4,39 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from kvcdn_hosted import wire
+from kvcdn_wire import ErrorCode
 
 #: seconds a client is told to wait before retrying after the database could not be reached
 DATABASE_RETRY_AFTER_S = 2
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+    """A refusal. Its code is an :class:`~kvcdn_wire.ErrorCode` member, never a string (a test
+    reads the server's source for that): the wire package lists every code the server answers."""
+
+    def __init__(self, status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
-        self.code = code
+        self.code = ErrorCode(code)
         self.message = message
         self.headers = headers or {}
 
 
 def unauthorized(message: str = "missing or invalid credential") -> ApiError:
-    return ApiError(401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
+    return ApiError(401, ErrorCode.UNAUTHORIZED, message, {"WWW-Authenticate": "Bearer"})
 
 
 def not_found(what: str = "artifact") -> ApiError:
-    return ApiError(404, "not_found", f"no such {what}")
+    return ApiError(404, ErrorCode.NOT_FOUND, f"no such {what}")
 
 
 def validation(message: str) -> ApiError:
-    return ApiError(422, "validation_error", message)
+    return ApiError(422, ErrorCode.VALIDATION_ERROR, message)
 
 
 def database_unavailable(message: str = "the database is unavailable; try again") -> ApiError:
     """503: the request changed nothing (or was handed back) and may be sent again later."""
-    return ApiError(503, wire.DATABASE_UNAVAILABLE, message, {"Retry-After": str(DATABASE_RETRY_AFTER_S)})
+    return ApiError(503, ErrorCode.DATABASE_UNAVAILABLE, message, {"Retry-After": str(DATABASE_RETRY_AFTER_S)})
 
 
 def is_database_outage(exc: BaseException) -> bool:

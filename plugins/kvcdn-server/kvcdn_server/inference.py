@@ -45,6 +45,7 @@ from typing import Any
 from kvcdn_core import KvcdnError
 from kvcdn_server.errors import ApiError
 from kvcdn_server.turns import TurnCancelled, Turns
+from kvcdn_wire import ErrorCode
 
 log = logging.getLogger("kvcdn.server")
 #: per-key load locks are striped over this many locks, so their number stays bounded
@@ -123,10 +124,12 @@ class ModelPolicy:
     def resolve(self, model_id: Any) -> str:
         """The reference to load for an artifact's model id; 422 when it may not be loaded."""
         if not model_id:
-            raise ApiError(422, "model_not_available", "the artifact names no model")
+            raise ApiError(422, ErrorCode.MODEL_NOT_AVAILABLE, "the artifact names no model")
         if model_id in self._resolved:
             return self._resolved[model_id]
-        raise ApiError(422, "model_not_available", f"model '{model_id}' is not allowed on this server (--models)")
+        raise ApiError(
+            422, ErrorCode.MODEL_NOT_AVAILABLE, f"model '{model_id}' is not allowed on this server (--models)"
+        )
 
 
 class Slots:
@@ -149,11 +152,11 @@ class Slots:
 
     def _refuse_when_busy(self, tenant: str) -> None:
         if sum(self._held.values()) >= self.total:
-            raise ApiError(429, "busy", "all inference slots are busy; retry shortly", {"Retry-After": "1"})
+            raise ApiError(429, ErrorCode.BUSY, "all inference slots are busy; retry shortly", {"Retry-After": "1"})
         if self._held[tenant] >= self.per_tenant:
             raise ApiError(
                 429,
-                "busy",
+                ErrorCode.BUSY,
                 f"your {self.per_tenant} inference slot(s) are busy; retry shortly",
                 {"Retry-After": "1"},
             )
@@ -327,12 +330,12 @@ class InferenceEngine:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ApiError(504, "timeout", f"inference took longer than {self.timeout:g} s")
+                    raise ApiError(504, ErrorCode.TIMEOUT, f"inference took longer than {self.timeout:g} s")
                 try:
                     return future.result(timeout=min(left, DISCONNECT_POLL))
                 except concurrent.futures.TimeoutError:
                     if disconnected is not None and disconnected():
-                        raise ApiError(499, "client_closed_request", "the client disconnected") from None
+                        raise ApiError(499, ErrorCode.CLIENT_CLOSED_REQUEST, "the client disconnected") from None
         finally:
             cancel.set()  # a no-op once done; otherwise the decode loop stops at its next step
             # The slot goes with the answer: a load still running finishes for the caches (it cannot
@@ -343,13 +346,15 @@ class InferenceEngine:
         """Refuse what the request alone shows is over a limit: before a slot, an artifact or a model."""
         if n > self.limits.max_new_tokens:
             raise ApiError(
-                422, "too_many_tokens", f"n is {n}; this server decodes at most {self.limits.max_new_tokens} tokens"
+                422,
+                ErrorCode.TOO_MANY_TOKENS,
+                f"n is {n}; this server decodes at most {self.limits.max_new_tokens} tokens",
             )
         size = len(question.encode("utf-8", "surrogatepass"))
         if size > self.limits.question_bytes:
             raise ApiError(
                 413,
-                "question_too_long",
+                ErrorCode.QUESTION_TOO_LONG,
                 f"the question is {size} bytes; this server takes at most {self.limits.question_bytes} "
                 f"(and {self.limits.max_question_tokens} tokens)",
             )
@@ -376,7 +381,7 @@ class InferenceEngine:
                     if header.token_count > self.limits.max_context_tokens:
                         raise ApiError(
                             422,
-                            "context_too_long",
+                            ErrorCode.CONTEXT_TOO_LONG,
                             f"the artifact holds {header.token_count} context tokens; this server "
                             f"infers from at most {self.limits.max_context_tokens}",
                         )
@@ -386,7 +391,7 @@ class InferenceEngine:
                     if header.manifest["compute_dtype"] != session.dtype:
                         raise ApiError(
                             422,
-                            "dtype_mismatch",
+                            ErrorCode.DTYPE_MISMATCH,
                             f"the artifact was computed in {header.manifest['compute_dtype']}; "
                             f"this server computes in {session.dtype}",
                         )
@@ -395,7 +400,7 @@ class InferenceEngine:
                     if cost > self.limits.cache_bytes:
                         raise ApiError(
                             413,
-                            "artifact_too_large",
+                            ErrorCode.ARTIFACT_TOO_LARGE,
                             f"the artifact's cache takes {cost} bytes in memory; this server "
                             f"holds at most {self.limits.cache_bytes}",
                         )
@@ -417,7 +422,7 @@ class InferenceEngine:
             if len(question_ids) > self.limits.max_question_tokens:
                 raise ApiError(
                     413,
-                    "question_too_long",
+                    ErrorCode.QUESTION_TOO_LONG,
                     f"the question is {len(question_ids)} tokens; this server takes at most "
                     f"{self.limits.max_question_tokens}",
                 )
@@ -434,13 +439,13 @@ class InferenceEngine:
         except ApiError:
             raise
         except KvcdnError as exc:
-            raise ApiError(422, "artifact_incompatible", _strip_paths(str(exc))) from None
+            raise ApiError(422, ErrorCode.ARTIFACT_INCOMPATIBLE, _strip_paths(str(exc))) from None
         except (TypeError, KeyError, IndexError, AttributeError, ValueError, RuntimeError) as exc:
             # The header passed validation, yet a scheme's own fields (a quantizer's record, say)
             # tripped the loader: the artifact's fault, not the server's. Logged for the operator.
             log.warning("artifact %s could not be loaded", artifact_key[1], exc_info=exc)
             raise ApiError(
-                422, "artifact_incompatible", f"the artifact could not be loaded ({type(exc).__name__})"
+                422, ErrorCode.ARTIFACT_INCOMPATIBLE, f"the artifact could not be loaded ({type(exc).__name__})"
             ) from None
         return InferResult(ids, runtime.decode(session, ids), model_id, len(context_ids), len(question_ids))
 

@@ -30,6 +30,7 @@ import httpx
 import jwt
 
 from kvcdn_server.errors import ApiError, unauthorized
+from kvcdn_wire import ErrorCode
 
 log = logging.getLogger("kvcdn.server")
 JWKS_TTL = 300.0
@@ -96,7 +97,9 @@ class JwtVerifier:
                     except jwt.PyJWTError:
                         continue
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ApiError(503, "issuer_unavailable", f"cannot fetch the issuer's keys: {type(exc).__name__}") from None
+            raise ApiError(
+                503, ErrorCode.ISSUER_UNAVAILABLE, f"cannot fetch the issuer's keys: {type(exc).__name__}"
+            ) from None
         self.issuer = stated
         self._keys = keys
         self._failure = None
@@ -127,7 +130,7 @@ class JwtVerifier:
             elif due and not self._keys:
                 if self._failure is not None and self._failure.status == 401:
                     raise self._failure
-                raise ApiError(503, "issuer_unavailable", "cannot fetch the issuer's keys (retrying later)")
+                raise ApiError(503, ErrorCode.ISSUER_UNAVAILABLE, "cannot fetch the issuer's keys (retrying later)")
             return self._keys.get(kid)
 
     def verify(self, token: str) -> TokenClaims:

@@ -36,7 +36,7 @@ class Services:
     def signed_blob_url(self, op: str, artifact_id: str, size: int, expires: int) -> str:
         """A server-signed blob URL on the configured public URL (never the request's Host header);
         its path holds nothing but the artifact's random id."""
-        from kvcdn_hosted import wire
+        import kvcdn_wire as wire
 
         return (
             f"{self.public_base}{wire.path(wire.BLOB, artifact_id=artifact_id)}?"

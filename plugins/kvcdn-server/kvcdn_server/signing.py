@@ -9,6 +9,7 @@ from collections.abc import Callable
 from urllib.parse import urlencode
 
 from kvcdn_server.errors import ApiError
+from kvcdn_wire import ErrorCode
 
 OPS = ("put", "get")
 
@@ -36,14 +37,14 @@ class UrlSigner:
             size = int(params["size"])
             sig = str(params["sig"])
         except (KeyError, ValueError, TypeError):
-            raise ApiError(403, "invalid_signature", "the URL is not a valid signed URL") from None
+            raise ApiError(403, ErrorCode.INVALID_SIGNATURE, "the URL is not a valid signed URL") from None
         wanted = self.signature(op, obj, size, expires)
         # Compare first, then look at expiry: a tampered URL never learns whether it had expired.
         if not (
             hmac.compare_digest(sig.encode(), wanted.encode())
             and hmac.compare_digest(str(given_op).encode(), op.encode())
         ):
-            raise ApiError(403, "invalid_signature", "the URL's signature does not match")
+            raise ApiError(403, ErrorCode.INVALID_SIGNATURE, "the URL's signature does not match")
         if self.clock() > expires:
-            raise ApiError(403, "url_expired", "the signed URL has expired")
+            raise ApiError(403, ErrorCode.URL_EXPIRED, "the signed URL has expired")
         return size

@@ -1,4 +1,4 @@
-"""Telemetry intake: events (schema in ``kvcdn_hosted.wire_schema``) forwarded in the background or
+"""Telemetry intake: events (schema in ``kvcdn_wire.telemetry``) forwarded in the background or
 logged as JSON lines, rate-limited per client address."""
 
 from __future__ import annotations

@@ -5,15 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 import kvcdn_core
-from kvcdn_hosted import wire
-from kvcdn_hosted.wire_schema import VerifyRequest
+import kvcdn_wire as wire
 from kvcdn_server.auth import Auth, Svc
 from kvcdn_server.errors import unauthorized
+from kvcdn_wire.requests import VerifyRequest
+from kvcdn_wire.responses import Health, Identity, KeyVerification, Quota
 
 router = APIRouter()
 
 
-@router.get(wire.HEALTH)
+@router.get(wire.HEALTH, response_model=Health)
 def health(s: Svc):
     return {
         "status": "ok",
@@ -23,12 +24,12 @@ def health(s: Svc):
     }
 
 
-@router.get(wire.WHOAMI)
+@router.get(wire.WHOAMI, response_model=Identity)
 def whoami(identity: Auth):
     return identity.as_dict()
 
 
-@router.post(wire.VERIFY_API_KEY)
+@router.post(wire.VERIFY_API_KEY, response_model=KeyVerification)
 def verify_key(request: Request, s: Svc, body: VerifyRequest | None = None):
     key = body.api_key if body else None
     if key is None:
@@ -40,7 +41,7 @@ def verify_key(request: Request, s: Svc, body: VerifyRequest | None = None):
     return {"customer_id": f"org:{org}", "org": org, "method": "api_key"}
 
 
-@router.get(wire.QUOTA)
+@router.get(wire.QUOTA, response_model=Quota)
 def quota(identity: Auth, s: Svc):
     limits, used = s.store.limits(), s.store.usage(identity.tenant)
     return {

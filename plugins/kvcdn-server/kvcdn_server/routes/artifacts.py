@@ -5,18 +5,19 @@ from __future__ import annotations
 from anyio import from_thread
 from fastapi import APIRouter, Request, Response
 
-from kvcdn_hosted import wire
-from kvcdn_hosted.wire_schema import ConfirmRequest, InferRequest, UploadUrlRequest
+import kvcdn_wire as wire
 from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
 from kvcdn_server.errors import not_found, validation
 from kvcdn_server.rows import artifact_key, now_iso, upload_key, view
 from kvcdn_server.services import Services
 from kvcdn_server.validation import UUID, check_hint, check_id, check_name, check_prefix_filter
+from kvcdn_wire.requests import ConfirmRequest, InferRequest, UploadUrlRequest
+from kvcdn_wire.responses import ArtifactPage, ArtifactRecord, DownloadGrant, InferAnswer, UploadGrant
 
 router = APIRouter()
 
 
-@router.post(wire.UPLOAD_URL)
+@router.post(wire.UPLOAD_URL, response_model=UploadGrant)
 def upload_url(identity: Auth, body: UploadUrlRequest, s: Svc):
     try:
         name, sha256, hints = body.resolved()
@@ -50,7 +51,7 @@ def upload_url(identity: Auth, body: UploadUrlRequest, s: Svc):
     }
 
 
-@router.post(wire.CONFIRM_UPLOAD)
+@router.post(wire.CONFIRM_UPLOAD, response_model=ArtifactRecord, response_model_exclude_unset=True)
 def confirm_upload(identity: Auth, artifact_id: str, s: Svc, body: ConfirmRequest | None = None):
     check_id(artifact_id)
     parts = [p.model_dump() for p in body.parts] if body and body.parts else None
@@ -64,7 +65,7 @@ def confirm_upload(identity: Auth, artifact_id: str, s: Svc, body: ConfirmReques
     )
 
 
-@router.get(wire.ARTIFACTS)
+@router.get(wire.ARTIFACTS, response_model=ArtifactPage, response_model_exclude_unset=True)
 def list_artifacts(identity: Auth, s: Svc, limit: int = 50, cursor: str | None = None, prefix: str = ""):
     if not 1 <= limit <= 500:
         raise validation("limit: must be between 1 and 500")
@@ -75,13 +76,13 @@ def list_artifacts(identity: Auth, s: Svc, limit: int = 50, cursor: str | None =
     return {"artifacts": page, "next_cursor": next_cursor}
 
 
-@router.get(wire.ARTIFACT)
+@router.get(wire.ARTIFACT, response_model=ArtifactRecord, response_model_exclude_unset=True)
 def get_artifact(identity: MaybeAuth, artifact_id: str, s: Svc):
     row = s.store.readable(identity.tenant if identity else None, artifact_id)
     return view(row, owner=identity is not None and row.tenant == identity.tenant)
 
 
-@router.post(wire.DOWNLOAD_URL)
+@router.post(wire.DOWNLOAD_URL, response_model=DownloadGrant)
 def download_url(identity: MaybeAuth, artifact_id: str, s: Svc):
     row = s.store.readable(identity.tenant if identity else None, artifact_id)
     if row.status != "ready":
@@ -133,12 +134,12 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
     }
 
 
-@router.post(wire.INFER)
+@router.post(wire.INFER, response_model=InferAnswer)
 def infer(identity: Auth, artifact_id: str, body: InferRequest, request: Request, s: Svc):
     return _infer(identity, artifact_id, body, request, s)
 
 
-@router.post(wire.LEGACY_INFER)
+@router.post(wire.LEGACY_INFER, response_model=InferAnswer)
 def infer_legacy(
     identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, request: Request, s: Svc
 ):

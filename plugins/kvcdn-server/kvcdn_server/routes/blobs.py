@@ -12,18 +12,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from kvcdn_hosted import wire
+import kvcdn_wire as wire
 from kvcdn_server.auth import Svc
 from kvcdn_server.errors import ApiError, not_found
 from kvcdn_server.rows import artifact_key
 from kvcdn_server.validation import UUID
+from kvcdn_wire import ErrorCode
 
 router = APIRouter()
 
 
 def _checked(s, op: str, artifact_id: str, request: Request) -> int:
     if not UUID.match(artifact_id):
-        raise ApiError(403, "invalid_signature", "the URL is not a valid signed URL")
+        raise ApiError(403, ErrorCode.INVALID_SIGNATURE, "the URL is not a valid signed URL")
     return s.signer.check(op, artifact_id, request.query_params)
 
 
@@ -32,7 +33,7 @@ async def blob_put(artifact_id: str, request: Request, s: Svc):
     size = _checked(s, "put", artifact_id, request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > size:
-        raise ApiError(413, "payload_too_large", f"the body is larger than the signed {size} bytes")
+        raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
     digest, written = hashlib.sha256(), 0
     receiving = s.store.receiving(artifact_id)  # one PUT at a time per upload (409 otherwise)
     target = await run_in_threadpool(receiving.__enter__)
@@ -41,11 +42,11 @@ async def blob_put(artifact_id: str, request: Request, s: Svc):
             async for chunk in request.stream():
                 written += len(chunk)
                 if written > size:
-                    raise ApiError(413, "payload_too_large", f"the body is larger than the signed {size} bytes")
+                    raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
                 digest.update(chunk)
                 await run_in_threadpool(out.write, chunk)
             if written != size:
-                raise ApiError(422, "size_mismatch", f"received {written} bytes, the URL is for {size}")
+                raise ApiError(422, ErrorCode.SIZE_MISMATCH, f"received {written} bytes, the URL is for {size}")
             out.flush()
             await run_in_threadpool(os.fsync, out.fileno())
     except BaseException as exc:

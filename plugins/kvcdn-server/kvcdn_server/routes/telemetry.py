@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from kvcdn_hosted import wire
-from kvcdn_hosted.wire_schema import TelemetryEvent
+import kvcdn_wire as wire
 from kvcdn_server.auth import Svc
 from kvcdn_server.errors import ApiError
+from kvcdn_wire import ErrorCode
+from kvcdn_wire.telemetry import TelemetryEvent
 
 router = APIRouter()
 
@@ -16,5 +17,5 @@ router = APIRouter()
 def telemetry(body: TelemetryEvent, request: Request, s: Svc):
     client = request.client.host if request.client else "unknown"
     if not s.telemetry.submit(body.model_dump(exclude_none=True), client):
-        raise ApiError(429, "rate_limited", "too many telemetry events; slow down", {"Retry-After": "1"})
+        raise ApiError(429, ErrorCode.RATE_LIMITED, "too many telemetry events; slow down", {"Retry-After": "1"})
     return Response(status_code=204)
