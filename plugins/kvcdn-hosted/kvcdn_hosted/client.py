@@ -10,12 +10,18 @@ import contextlib
 import dataclasses
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvcdn_core import KvcdnError, warn
-from kvcdn_hosted import credentials, oidc, wire
+from kvcdn_hosted import credentials, oidc
 from kvcdn_hosted.apikey import validate_api_key
 from kvcdn_hosted.config import Settings
+from kvcdn_wire import NOT_DONE_UNAVAILABLE
+
+if TYPE_CHECKING:
+    from kvcdn_wire.responses import Answer
+
+    A = TypeVar("A", bound=Answer)
 
 #: statuses worth another try: rate limited, and the usual proxy/restart answers
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
@@ -229,14 +235,41 @@ class HostedClient:
             raise KvcdnError(f"{what}: unexpected status {response.status_code}")
         raise AssertionError("unreachable")
 
-    def json(self, method: str, path: str, *, what: str, **kwargs) -> Any:
-        response = self.request(method, path, what=what, **kwargs)
-        if response.status_code == 204 or not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            raise not_kvcdn(response, what) from None
+    def read(self, model: type[A], method: str, path: str, *, what: str, **kwargs) -> A:
+        """Send, then read the answer as ``model`` (a :mod:`kvcdn_wire.responses` body), once."""
+        return parse_answer(model, self.request(method, path, what=what, **kwargs), what)
+
+
+def parse_answer(model: type[A], response, what: str) -> A:
+    """The response's JSON body as ``model``; a body of another shape is one error line (exit 2)."""
+    from pydantic import ValidationError
+
+    from kvcdn_wire.responses import parse
+
+    try:
+        data = response.json()
+    except ValueError:
+        raise not_kvcdn(response, what) from None
+    try:
+        return parse(model, data)
+    except ValidationError as exc:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "the body"
+        raise KvcdnError(
+            f"{what}: unexpected data in the server's answer ({where}: {first.get('msg', 'invalid')})"
+        ) from None
+
+
+def error_code(response) -> str | None:
+    """The ``error`` code of a refusal, or None when the body is no kvcdn error."""
+    from pydantic import ValidationError
+
+    from kvcdn_wire.responses import ErrorBody, parse
+
+    try:
+        return parse(ErrorBody, response.json()).error
+    except (ValueError, ValidationError):
+        return None
 
 
 _warned_plain_http: set[str] = set()
@@ -244,12 +277,7 @@ _warned_plain_http: set[str] = set()
 
 def _not_done(response) -> bool:
     """A 503 whose code says the server changed nothing (its database was away): safe to resend."""
-    if response.status_code != 503:
-        return False
-    try:
-        return response.json().get("error") in wire.NOT_DONE_UNAVAILABLE
-    except (ValueError, AttributeError):
-        return False
+    return response.status_code == 503 and error_code(response) in NOT_DONE_UNAVAILABLE
 
 
 def insecure_remote(url: str) -> bool:

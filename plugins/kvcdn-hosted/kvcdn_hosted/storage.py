@@ -24,9 +24,10 @@ from __future__ import annotations
 import threading
 import unicodedata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlparse
 
+import kvcdn_wire as wire
 from kvcdn_core import (
     ArtifactError,
     KvcdnError,
@@ -37,7 +38,9 @@ from kvcdn_core import (
     check_prefix,
     safe_key,
 )
-from kvcdn_hosted import wire
+
+if TYPE_CHECKING:
+    from kvcdn_wire.responses import ArtifactRecord, DownloadGrant, InferAnswer, Multipart
 
 #: confirm makes the server read and hash the whole object: allow a floor plus time per byte
 CONFIRM_BASE_S = 60.0
@@ -68,14 +71,10 @@ def _name(key: str) -> str:
     return key
 
 
-def _recency(record: dict[str, Any]) -> tuple[float, str, str]:
+def _recency(record: ArtifactRecord) -> tuple[float, str]:
     """Orders artifacts of one name: the one confirmed last reads as the name's object (by the
-    microsecond ``confirmed_at_unix``, else the ISO second; then by id, so that ties are stable)."""
-    return (
-        float(record.get("confirmed_at_unix") or 0.0),
-        record.get("confirmed_at") or "",
-        record.get("artifact_id") or "",
-    )
+    microsecond ``confirmed_at_unix``; then by id, so that ties are stable)."""
+    return (record.confirmed_at_unix or 0.0, record.artifact_id)
 
 
 class HostedStorage(StorageBackend):
@@ -119,7 +118,7 @@ class HostedStorage(StorageBackend):
 
     # -- the hosted API ------------------------------------------------------------------------
 
-    def upload(self, source: Path, name: str, visibility: str = "private", replace: bool = False) -> dict[str, Any]:
+    def upload(self, source: Path, name: str, visibility: str = "private", replace: bool = False) -> ArtifactRecord:
         """Upload a checked ``.kv`` file; return the confirmed artifact record.
 
         ``replace``: the confirm also deletes the caller's other artifacts of this name.
@@ -133,7 +132,8 @@ class HostedStorage(StorageBackend):
         digest = transfer.sha256_file(source, "sha256", quiet=self.quiet)
         client = self.client
         client.require_credential("upload")
-        from kvcdn_hosted.wire_schema import ManifestHints, UploadUrlRequest
+        from kvcdn_wire.requests import ManifestHints, UploadUrlRequest
+        from kvcdn_wire.responses import UploadGrant
 
         body = UploadUrlRequest(
             name=name,
@@ -142,34 +142,28 @@ class HostedStorage(StorageBackend):
             visibility=visibility,
             manifest=ManifestHints(**artifact.summary(manifest)),
         )
-        grant = client.json("POST", wire.UPLOAD_URL, what="upload", json=body.model_dump(exclude_unset=True))
-        artifact_id = grant.get("artifact_id")
-        if not artifact_id:
-            raise KvcdnError("upload: the server's answer has no artifact_id")
+        grant = client.read(
+            UploadGrant, "POST", wire.UPLOAD_URL, what="upload", json=body.model_dump(exclude_unset=True)
+        )
         confirm_body: dict[str, Any] | None = {"replace": True} if replace else None
-        parts = (grant.get("multipart") or {}).get("parts") if isinstance(grant.get("multipart"), dict) else None
-        if parts:
-            confirm_body = {**(confirm_body or {}), "parts": self._upload_parts(source, parts, grant["multipart"])}
-        else:
-            if str(grant.get("method", "PUT")).upper() != "PUT" or not grant.get("url"):
-                raise KvcdnError("upload: the server offered no PUT url")
+        if grant.multipart is not None:
+            confirm_body = {**(confirm_body or {}), "parts": self._upload_parts(source, grant.multipart)}
+        elif grant.url:
             transfer.put_bytes(
-                client.http,
-                client.url(grant["url"]),
-                source,
-                headers=grant.get("headers") or {},
-                label="upload",
-                quiet=self.quiet,
+                client.http, client.url(grant.url), source, headers=grant.headers, label="upload", quiet=self.quiet
             )
-        record = self._confirm(artifact_id, confirm_body, size, digest)
-        record.setdefault("artifact_id", artifact_id)
-        return record
+        else:
+            raise KvcdnError("upload: the server offered no PUT url")
+        return self._confirm(grant.artifact_id, confirm_body, size, digest)
 
-    def _confirm(self, artifact_id: str, body: dict | None, size: int, digest: str, again: int = 2) -> dict[str, Any]:
+    def _confirm(self, artifact_id: str, body: dict | None, size: int, digest: str, again: int = 2) -> ArtifactRecord:
         """Confirm an upload; a retry that finds it already confirmed counts once the record shows it,
         and one whose confirm was handed back (an interrupted confirm: ``pending`` again) confirms
         again, ``again`` more times at most."""
         import time
+
+        from kvcdn_hosted.client import error_code, parse_answer, raise_for_response
+        from kvcdn_wire.responses import ArtifactRecord
 
         client = self.client
         timeout = confirm_timeout(size)
@@ -183,30 +177,18 @@ class HostedStorage(StorageBackend):
             idempotent=True,
         )
         if response.status_code == 200:
-            try:
-                record = response.json()
-            except ValueError:
-                raise KvcdnError("upload confirm: the server's answer is not JSON") from None
-            return record if isinstance(record, dict) else {}
-        try:
-            code = response.json().get("error")
-        except (ValueError, AttributeError):
-            code = None
-        if code not in wire.CONFIRM_MAYBE_DONE:
-            from kvcdn_hosted.client import raise_for_response
-
+            return parse_answer(ArtifactRecord, response, "upload confirm")
+        if error_code(response) not in wire.CONFIRM_MAYBE_DONE:
             raise_for_response(response, "upload confirm")
         # An earlier attempt (its answer lost) confirmed it or is still checking it: wait for the record.
         deadline = time.monotonic() + timeout
         while True:
             record = self.describe(artifact_id)
-            if not isinstance(record, dict):
-                raise KvcdnError("upload confirm: the server's answer is not a JSON object")
-            if record.get("status") == "ready":
-                if record.get("sha256") != digest or int(record.get("size_bytes") or -1) != size:
+            if record.status == "ready":
+                if record.sha256 != digest or record.size_bytes != size:
                     raise KvcdnError(f"upload confirm: artifact {artifact_id} was confirmed with other bytes")
                 return record
-            if record.get("status") == "pending" and again > 0:
+            if record.status == "pending" and again > 0:
                 return self._confirm(artifact_id, body, size, digest, again - 1)
             if time.monotonic() > deadline:
                 raise KvcdnError(
@@ -214,32 +196,30 @@ class HostedStorage(StorageBackend):
                 )
             time.sleep(CONFIRM_POLL_S)
 
-    def _upload_parts(self, source: Path, parts: list[dict], multipart: dict) -> list[dict]:
+    def _upload_parts(self, source: Path, multipart: Multipart) -> list[dict[str, Any]]:
         from kvcdn_hosted import transfer
 
-        size = source.stat().st_size
-        part_size = int(multipart.get("part_size") or 0)
+        parts = sorted(multipart.parts, key=lambda p: p.part_number)
         done = []
-        for index, part in enumerate(sorted(parts, key=lambda p: int(p["part_number"]))):
-            number = int(part["part_number"])
-            start = int(part.get("offset", (number - 1) * part_size))
-            length = int(part.get("size", min(part_size, size - start)))
+        for index, part in enumerate(parts):
             response = transfer.put_bytes(
                 self.client.http,
-                self.client.url(part["url"]),
+                self.client.url(part.url),
                 source,
-                start=start,
-                length=length,
+                start=(part.part_number - 1) * multipart.part_size,
+                length=part.size,
                 label=f"upload part {index + 1}/{len(parts)}",
                 quiet=self.quiet,
             )
-            done.append({"part_number": number, "etag": response.headers.get("ETag", "")})  # verbatim
+            done.append({"part_number": part.part_number, "etag": response.headers.get("ETag", "")})  # verbatim
         return done
 
-    def artifacts(self, page_size: int = 100, prefix: str = "") -> list[dict[str, Any]]:
+    def artifacts(self, page_size: int = 100, prefix: str = "") -> list[ArtifactRecord]:
         """Every artifact the credential can see (whose name starts with ``prefix``), following the
         pagination cursor."""
-        found: list[dict[str, Any]] = []
+        from kvcdn_wire.responses import ArtifactPage
+
+        found: list[ArtifactRecord] = []
         cursor = None
         for _ in range(10_000):
             params: dict[str, Any] = {"limit": page_size}
@@ -247,22 +227,25 @@ class HostedStorage(StorageBackend):
                 params["prefix"] = prefix
             if cursor:
                 params["cursor"] = cursor
-            page = self.client.json("GET", wire.ARTIFACTS, what="list", params=params)
-            items = page.get("artifacts", page.get("items", [])) if isinstance(page, dict) else page
-            found.extend(items or [])
-            cursor = page.get("next_cursor") if isinstance(page, dict) else None
+            page = self.client.read(ArtifactPage, "GET", wire.ARTIFACTS, what="list", params=params)
+            found.extend(page.artifacts)
+            cursor = page.next_cursor
             if not cursor:
                 return found
         raise KvcdnError("list: the server kept returning more pages")
 
-    def describe(self, artifact_id: str) -> dict[str, Any]:
-        return self.client.json(
-            "GET", wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id)), what=f"artifact {artifact_id}"
-        )
+    def describe(self, artifact_id: str) -> ArtifactRecord:
+        from kvcdn_wire.responses import ArtifactRecord
 
-    def download_grant(self, artifact_id: str) -> dict[str, Any]:
+        path = wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id))
+        return self.client.read(ArtifactRecord, "GET", path, what=f"artifact {artifact_id}")
+
+    def download_grant(self, artifact_id: str) -> DownloadGrant:
+        from kvcdn_wire.responses import DownloadGrant
+
         # public artifacts need no credential: send one only when we have it
-        return self.client.json(
+        return self.client.read(
+            DownloadGrant,
             "POST",
             wire.path(wire.DOWNLOAD_URL, artifact_id=_id(artifact_id)),
             what=f"download {artifact_id}",
@@ -272,20 +255,16 @@ class HostedStorage(StorageBackend):
     def download(self, artifact_id: str, target: Path) -> Path:
         return self._fetch(self.download_grant(artifact_id), Path(target))
 
-    def _fetch(self, grant: dict[str, Any], target: Path) -> Path:
+    def _fetch(self, grant: DownloadGrant, target: Path) -> Path:
         """Download what a download-url answer grants, checked by size and sha256, atomically."""
         from kvcdn_hosted import transfer
 
-        url = grant.get("download_url") or grant.get("url")
-        if not url:
-            raise KvcdnError("download: the server's answer has no download_url")
-        size = grant.get("size_bytes")
         return transfer.download_to(
             self.client.http,
-            self.client.url(url),
+            self.client.url(grant.download_url),
             Path(target),
-            sha256=grant.get("sha256"),
-            size=int(size) if size is not None else None,
+            sha256=grant.sha256,
+            size=grant.size_bytes,
             label="download",
             quiet=self.quiet,
         )
@@ -300,24 +279,27 @@ class HostedStorage(StorageBackend):
 
     def infer(
         self, artifact_id: str, question: str, n: int, org: str | None = None, project: str | None = None
-    ) -> dict[str, Any]:
+    ) -> InferAnswer:
+        from kvcdn_wire.requests import InferRequest
+        from kvcdn_wire.responses import InferAnswer
+
         if org and project:
             path = wire.path(wire.LEGACY_INFER, org=org, project=project, artifact_id=_id(artifact_id))
         else:
             path = wire.path(wire.INFER, artifact_id=_id(artifact_id))
-        return self.client.json(
-            "POST", path, what="infer", json={"question": question, "n": n}, timeout=600.0, idempotent=True
-        )  # no side effects: a retry only repeats the work
+        body = InferRequest(question=question, n=n).model_dump()
+        # no side effects: a retry only repeats the work
+        return self.client.read(InferAnswer, "POST", path, what="infer", json=body, timeout=600.0, idempotent=True)
 
     # -- StorageBackend: keys are artifact names -----------------------------------------------
 
-    def _named(self, key: str) -> list[dict[str, Any]]:
+    def _named(self, key: str) -> list[ArtifactRecord]:
         """The caller's ready artifacts called ``key``, the one confirmed last first."""
         _name(key)
-        found = [a for a in self.artifacts(prefix=key) if a.get("name") == key and a.get("status", "ready") == "ready"]
+        found = [a for a in self.artifacts(prefix=key) if a.name == key and a.status == "ready"]
         return sorted(found, key=_recency, reverse=True)
 
-    def _current(self, key: str) -> dict[str, Any] | None:
+    def _current(self, key: str) -> ArtifactRecord | None:
         named = self._named(key)
         return named[0] if named else None
 
@@ -333,20 +315,23 @@ class HostedStorage(StorageBackend):
 
     def get_file(self, key: str, target: Path) -> None:
         """The artifact called ``key``, checked against its sha256, written atomically to ``target``."""
+        from kvcdn_hosted.client import parse_answer
+        from kvcdn_wire.responses import DownloadGrant
+
         for _ in range(RESOLVE_ATTEMPTS):
             record = self._current(key)
             if record is None:
                 break
             response = self.client.request(
                 "POST",
-                wire.path(wire.DOWNLOAD_URL, artifact_id=_id(record["artifact_id"])),
+                wire.path(wire.DOWNLOAD_URL, artifact_id=_id(record.artifact_id)),
                 what=f"download {key}",
                 ok=(200, 404),
                 idempotent=True,
             )
             if response.status_code == 404:
                 continue  # replaced or deleted since it was listed: look the name up again
-            self._fetch(response.json(), Path(target))
+            self._fetch(parse_answer(DownloadGrant, response, f"download {key}"), Path(target))
             return
         raise ObjectNotFound(f"no artifact named '{key}' on {self.client.api_url}")
 
@@ -356,22 +341,21 @@ class HostedStorage(StorageBackend):
 
     def size_of(self, key: str) -> int | None:
         record = self._current(key)
-        return None if record is None else int(record.get("size_bytes") or 0)
+        return None if record is None else record.size_bytes
 
     def delete(self, key: str) -> None:
         for record in self._named(key):
             self.client.request(
                 "DELETE",
-                wire.path(wire.ARTIFACT, artifact_id=_id(record["artifact_id"])),
+                wire.path(wire.ARTIFACT, artifact_id=_id(record.artifact_id)),
                 what=f"delete {key}",
                 ok=(200, 204, 404),  # 404: a concurrent delete or replace got there first
             )
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        newest: dict[str, dict[str, Any]] = {}
+        newest: dict[str, ArtifactRecord] = {}
         for a in self.artifacts(prefix=check_prefix(prefix)):
-            name = str(a.get("name") or "")
-            if name.startswith(prefix) and a.get("status", "ready") == "ready":
-                if name not in newest or _recency(a) > _recency(newest[name]):
-                    newest[name] = a
-        return [ObjectInfo(name, int(newest[name].get("size_bytes") or 0)) for name in sorted(newest)]
+            if a.name.startswith(prefix) and a.status == "ready":
+                if a.name not in newest or _recency(a) > _recency(newest[a.name]):
+                    newest[a.name] = a
+        return [ObjectInfo(name, newest[name].size_bytes) for name in sorted(newest)]

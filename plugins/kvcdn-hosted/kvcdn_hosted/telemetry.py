@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from kvcdn_hosted.wire import TELEMETRY
+from kvcdn_wire import TELEMETRY
 
 MAX_WAIT_S = 0.150
 PATH = TELEMETRY

@@ -19,6 +19,29 @@ def api_requests(receiver):
     return [r for r in receiver.requests if r[1] != "/api/v1/telemetry"]
 
 
+def record(artifact_id, **fields):
+    """An artifact as the server shows it (every field it always sends)."""
+    return {
+        "artifact_id": artifact_id,
+        "name": artifact_id,
+        "visibility": "private",
+        "status": "ready",
+        "size_bytes": 1,
+        "sha256": "0" * 64,
+        "created_at": "2026-12-01T00:00:00Z",
+        "confirmed_at": "2026-12-01T00:00:01Z",
+        "confirmed_at_unix": 1796083201.0,
+        "manifest": None,
+        "customer_id": "org:acme",
+        "dtype": None,
+        "storage_dtype": None,
+        "num_tokens": None,
+        "num_layers": None,
+        "quantized": False,
+        **fields,
+    }
+
+
 @pytest.fixture
 def endpoint(receiver, config_home, monkeypatch):
     monkeypatch.setenv("KVCDN_API_URL", receiver.url)
@@ -85,7 +108,7 @@ def test_list_follows_pagination(endpoint):
 
         cursor = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(h.path).query)).get("cursor")
         ids, nxt = pages[cursor]
-        return 200, {}, {"artifacts": [{"artifact_id": i, "name": i, "size_bytes": 1} for i in ids], "next_cursor": nxt}
+        return 200, {}, {"artifacts": [record(i) for i in ids], "next_cursor": nxt}
 
     endpoint.routes[("GET", "/api/v1/artifacts")] = listing
     result = run("list", "--format", "ids")
@@ -159,7 +182,7 @@ def test_api_key_verify_of_a_rejected_key_is_a_failed_check(endpoint):
     endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (
         200,
         {},
-        {"org": "acme", "customer_id": "org:acme"},
+        {"org": "acme", "customer_id": "org:acme", "method": "api_key"},
     )
     assert run("api-key", "verify").exit_code == 0
 
@@ -170,6 +193,7 @@ def _grant(url):
         "method": "PUT",
         "url": url + "/put",
         "headers": {"Content-Type": "application/octet-stream"},
+        "expires_at": "2026-12-01T00:15:00Z",
         "multipart": None,
     }
 
@@ -207,13 +231,13 @@ def test_a_retried_confirm_that_finds_the_upload_confirmed_succeeds(endpoint, kv
     grant = _grant(endpoint.url)
     aid = grant["artifact_id"]
     data = kv_file.read_bytes()
-    record = {
-        "artifact_id": aid,
-        "name": "x",
-        "status": "confirming",  # what the server shows while the first confirm still runs
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "size_bytes": len(data),
-    }
+    shown = record(
+        aid,
+        name="x",
+        status="confirming",  # what the server shows while the first confirm still runs
+        sha256=hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data),
+    )
     timeouts = []
     real_request = client.HostedClient.request
 
@@ -232,8 +256,8 @@ def test_a_retried_confirm_that_finds_the_upload_confirmed_succeeds(endpoint, kv
     def describe(h):
         reads.append(1)
         if len(reads) > 1:  # the first confirm finishes while the client waits
-            record["status"] = "ready"
-        return 200, {}, dict(record)
+            shown["status"] = "ready"
+        return 200, {}, dict(shown)
 
     endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: (200, {}, grant)
     endpoint.routes[("PUT", "/put")] = lambda h: (200, {}, {})
@@ -253,13 +277,13 @@ def test_an_upload_url_refused_503_database_unavailable_is_sent_again(endpoint, 
     grant = _grant(endpoint.url)
     aid = grant["artifact_id"]
     data = kv_file.read_bytes()
-    record = {"artifact_id": aid, "name": "x", "status": "ready", "sha256": hashlib.sha256(data).hexdigest()}
+    confirmed = record(aid, name="x", sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
     answers = [(503, {"Retry-After": "0"}, {"error": "database_unavailable", "message": "try again"})] * 2 + [
         (200, {}, grant)
     ]
     endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: answers.pop(0)
     endpoint.routes[("PUT", "/put")] = lambda h: (200, {}, {})
-    endpoint.routes[("POST", f"/api/v1/artifacts/{aid}/confirm-upload")] = lambda h: (200, {}, record)
+    endpoint.routes[("POST", f"/api/v1/artifacts/{aid}/confirm-upload")] = lambda h: (200, {}, confirmed)
     result = run("upload", kv_file, "--name", "x")
     assert result.exit_code == 0, result.output
     assert answers == [] and endpoint.count("POST", "/api/v1/artifacts/upload-url") == 3
@@ -276,17 +300,17 @@ def test_a_confirm_handed_back_after_an_outage_is_confirmed_again(endpoint, kv_f
     grant = _grant(endpoint.url)
     aid = grant["artifact_id"]
     data = kv_file.read_bytes()
-    record = {"artifact_id": aid, "name": "x", "sha256": hashlib.sha256(data).hexdigest(), "size_bytes": len(data)}
+    shown = record(aid, name="x", sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
     confirms = [
         (503, {"Retry-After": "0"}, {"error": "database_unavailable", "message": "try again"}),
         (409, {}, {"error": "confirm_in_progress", "message": "being confirmed"}),
-        (200, {}, {**record, "status": "ready"}),
+        (200, {}, {**shown, "status": "ready"}),
     ]
     states = ["confirming", "confirming", "pending"]
     endpoint.routes[("POST", "/api/v1/artifacts/upload-url")] = lambda h: (200, {}, grant)
     endpoint.routes[("PUT", "/put")] = lambda h: (200, {}, {})
     endpoint.routes[("POST", f"/api/v1/artifacts/{aid}/confirm-upload")] = lambda h: confirms.pop(0)
-    endpoint.routes[("GET", f"/api/v1/artifacts/{aid}")] = lambda h: (200, {}, {**record, "status": states.pop(0)})
+    endpoint.routes[("GET", f"/api/v1/artifacts/{aid}")] = lambda h: (200, {}, {**shown, "status": states.pop(0)})
     result = run("upload", kv_file, "--name", "x")
     assert result.exit_code == 0, result.output
     assert confirms == [] and states == []
@@ -389,7 +413,16 @@ def test_delete_and_download_speak_json(config_home, kv_file, tmp_path, monkeypa
 
 def test_infer_q_is_the_old_spelling_of_question(endpoint):
     """-q is --quiet everywhere else: infer takes --question, and -q still works one release with a warning."""
-    endpoint.routes[("POST", "/api/v1/artifacts/abc/infer")] = lambda h: (200, {}, {"text": " yes", "token_ids": [1]})
+    answer = {
+        "artifact_id": "abc",
+        "tokens": [1],
+        "token_count": 1,
+        "text": " yes",
+        "model": "m",
+        "reused_tokens": 4,
+        "question_tokens": 2,
+    }
+    endpoint.routes[("POST", "/api/v1/artifacts/abc/infer")] = lambda h: (200, {}, answer)
     old = run("infer", "abc", "-q", "Why?", "--n", "1")
     assert old.exit_code == 0, old.stderr
     assert "warning: infer -q is deprecated" in old.stderr and old.stdout.strip() == "yes"
