@@ -335,3 +335,35 @@ def test_commands_open_an_artifacts_model_one_way():
     ]
     assert builders == []
     assert "session_for_artifact" in common.read_text(encoding="utf-8")
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level packages a module imports (deferred imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def package_imports(package: str) -> set[str]:
+    sources = list(ROOT.glob(f"plugins/*/{package}/**/*.py"))
+    assert sources, package
+    return set().union(*(imported_packages(p) for p in sources))
+
+
+def test_server_and_client_share_only_the_wire_package():
+    """The hosted API's contract is kvcdn-wire: the server never imports the client plugin, nor the
+    client the server, and the wire package imports neither (nor core)."""
+    server, client, wire = (package_imports(p) for p in ("kvcdn_server", "kvcdn_hosted", "kvcdn_wire"))
+    assert "kvcdn_hosted" not in server and "kvcdn_server" not in client
+    assert "kvcdn_wire" in server and "kvcdn_wire" in client
+    assert not wire & {"kvcdn_core", "kvcdn_hosted", "kvcdn_server"}
+
+
+def test_the_import_reader_sees_deferred_imports(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import a.b\ndef f():\n    from kvcdn_hosted import wire\nfrom . import local\n")
+    assert imported_packages(module) == {"a", "kvcdn_hosted"}

@@ -169,6 +169,21 @@ def test_cli_start_up_is_torch_free():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("args", [["list", "--help"], ["upload", "--help"], ["quota", "--help"]])
+def test_hosted_help_loads_no_pydantic_nor_httpx(args):
+    """The wire contract's routes and codes are standard library: a command's --help (and start-up)
+    does not pay for the response models or the HTTP client."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom kvcdn_core.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print([m for m in ('pydantic', 'httpx', 'kvcdn_wire.responses') if m in sys.modules], file=sys.stderr)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+
+
 def test_api_key_verify_of_a_rejected_key_is_a_failed_check(endpoint):
     endpoint.routes[("POST", "/api/v1/api-keys/verify")] = lambda h: (
         401,
