@@ -253,11 +253,9 @@ def parse_answer(model: type[A], response, what: str) -> A:
     try:
         return parse(model, data)
     except ValidationError as exc:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "the body"
-        raise KvcdnError(
-            f"{what}: unexpected data in the server's answer ({where}: {first.get('msg', 'invalid')})"
-        ) from None
+        first = exc.errors()[0]  # a ValidationError has at least one
+        where = ".".join(str(p) for p in first["loc"]) or "the body"
+        raise KvcdnError(f"{what}: unexpected data in the server's answer ({where}: {first['msg']})") from None
 
 
 def error_code(response) -> str | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import unicodedata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from urllib.parse import urlparse
 
 import kvcdn_wire as wire
@@ -118,7 +118,9 @@ class HostedStorage(StorageBackend):
 
     # -- the hosted API ------------------------------------------------------------------------
 
-    def upload(self, source: Path, name: str, visibility: str = "private", replace: bool = False) -> ArtifactRecord:
+    def upload(
+        self, source: Path, name: str, visibility: Literal["private", "public"] = "private", replace: bool = False
+    ) -> ArtifactRecord:
         """Upload a checked ``.kv`` file; return the confirmed artifact record.
 
         ``replace``: the confirm also deletes the caller's other artifacts of this name.
