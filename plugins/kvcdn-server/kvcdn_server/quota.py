@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from kvcdn_server.db import artifacts, usage
 from kvcdn_server.errors import ApiError
 from kvcdn_server.rows import LIVE
+from kvcdn_wire import ErrorCode
 
 
 class Quota:
@@ -69,8 +70,10 @@ class Quota:
         """Why :meth:`reserve` granted nothing: the artifact count or the bytes (403)."""
         held = c.execute(sa.select(usage.c.artifacts).where(usage.c.tenant == tenant)).scalar_one()
         if held + 1 > self.config.quota_artifacts:
-            return ApiError(403, "quota_exceeded", f"artifact quota of {self.config.quota_artifacts} reached")
-        return ApiError(403, "quota_exceeded", f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
+            return ApiError(403, ErrorCode.QUOTA_EXCEEDED, f"artifact quota of {self.config.quota_artifacts} reached")
+        return ApiError(
+            403, ErrorCode.QUOTA_EXCEEDED, f"storage quota of {self.config.quota_bytes} bytes would be exceeded"
+        )
 
     @staticmethod
     def release(c, tenant: str, size: int) -> None:

@@ -36,6 +36,7 @@ from kvcdn_server.errors import ApiError, database_unavailable, is_database_outa
 from kvcdn_server.quota import Quota
 from kvcdn_server.rows import LIVE, OPEN, artifact_key, upload_key, view
 from kvcdn_server.validation import NotYet, Refused, check_id, check_upload
+from kvcdn_wire import ErrorCode
 
 log = logging.getLogger("kvcdn.server.store")
 #: The server's temp files are named for their upload, so the collector can tell whose they are:
@@ -189,11 +190,13 @@ class Uploads:
         if size > self.config.max_artifact_bytes:
             raise ApiError(
                 413,
-                "payload_too_large",
+                ErrorCode.PAYLOAD_TOO_LARGE,
                 f"size_bytes is over this server's maximum of {self.config.max_artifact_bytes}",
             )
         if size > self.config.quota_bytes:
-            raise ApiError(403, "quota_exceeded", f"storage quota of {self.config.quota_bytes} bytes would be exceeded")
+            raise ApiError(
+                403, ErrorCode.QUOTA_EXCEEDED, f"storage quota of {self.config.quota_bytes} bytes would be exceeded"
+            )
         self.quota.ensure_row(tenant)
         now = self.clock()
         url_expires = int(now) + self.config.upload_ttl
@@ -228,19 +231,21 @@ class Uploads:
         if row is None or row.status not in LIVE + ("failed", "expired"):
             return not_found()
         return {
-            "ready": ApiError(409, "already_confirmed", "this artifact is already confirmed"),
-            "uploading": ApiError(409, "upload_in_progress", "another PUT of this upload is in progress"),
-            "confirming": ApiError(409, "confirm_in_progress", "this upload is being confirmed"),
+            "ready": ApiError(409, ErrorCode.ALREADY_CONFIRMED, "this artifact is already confirmed"),
+            "uploading": ApiError(409, ErrorCode.UPLOAD_IN_PROGRESS, "another PUT of this upload is in progress"),
+            "confirming": ApiError(409, ErrorCode.CONFIRM_IN_PROGRESS, "this upload is being confirmed"),
             "failed": ApiError(
-                409, "upload_failed", f"this upload failed{': ' + row.error if row.error else ''}; start again"
+                409, ErrorCode.UPLOAD_FAILED, f"this upload failed{': ' + row.error if row.error else ''}; start again"
             ),
-            "expired": ApiError(410, "upload_expired", "the upload expired before it was confirmed; start again"),
-        }.get(row.status, ApiError(409, "conflict", f"cannot {doing} an upload that is {row.status}"))
+            "expired": ApiError(
+                410, ErrorCode.UPLOAD_EXPIRED, "the upload expired before it was confirmed; start again"
+            ),
+        }.get(row.status, ApiError(409, ErrorCode.CONFLICT, f"cannot {doing} an upload that is {row.status}"))
 
     def _expire_if_due(self, row) -> None:
         if row is not None and row.status in OPEN and row.expires_at < self.clock():
             self.end(row.id, OPEN, "expired")
-            raise ApiError(410, "upload_expired", "the upload expired before it was confirmed; start again")
+            raise ApiError(410, ErrorCode.UPLOAD_EXPIRED, "the upload expired before it was confirmed; start again")
 
     @contextlib.contextmanager
     def receiving(self, artifact_id: str):
@@ -398,7 +403,7 @@ class Uploads:
 
     @staticmethod
     def _deleted() -> ApiError:
-        return ApiError(409, "upload_failed", "the upload was deleted while it was being confirmed")
+        return ApiError(409, ErrorCode.UPLOAD_FAILED, "the upload was deleted while it was being confirmed")
 
     def _lost_meanwhile(self, artifact_id: str) -> ApiError:
         """A confirm whose checks passed but whose row had moved on by its last transaction."""
@@ -483,7 +488,7 @@ class Uploads:
                 ).rowcount
                 != 1
             ):
-                raise ApiError(409, "conflict", "the artifact changed meanwhile; try again")
+                raise ApiError(409, ErrorCode.CONFLICT, "the artifact changed meanwhile; try again")
             self.quota.release(c, tenant, row.size_bytes)
         self._remove_objects(artifact_id, row.multipart_id)
 

@@ -19,6 +19,7 @@ from typing import Any
 from kvcdn_core import KvcdnError, StorageBackend, artifact, nfc, text_problem
 from kvcdn_server.errors import ApiError, not_found
 from kvcdn_server.rows import artifact_key, upload_key
+from kvcdn_wire import ErrorCode
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 HINTS = ("model_id", "architecture", "tokens", "layers", "dtype", "quantization")
@@ -50,7 +51,7 @@ def check_name(name: str) -> str:
     if problem is None:
         problem = _path_problem(name) or _path_problem(unicodedata.normalize("NFKC", name))
     if problem:
-        raise ApiError(422, "invalid_name", f"artifact name must {problem}")
+        raise ApiError(422, ErrorCode.INVALID_NAME, f"artifact name must {problem}")
     return name
 
 
@@ -71,7 +72,7 @@ def check_prefix_filter(prefix: str) -> str:
     if problem is None and len(prefix) > 255:
         problem = "be at most 255 characters"
     if problem:
-        raise ApiError(422, "validation_error", f"prefix: must {problem}")
+        raise ApiError(422, ErrorCode.VALIDATION_ERROR, f"prefix: must {problem}")
     return nfc(prefix)
 
 
@@ -80,7 +81,7 @@ def check_hint(field: str, value: object) -> None:
     if isinstance(value, str):
         problem = text_problem(value) or (None if len(value) <= 255 else "be at most 255 characters")
         if problem:
-            raise ApiError(422, "validation_error", f"manifest.{field}: must {problem}")
+            raise ApiError(422, ErrorCode.VALIDATION_ERROR, f"manifest.{field}: must {problem}")
 
 
 def manifest_summary(header: artifact.Header) -> dict[str, Any]:
@@ -95,7 +96,7 @@ def manifest_summary(header: artifact.Header) -> dict[str, Any]:
 class Refused(Exception):
     """The upload is wrong: it fails (422)."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: ErrorCode, message: str):
         super().__init__(message)
         self.error = ApiError(status, code, message)
 
@@ -116,13 +117,17 @@ def _take_bytes(storage: StorageBackend, row, parts) -> None:
         if storage.size_of(artifact_key(row.id)) is not None:
             return
         if not row.multipart_id:
-            raise NotYet(ApiError(409, "upload_incomplete", "no bytes have been uploaded for this artifact yet"))
+            raise NotYet(
+                ApiError(409, ErrorCode.UPLOAD_INCOMPLETE, "no bytes have been uploaded for this artifact yet")
+            )
         if not parts:
-            raise NotYet(ApiError(409, "upload_incomplete", "a multipart upload is confirmed with its parts' ETags"))
+            raise NotYet(
+                ApiError(409, ErrorCode.UPLOAD_INCOMPLETE, "a multipart upload is confirmed with its parts' ETags")
+            )
         try:
             storage.complete_multipart(upload_key(row.id), row.multipart_id, parts)
         except Exception:
-            raise Refused(422, "upload_incomplete", "the parts could not be assembled") from None
+            raise Refused(422, ErrorCode.UPLOAD_INCOMPLETE, "the parts could not be assembled") from None
     storage.rename(upload_key(row.id), artifact_key(row.id))
 
 
@@ -140,29 +145,31 @@ def check_upload(
     _take_bytes(storage, row, parts)
     stored = storage.size_of(artifact_key(row.id))
     if stored != row.size_bytes:
-        raise Refused(422, "size_mismatch", f"uploaded {stored} bytes, declared {row.size_bytes}")
+        raise Refused(422, ErrorCode.SIZE_MISMATCH, f"uploaded {stored} bytes, declared {row.size_bytes}")
     if size is not None and size != row.size_bytes:
-        raise Refused(422, "size_mismatch", f"confirmed size_bytes {size}, declared {row.size_bytes}")
+        raise Refused(422, ErrorCode.SIZE_MISMATCH, f"confirmed size_bytes {size}, declared {row.size_bytes}")
     with local_copy(artifact_key(row.id)) as path:
         computed = sha256_file(path)
         if computed != row.sha256 or (digest is not None and digest.lower() != computed):
-            raise Refused(422, "sha256_mismatch", "the uploaded bytes do not match the declared sha256")
+            raise Refused(422, ErrorCode.SHA256_MISMATCH, "the uploaded bytes do not match the declared sha256")
         try:
             header = artifact.check_file(path)  # structure, every tensor's sha256, the token ids
         except KvcdnError as exc:
             reason = (str(exc).partition(": ")[2] or str(exc) or "unreadable").splitlines()[0][:300]
-            raise Refused(422, "not_a_kv_artifact", f"the upload is not a valid .kv artifact: {reason}") from None
+            raise Refused(
+                422, ErrorCode.NOT_A_KV_ARTIFACT, f"the upload is not a valid .kv artifact: {reason}"
+            ) from None
         except (RecursionError, MemoryError, ValueError, TypeError, KeyError, AttributeError):
-            raise Refused(422, "not_a_kv_artifact", "the upload is not a valid .kv artifact") from None
+            raise Refused(422, ErrorCode.NOT_A_KV_ARTIFACT, "the upload is not a valid .kv artifact") from None
     try:
         summary = manifest_summary(header)
     except (ValueError, TypeError, KeyError, AttributeError):
-        raise Refused(422, "not_a_kv_artifact", "the upload's manifest is malformed") from None
+        raise Refused(422, ErrorCode.NOT_A_KV_ARTIFACT, "the upload's manifest is malformed") from None
     for hint, declared in json.loads(row.declared).items():
         if hint in HINTS and declared != summary[hint]:
             raise Refused(
                 422,
-                "manifest_mismatch",
+                ErrorCode.MANIFEST_MISMATCH,
                 f"declared {hint} {declared!r}, the artifact's manifest says {summary[hint]!r}",
             )
     return summary
