@@ -177,7 +177,7 @@ def test_hosted_help_loads_no_pydantic_nor_httpx(args):
     import sys
 
     code = (
-        "import sys\nfrom kvcdn_core.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "import sys\nfrom kvcdn_core.cli.app import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
         "print([m for m in ('pydantic', 'httpx', 'kvcdn_wire.responses') if m in sys.modules], file=sys.stderr)"
     )
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
