@@ -282,14 +282,13 @@ class HostedStorage(StorageBackend):
     def infer(
         self, artifact_id: str, question: str, n: int, org: str | None = None, project: str | None = None
     ) -> InferAnswer:
-        from kvcdn_wire.requests import InferRequest
         from kvcdn_wire.responses import InferAnswer
 
         if org and project:
             path = wire.path(wire.LEGACY_INFER, org=org, project=project, artifact_id=_id(artifact_id))
         else:
             path = wire.path(wire.INFER, artifact_id=_id(artifact_id))
-        body = InferRequest(question=question, n=n).model_dump()
+        body = {"question": question, "n": n}  # the server checks the limits (its own may be lower)
         # no side effects: a retry only repeats the work
         return self.client.read(InferAnswer, "POST", path, what="infer", json=body, timeout=600.0, idempotent=True)
 
