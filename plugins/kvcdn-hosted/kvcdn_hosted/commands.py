@@ -14,17 +14,18 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import click
 
+import kvcdn_wire as wire
 from kvcdn_core import CheckFailed, KvcdnError, emit_json, print_table
-from kvcdn_hosted import wire
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvcdn_core import StorageBackend
     from kvcdn_hosted.config import Settings
     from kvcdn_hosted.storage import HostedStorage
+    from kvcdn_wire.responses import ManifestSummary, Quota
 
 # -- shared options and plumbing -----------------------------------------------------------------
 
@@ -125,24 +126,27 @@ class _Endpoint:
     def __init__(self, storage: HostedStorage) -> None:
         self.storage = storage
 
-    def upload(self, source: Path, name: str, visibility: str, force: bool) -> dict:
-        return self.storage.upload(source, name, visibility)
+    def upload(self, source: Path, name: str, visibility: Literal["private", "public"], force: bool) -> dict:
+        return _sent(self.storage.upload(source, name, visibility))
 
-    def listing(self, long_: bool) -> list[dict]:
-        return self.storage.artifacts()
+    def listing(self, long_: bool) -> list[_Listed]:
+        return [
+            _Listed(_sent(a), a.artifact_id, a.name, a.size_bytes, a.manifest, a.visibility, a.created_at, a.sha256)
+            for a in self.storage.artifacts()
+        ]
 
     def default_name(self, artifact_id: str) -> str:
         try:
-            record = self.storage.describe(artifact_id)
+            name = self.storage.describe(artifact_id).name
         except KvcdnError:
-            record = None  # a public artifact of another tenant: download-url works, describe may not
-        return _default_download_name(artifact_id, record)
+            name = ""  # a public artifact of another tenant: download-url works, describe may not
+        return _default_download_name(artifact_id, name)
 
     def fetch(self, artifact_id: str, target: Path) -> None:
         self.storage.download(artifact_id, target)
 
     def find(self, artifact_id: str) -> tuple[str, str]:
-        name = self.storage.describe(artifact_id).get("name")
+        name = self.storage.describe(artifact_id).name
         return artifact_id, f"{artifact_id} ({name})" if name else artifact_id
 
     def delete(self, artifact_id: str) -> None:
@@ -172,13 +176,19 @@ class _Store:
             "storage": self.uri,
         }
 
-    def listing(self, long_: bool) -> list[dict]:
-        objects = [o for o in self.backend.list() if o.key.endswith(".kv")]
-        items: list[dict] = [{"artifact_id": o.key, "name": o.key, "size_bytes": o.size} for o in objects]
-        if long_:  # the long columns come from each artifact's header: read it, not the data
-            for item, o in zip(items, objects):
-                item["manifest"] = _stored_summary(self.backend, o.key, o.size)
-        return items
+    def listing(self, long_: bool) -> list[_Listed]:
+        from kvcdn_wire.responses import ManifestSummary
+
+        listed = []
+        for o in self.backend.list():
+            if o.key.endswith(".kv"):
+                item: dict = {"artifact_id": o.key, "name": o.key, "size_bytes": o.size}
+                summary = None
+                if long_:  # the long columns come from each artifact's header: read it, not the data
+                    summary = item["manifest"] = _stored_summary(self.backend, o.key, o.size)
+                manifest = None if summary is None else ManifestSummary(**summary)
+                listed.append(_Listed(item, o.key, o.key, o.size, manifest))
+        return listed
 
     def default_name(self, artifact_id: str) -> str:
         name = Path(artifact_id).name
@@ -370,16 +380,14 @@ def api_key_verify(api_url, api_key, fmt):
             f"the server at {settings.api_url} rejects the API key {mask(credential.token)} "
             f"from {credential.source}; ask your org admin for a valid key"
         )
-    try:
-        info = response.json()
-    except ValueError:
-        raise KvcdnError("api-key verify: the server's answer is not JSON") from None
+    from kvcdn_hosted.client import parse_answer
+    from kvcdn_wire.responses import KeyVerification
+
+    info = parse_answer(KeyVerification, response, "api-key verify")
     if fmt == "json":
-        emit_json(info)
+        emit_json(_sent(info))
     else:
-        click.echo(
-            f"valid API key for org {info.get('org')} (customer {info.get('customer_id')}), from {credential.source}"
-        )
+        click.echo(f"valid API key for org {info.org} (customer {info.customer_id}), from {credential.source}")
 
 
 @api_key_group.command("clear")
@@ -439,35 +447,53 @@ def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key
 def list_cmd(fmt, long_, from_uri, api_url, api_key):
     """List the artifacts you can see (all pages)."""
     settings = settings_from(locals())
-    items = _artifacts(from_uri, settings, True).listing(long_)
+    listed = _artifacts(from_uri, settings, True).listing(long_)
     if fmt == "json":
-        emit_json(items)
+        emit_json([a.json for a in listed])
     elif fmt == "ids":
-        for item in items:
-            click.echo(item.get("artifact_id"))
-    elif not items:
+        for a in listed:
+            click.echo(a.artifact_id)
+    elif not listed:
         click.echo("no artifacts", err=True)
     else:
         head = ["ID", "NAME", "SIZE", "TOKENS", "MODEL", "VISIBILITY", "CREATED"]
         if long_:
             head += ["ARCHITECTURE", "DTYPE", "QUANT", "SHA256"]
         rows = [tuple(head)]
-        for a in items:
-            m = a.get("manifest") or {}
+        for a in listed:
+            m = a.manifest
             row = [
-                a.get("artifact_id"),
-                a.get("name"),
-                _human_bytes(a.get("size_bytes")),
-                m.get("token_count", m.get("tokens")),
-                m.get("model_id"),
-                a.get("visibility"),
-                a.get("created_at"),
+                a.artifact_id,
+                a.name,
+                _human_bytes(a.size_bytes),
+                m.tokens if m else None,
+                m.model_id if m else None,
+                a.visibility,
+                a.created_at,
             ]
             if long_:
-                quant = (m.get("quantization") or "none") if m else None  # unknown is "-", not "none"
-                row += [m.get("architecture"), m.get("dtype"), quant, a.get("sha256")]
+                quant = (m.quantization or "none") if m else None  # unknown is "-", not "none"
+                row += [m.architecture if m else None, m.dtype if m else None, quant, a.sha256]
             rows.append(tuple("-" if v is None else v for v in row))
         _table(rows)
+
+
+class _Listed(NamedTuple):
+    """One listed artifact: what ``--format json`` prints, and the facts of the table."""
+
+    json: dict
+    artifact_id: str
+    name: str
+    size_bytes: int
+    manifest: ManifestSummary | None = None
+    visibility: str | None = None
+    created_at: str | None = None
+    sha256: str | None = None
+
+
+def _sent(answer) -> dict:
+    """A server's answer as it sent it (the fields it set, and any this client does not know)."""
+    return answer.model_dump(mode="json", exclude_unset=True)
 
 
 def _stored_summary(backend, key: str, size: int) -> dict | None:
@@ -486,8 +512,7 @@ def _store_key(artifact_id: str) -> str:
     return artifact_id if artifact_id.endswith(".kv") else artifact_id + ".kv"
 
 
-def _default_download_name(artifact_id: str, record: dict | None) -> str:
-    name = (record or {}).get("name") or ""
+def _default_download_name(artifact_id: str, name: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
     safe = safe.removesuffix(".kv") if safe else ""
     return (safe or re.sub(r"[^A-Za-z0-9._-]+", "_", artifact_id)) + ".kv"
@@ -612,9 +637,9 @@ def infer(artifact_id, question, question_short, n, org, project, fmt, api_url, 
     backend = _hosted(settings)
     result = backend.infer(artifact_id, question, n, org or settings.default_org, project or settings.default_project)
     if fmt == "json":
-        emit_json(result)
+        emit_json(_sent(result))
     else:
-        click.echo(result.get("text", ""))
+        click.echo(result.text)
 
 
 # -- identity and quota -----------------------------------------------------------------------------
@@ -634,13 +659,14 @@ def infer(artifact_id, question, question_short, n, org, project, fmt, api_url, 
 def whoami(fmt, api_url, api_key):
     """Who the endpoint says you are, and which credential is in use."""
     from kvcdn_hosted.client import HostedClient
+    from kvcdn_wire.responses import Identity
 
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         credential = client.require_credential("whoami")
-        info = client.json("GET", wire.WHOAMI, what="whoami")
-    info = dict(info or {})
+        identity = client.read(Identity, "GET", wire.WHOAMI, what="whoami")
     if fmt == "json":
+        info = _sent(identity)
         info.update(
             access_token=credential.token,
             credential=credential.method,
@@ -651,9 +677,9 @@ def whoami(fmt, api_url, api_key):
         return
     rows = [
         ("endpoint", settings.api_url),
-        ("customer", info.get("customer_id")),
-        ("org", info.get("org")),
-        ("method", info.get("method") or credential.method),
+        ("customer", identity.customer_id),
+        ("org", identity.org),
+        ("method", identity.method),
         ("credential", credential.source),
     ]
     if credential.expires_at:
@@ -670,19 +696,21 @@ def whoami(fmt, api_url, api_key):
 def quota(fmt, api_url, api_key):
     """Your limits and usage on the endpoint."""
     from kvcdn_hosted.client import HostedClient
+    from kvcdn_wire.responses import Quota
 
     settings = settings_from(locals())
     with HostedClient(settings) as client:
         client.require_credential("quota")
-        info = client.json("GET", wire.QUOTA, what="quota")
+        info = client.read(Quota, "GET", wire.QUOTA, what="quota")
     if fmt == "json":
-        emit_json(info)
+        emit_json(_sent(info))
         return
-    _table(_quota_rows(info or {}))
+    _table(_quota_rows(info))
 
 
-def _quota_rows(info: dict) -> list[tuple]:
-    limits, usage = info.get("limits") or {}, info.get("usage") or {}
+def _quota_rows(info: Quota) -> list[tuple]:
+    """``WHAT USED LIMIT``: each count the server reports (a limit or a usage of a newer server too)."""
+    limits, usage = info.limits.model_dump(), info.usage.model_dump()
     rows = [("WHAT", "USED", "LIMIT")]
     for key in sorted(set(limits) | set(usage)):
         used, limit = usage.get(key), limits.get(key)
@@ -690,8 +718,6 @@ def _quota_rows(info: dict) -> list[tuple]:
             used = _human_bytes(used) if used is not None else None
             limit = _human_bytes(limit) if limit is not None else None
         rows.append((key, "-" if used is None else used, "-" if limit is None else limit))
-    if len(rows) == 1:
-        rows += [(k, v, "") for k, v in info.items()]
     return rows
 
 
@@ -708,6 +734,7 @@ def admin_group():
 def mint_api_key(org, fmt, api_url):
     """Mint (derive) the API key of ORG; prints the key."""
     from kvcdn_hosted.client import HostedClient, insecure_remote
+    from kvcdn_wire.responses import OrgKey
 
     secret = os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
     if not secret:
@@ -720,7 +747,8 @@ def mint_api_key(org, fmt, api_url):
                 "use https for anything but a loopback address",
                 err=True,
             )
-        info = client.json(
+        info = client.read(
+            OrgKey,
             "POST",
             wire.ADMIN_API_KEYS,
             what="admin mint-api-key",
@@ -728,9 +756,9 @@ def mint_api_key(org, fmt, api_url):
             headers={"X-Kvcdn-Admin-Secret": secret},
         )
     if fmt == "json":
-        emit_json(info)
+        emit_json(_sent(info))
     else:
-        click.echo(info.get("api_key"))
+        click.echo(info.api_key)
 
 
 COMMANDS = (login, logout, api_key_group, upload, list_cmd, download, delete, infer, whoami, quota, admin_group)
