@@ -68,7 +68,7 @@ def app_over(monkeypatch, tmp_path):
 
     def make(storage: StorageBackend):
         monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme")
-        config = load_config(storage=str(tmp_path / "unused"), database=f"sqlite:///{tmp_path / 'state.db'}")
+        config = load_config(storage=str(tmp_path / "unused"), database_url=f"sqlite:///{tmp_path / 'state.db'}")
         client = TestClient(create_app(config, storage=storage))
         return client, derive_key(config.api_key_seed, "acme")
 

@@ -146,7 +146,7 @@ class _Callback(BaseHTTPRequestHandler):
             self.send_error(404)
             return
         query = dict(urllib.parse.parse_qsl(parsed.query))
-        self.server.callback_result = query  # type: ignore[attr-defined]
+        self.server.callback_result = query
         ok = "code" in query and "error" not in query
         body = (
             "Login complete: you can close this window and return to the terminal."

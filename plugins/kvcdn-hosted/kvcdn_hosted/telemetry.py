@@ -48,7 +48,7 @@ def send(
     api_url: str | None, command: str, duration_s: float, success: bool, max_wait_s: float = MAX_WAIT_S
 ) -> threading.Thread | None:
     """Send one event if telemetry is on; return after it was sent or ``max_wait_s``, whichever first."""
-    if not enabled(api_url):
+    if api_url is None or not enabled(api_url):
         return None
     import httpx  # noqa: F401  (already loaded by every hosted command; import here, not in the thread)
 

@@ -67,7 +67,9 @@ def authenticate(request: Request, s: Services, required: bool = True) -> Identi
 
 
 def identity_required(request: Request, s: Annotated[Services, Depends(services)]) -> Identity:
-    return authenticate(request, s)
+    identity = authenticate(request, s)
+    assert identity is not None  # required=True raises instead of answering None
+    return identity
 
 
 def identity_optional(request: Request, s: Annotated[Services, Depends(services)]) -> Identity | None:

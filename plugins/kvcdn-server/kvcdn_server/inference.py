@@ -332,10 +332,14 @@ class InferenceEngine:
                 if left <= 0:
                     raise ApiError(504, ErrorCode.TIMEOUT, f"inference took longer than {self.timeout:g} s")
                 try:
-                    return future.result(timeout=min(left, DISCONNECT_POLL))
+                    result = future.result(timeout=min(left, DISCONNECT_POLL))
                 except concurrent.futures.TimeoutError:
                     if disconnected is not None and disconnected():
                         raise ApiError(499, ErrorCode.CLIENT_CLOSED_REQUEST, "the client disconnected") from None
+                    continue
+                # None is a cancelled run, and only this call cancels it, after it has answered.
+                assert result is not None
+                return result
         finally:
             cancel.set()  # a no-op once done; otherwise the decode loop stops at its next step
             # The slot goes with the answer: a load still running finishes for the caches (it cannot

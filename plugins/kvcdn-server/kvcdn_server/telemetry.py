@@ -79,7 +79,7 @@ class TelemetrySink:
         self.url = url
         self.secret = secret
         self.queue: queue.Queue = queue.Queue(maxsize=1000)
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self.limit = limit
 
     def submit(self, event: dict, client: str) -> bool:
@@ -100,6 +100,8 @@ class TelemetrySink:
 
     def _forward(self) -> None:
         import httpx
+
+        assert self.url is not None  # the thread starts only when there is somewhere to send
 
         headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
         with httpx.Client(timeout=5.0) as client:

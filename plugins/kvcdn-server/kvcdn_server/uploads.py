@@ -257,7 +257,7 @@ class Uploads:
         """
         self._expire_if_due(self.row(artifact_id))
         now = self.clock()
-        free = [artifacts.c.status.in_(OPEN)]
+        free: list[sa.ColumnElement[bool]] = [artifacts.c.status.in_(OPEN)]
         if self.judging_leases(now):  # a PUT whose server stopped may be taken over
             free.append(sa.and_(artifacts.c.status == "uploading", artifacts.c.lease_until < now))
         with self.db.begin() as c:
