@@ -1,10 +1,13 @@
 """Where the connector's artifacts live: a local directory, or a local mirror of a storage URI.
 
-Prefix search works on a directory (its per-directory index keeps repeated searches cheap), so a
-``source`` that is not a local path (``s3://bucket/prefix``, the hosted service, any URI an installed
-kvcdn storage backend serves) is mirrored into a per-user cache directory: new or changed ``.kv``
-objects are downloaded (atomically, by the backend) before a search, at most every
-:data:`SYNC_INTERVAL_S` seconds, and artifacts the connector saves are uploaded back.
+Prefix search works on a directory (its per-directory index keeps repeated searches cheap). A backend
+that declares the ``local_path`` capability (a plain path, ``file://``, any plugin whose objects are
+files here) is searched in place: the directory is the one holding its top-level objects
+(``path_of``), and an artifact the connector saves there is already the object. Any other
+``source`` (``s3://bucket/prefix``, the hosted service, any URI an installed kvcdn storage backend
+serves) is mirrored into a per-user cache directory: new or changed ``.kv`` objects are downloaded
+(atomically, by the backend) before a search, at most every :data:`SYNC_INTERVAL_S` seconds, and
+artifacts the connector saves are uploaded back.
 No torch here: the scheduler side uses this module.
 """
 
@@ -19,22 +22,24 @@ from kvcdn_core import KvcdnError, cache_home
 
 #: Seconds between two listings of a remote source.
 SYNC_INTERVAL_S = 30.0
+#: A top-level key: the parent of its ``path_of`` is the directory a ``local_path`` source is read in.
+_TOP_LEVEL_KEY = "artifact.kv"
 
 
 class Source:
     """The ``source`` of a connector: :attr:`directory` to search and save in, maybe a remote store."""
 
     def __init__(self, uri: str, create: bool = False, warn: Callable[[str], None] | None = None):
-        from kvcdn_core import LocalStorage, open_storage
+        from kvcdn_core import open_storage
         from kvcdn_core import warn as warn_person
 
         self.uri = uri
         self._warn = warn or warn_person
         self._last_sync = float("-inf")
         backend = open_storage(uri)
-        if isinstance(backend, LocalStorage):
+        if type(backend).offers("local_path"):  # declared: its objects are files here, read in place
             self.storage = None
-            self.directory = Path(backend.root).expanduser()
+            self.directory = backend.path_of(_TOP_LEVEL_KEY).parent.expanduser()
         else:
             self.storage = backend
             digest = hashlib.sha256(uri.encode()).hexdigest()[:24]

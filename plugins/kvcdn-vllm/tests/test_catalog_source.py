@@ -1,17 +1,20 @@
-"""The scheduler side without vLLM: matching against artifacts, and an S3 source (moto's server on
-127.0.0.1, real boto3) mirrored locally and published back."""
+"""The scheduler side without vLLM: matching against artifacts, a source whose backend declares
+``local_path`` read in place, and an S3 source (moto's server on 127.0.0.1, real boto3) mirrored
+locally and published back."""
 
 from __future__ import annotations
 
 import shutil
 import socket
+import types
 
 import pytest
 import torch
 from kvcdn_vllm.catalog import Catalog, ModelShape
 from kvcdn_vllm.source import Source
 
-from kvcdn_core import LayerEntry, artifact
+import kvcdn_core
+from kvcdn_core import LayerEntry, LocalStorage, StorageBackend, artifact
 from kvcdn_core.runtime import model_manifest
 
 FINGERPRINT = {
@@ -117,3 +120,87 @@ def test_s3_source_is_mirrored_searched_and_published(moto_endpoint, tmp_path, m
     saved = write(source.directory / "vllm-x.kv", list(range(20)))
     source.publish(saved)
     assert remote.size_of("vllm-x.kv") == saved.stat().st_size
+
+
+class _Directory(StorageBackend):
+    """A third-party backend over a directory (not a LocalStorage: it holds one)."""
+
+    schemes = ("thirdparty",)
+
+    def __init__(self, root):
+        self.files = LocalStorage(root)
+
+    @classmethod
+    def from_uri(cls, uri):
+        return cls(uri.split("://", 1)[1])
+
+    def put_file(self, key, source):
+        self.files.put_file(key, source)
+
+    def get_file(self, key, target):
+        self.files.get_file(key, target)
+
+    def delete(self, key):
+        self.files.delete(key)
+
+    def list(self, prefix=""):
+        return self.files.list(prefix)
+
+
+class _DeclaresLocalPath(_Directory):
+    """Its objects are files on this machine, and it says so."""
+
+    capabilities = frozenset({"local_path"})
+
+    def path_of(self, key):
+        return self.files.path_of(key)
+
+
+class _LocalButUndeclared(LocalStorage):
+    """A LocalStorage subclass that declares no capability: it is a remote store to its callers."""
+
+    schemes = ("undeclared",)
+    capabilities = frozenset()
+
+    @classmethod
+    def from_uri(cls, uri):
+        return cls(uri.split("://", 1)[1])
+
+
+@pytest.fixture
+def storage_plugin(kvcdn_host):
+    kvcdn_host.register(
+        types.SimpleNamespace(
+            kvcdn_register_storage_backends=kvcdn_core.hookimpl(lambda: [_DeclaresLocalPath, _LocalButUndeclared])
+        ),
+        "thirdparty-storage",
+        "kvcdn.storage",
+    )
+
+
+@pytest.mark.parametrize("scheme", ["thirdparty://", "file://", ""])
+def test_a_declared_local_path_is_read_in_place(storage_plugin, scheme, tmp_path, monkeypatch):
+    """Any backend declaring local_path (a plugin's or LocalStorage) is searched where its files are."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "objects"
+    stored = write(root / "docs" / "a.kv", list(range(80)))
+    source = Source(f"{scheme}{root}")
+    assert source.directory == root and source.storage is None
+    source.sync(force=True)
+    assert not (tmp_path / "cache").exists()  # nothing mirrored
+    assert catalog(source.directory, []).best(list(range(80)) + [3], 16, 16).path == str(stored)
+    # An artifact saved into the directory is the object itself: publishing uploads nothing.
+    saved = write(source.directory / "vllm-x.kv", list(range(20)))
+    source.publish(saved)
+    assert [o.key for o in kvcdn_core.open_storage(f"{scheme}{root}").list("")] == ["docs/a.kv", "vllm-x.kv"]
+
+
+def test_an_undeclared_backend_is_mirrored_even_over_local_files(storage_plugin, tmp_path, monkeypatch):
+    """Capabilities are declared, not inferred from the class: no local_path means a mirror."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "objects"
+    write(root / "a.kv", list(range(40)))
+    source = Source(f"undeclared://{root}")
+    assert source.directory.is_relative_to(tmp_path / "cache") and source.storage is not None
+    source.sync(force=True)
+    assert (source.directory / "a.kv").read_bytes() == (root / "a.kv").read_bytes()
