@@ -161,7 +161,7 @@ class ChunkStore:
         chunk_tokens: int | None = None,
         pieces: bool = True,
     ):
-        if getattr(type(backend), "stores", "bytes") != "bytes":
+        if type(backend).stores != "bytes":  # declared by the storage contract
             raise KvcdnError(f"{backend!r} keeps only .kv artifacts; a chunk store needs a backend that stores bytes")
         self.backend = backend
         self.clock = clock
