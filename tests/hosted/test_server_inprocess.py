@@ -435,15 +435,19 @@ def test_serve_on_a_busy_port_is_one_line_exit_2(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: port {port} on 127.0.0.1 is in use (pick another with --port)"]
 
 
-def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
-    """An empty $KVCDN_ADMIN_SECRET is not the secret: the hint must point at the file that is."""
+@pytest.mark.parametrize(
+    ("variable", "hint"), [("", "$(cat "), ("from-the-environment-0123456789ab", "$KVCDN_ADMIN_SECRET")]
+)
+def test_serve_hint_names_where_the_secret_came_from(tmp_path, variable, hint):
+    """The hint names the variable when it holds the secret; an empty $KVCDN_ADMIN_SECRET is not the
+    secret, so then the hint points at the file that is."""
     import signal
     import subprocess
     import sys
 
     from tests.support.signals import popen_interruptible
 
-    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "KVCDN_ADMIN_SECRET": ""}
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "KVCDN_ADMIN_SECRET": variable}
     proc = popen_interruptible(
         [sys.executable, "-m", "kvcdn_core", "serve", "--port", "0", "--storage", str(tmp_path / "o")],
         stderr=subprocess.PIPE,
@@ -460,7 +464,8 @@ def test_serve_hint_names_the_secret_file_when_the_variable_is_empty(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=budget(30))
-    assert "admin-secret)" in lines[-1] and "$KVCDN_ADMIN_SECRET" not in lines[-1], lines
+    (other,) = {"$(cat ", "$KVCDN_ADMIN_SECRET"} - {hint}
+    assert hint in lines[-1] and other not in lines[-1], lines
 
 
 def test_telemetry_is_rate_limited_per_client(make_app, monkeypatch):

@@ -106,10 +106,10 @@ def _telemetry(kwargs: dict, name: str, started: float, success: bool) -> None:
     from kvcdn_hosted import telemetry
 
     try:
-        api_url = settings_from(kwargs).api_url
+        settings = settings_from(kwargs)
     except Exception:  # a broken config already produced its own error
         return
-    telemetry.send(api_url, name, time.monotonic() - started, success)
+    telemetry.send(settings, name, time.monotonic() - started, success)
 
 
 def _hosted(settings, quiet: bool = True):
@@ -328,6 +328,7 @@ def logout():
     import httpx
 
     from kvcdn_hosted import credentials, oidc
+    from kvcdn_hosted.config import given_in_environment
 
     stored = credentials.load()
     if stored.get("session"):
@@ -335,7 +336,7 @@ def logout():
             oidc.revoke(http, stored["session"])
     removed = credentials.clear()
     click.echo("logged out: stored credentials removed" if removed else "no stored credentials")
-    if os.environ.get("KVCDN_API_KEY"):
+    if given_in_environment("api_key"):
         click.echo("note: KVCDN_API_KEY is still set in your environment", err=True)
 
 
@@ -736,10 +737,10 @@ def mint_api_key(org, fmt, api_url):
     from kvcdn_hosted.client import HostedClient, insecure_remote
     from kvcdn_wire.responses import OrgKey
 
-    secret = os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
+    settings = settings_from(locals())
+    secret = settings.admin_secret
     if not secret:
         raise KvcdnError("set KVCDN_ADMIN_SECRET to the server's admin secret (kvcdn serve prints where it is)")
-    settings = settings_from(locals())
     with HostedClient(settings, auth=False) as client:
         if insecure_remote(client.api_url):
             click.echo(

@@ -25,6 +25,11 @@ def _optional(raw: Any) -> str | None:
     return settings.text(raw) or None
 
 
+def _telemetry(raw: Any) -> bool:
+    """Opt-out: only ``0`` turns it off; any other string (``false`` too) leaves it on."""
+    return settings.text(raw) != "0"
+
+
 #: Every client setting; the config-file key is the name, the variable ``KVCDN_`` and the name in capitals.
 SETTINGS: tuple[settings.Setting, ...] = (
     settings.Setting(
@@ -83,6 +88,21 @@ SETTINGS: tuple[settings.Setting, ...] = (
         _optional,
         env="KVCDN_OIDC_RESOURCE",
     ),
+    settings.Setting(
+        "telemetry",
+        "One anonymous event per hosted command (see Telemetry): `0` turns it off; any other value leaves it on.",
+        _telemetry,
+        default=True,
+        env="KVCDN_TELEMETRY",
+        default_doc="on",
+    ),
+    settings.Setting(
+        "admin_secret",
+        "The server's admin secret, which `kvcdn admin mint-api-key` sends.",
+        _optional,
+        env="KVCDN_ADMIN_SECRET",
+        file=False,
+    ),
 )
 NAMES = tuple(s.name for s in SETTINGS)
 
@@ -102,6 +122,8 @@ class Settings:
     api_key: str | None = None
     oidc_scope: str = "openid offline_access"
     oidc_resource: str | None = None
+    telemetry: bool = True
+    admin_secret: str | None = dataclasses.field(default=None, repr=False)
     #: setting → where its value came from: flag, env KVCDN_..., config <path>, default
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -127,6 +149,13 @@ def read_config_file(path: Path | None = None) -> dict[str, Any]:
     """The settings of ``config.toml``; a missing file is empty; a malformed one, an unknown key or a
     value of the wrong type is a one-line error."""
     return settings.read_config_file(path or config_path(), SETTINGS)
+
+
+def given_in_environment(name: str) -> bool:
+    """Whether setting ``name`` is given by its environment variable (it beats the config file, so
+    the file is not read: a broken one does not hide it)."""
+    (setting,) = (s for s in SETTINGS if s.name == name)
+    return settings.resolve([setting])[1][name] != "default"
 
 
 def load_settings(**flags: str | None) -> Settings:

@@ -2,25 +2,29 @@
 
 What is sent: the command name, the kvcdn version, the duration and whether it succeeded. Never
 prompts, file contents, paths, artifact names or ids, tokens or who you are (no Authorization
-header either). Off with ``KVCDN_TELEMETRY=0``; never sent when no ``api_url`` is configured.
+header either). Off with the ``telemetry`` setting (``KVCDN_TELEMETRY=0``); never sent when no
+``api_url`` is configured.
 The event goes out after the command's output is written, from a daemon thread that the command
 waits for at most :data:`MAX_WAIT_S`; a slow or absent receiver costs at most that.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from kvcdn_wire import TELEMETRY
+
+if TYPE_CHECKING:
+    from kvcdn_hosted.config import Settings
 
 MAX_WAIT_S = 0.150
 PATH = TELEMETRY
 
 
-def enabled(api_url: str | None) -> bool:
-    return bool(api_url) and os.environ.get("KVCDN_TELEMETRY", "1").strip() != "0"
+def enabled(settings: Settings) -> bool:
+    return bool(settings.api_url) and settings.telemetry
 
 
 def event(command: str, duration_s: float, success: bool) -> dict:
@@ -45,10 +49,11 @@ def _post(url: str, payload: dict, timeout: float) -> None:
 
 
 def send(
-    api_url: str | None, command: str, duration_s: float, success: bool, max_wait_s: float = MAX_WAIT_S
+    settings: Settings, command: str, duration_s: float, success: bool, max_wait_s: float = MAX_WAIT_S
 ) -> threading.Thread | None:
     """Send one event if telemetry is on; return after it was sent or ``max_wait_s``, whichever first."""
-    if api_url is None or not enabled(api_url):
+    api_url = settings.api_url
+    if api_url is None or not enabled(settings):
         return None
     import httpx  # noqa: F401  (already loaded by every hosted command; import here, not in the thread)
 

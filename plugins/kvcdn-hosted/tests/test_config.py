@@ -3,7 +3,8 @@
 import pytest
 
 from kvcdn_core.errors import KvcdnError
-from kvcdn_hosted.config import load_settings, read_config_file
+from kvcdn_hosted import telemetry
+from kvcdn_hosted.config import given_in_environment, load_settings, read_config_file
 
 
 def write_config(config_home, text):
@@ -62,3 +63,43 @@ def test_url_must_be_http(config_home):
         with pytest.MonkeyPatch.context() as env:
             env.setenv("KVCDN_ISSUER_URL", "issuer.example.com")
             load_settings()
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), (" 0 ", False), ("1", True), ("false", True), ("", True)])
+def test_telemetry_is_off_only_for_0(config_home, monkeypatch, value, on):
+    """KVCDN_TELEMETRY is opt-out: only `0` turns it off (`false` too leaves it on; empty is unset)."""
+    monkeypatch.setenv("KVCDN_TELEMETRY", value)
+    s = load_settings(api_url="http://x")
+    assert s.telemetry is on and telemetry.enabled(s) is on
+    assert not telemetry.enabled(load_settings())  # never without an endpoint
+
+
+def test_telemetry_in_the_config_file(config_home, monkeypatch):
+    write_config(config_home, 'telemetry = "0"\n')
+    assert load_settings().telemetry is False
+    monkeypatch.setenv("KVCDN_TELEMETRY", "1")
+    assert load_settings().telemetry is True  # the variable beats the file
+    monkeypatch.delenv("KVCDN_TELEMETRY")
+    write_config(config_home, "telemetry = false\n")
+    with pytest.raises(KvcdnError, match="'telemetry' must be a string"):
+        load_settings()
+
+
+def test_admin_secret_comes_from_the_environment_only(config_home, monkeypatch):
+    assert load_settings().admin_secret is None
+    monkeypatch.setenv("KVCDN_ADMIN_SECRET", "  s3cret-of-the-server  ")
+    s = load_settings()
+    assert s.admin_secret == "s3cret-of-the-server" and "s3cret" not in repr(s)
+    monkeypatch.setenv("KVCDN_ADMIN_SECRET", " ")
+    assert load_settings().admin_secret is None  # empty is unset
+    write_config(config_home, 'admin_secret = "in-a-file"\n')
+    with pytest.raises(KvcdnError, match="'admin_secret' is a secret and is not read from a config file"):
+        load_settings()
+
+
+def test_an_api_key_given_in_the_environment_is_seen_even_past_a_broken_file(config_home, monkeypatch):
+    write_config(config_home, 'api_key = "kv_from_the_file"\n')
+    assert not given_in_environment("api_key")
+    monkeypatch.setenv("KVCDN_API_KEY", "kv_from_the_environment")
+    write_config(config_home, "api_key = \n")  # malformed: logout's note does not read it
+    assert given_in_environment("api_key")

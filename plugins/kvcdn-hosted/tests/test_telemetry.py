@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from kvcdn_core.cli.app import make_cli
 from kvcdn_hosted import telemetry
+from kvcdn_hosted.config import Settings
 
 ALLOWED = {"event", "command", "kvcdn_version", "duration_ms", "ok"}
 
@@ -64,7 +65,7 @@ def test_slow_receiver_costs_at_most_150_ms(receiver, config_home):
 
     receiver.routes[("POST", "/api/v1/telemetry")] = slow
     started = time.monotonic()
-    thread = telemetry.send(receiver.url, "list", 0.5, True)
+    thread = telemetry.send(Settings(api_url=receiver.url), "list", 0.5, True)
     waited = time.monotonic() - started
     assert thread is not None and thread.daemon
     assert waited < 0.150 + 0.1, waited  # 150 ms budget + scheduling slack on a busy machine
@@ -73,5 +74,5 @@ def test_slow_receiver_costs_at_most_150_ms(receiver, config_home):
 
 def test_dead_receiver_is_silent(config_home):
     started = time.monotonic()
-    telemetry.send("http://127.0.0.1:9", "list", 0.1, True)
+    telemetry.send(Settings(api_url="http://127.0.0.1:9"), "list", 0.1, True)
     assert time.monotonic() - started < 0.150 + 0.1  # 150 ms budget + scheduling slack

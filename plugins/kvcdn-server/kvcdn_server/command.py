@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import os
 import socket
 
 import click
@@ -121,10 +120,10 @@ def serve(
         click.echo("created " + ", ".join(str(p) for p in config.created_secrets) + " (mode 0600)", err=True)
     if not _is_loopback(host):
         click.echo(f"warning: listening on {host}, not loopback: serve it behind TLS", err=True)
-    # The same rule as config: an empty variable means "not set", and the secret is the file's.
+    # Where the resolved setting came from: its variable, else the file (an empty variable is unset).
     secret_hint = (
         "$KVCDN_ADMIN_SECRET"
-        if os.environ.get("KVCDN_ADMIN_SECRET", "").strip()
+        if config.sources.get("admin_secret") == "env KVCDN_ADMIN_SECRET"
         else f"$(cat {config.home / 'admin-secret'})"
     )
     click.echo(
