@@ -420,7 +420,10 @@ def api_key_clear():
     "to_uri",
     default=None,
     metavar="URI",
-    help="Another store: s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint].",
+    help=(
+        "Another store: a URI of any installed storage plugin (kvcdn plugins lists their schemes), "
+        "e.g. s3://bucket/prefix, a local directory, or kvcdn+https://host [default: the endpoint]."
+    ),
 )
 @click.option("--force", is_flag=True, help="Replace an object of the same name in a --to store.")
 @output_format()
