@@ -16,8 +16,9 @@ SETTINGS: tuple[settings.Setting, ...] = (
         "source",
         "Where artifacts live: a directory (searched recursively), `file://...`, or any URI an installed "
         "kvcdn storage backend serves (`s3://bucket/prefix` with `kvcdn[s3]`, the hosted service with "
-        "`kvcdn[hosted]`). A remote source is mirrored into `$XDG_CACHE_HOME/kvcdn/vllm-mirror/` (new or "
-        "changed `.kv` objects are fetched at most every 30 s, before a search); saved artifacts are uploaded back.",
+        "`kvcdn[hosted]`). A store whose backend declares `local_path` (a directory, `file://...`) is read "
+        "in place; any other is mirrored into `$XDG_CACHE_HOME/kvcdn/vllm-mirror/` (new or changed `.kv` "
+        "objects are fetched at most every 30 s, before a search) and saved artifacts are uploaded back.",
         flag="--source",
         default_doc="required",
     ),
