@@ -312,6 +312,32 @@ def test_continue_parses_the_manifest_once(cli, qwen3_artifact, monkeypatch):
     assert len(calls) == 1, calls
 
 
+def test_quant_and_pack_parse_the_input_manifest_once(cli, qwen3_artifact, tmp_path, monkeypatch):
+    """`quant` and packing into a store read one header's manifest typed, once (quant parsed it twice:
+    quantize_cache typed the dict again; packing indexed it by keys and typed it again for the record)."""
+    from kvcdn_core import artifact
+    from kvcdn_core.artifact.manifest import Manifest, manifest_of
+    from kvcdn_core.store import pack
+
+    calls = []
+    parse = Manifest.from_dict.__func__
+
+    def counting(cls, data):
+        calls.append(bool(data.get("quantization")))
+        return parse(cls, data)
+
+    monkeypatch.setattr(Manifest, "from_dict", classmethod(counting))
+    out = tmp_path / "q.kv"
+    result = cli("quant", "--kv-path", qwen3_artifact, "--output", out)
+    assert result.exit_code == 0, result.stderr
+    assert calls.count(False) == 1, calls  # the unquantized input
+    calls.clear()
+    header = artifact.read_header(qwen3_artifact)
+    names = pack.chunked_names(header)
+    root = pack.root_of(manifest_of(header))
+    assert names and root and len(calls) == 1, calls
+
+
 def test_continue_takes_the_prompt_as_text_or_file(cli, tmp_path):
     """continue's prompt is --prompt or --prompt-file, as search's: exactly one, not empty."""
     missing = cli("continue", "--dir", tmp_path)

@@ -19,13 +19,16 @@ import sys
 from array import array
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from kvcdn_core.artifact import digests, tensor_io
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.paths import check_writable
 from kvcdn_core.text import is_printable_text
+
+if TYPE_CHECKING:  # the package importing its own module: not a cycle (tests/test_layout.py)
+    from kvcdn_core.artifact.manifest import Manifest
 
 FORMAT_NAME = "kvcdn-kv"
 #: The version written. 2: tensors carry BLAKE3 digests; 1 (still read): SHA-256 (:mod:`kvcdn_core.artifact.digests`).
@@ -111,7 +114,7 @@ class Header:
     file_size: int
     format_version: int = FORMAT_VERSION
     #: The manifest typed, made once by :func:`kvcdn_core.artifact.manifest.manifest_of` and kept here.
-    typed_manifest: Any = dataclasses.field(default=None, repr=False, compare=False)
+    typed_manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def token_count(self) -> int:

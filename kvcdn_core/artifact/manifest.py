@@ -153,5 +153,4 @@ def manifest_of(header: Header) -> Manifest:
     object, so a command that opens, checks and loads an artifact parses its manifest one time."""
     if header.typed_manifest is None:
         header.typed_manifest = Manifest.from_dict(header.manifest)
-    typed: Manifest = header.typed_manifest
-    return typed
+    return header.typed_manifest

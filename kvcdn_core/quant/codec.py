@@ -98,15 +98,17 @@ class QuantResult:
 
 
 def quantize_cache(
-    manifest: dict, tensors: dict[str, Any], quantizer: Quantizer, target_dtype: str | None = None
+    manifest: dict[str, Any] | Manifest, tensors: dict[str, Any], quantizer: Quantizer, target_dtype: str | None = None
 ) -> QuantResult:
     """Quantize an unquantized artifact's tensors; returns the new manifest and stored tensors.
 
     ``manifest`` and ``tensors`` are what :func:`kvcdn_core.artifact.read_header` and
     :func:`kvcdn_core.artifact.load_tensors` give (or a freshly exported cache). The manifest's
-    ``tensors`` table is rebuilt by the writer.
+    ``tensors`` table is rebuilt by the writer. A read header's manifest comes typed
+    (:func:`kvcdn_core.artifact.manifest.manifest_of`); a freshly exported one is only a dict.
     """
-    typed = Manifest.from_dict(manifest)
+    typed = manifest if isinstance(manifest, Manifest) else Manifest.from_dict(manifest)
+    raw = typed.raw
     if typed.quantization:
         raise KvcdnError(
             f"the input is already quantized (scheme {typed.scheme}); quantize the "
@@ -149,7 +151,7 @@ def quantize_cache(
             errors.setdefault(role, ErrorStats()).add(t, quantizer.dequantize(parts, record))
         done += 1
         layer_records.append({"index": layer.index, "kind": layer.kind, "action": "quantized", "tensors": records})
-    new = copy.deepcopy(manifest)
+    new = copy.deepcopy(raw)
     new.pop("tensors", None)
     new["created_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     new["quantization"] = {
@@ -159,7 +161,7 @@ def quantize_cache(
         "target_dtype": target,
         "storage_dtype": quantizer.storage_dtype,
         "source_dtype": artifact.TORCH_TO_ST.get(typed.compute_dtype, typed.compute_dtype),
-        "source_created_at": manifest.get("created_at"),
+        "source_created_at": raw.get("created_at"),
         "layers": layer_records,
     }
     return QuantResult(new, stored, errors, done, kept)

@@ -7,6 +7,7 @@ loads artifacts through :mod:`kvcdn_core.runtime`, which dequantizes through :mo
 from __future__ import annotations
 
 from kvcdn_core import artifact
+from kvcdn_core.artifact.manifest import Manifest, manifest_of
 from kvcdn_core.contracts.quantizer import Quantizer
 from kvcdn_core.plugin_host.registry import quantizer_for
 from kvcdn_core.quant.codec import dequantize_tensors, quantize_cache
@@ -36,10 +37,10 @@ def compare_steps(reference_logits, quant_logits, near_tie: float = NEAR_TIE_FRA
 MIN_AGREEMENT = 0.75
 
 
-def bound_violations(header_manifest: dict, original: dict, quantizer: Quantizer, dequantized: dict) -> list[str]:
+def bound_violations(manifest: Manifest, original: dict, quantizer: Quantizer, dequantized: dict) -> list[str]:
     """Names of quantized tensors whose dequantized values leave the scheme's stated error bound."""
     bad = []
-    for rec in header_manifest["quantization"]["layers"]:
+    for rec in (manifest.quantization or {})["layers"]:
         for trec in (rec.get("tensors") or {}).values():
             if trec.get("action") != "quantized":
                 continue
@@ -70,11 +71,11 @@ def validation_phase(scheme: str = "int8"):
             return run.result(name, False, "skipped: an earlier phase failed")
         quantizer = quantizer_for(scheme)()
         original = artifact.load_tensors(run.header)
-        result = quantize_cache(run.header.manifest, original, quantizer)
+        result = quantize_cache(manifest_of(run.header), original, quantizer)
         path = run.workdir / f"{run.architecture}.{quantizer.default_output_suffix()}.kv"
         artifact.write_artifact(path, result.manifest, result.tensors)
         header = artifact.read_header(path)
-        outside = bound_violations(header.manifest, original, quantizer, dequantize_tensors(header))
+        outside = bound_violations(manifest_of(header), original, quantizer, dequantize_tensors(header))
         ids, _, _ = cached(run.session, header, run.question_ids, run.n)
         _, ref_logits = reference(run.session, run.context_ids, run.question_ids, run.n)
         _, q_logits, _ = cached(run.session, header, run.question_ids, run.n, forced=run.reference_ids)

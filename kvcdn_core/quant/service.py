@@ -96,7 +96,8 @@ def quantize_artifact(
     prefill on ``session``. The event is written next to ``out`` also when verification fails."""
     start = time.perf_counter()
     tensors = artifact.load_tensors(header)
-    result = quantize_cache(header.manifest, tensors, quantizer, target)
+    typed = manifest_of(header)
+    result = quantize_cache(typed, tensors, quantizer, target)
     artifact.write_artifact(out, result.manifest, result.tensors)
     seconds = time.perf_counter() - start
     q = result.manifest["quantization"]
@@ -104,7 +105,7 @@ def quantize_artifact(
     if quantized >= original:
         _warn_not_smaller(original, quantized, header.token_count, quantizer.params)
     errors = {role: stats.as_dict() for role, stats in sorted(result.errors.items())}
-    model = manifest_of(header).model
+    model = typed.model
     event = QuantEvent(
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         input=str(source),
@@ -118,7 +119,7 @@ def quantize_artifact(
         storage_dtype=q["storage_dtype"],
         source_dtype=q["source_dtype"],
         tokens=header.token_count,
-        layers=len(header.manifest["layers"]),
+        layers=len(typed.layers),
         quantized_layers=result.quantized_layers,
         full_precision_layers=result.kept_layers,
         original_bytes=original,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvcdn_core import artifact, notices
-from kvcdn_core.artifact.manifest import Manifest
+from kvcdn_core.artifact.manifest import manifest_of
 from kvcdn_core.atomic import atomic_open
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.model.files import COMPATIBILITY_KEYS
@@ -70,7 +70,7 @@ def _entry_from_file(path: Path, st: os.stat_result) -> Entry:
     array = np.asarray(ids, dtype=np.int64)
     if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
         raise ArtifactError(f"{path}: corrupted: token ids out of range")
-    m = Manifest.from_dict(header.manifest)
+    m = manifest_of(header)
     return Entry(
         path,
         st.st_size,

@@ -549,9 +549,10 @@ class ChunkStore:
     def _key_problem(self, record: ArtifactRecord) -> str | None:
         """What is wrong with a record's root and chain keys, if anything: they must be those of its
         header (model, representation) and token ids, since the prefix index trusts them."""
+        from kvcdn_core.artifact.manifest import manifest_of
         from kvcdn_core.store import keys, pack
 
-        if record.root != pack.root_of(record.parsed_header().manifest, record.chunk_tokens):
+        if record.root != pack.root_of(manifest_of(record.parsed_header()), record.chunk_tokens):
             return f"artifact '{record.name}': its root key is not that of its model and representation"
         try:
             ids = self.token_ids(record.name)

@@ -29,6 +29,7 @@ import blake3
 import numpy as np
 
 from kvcdn_core import artifact
+from kvcdn_core.artifact.manifest import Manifest, manifest_of
 from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.store import keys
@@ -41,15 +42,15 @@ def digest_of(data: bytes | memoryview) -> str:
 
 def chunked_names(header: artifact.Header) -> list[str]:
     """The tensors cut into chunks, in the order of their bytes in the file (see the module doc)."""
-    manifest = header.manifest
-    if manifest.get("quantization"):
+    manifest = manifest_of(header)
+    if manifest.quantization:
         return []
     tokens = header.token_count
     names: set[str] = set()
-    for layer in manifest["layers"]:
-        if layer["kind"] not in artifact.CROPPABLE_KINDS:
+    for layer in manifest.layers:
+        if not layer.croppable:
             continue
-        for name in layer.get("tensors", {}).values():
+        for name in layer.tensors.values():
             shape = header.entries[name]["shape"]
             if len(shape) >= 2 and shape[-2] == tokens:
                 names.add(name)
@@ -70,10 +71,10 @@ def header_text(path: Path, header: artifact.Header) -> str:
     return raw.decode("utf-8")
 
 
-def root_of(manifest: dict, chunk_tokens: int = keys.CHUNK_TOKENS) -> str:
+def root_of(manifest: Manifest, chunk_tokens: int = keys.CHUNK_TOKENS) -> str:
     """The root key of an artifact's chains: its model fingerprint, representation and chunk size."""
-    rep = keys.representation(manifest["compute_dtype"], manifest.get("quantization"))
-    return keys.root_key(manifest["model"], rep, chunk_tokens)
+    rep = keys.representation(manifest.compute_dtype, manifest.quantization)
+    return keys.root_key(dataclasses.asdict(manifest.model), rep, chunk_tokens)
 
 
 @dataclasses.dataclass
@@ -105,7 +106,7 @@ class Cutter:
         self.chunked = chunked_names(header)
         self.tail = tail_names(header, self.chunked)
         self.data = np.memmap(header.path, dtype=np.uint8, mode="r")
-        self.root = root_of(header.manifest, chunk_tokens)
+        self.root = root_of(manifest_of(header), chunk_tokens)
         tokens = header.token_count
         self.chain = keys.chain(self.root, token_ids, chunk_tokens) if self.chunked and tokens else []
         self.bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
@@ -206,9 +207,7 @@ class Cutter:
 
 def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, plan: Plan) -> ArtifactRecord:
     """The record of a packed file, from its cutter and plan (version 1 unless a chunk has pieces)."""
-    from kvcdn_core.artifact.manifest import Manifest
-
-    model = header.manifest["model"]
+    manifest = manifest_of(header)
     return ArtifactRecord(
         name=name,
         size=header.file_size,
@@ -216,8 +215,8 @@ def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, p
         root=cutter.root,
         chunk_tokens=cutter.chunk_tokens,
         token_count=header.token_count,
-        reuse=Manifest.from_dict(header.manifest).reuse,
-        model={k: model.get(k) for k in MODEL_KEYS},
+        reuse=manifest.reuse,
+        model={k: getattr(manifest.model, k) for k in MODEL_KEYS},
         chunked=tuple(cutter.chunked),
         chunks=tuple(plan.chunks),
         tail=plan.tail,

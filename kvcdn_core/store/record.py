@@ -291,11 +291,11 @@ def _check_against_header(where: str, record: ArtifactRecord) -> None:
     header = artifact.parse_header(where, raw, record.size)
     expect(header.data_start == 8 + len(raw), "header length does not match the file")
     expect(record.token_count == header.token_count, "token_count differs from the header's")
-    model = header.manifest["model"]
-    expect(record.model == {k: model.get(k) for k in MODEL_KEYS}, "model differs from the header's")
-    from kvcdn_core.artifact.manifest import Manifest
+    from kvcdn_core.artifact.manifest import manifest_of
 
-    expect(record.reuse == Manifest.from_dict(header.manifest).reuse, "reuse differs from the header's")
+    manifest = manifest_of(header)
+    expect(record.model == {k: getattr(manifest.model, k) for k in MODEL_KEYS}, "model differs from the header's")
+    expect(record.reuse == manifest.reuse, "reuse differs from the header's")
     for name in record.chunked:
         entry = header.entries.get(name)
         expect(

@@ -23,7 +23,7 @@ from kvcdn_core.paths import input_artifact
 def command(path, check, fmt):
     """Show the manifest of the artifact at PATH (no model, no torch)."""
     from kvcdn_core import artifact
-    from kvcdn_core.artifact.manifest import Manifest, reuse_of
+    from kvcdn_core.artifact.manifest import manifest_of, reuse_of
 
     header = artifact.read_header(input_artifact(path))
     m = header.manifest
@@ -35,7 +35,7 @@ def command(path, check, fmt):
         emit_json(out)
     else:
         model = m.get("model", {})
-        typed = Manifest.from_dict(m)
+        typed = manifest_of(header)
         kinds = collections.Counter(layer.kind for layer in typed.layers)
         data_bytes = header.file_size - header.data_start
         click.echo(f"path:          {header.path}")

@@ -375,7 +375,7 @@ class InferenceEngine:
 
     def _resident(self, artifact_key: tuple, fetch_path):
         """``(session, cache, context ids, model id)`` of an artifact, loading model and cache when needed."""
-        from kvcdn_core import artifact, runtime
+        from kvcdn_core import artifact, manifest_of, runtime
 
         with self._stripe(self._artifact_locks, artifact_key):
             entry = self.artifacts.get(artifact_key)
@@ -389,14 +389,15 @@ class InferenceEngine:
                             f"the artifact holds {header.token_count} context tokens; this server "
                             f"infers from at most {self.limits.max_context_tokens}",
                         )
-                    model_id = header.manifest["model"]["id"]
+                    manifest = manifest_of(header)
+                    model_id = manifest.model.id
                     model_ref = self.policy.resolve(model_id)
                     session = self._session(model_ref)
-                    if header.manifest["compute_dtype"] != session.dtype:
+                    if manifest.compute_dtype != session.dtype:
                         raise ApiError(
                             422,
                             ErrorCode.DTYPE_MISMATCH,
-                            f"the artifact was computed in {header.manifest['compute_dtype']}; "
+                            f"the artifact was computed in {manifest.compute_dtype}; "
                             f"this server computes in {session.dtype}",
                         )
                     cache, ids = runtime.load_cache(session, header)

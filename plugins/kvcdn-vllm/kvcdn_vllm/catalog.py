@@ -98,14 +98,15 @@ class Catalog:
     def check(self, header: artifact.Header) -> None:
         """Raise :class:`ArtifactError` unless the artifact fits the engine's paged cache."""
         path, manifest, shape = header.path, header.manifest, self.shape
-        layers = manifest_of(header).layers
+        typed = manifest_of(header)
+        layers = typed.layers
         kinds = sorted({layer.kind for layer in layers} - {artifact.FULL_ATTENTION})
         if kinds:
             raise ArtifactError(f"{path}: has {', '.join(kinds)} layers; vLLM loads full-attention caches only")
         if len(layers) != shape.num_layers:
             raise ArtifactError(f"{path}: has {len(layers)} layers, the engine's model {shape.num_layers}")
         want = [shape.num_kv_heads, header.token_count, shape.head_size]
-        quant = manifest.get("quantization") or {}
+        quant = typed.quantization or {}
         for layer in layers:
             for part in ("key", "value"):
                 name = layer.tensors.get(part)
