@@ -9,7 +9,7 @@ import socket
 
 import click
 
-from kvcdn_core import settings
+from kvcdn_core import settings, warn
 from kvcdn_server.config import INFER_DTYPES, LOG_LEVELS, SETTINGS
 
 
@@ -106,7 +106,7 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     if not config.public_url and host in ("0.0.0.0", "::"):
         shown = "127.0.0.1"  # "all interfaces" is no address a client can use
-        click.echo("warning: signed URLs will name 127.0.0.1; set --public-url to the address clients use", err=True)
+        warn("signed URLs will name 127.0.0.1; set --public-url to the address clients use")
     config.public_url = config.public_url or f"http://{shown}:{sock.getsockname()[1]}"
     app = create_app(config)
     base = config.public_url
@@ -120,7 +120,7 @@ def serve(
     if config.created_secrets:
         click.echo("created " + ", ".join(str(p) for p in config.created_secrets) + " (mode 0600)", err=True)
     if not _is_loopback(host):
-        click.echo(f"warning: listening on {host}, not loopback: serve it behind TLS", err=True)
+        warn(f"listening on {host}, not loopback: serve it behind TLS")
     # The same rule as config: an empty variable means "not set", and the secret is the file's.
     secret_hint = (
         "$KVCDN_ADMIN_SECRET"
