@@ -16,7 +16,7 @@ from kvcdn_core.artifact.manifest import COMPUTE_DTYPES, LayerEntry, Manifest, M
 from kvcdn_core.errors import ArtifactError, KvcdnError, interruption
 from kvcdn_core.model.defaults import DEFAULT_CHUNK, DEFAULT_MODEL, DEFAULT_QUESTION  # noqa: F401
 from kvcdn_core.model.files import architecture_of, fingerprint, fingerprint_differences, read_config, resolve_model_dir
-from kvcdn_core.plugin_host.registry import adapter_for
+from kvcdn_core.plugin_host.registry import adapter_for, claim_note
 from kvcdn_core.progress import Progress
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -65,18 +65,24 @@ def load_session(
     """Load a model through the adapter that claims it (or ``adapter_cls``, for contract tests)."""
     model_dir = resolve_model_dir(model_ref, revision)
     config = read_config(model_dir)
-    adapter = (adapter_cls or adapter_for(architecture_of(config), config))()
+    architecture = architecture_of(config)
+    adapter = (adapter_cls or adapter_for(architecture, config))()
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     try:
         model, tokenizer = adapter.load(model_dir, device, dtype)
-    except KvcdnError:
-        raise
+    except KvcdnError as exc:
+        # an architecture two family plugins claim: the refusal says whose adapter was used
+        note = "" if adapter_cls else claim_note("architectures", architecture)
+        if not note:
+            raise
+        raise KvcdnError(f"{exc}{note}") from None
     except Exception as exc:
         interrupted = interruption(exc)
         if interrupted is not None:  # a Ctrl-C during the load is an interrupt, whatever wraps it
             raise interrupted from None
-        raise KvcdnError(f"cannot load model '{model_ref}': {type(exc).__name__}: {exc}") from None
+        note = "" if adapter_cls else claim_note("architectures", architecture)
+        raise KvcdnError(f"cannot load model '{model_ref}': {type(exc).__name__}: {exc}{note}") from None
     local = Path(model_ref).expanduser()
     ref = str(local.resolve()) if local.is_dir() else model_ref
     return Session(adapter, model, tokenizer, ref, revision, model_dir, fingerprint(model_dir), device, dtype)

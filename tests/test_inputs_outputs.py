@@ -41,6 +41,17 @@ def test_inspect_reads_a_text_file_as_given(cli, tmp_path):
     assert "manual.txt.kv" not in result.stderr and "appending" not in result.stderr
 
 
+def test_an_ignored_context_file_is_one_warning_line_before_the_error(cli, tmp_path, context_file):
+    """The warning goes through core's warn: the same ``warning: ...`` line on stderr as ever."""
+    text = tmp_path / "manual.kv"
+    text.write_text("not an artifact\n")
+    result = cli("verify", "--kv-path", text, "--context-file", context_file)
+    assert result.exit_code == 2
+    warning, error = result.stderr.splitlines()
+    assert warning == f"warning: --context-file ignored: '{text}' exists and carries its own context"
+    assert error.startswith(f"error: {text}: not a kvcdn artifact")
+
+
 def test_a_missing_input_is_not_renamed_but_the_likely_one_is_suggested(cli, tmp_path, qwen3_artifact):
     (tmp_path / "manual.kv").write_bytes(qwen3_artifact.read_bytes())
     result = cli("inspect", tmp_path / "manual")

@@ -367,3 +367,22 @@ def test_the_import_reader_sees_deferred_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import a.b\ndef f():\n    from kvcdn_hosted import wire\nfrom . import local\n")
     assert imported_packages(module) == {"a", "kvcdn_hosted"}
+
+
+def test_the_artifact_module_keeps_its_name_wherever_it_is_imported():
+    """One name for the format module everywhere (``artifact``), so a reader never meets it as ``fmt``."""
+    renamed = []
+    for path in [*CORE.rglob("*.py"), *ROOT.glob("plugins/*/*/**/*.py"), *(ROOT / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "kvcdn_core":
+                names = [(a.name, a.asname) for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [("artifact", a.asname) for a in node.names if a.name == "kvcdn_core.artifact"]
+            else:
+                continue
+            renamed += [
+                f"{path.relative_to(ROOT)}:{node.lineno}"
+                for name, asname in names
+                if name == "artifact" and asname not in (None, "artifact")
+            ]
+    assert renamed == []

@@ -168,3 +168,18 @@ def test_nested_reporting_draws_one_bar_and_shows_each_warning_once(monkeypatch,
     err = capsys.readouterr().err
     assert err.count("\rsha256 [") == 1 and err.count("warning: once") == 1
     assert err.count("\n") == 2  # one for the finished bar, one for the warning
+
+
+def test_warnings_go_through_core_warn():
+    """A command warns with ``warn`` (kvcdn_core.notices), never by echoing ``warning: ...`` itself:
+    one place words and routes every warning (stderr in a command, Python warnings in a program)."""
+    shown_by = ROOT / "kvcdn_core" / "cli" / "render.py"  # where a KvcdnWarning becomes ``warning: <message>``
+    echoed = []
+    for path in [*(ROOT / "kvcdn_core").rglob("*.py"), *ROOT.glob("plugins/*/kvcdn_*/**/*.py")]:
+        if path == shown_by:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            first = node.values[0] if isinstance(node, ast.JoinedStr) and node.values else node
+            if isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("warning: "):
+                echoed.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert echoed == []

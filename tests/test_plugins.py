@@ -303,6 +303,62 @@ def test_an_error_from_a_taken_over_scheme_names_both_plugins(kvcdn_host, recwar
     assert "scheme int6 is provided by plugin 'aaa-int6'; plugin 'zzz-int6' also claims it" in message
 
 
+def test_an_error_from_a_taken_over_architecture_names_both_plugins(kvcdn_host, recwarn, tmp_path):
+    """A model that fails to load through another family's adapter says which plugin serves it."""
+    from kvcdn_core import ModelAdapter
+    from kvcdn_core.errors import KvcdnError
+    from kvcdn_core.runtime import load_session
+
+    class Winner(ModelAdapter):
+        family = "winner"
+        architectures = ("DupForCausalLM",)
+
+        def load(self, model_dir, device, dtype):
+            raise ValueError("unexpected key 'layers.0.mixer'")
+
+    class Loser(ModelAdapter):
+        family = "loser"
+        architectures = ("DupForCausalLM",)
+
+    for name, cls in (("zzz-family", Loser), ("aaa-family", Winner)):
+        plugin = types.SimpleNamespace(kvcdn_register_model_adapters=kvcdn_core.hookimpl(lambda cls=cls: [cls]))
+        kvcdn_host.register(plugin, name, "kvcdn.models")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DupForCausalLM"]}))
+    with pytest.raises(KvcdnError) as err:
+        load_session(str(tmp_path), device="cpu")
+    message = str(err.value)
+    assert "unexpected key 'layers.0.mixer'" in message
+    assert "architecture DupForCausalLM is provided by plugin 'aaa-family'; plugin 'zzz-family' also claims it" in (
+        message
+    )
+
+
+def test_an_error_from_a_taken_over_uri_scheme_names_both_plugins(kvcdn_host, recwarn):
+    """A storage URI the winning backend refuses says which plugin's backend was used."""
+    from kvcdn_core import LocalStorage
+    from kvcdn_core.errors import KvcdnError
+    from kvcdn_core.plugin_host.registry import open_storage
+
+    class Winner(LocalStorage):
+        schemes = ("dup",)
+
+        @classmethod
+        def from_uri(cls, uri):
+            raise KvcdnError(f"{uri}: expected dup://bucket/prefix")
+
+    class Loser(LocalStorage):
+        schemes = ("dup",)
+
+    for name, cls in (("zzz-dup", Loser), ("aaa-dup", Winner)):
+        plugin = types.SimpleNamespace(kvcdn_register_storage_backends=kvcdn_core.hookimpl(lambda cls=cls: [cls]))
+        kvcdn_host.register(plugin, name, "kvcdn.storage")
+    with pytest.raises(KvcdnError) as err:
+        open_storage("dup://x")
+    message = str(err.value)
+    assert "dup://x: expected dup://bucket/prefix" in message
+    assert "uri scheme dup is provided by plugin 'aaa-dup'; plugin 'zzz-dup' also claims it" in message
+
+
 def test_an_entry_point_group_does_not_limit_which_hooks_run(tmp_path, run_kvcdn):
     """What the guide says: the group names a module, and every hook the module implements runs. A
     module named under ``kvcdn.commands`` that registers a quantizer serves its scheme."""

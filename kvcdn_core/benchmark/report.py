@@ -117,9 +117,10 @@ def summary(result: BenchResult, session, reps: int, csv_path: Path, wide: bool 
 
 
 def warnings(rows: list[BenchRow]) -> list[str]:
-    """An unquantized artifact that continues differently from the resident cache is a bug."""
+    """An unquantized artifact that continues differently from the resident cache is a bug: the
+    warnings to report (the command shows each as `warning: ...`)."""
     return [
-        f"warning: at {row.tokens} tokens the loaded artifact's first token differs from the "
+        f"at {row.tokens} tokens the loaded artifact's first token differs from the "
         "resident cache's; run `kvcdn verify`"
         for row in rows
         if row.scheme == "none" and row.first_token_match is False

@@ -38,7 +38,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from kvcdn_core import artifact as fmt
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import manifest_of
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.model.defaults import COMPOSE_RULES as RULES
@@ -83,7 +83,7 @@ class Composition:
         }
 
 
-def check_same_model(headers: list[fmt.Header]) -> None:
+def check_same_model(headers: list[artifact.Header]) -> None:
     """All artifacts must share one model fingerprint and compute dtype: refuse otherwise."""
     first = manifest_of(headers[0])
     for header in headers[1:]:
@@ -101,11 +101,11 @@ def check_same_model(headers: list[fmt.Header]) -> None:
 def composable(session, layers) -> None:
     """Refuse, with the reason in one line, a model whose caches cannot be moved to a new offset."""
     for entry in layers:
-        if entry.kind != fmt.FULL_ATTENTION:
+        if entry.kind != artifact.FULL_ATTENTION:
             why = {
-                fmt.SLIDING_WINDOW: "a sliding window keeps only the last tokens of the whole prefix",
-                fmt.MLA_LATENT: "multi-head latent attention stores its rotary key apart (not handled)",
-                fmt.MLA_INDEXED: "multi-head latent attention stores its rotary key apart (not handled)",
+                artifact.SLIDING_WINDOW: "a sliding window keeps only the last tokens of the whole prefix",
+                artifact.MLA_LATENT: "multi-head latent attention stores its rotary key apart (not handled)",
+                artifact.MLA_INDEXED: "multi-head latent attention stores its rotary key apart (not handled)",
             }.get(entry.kind, "a recurrent or linear-attention state summarises the whole prefix")
             raise KvcdnError(f"cannot compose: layer {entry.index} is '{entry.kind}': {why}")
     _rotary(session.model)
@@ -176,7 +176,7 @@ def _check_length(session, total: int) -> None:
         )
 
 
-def load_parts(session, headers: list[fmt.Header], force: bool = False):
+def load_parts(session, headers: list[artifact.Header], force: bool = False):
     """Each artifact's ``(cache, token ids)``, after the checks that refuse a composition."""
     from kvcdn_core import runtime
 
@@ -187,7 +187,7 @@ def load_parts(session, headers: list[fmt.Header], force: bool = False):
 
 def compose(
     session,
-    headers: list[fmt.Header],
+    headers: list[artifact.Header],
     recompute: float = 0.0,
     rule: str = DEFAULT_RULE,
     force: bool = False,

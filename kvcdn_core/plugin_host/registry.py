@@ -171,7 +171,14 @@ def open_storage(uri: str) -> StorageBackend:
     if cls is None:
         known = ", ".join(sorted(backends)) or "none"
         raise KvcdnError(f"no storage backend for '{scheme}://' (installed: {known})")
-    return cls.from_uri(uri)
+    try:
+        return cls.from_uri(uri)
+    except KvcdnError as exc:
+        # a URI scheme two plugins claim: the refusal says whose backend was used
+        note = claim_note("uri_schemes", scheme)
+        if not note:
+            raise
+        raise KvcdnError(f"{exc}{note}") from None
 
 
 # -- commands ------------------------------------------------------------------------------------

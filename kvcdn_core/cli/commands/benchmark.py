@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from kvcdn_core import notices
 from kvcdn_core.cli.commands.common import (
     check_new_output,
     force_output_option,
@@ -128,5 +129,5 @@ def command(
         emit_json(report.as_json(result, session, reps, path))
     else:
         click.echo(report.summary(result, session, reps, path, wide))
-    for line in report.warnings(result.rows):
-        click.echo(line, err=True)
+    for message in report.warnings(result.rows):
+        notices.warn(message)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from kvcdn_core import notices
 from kvcdn_core.cli.commands.common import (
     artifact_path,
     composition_knobs,
@@ -42,7 +43,7 @@ def prepare(command_name, model, revision, device, dtype, quiet, kv_path, contex
     if kv_path and Path(kv_path).exists():  # an artifact to read: taken as given, never renamed
         path = input_artifact(kv_path, "--kv-path")
         if context_file:
-            click.echo(f"warning: --context-file ignored: '{path}' exists and carries its own context", err=True)
+            notices.warn(f"--context-file ignored: '{path}' exists and carries its own context")
         announce(quiet, f"loading the model of {path} ...")
         return open_artifact(path, model, revision, device, dtype)
     if not context_file:

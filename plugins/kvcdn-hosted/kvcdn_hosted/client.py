@@ -89,17 +89,16 @@ def backoff_delay(attempt: int, retry_after: str | None = None) -> float:
 
 
 def server_message(response) -> str:
-    """What the server said, in one line: its ``message`` (or ``error``), else the status text."""
+    """What the server said, in one line: a kvcdn refusal's ``message`` (an :class:`ErrorBody`); any
+    other body (a storage's XML, a proxy's page) as its text, cut short; else the status text."""
+    from kvcdn_wire.responses import ErrorBody, parse
+
     try:
-        data = response.json()
-    except ValueError:
-        data = None
-    if isinstance(data, dict):
-        text = data.get("message") or data.get("error") or data.get("detail")
-        if isinstance(text, (list, dict)):
-            text = str(text)
-        if text:
-            return " ".join(str(text).split())
+        message = parse(ErrorBody, response.json()).message
+    except ValueError:  # no JSON, or JSON of another shape (pydantic's ValidationError is a ValueError)
+        message = ""
+    if message.strip():
+        return " ".join(message.split())
     text = " ".join((response.text or "").split())[:200]
     return text or response.reason_phrase or "no details"
 

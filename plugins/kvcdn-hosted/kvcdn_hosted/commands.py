@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import click
 
 import kvcdn_wire as wire
-from kvcdn_core import CheckFailed, KvcdnError, emit_json, print_table
+from kvcdn_core import CheckFailed, KvcdnError, emit_json, print_table, warn
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvcdn_core import StorageBackend
@@ -631,9 +631,7 @@ def delete(artifact_id, yes, from_uri, api_url, api_key, fmt):
 def infer(artifact_id, question, question_short, n, org, project, fmt, api_url, api_key):
     """Continue from an uploaded artifact on the server (no prefill on either side)."""
     if question_short is not None:
-        click.echo(
-            "warning: infer -q is deprecated (-q means --quiet in every other command); use --question", err=True
-        )
+        warn("infer -q is deprecated (-q means --quiet in every other command); use --question")
         question = question if question is not None else question_short
     if question is None:
         raise click.UsageError("Missing option '--question'.")
@@ -746,10 +744,9 @@ def mint_api_key(org, fmt, api_url):
         raise KvcdnError("set KVCDN_ADMIN_SECRET to the server's admin secret (kvcdn serve prints where it is)")
     with HostedClient(settings, auth=False) as client:
         if insecure_remote(client.api_url):
-            click.echo(
-                f"warning: sending the admin secret over plain http to {client.api_url}; "
-                "use https for anything but a loopback address",
-                err=True,
+            warn(
+                f"sending the admin secret over plain http to {client.api_url}; "
+                "use https for anything but a loopback address"
             )
         info = client.read(
             OrgKey,

@@ -1,6 +1,7 @@
 """Streaming transfers: sha256 and .kv checked, retries on transient errors, nothing half-written."""
 
 import hashlib
+import json
 import os
 
 import httpx
@@ -129,3 +130,21 @@ def test_upload_client_error_is_one_line(receiver, kv_file):
     with httpx.Client() as http, pytest.raises(KvcdnError, match="403: the URL expired"):
         transfer.put_bytes(http, receiver.url + "/up", kv_file, quiet=True)
     assert receiver.count("PUT", "/up") == 1
+
+
+def test_server_message_reads_a_kvcdn_refusal_and_keeps_any_other_body_one_line():
+    """A kvcdn refusal is read as the wire's ErrorBody: its message. Any other body, JSON of another
+    shape included (a storage's or a proxy's), is shown as it is, one line, not mined for a field."""
+
+    def answer(status, **kwargs):
+        return httpx.Response(status, request=httpx.Request("GET", "http://s/x"), **kwargs)
+
+    refusal = {"error": "quota_exceeded", "message": "over quota:\n  10 GiB used"}
+    assert client.server_message(answer(429, json=refusal)) == "over quota: 10 GiB used"
+    assert json.loads(client.server_message(answer(404, json={"detail": "gone"}))) == {"detail": "gone"}
+    odd = {"error": "x", "message": ["a"]}
+    assert json.loads(client.server_message(answer(400, json=odd))) == odd
+    xml = "<Error>\n  <Code>AccessDenied</Code>\n" + "  <Pad>" + "p" * 300 + "</Pad>\n</Error>"
+    shown = client.server_message(answer(403, text=xml))
+    assert shown.startswith("<Error> <Code>AccessDenied</Code>") and len(shown) == 200 and "\n" not in shown
+    assert client.server_message(answer(502)) == "Bad Gateway"

@@ -8,7 +8,7 @@ import socket
 
 import click
 
-from kvcdn_core import settings
+from kvcdn_core import settings, warn
 from kvcdn_server.config import INFER_DTYPES, LOG_LEVELS, SETTINGS
 
 
@@ -105,7 +105,7 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     if not config.public_url and host in ("0.0.0.0", "::"):
         shown = "127.0.0.1"  # "all interfaces" is no address a client can use
-        click.echo("warning: signed URLs will name 127.0.0.1; set --public-url to the address clients use", err=True)
+        warn("signed URLs will name 127.0.0.1; set --public-url to the address clients use")
     config.public_url = config.public_url or f"http://{shown}:{sock.getsockname()[1]}"
     app = create_app(config)
     base = config.public_url
@@ -119,7 +119,7 @@ def serve(
     if config.created_secrets:
         click.echo("created " + ", ".join(str(p) for p in config.created_secrets) + " (mode 0600)", err=True)
     if not _is_loopback(host):
-        click.echo(f"warning: listening on {host}, not loopback: serve it behind TLS", err=True)
+        warn(f"listening on {host}, not loopback: serve it behind TLS")
     # Where the resolved setting came from: its variable, else the file (an empty variable is unset).
     secret_hint = (
         "$KVCDN_ADMIN_SECRET"

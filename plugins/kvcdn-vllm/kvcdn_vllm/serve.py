@@ -92,7 +92,7 @@ def command(
     """
     from kvcdn_vllm.source import Source
 
-    Source(source, create=save, warn=lambda message: click.echo(f"warning: {message}", err=True))
+    Source(source, create=save)  # its warnings go through core's warn, shown as `warning: ...`
     argv = server_command(model, source, save, min_tokens, host, port, tuple(vllm_args))
     if dry_run:
         if fmt == "json":
