@@ -113,3 +113,14 @@ def test_importing_the_package_loads_no_pydantic():
     code = "import sys, kvcdn_wire; kvcdn_wire.path(kvcdn_wire.ARTIFACT, artifact_id='x'); print('pydantic' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_infer_composition_names_the_cores_rules():
+    """The wire cannot import core: its ``select`` choices are kept core's by this test."""
+    import typing
+
+    from kvcdn_core.model.defaults import COMPOSE_RULES
+    from kvcdn_wire.requests import InferRequest
+
+    choices = typing.get_args(typing.get_args(InferRequest.model_fields["select"].annotation)[0])
+    assert choices == COMPOSE_RULES

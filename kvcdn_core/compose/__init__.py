@@ -34,6 +34,7 @@ length where its rotation changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from typing import Any
@@ -83,14 +84,19 @@ class Composition:
         }
 
 
+def model_differences(first, other) -> list[str]:
+    """What differs between two manifests' models and compute dtypes (empty: composable)."""
+    differs = fingerprint_differences(dataclasses.asdict(first.model), dataclasses.asdict(other.model))
+    if other.compute_dtype != first.compute_dtype:
+        differs.append("compute dtype")
+    return differs
+
+
 def check_same_model(headers: list[artifact.Header]) -> None:
     """All artifacts must share one model fingerprint and compute dtype: refuse otherwise."""
     first = manifest_of(headers[0])
     for header in headers[1:]:
-        other = manifest_of(header)
-        differs = fingerprint_differences(dataclasses.asdict(first.model), dataclasses.asdict(other.model))
-        if other.compute_dtype != first.compute_dtype:
-            differs.append("compute dtype")
+        differs = model_differences(first, manifest_of(header))
         if differs:
             raise KvcdnError(
                 f"cannot compose {headers[0].path} and {header.path}: made with different models "
@@ -260,6 +266,14 @@ def _by_doc_start(offsets: list[int], total: int, share: float) -> list[int]:
     return chosen
 
 
+def model_turn(session):
+    """A context around a forward pass made here, outside the adapter: a server's adapter (with a
+    ``turn`` method) waits in it for its turn on the model and stops a cancelled request; local
+    runs get nothing."""
+    turn = getattr(session.adapter, "turn", None)
+    return turn() if turn is not None else contextlib.nullcontext()
+
+
 class _Stop(Exception):
     """Raised by a hook to end a forward pass once the layer it watches has run."""
 
@@ -285,7 +299,7 @@ def _by_deviation(session, first_cache, ids: list[int], prefix: int, cache, coun
     probe = session.adapter.fork_cache(first_cache)
     hook = layers[watched].register_forward_hook(stop)
     try:
-        with torch.inference_mode():
+        with model_turn(session), torch.inference_mode():
             model(
                 input_ids=torch.tensor([ids[prefix:]], device=session.device),
                 use_cache=True,
@@ -326,7 +340,7 @@ def recompute_tokens(session, cache, ids: list[int], selected: list[int]) -> Non
     allowed = torch.cat([sees_cached, sees_fresh], dim=-1)
     dtype = getattr(torch, session.dtype)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    with torch.inference_mode():
+    with model_turn(session), torch.inference_mode():
         model(
             input_ids=torch.tensor([[ids[i] for i in selected]], device=device),
             position_ids=chosen[None, :],

@@ -414,3 +414,118 @@ def test_a_light_tenant_computes_between_the_steps_of_a_long_request(
     assert len(b_steps) == 4 and b_steps[0] >= 10, threads
     assert b_steps == list(range(b_steps[0], b_steps[0] + 4)), f"A computed between B's steps: {threads}"
     _wait(lambda: engine.slots.in_use() == 0, 5.0)
+
+
+# -- a composition of several artifacts (issue 28): the same limits, on the sum; the same turns ----
+
+
+def _compose(url, key, first, more, n=1, **knobs):
+    return httpx.post(
+        f"{url}{API}/artifacts/{first}/infer",
+        headers=bearer(key),
+        json={"question": QUESTION, "n": n, "compose": more, **knobs},
+        timeout=budget(60.0),
+    )
+
+
+def test_a_composition_counts_the_sum_of_its_tokens_before_any_model_work(serve, forward_calls, qwen3_artifact):
+    from kvcdn_core import artifact
+
+    tokens = artifact.read_header(qwen3_artifact).token_count
+    url, app, keys = serve(KVCDN_INFER_MAX_CONTEXT_TOKENS=str(2 * tokens - 1))
+    artifact_id = _upload(url, keys["acme"], qwen3_artifact)
+    r = _compose(url, keys["acme"], artifact_id, [artifact_id])  # each alone fits, the two do not
+    assert r.status_code == 422 and r.json()["error"] == "context_too_long", r.text
+    assert f"the composed artifacts hold {2 * tokens} context tokens" in r.json()["message"]
+    assert app.state.services.inference.models.items == {} and forward_calls == []
+    assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200  # one alone is within the limit
+
+
+def test_a_composition_counts_the_sum_of_its_caches_bytes(serve, qwen3_artifact, tmp_path):
+    from kvcdn_server.inference import tensor_bytes
+
+    url, app, keys = serve()
+    first = _upload(url, keys["acme"], qwen3_artifact)
+    assert _infer(url, keys["acme"], first, 1).status_code == 200
+    ((_, cache, _, _),) = [entry for entry, _ in app.state.services.inference.artifacts.items.values()]
+    one = tensor_bytes(cache)
+    url, app, keys = serve(KVCDN_INFER_CACHE_BYTES=str(2 * one - 1))
+    a = _upload(url, keys["acme"], qwen3_artifact)
+    b = _upload(url, keys["acme"], shutil.copy(qwen3_artifact, tmp_path / "copy.kv"))
+    r = _compose(url, keys["acme"], a, [b])
+    assert r.status_code == 413 and r.json()["error"] == "artifact_too_large", r.text
+    assert f"the composed artifacts' caches take {2 * one} bytes" in r.json()["message"]
+    for artifact_id in (a, b):
+        assert _infer(url, keys["acme"], artifact_id, 1).status_code == 200
+
+
+def test_artifacts_of_different_models_are_not_composed(serve, qwen3_artifact, qwen2_dir, hosted_model, tmp_path):
+    from kvcdn_core import runtime
+
+    session = runtime.load_session(str(qwen2_dir), device="cpu", dtype="float32")
+    other, _ = runtime.generate(session, "A ledger of ships.", tmp_path / "qwen2.kv", progress=False)
+    url, app, keys = serve(KVCDN_MODELS=f"{hosted_model},{qwen2_dir}")
+    a, b = _upload(url, keys["acme"], qwen3_artifact), _upload(url, keys["acme"], other)
+    for first, more in ((a, b), (b, a)):
+        r = _compose(url, keys["acme"], first, [more])
+        assert r.status_code == 422 and r.json()["error"] == "models_differ", r.text
+        assert f"cannot compose artifact {more} after the first" in r.json()["message"]
+        assert str(tmp_path) not in r.json()["message"]
+
+
+def test_the_passes_of_a_composition_take_turns(serve, monkeypatch, qwen3_artifact, tmp_path):
+    """Every forward pass of a composition (the deviation probe, the recomputation, a prefill)
+    takes a turn on the model like a decode step, so fair share and cancellation reach it."""
+    from kvcdn_core import artifact
+    from kvcdn_core.model.defaults import DEFAULT_CHUNK
+    from kvcdn_server.turns import Turns
+
+    chunks = -(-artifact.read_header(qwen3_artifact).token_count // DEFAULT_CHUNK)
+    url, app, keys = serve()
+    steps: list[str] = []
+    real = Turns.step
+
+    def counted(self, ticket, cancel=None):
+        steps.append(self._running[ticket])
+        return real(self, ticket, cancel)
+
+    monkeypatch.setattr(Turns, "step", counted)
+    a = _upload(url, keys["acme"], qwen3_artifact)
+    b = _upload(url, keys["acme"], shutil.copy(qwen3_artifact, tmp_path / "copy.kv"))
+    assert _infer(url, keys["acme"], a, 4).status_code == 200
+    plain = len(steps)
+    for knobs, more in (
+        ({"recompute": 0}, 0),
+        ({"recompute": 0.3, "select": "doc-start"}, 1),  # the recomputation
+        ({"recompute": 0.3, "select": "deviation"}, 2),  # the probe, then the recomputation
+        ({"recompute": 1}, chunks),  # the prefill of the later document, chunk by chunk
+    ):
+        del steps[:]
+        r = _compose(url, keys["acme"], a, [b], n=4, **knobs)
+        assert r.status_code == 200, r.text
+        assert len(steps) == plain + more, (knobs, steps)
+
+
+def test_a_cancelled_request_runs_no_composition_pass(qwen3_dir, qwen3_artifact):
+    """Cancelled before a composition pass: the turn refuses it, and the model never runs."""
+    import dataclasses
+
+    from kvcdn_core import artifact, compose, runtime
+    from kvcdn_server.inference import Cancelled, _StopBetweenSteps
+    from kvcdn_server.turns import Turns
+
+    session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="float32")
+    header = artifact.read_header(qwen3_artifact)
+    parts = compose.load_parts(session, [header, header])
+    turns, cancel, calls = Turns(), threading.Event(), []
+    hook = session.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with turns.request("acme") as ticket:
+            stoppable = dataclasses.replace(session, adapter=_StopBetweenSteps(session.adapter, cancel, turns, ticket))
+            cancel.set()
+            for recompute, rule in ((0.3, "deviation"), (0.3, "doc-start"), (1.0, "deviation")):
+                with pytest.raises(Cancelled):
+                    compose.compose(stoppable, [header, header], recompute, rule, parts=parts)
+    finally:
+        hook.remove()
+    assert calls == []

@@ -170,6 +170,35 @@ def test_two_tenant_workflow(endpoint, kv, cli, qwen3_artifact, tmp_path, monkey
     assert "404" in failed(kv(server, "download", artifact_id, "--output", tmp_path / "gone.kv", key=acme))
 
 
+def test_infer_composes_several_artifacts(kv, cli, local_server, qwen3_dir, tmp_path, monkeypatch):
+    """``kvcdn infer A B --recompute R --select S`` answers what local ``continue --kv-path A --kv-path B`` does."""
+    from kvcdn_core import runtime
+
+    monkeypatch.chdir(tmp_path)
+    session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="float32")
+    texts = ("The keeper wrote in his ledger every night.", "The storm of 1887 sank one schooner off the cape.")
+    paths = [runtime.generate(session, t, tmp_path / f"d{i}.kv", progress=False)[0] for i, t in enumerate(texts)]
+    key = mint(kv, local_server, "compose")
+    ids = [ok(kv(local_server, "upload", p, "--name", p.stem, key=key)).strip() for p in paths]
+    order = [ids[1], ids[0]]
+    for flags in ([], ["--recompute", "0.5", "--select", "doc-start"], ["--recompute", "1"]):
+        args = ["--question", QUESTION, "--n", 6, *flags, "--format", "json"]
+        answer = json.loads(ok(kv(local_server, "infer", *order, *args, key=key)))
+        local = cli("continue", "--kv-path", paths[1], "--kv-path", paths[0], "--device", "cpu", *args)
+        assert local.exit_code == 0, local.output
+        expected = json.loads(local.stdout)
+        assert answer["tokens"] == expected["token_ids"], flags
+        assert answer["composition"]["artifact_ids"] == order
+        assert answer["composition"]["recompute"] == expected["recompute"]
+        assert answer["composition"]["rule"] == expected["rule"]
+    text = kv(local_server, "infer", *order, "--question", QUESTION, "--n", 2, key=key)
+    assert ok(text) and "composed 2 artifacts" in text.stderr and "(deviation, --recompute 0.3)" in text.stderr
+    # the knobs need several artifacts, as local continue's do
+    assert "two or more IDs" in failed(
+        kv(local_server, "infer", ids[0], "--question", "x", "--recompute", "1", key=key)
+    )
+
+
 def test_multipart_upload_to_s3(kv, s3_replicas, tmp_path, monkeypatch):
     import torch
 

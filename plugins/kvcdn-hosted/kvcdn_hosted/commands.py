@@ -20,6 +20,7 @@ import click
 
 import kvcdn_wire as wire
 from kvcdn_core import CheckFailed, KvcdnError, emit_json, print_table, warn
+from kvcdn_core.model.defaults import COMPOSE_RULES, DEFAULT_COMPOSE_RULE, DEFAULT_RECOMPUTE
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvcdn_core import StorageBackend
@@ -619,28 +620,66 @@ def delete(artifact_id, yes, from_uri, api_url, api_key, fmt):
 
 
 @click.command("infer")
-@click.argument("artifact_id", metavar="ID")
+@click.argument("artifact_ids", metavar="ID...", nargs=-1, required=True)
 @click.option("--question", default=None, help="Text to continue the artifact's context with (required).")
 @click.option("-q", "question_short", default=None, hidden=True)  # the old spelling: -q is --quiet elsewhere
 @click.option("--n", "n", type=click.IntRange(1, 256), default=32, show_default=True, help="Tokens to generate.")
+@click.option(
+    "--recompute",
+    type=click.FloatRange(0.0, 1.0),
+    default=None,
+    help="With several IDs: the share of the later documents' tokens recomputed, 0 to 1; 1 is the full "
+    f"prefill [default: {DEFAULT_RECOMPUTE}].",
+)
+@click.option(
+    "--select",
+    "rule",
+    type=click.Choice(COMPOSE_RULES),
+    default=None,
+    help=f"With several IDs: how the tokens to recompute are chosen [default: {DEFAULT_COMPOSE_RULE}].",
+)
 @click.option("--org", default=None, help="Org (older servers) [env KVCDN_DEFAULT_ORG].")
 @click.option("--project", default=None, help="Project (older servers) [env KVCDN_DEFAULT_PROJECT].")
 @output_format()
 @endpoint_options
 @hosted_command("infer")
-def infer(artifact_id, question, question_short, n, org, project, fmt, api_url, api_key):
-    """Continue from an uploaded artifact on the server (no prefill on either side)."""
+def infer(artifact_ids, question, question_short, n, recompute, rule, org, project, fmt, api_url, api_key):
+    """Continue from an uploaded artifact on the server (no prefill on either side).
+
+    With several IDs: the server composes their documents in that order, as local `kvcdn continue
+    --kv-path A --kv-path B` does (keys moved to their new positions, a share --recompute of the
+    later documents' tokens recomputed), then feeds the question.
+    """
     if question_short is not None:
         warn("infer -q is deprecated (-q means --quiet in every other command); use --question")
         question = question if question is not None else question_short
     if question is None:
         raise click.UsageError("Missing option '--question'.")
+    if len(artifact_ids) < 2 and (recompute is not None or rule is not None):
+        raise KvcdnError("--recompute and --select compose several artifacts: pass two or more IDs")
     settings = settings_from(locals())
     backend = _hosted(settings)
-    result = backend.infer(artifact_id, question, n, org or settings.default_org, project or settings.default_project)
+    first, *more = artifact_ids
+    result = backend.infer(
+        first,
+        question,
+        n,
+        org or settings.default_org,
+        project or settings.default_project,
+        compose=more or None,
+        recompute=recompute,
+        select=rule,
+    )
     if fmt == "json":
         emit_json(_sent(result))
     else:
+        if result.composition is not None:
+            c = result.composition
+            click.echo(
+                f"composed {len(c.artifact_ids)} artifacts: {result.reused_tokens} context tokens, "
+                f"{c.recomputed_tokens} recomputed ({c.rule}, --recompute {c.recompute:g})",
+                err=True,
+            )
         click.echo(result.text)
 
 

@@ -280,15 +280,30 @@ class HostedStorage(StorageBackend):
         )
 
     def infer(
-        self, artifact_id: str, question: str, n: int, org: str | None = None, project: str | None = None
+        self,
+        artifact_id: str,
+        question: str,
+        n: int,
+        org: str | None = None,
+        project: str | None = None,
+        compose: list[str] | None = None,
+        recompute: float | None = None,
+        select: str | None = None,
     ) -> InferAnswer:
+        """Continue from ``artifact_id``; with ``compose``, from it and those artifacts' documents in
+        that order (``recompute`` and ``select`` left out take the server's defaults, the local ones)."""
         from kvcdn_wire.responses import InferAnswer
 
         if org and project:
             path = wire.path(wire.LEGACY_INFER, org=org, project=project, artifact_id=_id(artifact_id))
         else:
             path = wire.path(wire.INFER, artifact_id=_id(artifact_id))
-        body = {"question": question, "n": n}  # the server checks the limits (its own may be lower)
+        body: dict = {"question": question, "n": n}  # the server checks the limits (its own may be lower)
+        if compose:
+            body["compose"] = [_id(one) for one in compose]
+        for field, value in (("recompute", recompute), ("select", select)):
+            if value is not None:
+                body[field] = value
         # no side effects: a retry only repeats the work
         return self.client.read(InferAnswer, "POST", path, what="infer", json=body, timeout=600.0, idempotent=True)
 

@@ -25,13 +25,18 @@ Shared by tenants that must not be able to starve each other or the server:
 
 The answer is computed exactly as ``kvcdn continue --kv-path --question --n`` computes it: the same
 ``runtime.load_session``, ``runtime.load_cache``, ``adapter.encode_continuation`` and
-``runtime.greedy``.
+``runtime.greedy``. A request that composes several artifacts (:class:`Composing`) runs the same
+:func:`kvcdn_core.compose.compose` as ``kvcdn continue --kv-path A --kv-path B --recompute R``, on
+the resident caches; every artifact is checked as one alone is, and the sum of their tokens and of
+their caches' bytes counts against the same limits. Its forward passes take turns and stop when
+cancelled like the decode steps.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
@@ -64,6 +69,20 @@ class InferResult:
     model: str
     reused_tokens: int
     question_tokens: int
+    composition: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Composing:
+    """The artifacts composed after the request's first, in order, and how.
+
+    ``more`` holds ``(artifact key, fetch_path, artifact id)`` of each; ``recompute`` and ``rule``
+    are the local ``--recompute`` and ``--select``.
+    """
+
+    more: list[tuple[tuple, Callable, str]]
+    recompute: float
+    rule: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +256,19 @@ class _StopBetweenSteps:
     def forward(self, *args, **kwargs):
         return self._step(self._adapter.forward, args, kwargs)
 
+    @contextlib.contextmanager
+    def turn(self):
+        """A turn for a forward pass made outside the adapter (the composition's own passes)."""
+        if self._cancel.is_set():
+            raise Cancelled()
+        try:
+            with self._turns.step(self._ticket, self._cancel):
+                if self._cancel.is_set():
+                    raise Cancelled()
+                yield
+        except TurnCancelled:
+            raise Cancelled() from None
+
     def last_logits(self, *args, **kwargs):
         return self._step(self._adapter.last_logits, args, kwargs)
 
@@ -315,8 +347,10 @@ class InferenceEngine:
         question: str,
         n: int,
         disconnected: Callable[[], bool] | None = None,
+        composing: Composing | None = None,
     ) -> InferResult:
-        """Answer one request of ``tenant``; ``fetch_path()`` gives a local path of the artifact.
+        """Answer one request of ``tenant``; ``fetch_path()`` gives a local path of the artifact
+        (with ``composing``, of the first of the composed artifacts).
 
         ``disconnected()`` says whether the client went away; it is polled while the request runs.
         On a timeout or a disconnect the computation is cancelled before its next decode step.
@@ -325,7 +359,7 @@ class InferenceEngine:
         self.slots.acquire(tenant)
         cancel = threading.Event()
         try:
-            future = self.pool.submit(self._infer, tenant, artifact_key, fetch_path, question, n, cancel)
+            future = self.pool.submit(self._infer, tenant, artifact_key, fetch_path, question, n, cancel, composing)
             deadline = time.monotonic() + self.timeout
             while True:
                 left = deadline - time.monotonic()
@@ -363,6 +397,24 @@ class InferenceEngine:
                 f"(and {self.limits.max_question_tokens} tokens)",
             )
 
+    def check_context(self, tokens: int, what: str = "the artifact holds") -> None:
+        """422 when ``tokens`` of context (one artifact's, or a composition's sum) are over the limit."""
+        if tokens > self.limits.max_context_tokens:
+            raise ApiError(
+                422,
+                ErrorCode.CONTEXT_TOO_LONG,
+                f"{what} {tokens} context tokens; this server infers from at most {self.limits.max_context_tokens}",
+            )
+
+    def check_cache_bytes(self, cost: int, what: str = "the artifact's cache takes") -> None:
+        """413 when caches of ``cost`` bytes (one artifact's, or a composition's sum) are over the budget."""
+        if cost > self.limits.cache_bytes:
+            raise ApiError(
+                413,
+                ErrorCode.ARTIFACT_TOO_LARGE,
+                f"{what} {cost} bytes in memory; this server holds at most {self.limits.cache_bytes}",
+            )
+
     def _session(self, model_ref: str):
         from kvcdn_core import runtime
 
@@ -374,7 +426,7 @@ class InferenceEngine:
         return session
 
     def _resident(self, artifact_key: tuple, fetch_path):
-        """``(session, cache, context ids, model id)`` of an artifact, loading model and cache when needed."""
+        """``(session, cache, context ids, manifest)`` of an artifact, loading model and cache when needed."""
         from kvcdn_core import artifact, manifest_of, runtime
 
         with self._stripe(self._artifact_locks, artifact_key):
@@ -382,13 +434,7 @@ class InferenceEngine:
             if entry is None:
                 with fetch_path() as path:
                     header = artifact.read_header(path)
-                    if header.token_count > self.limits.max_context_tokens:
-                        raise ApiError(
-                            422,
-                            ErrorCode.CONTEXT_TOO_LONG,
-                            f"the artifact holds {header.token_count} context tokens; this server "
-                            f"infers from at most {self.limits.max_context_tokens}",
-                        )
+                    self.check_context(header.token_count)
                     manifest = manifest_of(header)
                     model_id = manifest.model.id
                     model_ref = self.policy.resolve(model_id)
@@ -402,27 +448,56 @@ class InferenceEngine:
                         )
                     cache, ids = runtime.load_cache(session, header)
                     cost = tensor_bytes(cache)
-                    if cost > self.limits.cache_bytes:
-                        raise ApiError(
-                            413,
-                            ErrorCode.ARTIFACT_TOO_LARGE,
-                            f"the artifact's cache takes {cost} bytes in memory; this server "
-                            f"holds at most {self.limits.cache_bytes}",
-                        )
-                    entry = (model_ref, cache, ids, model_id)
+                    self.check_cache_bytes(cost)
+                    entry = (model_ref, cache, ids, manifest)
                     self.artifacts.put(artifact_key, entry, cost)
-        model_ref, cache, ids, model_id = entry
-        return self._session(model_ref), cache, ids, model_id
+        model_ref, cache, ids, manifest = entry
+        return self._session(model_ref), cache, ids, manifest
+
+    def _composed_parts(self, first: tuple, composing: Composing) -> list[tuple[Any, list[int]]]:
+        """The ``(cache, ids)`` of every composed artifact, after the checks on them all together:
+        one model and dtype, the sum of their tokens and of their caches' bytes within the limits."""
+        from kvcdn_core import compose
+
+        session, cache, ids, manifest = first
+        parts = [(cache, ids)]
+        for key, fetch_path, artifact_id in composing.more:
+            _, other_cache, other_ids, other = self._resident(key, fetch_path)
+            differs = compose.model_differences(manifest, other)
+            if differs:
+                raise ApiError(
+                    422,
+                    ErrorCode.MODELS_DIFFER,
+                    f"cannot compose artifact {artifact_id} after the first: made with a different model "
+                    f"({', '.join(differs)} differ)",
+                )
+            parts.append((other_cache, other_ids))
+        self.check_context(sum(len(part_ids) for _, part_ids in parts), "the composed artifacts hold")
+        self.check_cache_bytes(
+            sum(tensor_bytes(part_cache) for part_cache, _ in parts), "the composed artifacts' caches take"
+        )
+        compose.composable(session, manifest.layers)
+        return parts
 
     def _infer(
-        self, tenant: str, artifact_key: tuple, fetch_path, question: str, n: int, cancel: threading.Event
+        self,
+        tenant: str,
+        artifact_key: tuple,
+        fetch_path,
+        question: str,
+        n: int,
+        cancel: threading.Event,
+        composing: Composing | None = None,
     ) -> InferResult | None:
-        from kvcdn_core import runtime
+        from kvcdn_core import compose, runtime
 
         if cancel.is_set():  # answered (504, 499) before a worker took it up: load nothing
             return None
+        composition = None
         try:
-            session, resident_cache, context_ids, model_id = self._resident(artifact_key, fetch_path)
+            first = self._resident(artifact_key, fetch_path)
+            session, resident_cache, context_ids, manifest = first
+            parts = self._composed_parts(first, composing) if composing is not None else None
             question_ids = session.adapter.encode_continuation(session.tokenizer, question)
             if len(question_ids) > self.limits.max_question_tokens:
                 raise ApiError(
@@ -433,11 +508,15 @@ class InferenceEngine:
                 )
             if cancel.is_set():
                 return None
-            cache = session.adapter.fork_cache(resident_cache)  # greedy extends the cache it is given
             with self.turns.request(tenant) as ticket:
                 stoppable = dataclasses.replace(
                     session, adapter=_StopBetweenSteps(session.adapter, cancel, self.turns, ticket)
                 )
+                if composing is not None:  # a new cache, private to this request
+                    composed = compose.compose(stoppable, [], composing.recompute, composing.rule, parts=parts)
+                    cache, context_ids, composition = composed.cache, composed.ids, composed.as_dict()
+                else:
+                    cache = session.adapter.fork_cache(resident_cache)  # greedy extends the cache it is given
                 ids, _ = runtime.greedy(stoppable, cache, question_ids, n)
         except Cancelled:
             return None
@@ -452,7 +531,9 @@ class InferenceEngine:
             raise ApiError(
                 422, ErrorCode.ARTIFACT_INCOMPATIBLE, f"the artifact could not be loaded ({type(exc).__name__})"
             ) from None
-        return InferResult(ids, runtime.decode(session, ids), model_id, len(context_ids), len(question_ids))
+        return InferResult(
+            ids, runtime.decode(session, ids), manifest.model.id, len(context_ids), len(question_ids), composition
+        )
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -48,6 +48,7 @@ class ErrorCode(str, Enum):
     TOO_MANY_TOKENS = "too_many_tokens"
     CONTEXT_TOO_LONG = "context_too_long"
     DTYPE_MISMATCH = "dtype_mismatch"
+    MODELS_DIFFER = "models_differ"
     BUSY = "busy"
     TIMEOUT = "timeout"
     CLIENT_CLOSED_REQUEST = "client_closed_request"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from kvcdn_wire.routes import MAX_INFER_TOKENS, MAX_QUESTION_CHARS
+from kvcdn_wire.routes import MAX_COMPOSE_ARTIFACTS, MAX_INFER_TOKENS, MAX_QUESTION_CHARS
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
 
@@ -90,8 +90,24 @@ class ConfirmRequest(Strict):
 
 
 class InferRequest(Strict):
+    """``{question, n}`` continues one artifact. ``compose`` (artifact ids) adds more documents after
+    the route's artifact, in that order, as local ``kvcdn continue --kv-path A --kv-path B`` does;
+    ``recompute`` and ``select`` tune that composition and are refused without it; left out, the
+    server takes the local defaults (the wire names the rules and a test keeps them the core's)."""
+
     question: Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS)]
     n: int = Field(ge=1, le=MAX_INFER_TOKENS)
+    compose: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_COMPOSE_ARTIFACTS
+    )
+    recompute: float | None = Field(default=None, ge=0.0, le=1.0)
+    select: Literal["deviation", "doc-start"] | None = None
+
+    @model_validator(mode="after")
+    def _knobs_need_a_composition(self) -> InferRequest:
+        if self.compose is None and (self.recompute is not None or self.select is not None):
+            raise ValueError("recompute and select compose several artifacts: name the others in compose")
+        return self
 
 
 class OrgRequest(Strict):

@@ -183,8 +183,18 @@ class DownloadGrant(Answer):
     expires_at: str
 
 
+class InferComposition(Answer):
+    """How the documents of a composed infer were put together (the local ``continue``'s fields)."""
+
+    artifact_ids: list[str]
+    offsets: list[int]
+    recompute: float
+    rule: str
+    recomputed_tokens: int
+
+
 class InferAnswer(Answer):
-    """``POST .../infer``: the greedy continuation."""
+    """``POST .../infer``: the greedy continuation; ``composition`` only when ``compose`` was asked."""
 
     artifact_id: str
     tokens: list[int]
@@ -193,6 +203,7 @@ class InferAnswer(Answer):
     model: str
     reused_tokens: int
     question_tokens: int
+    composition: InferComposition | None = None
 
 
 __all__ = [
@@ -204,6 +215,7 @@ __all__ = [
     "Health",
     "Identity",
     "InferAnswer",
+    "InferComposition",
     "KeyVerification",
     "Limits",
     "ManifestSummary",

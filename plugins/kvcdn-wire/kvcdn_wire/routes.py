@@ -37,3 +37,5 @@ MAX_TELEMETRY_BODY = 8 * 1024
 #: characters of an infer question, and tokens an infer may ask for (the request model's bounds)
 MAX_QUESTION_CHARS = 32768
 MAX_INFER_TOKENS = 256
+#: artifacts an infer may compose after the route's own (``compose``)
+MAX_COMPOSE_ARTIFACTS = 15

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 from anyio import from_thread
 from fastapi import APIRouter, Request, Response
 
 import kvcdn_wire as wire
+from kvcdn_core.model.defaults import DEFAULT_COMPOSE_RULE, DEFAULT_RECOMPUTE
 from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
 from kvcdn_server.errors import not_found, validation
+from kvcdn_server.inference import Composing
 from kvcdn_server.rows import artifact_key, now_iso, upload_key, view
 from kvcdn_server.services import Services
 from kvcdn_server.validation import UUID, check_hint, check_id, check_name, check_prefix_filter
@@ -111,19 +115,30 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
     # refused at the least cost (inference.run checks both again, then takes the slot).
     s.inference.check_request(body.question, body.n)
     s.inference.slots.check(identity.tenant)
-    row = s.store.readable(identity.tenant, artifact_id)
-    if row.status != "ready":
-        raise not_found()
-    key = (row.tenant, artifact_id, row.sha256)
+    ids = [artifact_id, *(body.compose or [])]
+    rows = [_ready(s, identity, one) for one in ids]
+    composing = None
+    if body.compose is not None:
+        # the sum of the headers' token counts (read at confirm), before any artifact or model loads
+        s.inference.check_context(sum(_tokens(row) for row in rows), "the composed artifacts hold")
+        composing = Composing(
+            [
+                ((row.tenant, one, row.sha256), _fetch(s, one), one)
+                for one, row in zip(body.compose, rows[1:], strict=True)
+            ],
+            DEFAULT_RECOMPUTE if body.recompute is None else body.recompute,
+            body.select or DEFAULT_COMPOSE_RULE,
+        )
     result = s.inference.run(
         identity.tenant,
-        key,
-        lambda: s.store.local_copy(artifact_key(artifact_id)),
+        (rows[0].tenant, artifact_id, rows[0].sha256),
+        _fetch(s, artifact_id),
         body.question,
         body.n,
         disconnected=lambda: from_thread.run(request.is_disconnected),
+        composing=composing,
     )
-    return {
+    answer = {
         "artifact_id": artifact_id,
         "tokens": result.tokens,
         "token_count": len(result.tokens),
@@ -132,14 +147,37 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
         "reused_tokens": result.reused_tokens,
         "question_tokens": result.question_tokens,
     }
+    if result.composition is not None:
+        c = result.composition
+        answer["composition"] = {
+            "artifact_ids": ids,
+            **{k: c[k] for k in ("offsets", "recompute", "rule", "recomputed_tokens")},
+        }
+    return answer
 
 
-@router.post(wire.INFER, response_model=InferAnswer)
+def _ready(s: Services, identity: Identity, artifact_id: str):
+    """The row of an artifact the caller may infer from: its own or a public one, ready; else 404."""
+    row = s.store.readable(identity.tenant, artifact_id)
+    if row.status != "ready":
+        raise not_found()
+    return row
+
+
+def _tokens(row) -> int:
+    return int((json.loads(row.manifest) if row.manifest else {}).get("tokens") or 0)
+
+
+def _fetch(s: Services, artifact_id: str):
+    return lambda: s.store.local_copy(artifact_key(artifact_id))
+
+
+@router.post(wire.INFER, response_model=InferAnswer, response_model_exclude_none=True)
 def infer(identity: Auth, artifact_id: str, body: InferRequest, request: Request, s: Svc):
     return _infer(identity, artifact_id, body, request, s)
 
 
-@router.post(wire.LEGACY_INFER, response_model=InferAnswer)
+@router.post(wire.LEGACY_INFER, response_model=InferAnswer, response_model_exclude_none=True)
 def infer_legacy(
     identity: Auth, org: str, project: str, artifact_id: str, body: InferRequest, request: Request, s: Svc
 ):
