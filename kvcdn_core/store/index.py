@@ -569,6 +569,28 @@ class _Trie:
         last = _bisect(a, hi, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] == head)
         return first, last, best
 
+    def sharing(self, root: str, query: np.ndarray, tokens: int) -> list[int]:
+        """Ranks of every artifact with edges under ``root`` whose first ``tokens`` (at least 1) token
+        ids are the query's: the nodes reached by the query's whole chunks before that token, then
+        the range of children agreeing on the rest (the children are sorted by their tokens)."""
+        r = self.root_index.get(root)
+        if r is None or tokens < 1 or query.size < tokens:
+            return []
+        c = self.chunk_tokens
+        whole = (tokens - 1) // c
+        node = r
+        if whole:
+            found = self.probe([_k16(k) for k in chainkeys.full_chain(root, query[: whole * c], c)])
+            if found[-1] < 0:  # chain keys: the last chunk present means every chunk before it is
+                return []
+            node = int(found[-1])
+        need = 4 * (tokens - whole * c)
+        head = _be(query[whole * c : whole * c + need // 4])
+        lo, hi = int(self.child_lo[node]), int(self.child_hi[node])
+        first = _bisect(lo, hi, lambda ch: _be(self.edge_tokens(ch + self.n_roots))[:need] < head)
+        last = _bisect(first, hi, lambda ch: _be(self.edge_tokens(ch + self.n_roots))[:need] == head)
+        return self.walk(list(range(first + self.n_roots, last + self.n_roots)), len(self.arts))
+
     def walk(self, starts: list[int], limit: int) -> list[int]:
         """Up to ``limit`` artifact ranks below the ``starts`` nodes, best first (a heap over subtree bests)."""
         heap: list[tuple[int, int, int, int]] = []  # (rank, kind, node, position)
