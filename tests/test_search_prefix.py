@@ -230,3 +230,16 @@ def test_search_command_goes_through_the_index(tmp_path, qwen3_dir):
     assert rows(found.ranking) == rows(
         search.rank(found.entries, found.fingerprint, found.query_ids, found.start_tokens)
     )
+
+
+def test_read_only_directory_keeps_its_prefix_index_in_the_user_cache(tmp_path, qwen3_dir, monkeypatch):
+    from kvcdn_core.search import index as search_index
+
+    d = tmp_path / "shared"
+    write_fake(d / "a.kv", qwen3_dir, DOC[:300])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(search_index.os, "access", lambda path, mode: False)
+    assert check(d, qwen3_dir).rebuilt == 1
+    kept = list((tmp_path / "cache" / "kvcdn" / "search-prefix").iterdir())
+    assert len(kept) == 1 and not (d / prefix.PREFIX_NAME).exists()
+    assert check(d, qwen3_dir).rebuilt == 0

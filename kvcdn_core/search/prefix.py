@@ -95,14 +95,13 @@ def open_index(directory: str | os.PathLike, entries: list[Entry]) -> PrefixInde
         group = _group_key(e.model)
         root = roots.get(group) or roots.setdefault(group, _root(e.model))
         model, count, whole = groups.get(root) or (e.model, 0, [])
-        if e.reuse == ANY_PREFIX:
-            if e.token_count:
-                path = str(e.path)  # scan's paths are the directory's own, then names
-                rel = path[len(base) :] if path.startswith(base) else os.path.relpath(path, directory)
-                wanted[_art_id(rel, e)] = (rel, root, e)
-        else:
-            whole = [*whole, e]
         groups[root] = (model, count + 1, whole)
+        if e.reuse != ANY_PREFIX:
+            whole.append(e)
+        elif e.token_count:
+            path = str(e.path)  # scan's paths are the directory's own, then names
+            rel = path[len(base) :] if path.startswith(base) else os.path.relpath(path, directory)
+            wanted[_art_id(rel, e)] = (rel, root, e)
     by_id = {i: e for i, (_, _, e) in wanted.items()}
     where = index_path(directory, PREFIX_NAME, cache_home() / "search-prefix")
     old = _read(where)
