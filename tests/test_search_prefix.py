@@ -191,7 +191,7 @@ def test_concurrent_searches_with_different_views_stay_exact(tmp_path, qwen3_dir
     for t in threads:
         t.join()
     assert not errors, errors
-    assert prefix._read(d / prefix.PREFIX_NAME) is not None  # whoever wrote last, the file is whole
+    assert prefix._read(d / prefix.PREFIX_NAME)[0] is not None  # whoever wrote last, the file is whole
 
 
 def test_search_while_artifacts_are_written(tmp_path, qwen3_dir):
@@ -219,7 +219,7 @@ def test_search_while_artifacts_are_written(tmp_path, qwen3_dir):
     t.join()
     assert not errors, errors
     final = check(d, qwen3_dir)
-    assert len(final.by_id) == 5
+    assert len(final.by_name) == 5
 
 
 def test_search_command_goes_through_the_index(tmp_path, qwen3_dir):

@@ -11,9 +11,9 @@ in a store trie's edges) are always compared. A tokenizer with more start tokens
 falls back to the linear ranking.
 
 The trie is kept in one file per searched directory (``.kvcdn-prefix``, or a per-user cache file
-for a read-only one), with a BLAKE3 digest of its bytes; it names each artifact by an id hashed
-from its relative path, size, mtime, inode and token count, the identity the directory indexes
-check. A lookup whose artifacts differ from the file's rebuilds only what changed (removed ones
+for a read-only one), with a BLAKE3 digest of its bytes and a digest of what it was made from: each
+artifact's relative path, size, mtime, inode and token count, the identity the directory indexes
+check. A search whose scan gives another identity updates the trie from what changed (removed ones
 dropped, new ones hashed, the rest taken from the old trie) and rewrites the file atomically. A
 damaged, foreign or other-user-owned file is ignored and rebuilt: it is a cache, never the truth.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from kvcdn_core.artifact.manifest import ANY_PREFIX
 from kvcdn_core.atomic import atomic_open
+from kvcdn_core.model.files import COMPATIBILITY_KEYS
 from kvcdn_core.search.index import Entry, cache_home, index_path
 from kvcdn_core.search.rank import Ranking, rank, same_model
 from kvcdn_core.store import index as trie_index
@@ -38,17 +38,16 @@ from kvcdn_core.store.keys import CHUNK_TOKENS
 
 PREFIX_NAME = ".kvcdn-prefix"
 MAGIC = b"KVCDNPX1"
+_MODEL_KEYS = (*COMPATIBILITY_KEYS, "weights_sha256")
 
 
-def _group_key(model: dict):
-    try:
-        return tuple(sorted(model.items()))
-    except TypeError:  # an unhashable value: compare by its JSON
-        return json.dumps(model, sort_keys=True, default=str)
+def _group_key(model: dict) -> tuple:
+    """What :func:`same_model` compares: artifacts equal in it rank alike (the model id plays no part)."""
+    return tuple(str(model.get(k)) for k in _MODEL_KEYS)
 
 
-def _root(model: dict) -> str:
-    return hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest()
+def _root(group: tuple) -> str:
+    return hashlib.sha256("\0".join(group).encode(errors="surrogateescape")).hexdigest()
 
 
 def _art_id(rel: str, e: Entry) -> str:
@@ -62,7 +61,7 @@ class PrefixIndex:
 
     entries: list[Entry]
     trie: trie_index._Trie
-    by_id: dict[str, Entry]
+    by_name: dict[str, Entry]  # relative path -> entry
     groups: dict[str, tuple[dict, int, list[Entry]]]  # root -> (model, artifacts, whole-prefix ones)
     rebuilt: int  # artifacts hashed into the trie by this open (0: the file was current)
 
@@ -77,7 +76,7 @@ class PrefixIndex:
                 continue
             n_same += count
             arts = self.trie.arts
-            candidates += [self.by_id[arts[r].id] for r in self.trie.sharing(root, q, start_tokens + 1)]
+            candidates += [self.by_name[arts[r].name] for r in self.trie.sharing(root, q, start_tokens + 1)]
             candidates += whole
         found = rank(candidates, fingerprint, q, start_tokens)
         return Ranking(found.matches, n_same, len(self.entries) - n_same)
@@ -85,15 +84,15 @@ class PrefixIndex:
 
 def open_index(directory: str | os.PathLike, entries: list[Entry]) -> PrefixIndex:
     """The prefix index of ``entries`` (a :func:`~kvcdn_core.search.index.scan` of ``directory``):
-    the kept file when it holds exactly these artifacts, else updated from it and rewritten."""
+    the kept file when it was made from exactly these artifacts, else updated from it and rewritten."""
     directory = Path(directory)
     groups: dict[str, tuple[dict, int, list[Entry]]] = {}
-    roots: dict[str, str] = {}
-    wanted: dict[str, tuple[str, str, Entry]] = {}  # id -> (relative path, root, entry)
+    roots: dict[tuple, str] = {}
+    indexed: list[tuple[str, str, Entry]] = []  # (relative path, root, entry)
     base = os.path.join(str(directory), "")
     for e in entries:
         group = _group_key(e.model)
-        root = roots.get(group) or roots.setdefault(group, _root(e.model))
+        root = roots.get(group) or roots.setdefault(group, _root(group))
         model, count, whole = groups.get(root) or (e.model, 0, [])
         groups[root] = (model, count + 1, whole)
         if e.reuse != ANY_PREFIX:
@@ -101,22 +100,25 @@ def open_index(directory: str | os.PathLike, entries: list[Entry]) -> PrefixInde
         elif e.token_count:
             path = str(e.path)  # scan's paths are the directory's own, then names
             rel = path[len(base) :] if path.startswith(base) else os.path.relpath(path, directory)
-            wanted[_art_id(rel, e)] = (rel, root, e)
-    by_id = {i: e for i, (_, _, e) in wanted.items()}
+            indexed.append((rel, root, e))
+    by_name = {rel: e for rel, _, e in indexed}
+    # what the kept file must have been made from: each artifact's identity, as the directory indexes check it
+    view = hashlib.sha256(
+        repr([(rel, root, e.size, e.mtime_ns, e.ino, e.token_count) for rel, root, e in indexed]).encode(
+            errors="surrogateescape"
+        )
+    ).digest()
     where = index_path(directory, PREFIX_NAME, cache_home() / "search-prefix")
-    old = _read(where)
-    if (
-        old is not None
-        and {a.id for a in old.arts} == wanted.keys()
-        and all(wanted[a.id][1] == a.root for a in old.arts)
-    ):
-        return PrefixIndex(entries, old, by_id, groups, 0)
+    old, old_view = _read(where)
+    if old is not None and old_view == view:
+        return PrefixIndex(entries, old, by_name, groups, 0)
     state = trie_index._State(chunk_tokens=CHUNK_TOKENS)
     for root, (model, _, _) in groups.items():
         state.roots[root] = {"root": root, "model": model}
     reused = _edges(old) if old is not None else {}
     hashed = 0
-    for art_id, (rel, root, e) in wanted.items():
+    for rel, root, e in indexed:
+        art_id = _art_id(rel, e)
         edges = reused.get(art_id)
         if edges is not None and edges[0] == root:
             art = trie_index._Art(art_id, rel, root, int(edges[2].size), ANY_PREFIX, 0, [(edges[1], edges[2])])
@@ -127,8 +129,8 @@ def open_index(directory: str | os.PathLike, entries: list[Entry]) -> PrefixInde
         state.arts[art_id] = art
     trie = trie_index._Trie(state)
     if trie.arts:
-        _write(where, trie.to_base(()))
-    return PrefixIndex(entries, trie, by_id, groups, hashed)
+        _write(where, view, trie.to_base(()))
+    return PrefixIndex(entries, trie, by_name, groups, hashed)
 
 
 def _edges(trie: trie_index._Trie) -> dict[str, tuple[str, bytes, np.ndarray]]:
@@ -141,33 +143,34 @@ def _edges(trie: trie_index._Trie) -> dict[str, tuple[str, bytes, np.ndarray]]:
     return out
 
 
-def _read(path: Path) -> trie_index._Trie | None:
-    """The kept trie, or None when missing, foreign-owned, damaged or of another chunk size."""
+def _read(path: Path) -> tuple[trie_index._Trie | None, bytes]:
+    """The kept trie and the identity digest it was made for; None when missing, foreign-owned,
+    damaged or of another chunk size."""
     try:
         with open(path, "rb") as fh:
             st = os.fstat(fh.fileno())
             if hasattr(os, "getuid") and st.st_uid != os.getuid():
-                return None
+                return None, b""
             data = fh.read()
     except OSError:
-        return None
+        return None, b""
     if data[:8] != MAGIC or blake3.blake3(data[40:]).digest() != data[8:40]:
-        return None
+        return None, b""
     try:
-        meta, arrays = trie_index._unpack(str(path), trie_index.BASE_MAGIC, data[40:])
+        meta, arrays = trie_index._unpack(str(path), trie_index.BASE_MAGIC, data[72:])
         trie = trie_index._Trie.from_base(str(path), meta, arrays)
     except trie_index.IndexCorrupt:
-        return None
+        return None, b""
     if trie.chunk_tokens != CHUNK_TOKENS or any(len(a.id) != 32 for a in trie.arts):
-        return None
-    return trie
+        return None, b""
+    return trie, data[40:72]
 
 
-def _write(path: Path, base: bytes) -> None:
+def _write(path: Path, view: bytes, base: bytes) -> None:
     """Write the trie atomically with its digest; a failure only costs speed."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(path, mode=0o600) as fh:
-            fh.write(MAGIC + blake3.blake3(base).digest() + base)
+            fh.write(MAGIC + blake3.blake3(view + base).digest() + view + base)
     except OSError:
         pass

@@ -469,6 +469,7 @@ class _Trie:
             ):
                 raise ValueError
             self.arts, self.rest = [], {}
+            art_node = self.art_node.tolist()  # Python ints: one numpy scalar per row costs more than the row
             for i, (op_id, name, root_i, token_count, reuse_i, at) in enumerate(rows):
                 reuse = _REUSE[reuse_i]
                 art = _Art(str(op_id), str(name), self.root_list[root_i], int(token_count), reuse, int(at), [])
@@ -479,10 +480,11 @@ class _Trie:
                     art.anchor, art.rest = _kb(a["anchor"][i]), tokens[off : off + size].astype(np.int64)
                     self.rest[i] = art.rest
                     self.art_node[i] = -1
-                elif self.art_node[i] < n_roots:
+                elif art_node[i] < n_roots:
                     raise ValueError
                 self.arts.append(art)
-            if [(x.token_count, x.name) for x in self.arts] != sorted((x.token_count, x.name) for x in self.arts):
+            order = [(x.token_count, x.name) for x in self.arts]
+            if order != sorted(order):
                 raise ValueError
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise IndexCorrupt(
