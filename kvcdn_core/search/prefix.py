@@ -38,16 +38,16 @@ from kvcdn_core.store.keys import CHUNK_TOKENS
 
 PREFIX_NAME = ".kvcdn-prefix"
 MAGIC = b"KVCDNPX1"
-_MODEL_KEYS = (*COMPATIBILITY_KEYS, "weights_sha256")
+_MODEL_KEYS = (*COMPATIBILITY_KEYS, "weights_sha256")  # what fingerprint_differences compares
 
 
 def _group_key(model: dict) -> tuple:
     """What :func:`same_model` compares: artifacts equal in it rank alike (the model id plays no part)."""
-    return tuple(str(model.get(k)) for k in _MODEL_KEYS)
+    return tuple(map(model.get, _MODEL_KEYS))
 
 
 def _root(group: tuple) -> str:
-    return hashlib.sha256("\0".join(group).encode(errors="surrogateescape")).hexdigest()
+    return hashlib.sha256(repr(group).encode(errors="surrogateescape")).hexdigest()
 
 
 def _art_id(rel: str, e: Entry) -> str:
