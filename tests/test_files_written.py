@@ -19,12 +19,22 @@ def section() -> str:
 
 def test_every_per_user_cache_and_config_file_in_the_code_is_documented():
     from kvcdn_core.search.index import INDEX_NAME
+    from kvcdn_core.search.prefix import PREFIX_NAME
     from kvcdn_hosted.credentials import FILE_NAME
 
-    names = {INDEX_NAME, FILE_NAME, "api-key-seed", "admin-secret", "url-signing-key", "kvcdn.db", "python-entrypoints"}
+    names = {
+        INDEX_NAME,
+        PREFIX_NAME,
+        FILE_NAME,
+        "api-key-seed",
+        "admin-secret",
+        "url-signing-key",
+        "kvcdn.db",
+        "python-entrypoints",
+    }
     for path in SOURCES:
         names.update(re.findall(r'cache_home\(\) / "([^"]+)"', path.read_text(encoding="utf-8")))
-    assert {"file-sha256.json", "search-index"} <= names  # the scan still finds what it looks for
+    assert {"file-sha256.json", "search-index", "search-prefix"} <= names  # the scan still finds what it looks for
     documented = section()
     missing = sorted(n for n in names if n not in documented)
     assert not missing, f"written by kvcdn but not in README's 'Files kvcdn writes': {missing}"
@@ -44,6 +54,7 @@ def test_a_command_writes_only_documented_files(cli, qwen3_dir, context_file, tm
     allowed = [
         r"data/kvcdn/generate/generate-\d+-[^/]+\.kv",
         r"data/kvcdn/generate/\.kvcdn-index",
+        r"data/kvcdn/generate/\.kvcdn-prefix",
         r"cache/kvcdn/file-sha256\.json",
         r"cache/python-entrypoints/[0-9a-f]+",  # stevedore's cache of entry points
     ]

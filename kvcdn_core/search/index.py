@@ -91,12 +91,13 @@ def cache_home() -> Path:
     return Path(base) / "kvcdn"
 
 
-def index_path(directory: Path) -> Path:
-    """The directory's own ``.kvcdn-index``, or a per-user cache file when the directory is read-only."""
+def index_path(directory: Path, name: str = INDEX_NAME, cache: Path | None = None) -> Path:
+    """The directory's own ``.kvcdn-index`` (or ``name``), or a per-user cache file (in ``cache``)
+    when the directory is read-only."""
     if os.access(directory, os.W_OK | os.X_OK):
-        return directory / INDEX_NAME
+        return directory / name
     key = hashlib.sha256(os.fsencode(directory.resolve())).hexdigest()[:32]
-    return cache_home() / "search-index" / key
+    return (cache or cache_home() / "search-index") / key
 
 
 def _read_index(path: Path, directory: Path) -> dict[str, Entry]:
@@ -165,11 +166,11 @@ def _index_directory(directory: Path, names: list[str], warn: Warn) -> list[Entr
     known = _read_index(where, directory)
     entries, changed = [], False
     for name in names:
-        path = directory / name
+        path_str = os.path.join(directory, name)  # a Path only for new entries: building one costs more than the stat
         try:
-            st = os.stat(path)
+            st = os.stat(path_str)
         except OSError as exc:
-            warn(f"skipping {path}: cannot read: {exc.strerror or exc}")
+            warn(f"skipping {path_str}: cannot read: {exc.strerror or exc}")
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
@@ -178,6 +179,7 @@ def _index_directory(directory: Path, names: list[str], warn: Warn) -> list[Entr
             entries.append(old)
             continue
         changed = True
+        path = directory / name
         try:
             entries.append(_entry_from_file(path, st))
         except ArtifactError as exc:

@@ -10,7 +10,7 @@ always prefilled. Tokenizing the query needs no torch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,9 @@ def same_model(entry_model: dict, fingerprint: dict) -> bool:
     return not fingerprint_differences(entry_model, fingerprint)
 
 
-def rank(entries: list[Entry], fingerprint: dict, query_ids: list[int], start_tokens: int = 0) -> Ranking:
+def rank(
+    entries: list[Entry], fingerprint: dict, query_ids: Sequence[int] | np.ndarray, start_tokens: int = 0
+) -> Ranking:
     """Match the query against every artifact of the fingerprinted model and sort best first.
 
     Order: usable tokens, then prefix tokens, then the usable fraction of the artifact (a smaller
@@ -228,6 +230,7 @@ class Search:
     query_ids: list[int]
     start_tokens: int
     ranking: Ranking
+    index: Any = None  # the directory's prefix index (search.prefix.PrefixIndex), when searched through one
 
     def retokenized(self, tokenizer, fingerprint: dict | None = None) -> Search:
         """The same search with another tokenizer (a loaded model's): reranked only if ids differ."""
@@ -242,7 +245,9 @@ class Search:
             fingerprint=fingerprint,
             query_ids=ids,
             start_tokens=start,
-            ranking=rank(self.entries, fingerprint, ids, start),
+            ranking=self.index.rank(fingerprint, ids, start)
+            if self.index is not None
+            else rank(self.entries, fingerprint, ids, start),
         )
 
 
@@ -262,6 +267,7 @@ def search(
     """Scan ``directory``, tokenize ``query`` the way the model's contexts are, and rank."""
     from kvcdn_core.model.files import fingerprint as model_fingerprint
     from kvcdn_core.model.files import resolve_model_dir
+    from kvcdn_core.search.prefix import open_index
 
     entries = scan(directory, warn)
     model_ref = model_ref or infer_model(entries, directory)
@@ -276,6 +282,7 @@ def search(
         return list(adapter.encode_context(tokenizer, text))
 
     ids, start = encode(query), start_token_count(encode)
+    index = open_index(directory, entries)
     return Search(
-        model_ref, model_dir, fp, adapter, tokenizer, entries, query, ids, start, rank(entries, fp, ids, start)
+        model_ref, model_dir, fp, adapter, tokenizer, entries, query, ids, start, index.rank(fp, ids, start), index
     )

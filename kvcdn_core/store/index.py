@@ -469,6 +469,7 @@ class _Trie:
             ):
                 raise ValueError
             self.arts, self.rest = [], {}
+            art_node = self.art_node.tolist()  # Python ints: one numpy scalar per row costs more than the row
             for i, (op_id, name, root_i, token_count, reuse_i, at) in enumerate(rows):
                 reuse = _REUSE[reuse_i]
                 art = _Art(str(op_id), str(name), self.root_list[root_i], int(token_count), reuse, int(at), [])
@@ -479,10 +480,11 @@ class _Trie:
                     art.anchor, art.rest = _kb(a["anchor"][i]), tokens[off : off + size].astype(np.int64)
                     self.rest[i] = art.rest
                     self.art_node[i] = -1
-                elif self.art_node[i] < n_roots:
+                elif art_node[i] < n_roots:
                     raise ValueError
                 self.arts.append(art)
-            if [(x.token_count, x.name) for x in self.arts] != sorted((x.token_count, x.name) for x in self.arts):
+            order = [(x.token_count, x.name) for x in self.arts]
+            if order != sorted(order):
                 raise ValueError
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise IndexCorrupt(
@@ -568,6 +570,28 @@ class _Trie:
         first = _bisect(lo, a, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] < head)
         last = _bisect(a, hi, lambda c: _be(self.edge_tokens(c + self.n_roots))[: 4 * best] == head)
         return first, last, best
+
+    def sharing(self, root: str, query: np.ndarray, tokens: int) -> list[int]:
+        """Ranks of every artifact with edges under ``root`` whose first ``tokens`` (at least 1) token
+        ids are the query's: the nodes reached by the query's whole chunks before that token, then
+        the range of children agreeing on the rest (the children are sorted by their tokens)."""
+        r = self.root_index.get(root)
+        if r is None or tokens < 1 or query.size < tokens:
+            return []
+        c = self.chunk_tokens
+        whole = (tokens - 1) // c
+        node = r
+        if whole:
+            found = self.probe([_k16(k) for k in chainkeys.full_chain(root, query[: whole * c], c)])
+            if found[-1] < 0:  # chain keys: the last chunk present means every chunk before it is
+                return []
+            node = int(found[-1])
+        need = 4 * (tokens - whole * c)
+        head = _be(query[whole * c : whole * c + need // 4])
+        lo, hi = int(self.child_lo[node]), int(self.child_hi[node])
+        first = _bisect(lo, hi, lambda ch: _be(self.edge_tokens(ch + self.n_roots))[:need] < head)
+        last = _bisect(first, hi, lambda ch: _be(self.edge_tokens(ch + self.n_roots))[:need] == head)
+        return self.walk(list(range(first + self.n_roots, last + self.n_roots)), len(self.arts))
 
     def walk(self, starts: list[int], limit: int) -> list[int]:
         """Up to ``limit`` artifact ranks below the ``starts`` nodes, best first (a heap over subtree bests)."""

@@ -68,7 +68,8 @@ def command(
     """Rank the artifacts under DIR by the token prefix they share with the query.
 
     Reads only artifact headers and token ids, kept in a .kvcdn-index file per directory, and the
-    model's tokenizer; skips artifacts of other models by fingerprint. --model defaults to the one
+    model's tokenizer; compares only the artifacts that can match, found through the prefix index
+    kept in DIR/.kvcdn-prefix; skips artifacts of other models by fingerprint. --model defaults to the one
     model the artifacts were made with. With --store: looks the query up in the store's prefix index
     (no artifact is read) and lists the artifacts sharing the longest prefix.
     """
