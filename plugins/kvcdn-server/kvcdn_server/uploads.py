@@ -53,6 +53,17 @@ TEMP_OWNER = {TEMP_PREFIX: "uploading", COPY_PREFIX: "confirming"}
 INTERRUPTED = "its confirm was interrupted"
 
 
+def index_artifact(c, artifact_id: str) -> None:
+    """The one place a confirmed artifact enters the hosted prefix index, inside the confirm's
+    last transaction (``c``). The index lives apart (its own tables and lookup route); this hook
+    is where it plugs in, and does nothing until it does."""
+
+
+def drop_artifact(c, artifact_id: str) -> None:
+    """The one place an artifact leaves the hosted prefix index, inside the transaction that
+    deletes it, replaces it or ends its upload (``c``); see :func:`index_artifact`."""
+
+
 class Uploads:
     """The uploads and artifacts of all tenants: rows in the database, bytes in ``storage``."""
 
@@ -150,6 +161,7 @@ class Uploads:
         """Give back what a row held in its tenant's usage, in the transaction that ends it: a
         whole file its size; an open chunked upload its reservation; a ready chunked artifact the
         objects no other ready artifact of its tenant references (:func:`chunks.drop`)."""
+        drop_artifact(c, artifact_id)
         if row.charge is None:
             self.quota.release(c, row.tenant, row.size_bytes)
             return
@@ -449,6 +461,8 @@ class Uploads:
             )
             if done and chunked is not None:
                 chunks.make_ready(c, tenant, chunked)
+            if done:
+                index_artifact(c, artifact_id)
             if done and replace:
                 replaced = self._drop_others_named(c, tenant, name, artifact_id)
             # read in the same transaction: a delete or a later replace may remove it right after
