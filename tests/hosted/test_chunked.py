@@ -331,3 +331,93 @@ def test_an_expired_chunked_upload_gives_back_its_reservation_and_its_objects(se
     assert store.reserved(tenant) == (0, 0) and chunk_files(tmp_path) == set()
     r = client.post(f"{API}/artifacts/{grant['artifact_id']}/confirm-upload", headers=bearer(keys["acme"]))
     assert r.status_code == 410 and r.json()["error"] == "upload_expired"
+
+
+def test_two_replicas_share_chunks_under_concurrent_uploads_deletes_and_gc(monkeypatch, tmp_path, database_url):
+    """Two server replicas (two apps, one database, one object store), each with its collector
+    running all the time; writers of two tenants upload and delete artifacts sharing chunks through
+    either replica. Then every confirmed artifact downloads byte-exact through both, usage equals
+    the rule, and once all are deleted and collected no object and no reference is left."""
+    from kvcdn_server.apikeys import derive_key
+    from kvcdn_server.app import create_app
+    from kvcdn_server.config import load_config
+    from kvcdn_server.db import artifact_chunks, chunks, tenant_chunks
+
+    monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme,beta")
+    monkeypatch.setenv("KVCDN_INFER_DEVICE", "cpu")
+    config = load_config(storage=str(tmp_path / "objects"), database_url=database_url)
+    apps = [create_app(config), create_app(config)]
+    clients = [TestClient(app) for app in apps]
+    keys = {org: derive_key(config.api_key_seed, org) for org in ("acme", "beta")}
+    sources = [write_kv(tmp_path / f"s{n}.kv", n) for n in (16, 24, 40, 56, 64)]
+    stop = threading.Event()
+
+    def collector(app):
+        while not stop.is_set():
+            store_of(app).collect()
+
+    def writer(w: int):
+        key = keys["acme" if w % 2 == 0 else "beta"]
+        mine = []
+        for i in range(5):
+            src = sources[(w + i) % len(sources)]
+            report = up(clients[i % 2], key, src, f"w{w}-{i}")
+            mine.append(report.artifact_id)
+            if i % 2 == 1:
+                gone = mine.pop(0)
+                assert clients[(i + 1) % 2].delete(f"{API}/artifacts/{gone}", headers=bearer(key)).status_code == 204
+
+    gcs = [threading.Thread(target=collector, args=(app,)) for app in apps]
+    for t in gcs:
+        t.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(writer, range(4)))
+    finally:
+        stop.set()
+        for t in gcs:
+            t.join()
+    store = store_of(apps[0])
+    store.collect()
+    for key in keys.values():
+        tenant = tenant_of(clients[0], key)
+        listed = clients[0].get(f"{API}/artifacts", headers=bearer(key)).json()["artifacts"]
+        assert store.reserved(tenant) == (len(listed), rule_bytes(apps[0], tenant))
+        for n, entry in enumerate(listed):
+            w, i = (int(x) for x in entry["name"][1:].split("-"))
+            src = sources[(w + i) % len(sources)]
+            down(clients[n % 2], key, entry["artifact_id"], tmp_path / "got.kv")
+            assert (tmp_path / "got.kv").read_bytes() == src.read_bytes()
+            assert (
+                clients[n % 2].delete(f"{API}/artifacts/{entry['artifact_id']}", headers=bearer(key)).status_code == 204
+            )
+        assert store.reserved(tenant) == (0, 0)
+    store.collect()
+    assert chunk_files(tmp_path) == set()
+    with store.db.connect() as c:
+        for table in (chunks, artifact_chunks, tenant_chunks):
+            assert c.execute(sa.select(sa.func.count()).select_from(table)).scalar_one() == 0
+    for client in clients:
+        client.close()
+
+
+def test_gc_that_listed_an_object_before_a_new_upload_referenced_it_keeps_it(server, tmp_path):
+    """The race: the collector lists an object as unreferenced (its artifact was deleted), a new
+    upload then references it and sends it, and only then does the collector come to it. It must
+    see the new reference and keep the object; the upload confirms and downloads exactly."""
+    app, client, keys = server
+    store = store_of(app)
+    src = write_kv(tmp_path / "a.kv", 40)
+    first = up(client, keys["acme"], src, "first")
+    assert client.delete(f"{API}/artifacts/{first.artifact_id}", headers=bearer(keys["acme"])).status_code == 204
+    listed = store.objects.orphans()
+    assert len(listed) == len(_blobs(src))
+    grant = begin(client, keys["acme"], src, "second")
+    blobs = _blobs(src)
+    for item in grant["missing"]:
+        assert client.put(item["url"], content=blobs[item["digest"]]).status_code == 200
+    assert [store.objects.remove_unreferenced(d) for d in listed] == [False] * len(listed)
+    r = client.post(f"{API}/artifacts/{grant['artifact_id']}/confirm-upload", headers=bearer(keys["acme"]))
+    assert r.status_code == 200, r.text
+    down(client, keys["acme"], grant["artifact_id"], tmp_path / "got.kv")
+    assert (tmp_path / "got.kv").read_bytes() == src.read_bytes()

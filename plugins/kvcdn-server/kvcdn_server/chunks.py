@@ -300,32 +300,33 @@ class ChunkObjects:
     # -- collection ------------------------------------------------------------------------------
 
     def collect(self) -> int:
-        """Delete every object no artifact (ready, or a live upload) references; returns how many.
+        """Delete every object no artifact (ready, or a live upload) references; returns how many
+        (:meth:`orphans`, then :meth:`remove_unreferenced` for each)."""
+        return sum(self.remove_unreferenced(digest) for digest in self.orphans())
 
-        Each under its row's lock: the row is locked first, then a new statement looks for
-        references (it sees every reference committed meanwhile), then the object goes, then the
-        row, in one transaction. A collector that dies between the two leaves a row marked present
-        without its object: no artifact references it, and a confirm reads every object back."""
-        store = self.store
+    def orphans(self) -> list[str]:
+        """The objects no artifact references now (a snapshot: each is looked at again)."""
         orphan = sa.select(chunks.c.digest).where(~sa.exists().where(artifact_chunks.c.digest == chunks.c.digest))
-        with store.reads.connect() as c:
-            candidates = list(c.execute(orphan).scalars())
-        deleted = 0
-        for digest in candidates:
-            with store.db.begin() as c:
-                if (
-                    c.execute(sa.select(chunks.c.digest).where(chunks.c.digest == digest).with_for_update()).first()
-                    is None
-                ):
-                    continue
-                if c.execute(
-                    sa.select(artifact_chunks.c.digest).where(artifact_chunks.c.digest == digest).limit(1)
-                ).first():
-                    continue
-                store.storage.delete(object_key(digest))
-                c.execute(chunks.delete().where(chunks.c.digest == digest))
-                deleted += 1
-        return deleted
+        with self.store.reads.connect() as c:
+            return list(c.execute(orphan).scalars())
+
+    def remove_unreferenced(self, digest: str) -> bool:
+        """Delete the object and its row when nothing references it, under the row's lock: the row
+        is locked first, then a new statement looks for references (it sees every reference
+        committed meanwhile), then the object goes, then the row, in one transaction. A collector
+        that dies between the two leaves a row marked present without its object: no artifact
+        references it, and a confirm reads every object back."""
+        store = self.store
+        with store.db.begin() as c:
+            locked = sa.select(chunks.c.digest).where(chunks.c.digest == digest).with_for_update()
+            if c.execute(locked).first() is None:
+                return False
+            refs = sa.select(artifact_chunks.c.digest).where(artifact_chunks.c.digest == digest).limit(1)
+            if c.execute(refs).first() is not None:
+                return False
+            store.storage.delete(object_key(digest))
+            c.execute(chunks.delete().where(chunks.c.digest == digest))
+        return True
 
 
 def blake3_of(path: Path) -> str:
