@@ -78,12 +78,13 @@ def objects_of(record: ArtifactRecord) -> dict[str, int]:
 
 def _upsert(c, rows: list[dict[str, Any]]):
     """Insert the ``chunks`` rows that do not exist and lock every one of them (a no-op update)."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
     if c.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    stmt = insert(chunks).values(rows)
-    return stmt.on_conflict_do_update(index_elements=["digest"], set_={"digest": stmt.excluded.digest})
+        pg = postgresql.insert(chunks).values(rows)
+        return pg.on_conflict_do_update(index_elements=["digest"], set_={"digest": pg.excluded.digest})
+    lite = sqlite.insert(chunks).values(rows)
+    return lite.on_conflict_do_update(index_elements=["digest"], set_={"digest": lite.excluded.digest})
 
 
 def held(c, tenant: str, digests: list[str]) -> set[str]:

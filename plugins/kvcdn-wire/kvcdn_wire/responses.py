@@ -8,7 +8,7 @@ once, with :func:`parse`; a body of another shape is one error, never a ``KeyErr
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -224,7 +224,7 @@ class ChunksGrant(Answer):
     client rebuilds the `.kv` file (checking each object's BLAKE3 digest) and its sha256."""
 
     artifact_id: str
-    record: dict
+    record: dict[str, Any]
     objects: list[ObjectUrl]
     sha256: str
     size_bytes: int
