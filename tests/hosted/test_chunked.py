@@ -463,3 +463,100 @@ def test_cli_upload_and_download_by_chunks_against_a_real_server(tmp_path, monke
         assert (tmp_path / "b.kv").read_bytes() == first.read_bytes()
         listed = json.loads(kv("list", "--format", "json"))
         assert sorted((a["name"], a["chunked"]) for a in listed) == [("first", True), ("second", True)]
+
+
+def test_killed_during_a_chunked_upload_no_artifact_loses_a_chunk_and_orphans_are_reclaimed(
+    database_url, tmp_path, progress
+):
+    """``kvcdn serve`` killed with SIGKILL while an object of a chunked upload is streaming in.
+    After a restart: the confirmed artifact that shares chunks with it downloads byte-exact, every
+    object a ready artifact references is stored, the cut upload can still be finished, and once an
+    abandoned one is deleted the collector reclaims its objects and the dead PUT's temp file."""
+    import signal
+    import time
+
+    import httpx
+
+    from kvcdn_hosted import chunked
+    from tests.hosted.test_store import _put_quietly, _slow_body, objects, serve
+    from tests.support.budget import budget
+    from tests.support.hosted import mint_key
+
+    home = tmp_path / "home"
+    tmp_dir = home / "kvcdn" / "server" / "tmp"
+    kept = write_kv(tmp_path / "kept.kv", 40, base_tokens=96, width=512)
+    cut = write_kv(tmp_path / "cut.kv", 96, base_tokens=96, width=512)  # shares kept's first two chunks
+    abandoned = write_kv(tmp_path / "abandoned.kv", 24, base_tokens=24, width=512, seed=5)
+    progress("server 1 of 2: killed while an object is streaming in")
+    with serve(home, database_url) as server, httpx.Client(timeout=120) as http:
+        key = mint_key(server.url, server.admin_secret(), "acme")
+        auth = bearer(key)
+        first = chunked.upload(http, server.url, auth, kept, "kept", chunk_tokens=CHUNK)
+        grant = _begin_http(http, server.url, auth, cut, "cut")
+        left = _begin_http(http, server.url, auth, abandoned, "abandoned")
+        blobs = _blobs(cut)
+        done, slow = grant["missing"][:-1], grant["missing"][-1]
+        for item in done:
+            assert http.put(item["url"], content=blobs[item["digest"]]).status_code == 200
+        started = threading.Event()
+        size = slow["size_bytes"]
+        put = threading.Thread(target=_put_quietly, args=(slow["url"], _slow_body(size, started), size))
+        put.start()
+        assert started.wait(budget(120))
+        deadline = time.monotonic() + budget(120)
+        while not list(tmp_dir.glob(".chunk-*")):
+            assert time.monotonic() < deadline, "the PUT never reached the disk"
+            time.sleep(0.01)
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        put.join()
+    progress("server 2 of 2: nothing lost, the rest reclaimed")
+    with serve(home, database_url) as server, httpx.Client(timeout=120) as http:
+        _assert_every_ready_reference_is_stored(database_url, home)
+        chunked.download(http, server.url, auth, first.artifact_id, tmp_path / "got.kv")
+        assert (tmp_path / "got.kv").read_bytes() == kept.read_bytes()
+        # the cut upload: its last object is sent again (the URL holds the digest, not the host)
+        url = f"{server.url}/{slow['url'].split('/', 3)[3]}"
+        assert http.put(url, content=blobs[slow["digest"]]).status_code == 200
+        r = http.post(f"{server.url}{API}/artifacts/{grant['artifact_id']}/confirm-upload", headers=auth)
+        assert r.status_code == 200, r.text
+        chunked.download(http, server.url, auth, grant["artifact_id"], tmp_path / "got.kv")
+        assert (tmp_path / "got.kv").read_bytes() == cut.read_bytes()
+        assert http.delete(f"{server.url}{API}/artifacts/{left['artifact_id']}", headers=auth).status_code == 204
+        wanted = set(_blobs(kept)) | set(blobs)
+        deadline = time.monotonic() + budget(120)
+        while objects(home, "chunks") != wanted or list(tmp_dir.glob(".chunk-*")):
+            assert time.monotonic() < deadline, (len(objects(home, "chunks")), len(wanted))
+            time.sleep(0.1)
+        _assert_every_ready_reference_is_stored(database_url, home)
+        usage = http.get(f"{server.url}{API}/quota", headers=auth).json()["usage"]
+        object_bytes = sum(len(b) for b in {**_blobs(kept), **blobs}.values())
+        assert usage == {"artifacts": 2, "storage_bytes": object_bytes, "pending_artifacts": 0, "pending_bytes": 0}
+
+
+def _begin_http(http, base, auth, path, name):
+    from kvcdn_core import artifact
+    from kvcdn_core.store import pack
+    from kvcdn_hosted.chunked import _sha256
+
+    header = artifact.read_header(path)
+    cutter = pack.Cutter(header, artifact.read_token_ids(path, header), CHUNK)
+    record = pack.record_for("probe", path, header, cutter, cutter.plan({}, lambda _d: False))
+    body = {"name": name, "sha256": _sha256(path), "record": record.to_dict()}
+    r = http.post(f"{base}{API}/artifacts/chunked-upload", json=body, headers=auth)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _assert_every_ready_reference_is_stored(database_url, home):
+    from tests.hosted.test_store import db, objects
+
+    stored = objects(home, "chunks")
+    with db(database_url).connect() as c:
+        refs = c.execute(
+            sa.text(
+                "SELECT r.digest, k.present FROM artifact_chunks r JOIN artifacts a ON a.id = r.artifact_id "
+                "LEFT JOIN chunks k ON k.digest = r.digest WHERE a.status = 'ready'"
+            )
+        ).all()
+    assert refs and all(present and digest in stored for digest, present in refs)
