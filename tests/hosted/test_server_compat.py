@@ -89,6 +89,33 @@ def test_the_original_client_round_trip(local_server, new_org, small_kv):
     assert httpx.delete(f"{base}{API}/artifacts/{artifact_id}", headers=bearer(key)).status_code == 204
 
 
+def test_the_original_client_lists_and_downloads_a_chunked_artifact(local_server, org_key, tmp_path):
+    """An artifact uploaded by chunks is, to the original client, an artifact like any other: its
+    list entry has the fields it reads, and its single download URL gives the whole `.kv` file."""
+    from kvcdn_hosted import chunked
+    from tests.support.hosted import write_synthetic_kv
+
+    base, key = local_server.url, org_key("seedchunk")
+    path = write_synthetic_kv(tmp_path / "c.kv", tokens=40, width=8)
+    data = path.read_bytes()
+    with httpx.Client(timeout=120) as http:
+        report = chunked.upload(http, base, bearer(key), path, "ctx", chunk_tokens=16)
+    [entry] = httpx.get(f"{base}{API}/artifacts", headers=bearer(key)).json()["artifacts"]
+    assert (entry["artifact_id"], entry["size_bytes"], entry["sha256"], entry["num_tokens"], entry["chunked"]) == (
+        report.artifact_id,
+        len(data),
+        sha256_of(path),
+        40,
+        True,
+    )
+    assert "id" not in entry and "model_name" not in entry
+    r = httpx.post(f"{base}{API}/artifacts/{report.artifact_id}/download-url", headers=bearer(key))
+    assert r.status_code == 200 and r.json()["size_bytes"] == len(data)
+    got = httpx.get(r.json()["download_url"])
+    assert got.content == data and hashlib.sha256(got.content).hexdigest() == r.json()["sha256"]
+    assert httpx.delete(f"{base}{API}/artifacts/{report.artifact_id}", headers=bearer(key)).status_code == 204
+
+
 @pytest.mark.parametrize(
     "change,error",
     [

@@ -271,6 +271,7 @@ def test_the_collector_reclaims_orphans_and_never_a_live_object(make_app, tmp_pa
         "temp_files": 1,
         "multipart": 0,
         "rows": 0,
+        "chunks": 0,
     }
     assert _files(tmp_path) == [f"artifacts/{live['artifact_id']}", f"uploads/{waiting['artifact_id']}"]
     assert not temp.exists()

@@ -427,16 +427,29 @@ def api_key_clear():
     ),
 )
 @click.option("--force", is_flag=True, help="Replace an object of the same name in a --to store.")
+@click.option(
+    "--chunked",
+    is_flag=True,
+    help=(
+        "Upload to the endpoint by chunks: send only the chunks it does not hold for your org yet "
+        "(--format json reports bytes_moved and bytes_saved)."
+    ),
+)
 @output_format()
 @endpoint_options
 @quiet_option
 @hosted_command("upload")
-def upload(artifact_path, name, visibility, to_uri, force, fmt, api_url, api_key, quiet):
+def upload(artifact_path, name, visibility, to_uri, force, chunked, fmt, api_url, api_key, quiet):
     """Upload a .kv artifact and print its id."""
     source, _manifest = _check_upload_source(artifact_path)
     name = name or source.name.removesuffix(".kv") or source.name
     settings = settings_from(locals())
-    record = _artifacts(to_uri, settings, quiet).upload(source, name, visibility, force)
+    if chunked:
+        if to_uri is not None:
+            raise KvcdnError("--chunked uploads to the endpoint; for another store use kvcdn store put")
+        record = _hosted(settings, quiet).upload_chunked(source, name, visibility).as_dict()
+    else:
+        record = _artifacts(to_uri, settings, quiet).upload(source, name, visibility, force)
     if fmt == "json":
         emit_json(record)
     else:
@@ -534,11 +547,16 @@ def _default_download_name(artifact_id: str, name: str) -> str:
 )
 @click.option("--force", is_flag=True, help="Replace an existing file.")
 @click.option("--from", "from_uri", default=None, metavar="URI", help="Another store (see upload --to).")
+@click.option(
+    "--chunked",
+    is_flag=True,
+    help="Download a chunked artifact of the endpoint by its chunks, each checked as it arrives.",
+)
 @endpoint_options
 @quiet_option
 @output_format()
 @hosted_command("download")
-def download(artifact_id, output, force, from_uri, api_url, api_key, quiet, fmt):
+def download(artifact_id, output, force, from_uri, chunked, api_url, api_key, quiet, fmt):
     """Download an artifact, check its sha256 and .kv header, and write it atomically."""
     from kvcdn_core import check_output, ensure_kv_suffix
 
@@ -549,10 +567,17 @@ def download(artifact_id, output, force, from_uri, api_url, api_key, quiet, fmt)
     else:  # the artifact's own name, in the current directory or inside --output's directory (as cp does)
         target = (Path(output) if output else Path()) / artifacts.default_name(artifact_id)
     check_output(target, force)
+    moved = {}
     with _terminate_as_interrupt():
-        artifacts.fetch(artifact_id, target)
+        if chunked:
+            if from_uri is not None:
+                raise KvcdnError("--chunked downloads from the endpoint; for another store use kvcdn store get")
+            report = _hosted(settings, quiet).download_chunked(artifact_id, target)
+            moved = {"bytes_moved": report.bytes_moved, "bytes_saved": report.bytes_saved}
+        else:
+            artifacts.fetch(artifact_id, target)
     if fmt == "json":
-        emit_json({"artifact_id": artifact_id, "path": str(target), "size_bytes": target.stat().st_size})
+        emit_json({"artifact_id": artifact_id, "path": str(target), "size_bytes": target.stat().st_size, **moved})
     else:
         click.echo(str(target))
 

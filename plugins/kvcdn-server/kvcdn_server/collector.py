@@ -44,6 +44,8 @@ class Collector:
         - objects under ``uploads/`` and ``artifacts/`` whose row is gone or dead, temp files (of
           PUTs, and copies of S3 objects) no live work holds, and S3 multipart uploads no open
           upload owns, older than the orphan grace period;
+        - chunk objects that no artifact (ready, or a live upload) references
+          (:meth:`kvcdn_server.chunks.ChunkObjects.collect`);
         - rows of failed/expired uploads after a day (until then a retry learns what happened).
 
         ``now``: the clock (tests pass one instead of waiting).
@@ -57,6 +59,7 @@ class Collector:
             "temp_files": 0,
             "multipart": 0,
             "rows": 0,
+            "chunks": 0,
         }
         due_when = [sa.and_(artifacts.c.status.in_(OPEN), artifacts.c.expires_at < now)]
         if self.store.judging_leases(now):
@@ -70,6 +73,8 @@ class Collector:
                 outcome = self.store.reclaim(artifact_id, status, now)
                 if outcome:
                     counts[outcome] += 1
+        # chunk objects no artifact references any more (after the expiries above dropped theirs)
+        counts["chunks"] = self.store.objects.collect()
         grace = self.store.config.orphan_grace
         for prefix in ("uploads/", "artifacts/"):
             keys = [info.key for info in self.store.storage.list(prefix)]

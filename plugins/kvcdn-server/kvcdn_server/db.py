@@ -38,6 +38,11 @@ artifacts = sa.Table(
     sa.Column("lease_until", sa.Float),
     sa.Column("updated_at", sa.Float, nullable=False),
     sa.Column("error", sa.Text),
+    #: a chunked artifact's record (JSON, kvcdn_core.store.record); NULL for a whole-file artifact
+    sa.Column("record", sa.Text),
+    #: a chunked upload's quota reservation while it is open (0 once ready: its chunks are charged
+    #: through ``tenant_chunks``); NULL for a whole-file artifact, whose ``size_bytes`` is charged
+    sa.Column("charge", sa.BigInteger),
     sa.Index("ix_artifacts_tenant_status_id", "tenant", "status", "id"),
     sa.Index("ix_artifacts_status", "status"),
 )
@@ -49,6 +54,36 @@ usage = sa.Table(
     sa.Column("tenant", sa.String(255), primary_key=True),
     sa.Column("artifacts", sa.BigInteger, nullable=False),
     sa.Column("bytes", sa.BigInteger, nullable=False),
+)
+
+#: every chunk object, stored once for all tenants under ``chunks/<digest>`` (BLAKE3 of its bytes);
+#: ``present`` once a PUT's bytes hashed to the digest and were stored (see kvcdn_server.chunks)
+chunks = sa.Table(
+    "chunks",
+    metadata,
+    sa.Column("digest", sa.String(64), primary_key=True),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False),
+    sa.Column("present", sa.Boolean, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+#: which chunks an artifact (a live upload or a ready artifact) references: written when the
+#: chunked upload starts, removed with the artifact; the collector keeps every chunk named here
+artifact_chunks = sa.Table(
+    "artifact_chunks",
+    metadata,
+    sa.Column("artifact_id", sa.String(36), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True),
+    sa.Index("ix_artifact_chunks_digest", "digest"),
+)
+
+#: the distinct chunks a tenant's ready artifacts reference: each is charged to its quota once
+tenant_chunks = sa.Table(
+    "tenant_chunks",
+    metadata,
+    sa.Column("tenant", sa.String(255), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False),
 )
 
 orgs = sa.Table(

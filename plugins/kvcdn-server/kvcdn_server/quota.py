@@ -12,7 +12,7 @@ import contextlib
 
 import sqlalchemy as sa
 
-from kvcdn_server.db import artifacts, usage
+from kvcdn_server.db import artifacts, tenant_chunks, usage
 from kvcdn_server.errors import ApiError
 from kvcdn_server.rows import LIVE
 from kvcdn_wire import ErrorCode
@@ -35,10 +35,16 @@ class Quota:
 
     def usage(self, tenant: str) -> dict[str, int]:
         """Ready artifacts and uploads in flight, counted from the artifacts table."""
+        # a whole file counts its size; an open chunked upload its reservation; a ready chunked
+        # artifact nothing of its own: the tenant's distinct objects count once (tenant_chunks)
+        held = sa.func.coalesce(artifacts.c.charge, artifacts.c.size_bytes)
         query = (
-            sa.select(artifacts.c.status, sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size_bytes), 0))
+            sa.select(artifacts.c.status, sa.func.count(), sa.func.coalesce(sa.func.sum(held), 0))
             .where(artifacts.c.tenant == tenant, artifacts.c.status.in_(LIVE))
             .group_by(artifacts.c.status)
+        )
+        objects = sa.select(sa.func.coalesce(sa.func.sum(tenant_chunks.c.size_bytes), 0)).where(
+            tenant_chunks.c.tenant == tenant
         )
         out = {"artifacts": 0, "storage_bytes": 0, "pending_artifacts": 0, "pending_bytes": 0}
         with self.reads.connect() as c:
@@ -46,6 +52,7 @@ class Quota:
                 prefix = "" if status == "ready" else "pending_"
                 out[f"{prefix}artifacts"] += int(count)
                 out[f"{prefix}{'storage_bytes' if status == 'ready' else 'bytes'}"] += int(size)
+            out["storage_bytes"] += int(c.execute(objects).scalar_one())
         return out
 
     def reserved(self, tenant: str) -> tuple[int, int]:

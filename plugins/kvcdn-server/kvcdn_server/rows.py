@@ -67,5 +67,6 @@ def view(row, owner: bool = True) -> dict[str, Any]:
         num_tokens=m.get("tokens"),
         num_layers=m.get("layers"),
         quantized=bool(m.get("quantization")),
+        chunked=getattr(row, "record", None) is not None,
     )
     return out

@@ -43,6 +43,15 @@ class Services:
             f"{self.signer.query(op, artifact_id, size, expires)}"
         )
 
+    def signed_chunk_url(self, op: str, digest: str, size: int, expires: int) -> str:
+        """A server-signed URL of one chunk object (its path holds nothing but the digest)."""
+        import kvcdn_wire as wire
+
+        obj = f"chunks/{digest}"
+        return (
+            f"{self.public_base}{wire.path(wire.BLOB_CHUNK, digest=digest)}?{self.signer.query(op, obj, size, expires)}"
+        )
+
 
 def services(request: Request) -> Services:
     return request.app.state.services

@@ -30,12 +30,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from kvcdn_core import StorageBackend
+from kvcdn_core import KvcdnError, StorageBackend
+from kvcdn_server import chunks
 from kvcdn_server.db import artifacts, readers
 from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, not_found
 from kvcdn_server.quota import Quota
 from kvcdn_server.rows import LIVE, OPEN, artifact_key, upload_key, view
-from kvcdn_server.validation import NotYet, Refused, check_id, check_upload
+from kvcdn_server.validation import NotYet, Refused, check_file, check_id, check_upload
 from kvcdn_wire import ErrorCode
 
 log = logging.getLogger("kvcdn.server.store")
@@ -50,6 +51,17 @@ TEMP_OWNER = {TEMP_PREFIX: "uploading", COPY_PREFIX: "confirming"}
 #: the ``error`` of an upload whose confirm was interrupted once (handed back); a second interruption
 #: fails it, so that a file that kills the server checking it cannot do so again and again
 INTERRUPTED = "its confirm was interrupted"
+
+
+def index_artifact(c, artifact_id: str) -> None:
+    """The one place a confirmed artifact enters the hosted prefix index, inside the confirm's
+    last transaction (``c``). The index lives apart (its own tables and lookup route); this hook
+    is where it plugs in, and does nothing until it does."""
+
+
+def drop_artifact(c, artifact_id: str) -> None:
+    """The one place an artifact leaves the hosted prefix index, inside the transaction that
+    deletes it, replaces it or ends its upload (``c``); see :func:`index_artifact`."""
 
 
 class Uploads:
@@ -73,6 +85,8 @@ class Uploads:
         self._using: set[Path] = set()
         self._using_lock = threading.Lock()
         self.quota = Quota(db_engine, self.reads, config)
+        #: the objects of chunked artifacts (stored once for all tenants)
+        self.objects = chunks.ChunkObjects(self)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -133,15 +147,26 @@ class Uploads:
         then remove its bytes (only after the database says they are dead)."""
         with self.db.begin() as c:
             row = c.execute(
-                sa.select(artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id).where(
-                    artifacts.c.id == artifact_id
-                )
+                sa.select(
+                    artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id, artifacts.c.charge
+                ).where(artifacts.c.id == artifact_id)
             ).first()
             if row is None or not self._move(c, artifact_id, frm, to, error=error, lease_until=None):
                 return False
-            self.quota.release(c, row.tenant, row.size_bytes)
+            self._release(c, row, artifact_id, was_ready="ready" in frm)
         self._remove_objects(artifact_id, row.multipart_id)
         return True
+
+    def _release(self, c, row, artifact_id: str, was_ready: bool) -> None:
+        """Give back what a row held in its tenant's usage, in the transaction that ends it: a
+        whole file its size; an open chunked upload its reservation; a ready chunked artifact the
+        objects no other ready artifact of its tenant references (:func:`chunks.drop`)."""
+        drop_artifact(c, artifact_id)
+        if row.charge is None:
+            self.quota.release(c, row.tenant, row.size_bytes)
+            return
+        freed = chunks.drop(c, row.tenant, artifact_id, was_ready)
+        self.quota.release(c, row.tenant, freed + (0 if was_ready else row.charge))
 
     def _remove_objects(self, artifact_id: str, multipart_id: str | None = None) -> None:
         if multipart_id and type(self.storage).offers("multipart"):
@@ -218,6 +243,47 @@ class Uploads:
                 raise self.quota.refusal(c, tenant)
             c.execute(artifacts.insert().values(**record))
         return {**record, "url_expires": url_expires}
+
+    def begin_chunked(
+        self, tenant: str, name: str, sha256: str, visibility: str, hints: dict[str, Any], record
+    ) -> tuple[dict[str, Any], dict[str, int], set[str]]:
+        """Create a chunked upload's row (``pending``), its references and its reservation (the
+        bytes of the objects the tenant does not hold yet) in one transaction; returns the row,
+        the record's objects and those present for this tenant."""
+        objects = chunks.objects_of(record)
+        if record.size > self.config.max_artifact_bytes:
+            raise ApiError(
+                413,
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"size_bytes is over this server's maximum of {self.config.max_artifact_bytes}",
+            )
+        self.quota.ensure_row(tenant)
+        now = self.clock()
+        url_expires = int(now) + self.config.upload_ttl
+        row = {
+            "id": str(uuid.uuid4()),
+            "tenant": tenant,
+            "name": name,
+            "visibility": visibility,
+            "status": "pending",
+            "size_bytes": record.size,
+            "sha256": sha256.lower(),
+            "declared": json.dumps(hints, sort_keys=True),
+            "created_at": now,
+            "expires_at": url_expires + self.config.pending_grace,
+            "updated_at": now,
+            "record": record.to_json().decode("utf-8"),
+            "charge": 0,
+        }
+        with self.db.begin() as c:
+            # the usage row first (a confirm and a delete take it first too): one lock order
+            self.quota.lock(c, tenant)
+            c.execute(artifacts.insert().values(**row))
+            present, charge = chunks.begin(c, tenant, row["id"], objects, now)
+            if charge > self.config.quota_bytes or not self.quota.reserve(c, tenant, charge):
+                raise self.quota.refusal(c, tenant)
+            c.execute(artifacts.update().where(artifacts.c.id == row["id"]).values(charge=charge))
+        return {**row, "charge": charge, "url_expires": url_expires}, objects, present
 
     def set_multipart(self, artifact_id: str, multipart_id: str) -> None:
         with self.db.begin() as c:
@@ -338,7 +404,10 @@ class Uploads:
             raise self._refuse_state(self.row(artifact_id), "confirm")
         with self.lease(artifact_id, "confirming"):
             try:
-                summary = check_upload(self.storage, row, parts, digest, size, self.local_copy)
+                if row.record is not None:
+                    summary = self._check_chunked(row, digest, size)
+                else:
+                    summary = check_upload(self.storage, row, parts, digest, size, self.local_copy)
             except Exception as exc:
                 raise self._check_failed(artifact_id, exc) from None
             try:
@@ -353,12 +422,32 @@ class Uploads:
             raise self._lost_meanwhile(artifact_id)
         return view(confirmed)
 
+    def _check_chunked(self, row, digest: str | None, size: int | None) -> dict[str, Any]:
+        """A chunked upload's confirm checks: every object stored, then the `.kv` file rebuilt from
+        them (each object checked against its digest) checked as a whole-file confirm checks it."""
+        self.objects.check_present(row)
+        if size is not None and size != row.size_bytes:
+            raise Refused(422, ErrorCode.SIZE_MISMATCH, f"confirmed size_bytes {size}, declared {row.size_bytes}")
+        try:
+            with self.objects.rebuilt(row) as path:
+                return check_file(path, row, digest)
+        except KvcdnError as exc:  # an object read back does not hash to its digest
+            raise Refused(422, ErrorCode.DIGEST_MISMATCH, str(exc).splitlines()[0][:300]) from None
+
+    def artifact_copy(self, row):
+        """A local path of a ready artifact's `.kv` file: its object, or rebuilt from its chunks."""
+        if row.record is not None:
+            return self.objects.rebuilt(row)
+        return self.local_copy(artifact_key(row.id))
+
     def _make_ready(self, tenant: str, artifact_id: str, name: str, summary: dict, replace: bool):
         """The last transaction of a confirm: the artifact row (None when the upload was deleted or
         taken back meanwhile) and the rows of the same name it replaced."""
         replaced = []
         with self.db.begin() as c:
-            if replace:
+            chunked = c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first()
+            chunked = chunked if chunked is not None and chunked.record is not None else None
+            if replace or chunked is not None:
                 self.quota.lock(c, tenant)
             done = self._move(
                 c,
@@ -370,6 +459,10 @@ class Uploads:
                 manifest=json.dumps(summary, sort_keys=True),
                 error=None,
             )
+            if done and chunked is not None:
+                chunks.make_ready(c, tenant, chunked)
+            if done:
+                index_artifact(c, artifact_id)
             if done and replace:
                 replaced = self._drop_others_named(c, tenant, name, artifact_id)
             # read in the same transaction: a delete or a later replace may remove it right after
@@ -430,7 +523,9 @@ class Uploads:
         """Delete the tenant's other ready artifacts called ``name`` and give their quota back; the
         caller removes their objects once the transaction is committed."""
         rows = c.execute(
-            sa.select(artifacts.c.id, artifacts.c.size_bytes, artifacts.c.multipart_id).where(
+            sa.select(
+                artifacts.c.id, artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id, artifacts.c.charge
+            ).where(
                 artifacts.c.tenant == tenant,
                 artifacts.c.name == name,
                 artifacts.c.status == "ready",
@@ -439,7 +534,7 @@ class Uploads:
         ).all()
         for old in rows:
             c.execute(artifacts.delete().where(artifacts.c.id == old.id))
-            self.quota.release(c, tenant, old.size_bytes)
+            self._release(c, old, old.id, was_ready=True)
         return rows
 
     @contextlib.contextmanager
@@ -489,7 +584,8 @@ class Uploads:
                 != 1
             ):
                 raise ApiError(409, ErrorCode.CONFLICT, "the artifact changed meanwhile; try again")
-            self.quota.release(c, tenant, row.size_bytes)
+            # the single place a deleted artifact leaves the server's state (its prefix index too)
+            self._release(c, row, artifact_id, was_ready=row.status == "ready")
         self._remove_objects(artifact_id, row.multipart_id)
 
     def reclaim(self, artifact_id: str, status: str, now: float) -> str | None:
@@ -498,7 +594,11 @@ class Uploads:
         with self.db.begin() as c:
             row = c.execute(
                 sa.select(
-                    artifacts.c.tenant, artifacts.c.size_bytes, artifacts.c.multipart_id, artifacts.c.error
+                    artifacts.c.tenant,
+                    artifacts.c.size_bytes,
+                    artifacts.c.multipart_id,
+                    artifacts.c.error,
+                    artifacts.c.charge,
                 ).where(artifacts.c.id == artifact_id)
             ).first()
             if row is None:
@@ -512,7 +612,7 @@ class Uploads:
                     ran_out.values(status="failed", lease_until=None, updated_at=now, error=error)
                 ).rowcount:
                     return None
-                self.quota.release(c, row.tenant, row.size_bytes)
+                self._release(c, row, artifact_id, was_ready=False)
             else:
                 back, error = ("uploaded", INTERRUPTED) if status == "confirming" else ("pending", row.error)
                 values = {"status": back, "lease_until": None, "updated_at": now, "error": error}

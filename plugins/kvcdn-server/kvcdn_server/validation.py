@@ -149,18 +149,22 @@ def check_upload(
     if size is not None and size != row.size_bytes:
         raise Refused(422, ErrorCode.SIZE_MISMATCH, f"confirmed size_bytes {size}, declared {row.size_bytes}")
     with local_copy(artifact_key(row.id)) as path:
-        computed = sha256_file(path)
-        if computed != row.sha256 or (digest is not None and digest.lower() != computed):
-            raise Refused(422, ErrorCode.SHA256_MISMATCH, "the uploaded bytes do not match the declared sha256")
-        try:
-            header = artifact.check_file(path)  # structure, every tensor's sha256, the token ids
-        except KvcdnError as exc:
-            reason = (str(exc).partition(": ")[2] or str(exc) or "unreadable").splitlines()[0][:300]
-            raise Refused(
-                422, ErrorCode.NOT_A_KV_ARTIFACT, f"the upload is not a valid .kv artifact: {reason}"
-            ) from None
-        except (RecursionError, MemoryError, ValueError, TypeError, KeyError, AttributeError):
-            raise Refused(422, ErrorCode.NOT_A_KV_ARTIFACT, "the upload is not a valid .kv artifact") from None
+        return check_file(path, row, digest)
+
+
+def check_file(path: Path, row, digest: str | None) -> dict[str, Any]:
+    """The checks of an artifact's whole file (uploaded, or rebuilt from its chunks): its sha256,
+    a valid ``.kv`` (every tensor's digest), a manifest that agrees with what was declared."""
+    computed = sha256_file(path)
+    if computed != row.sha256 or (digest is not None and digest.lower() != computed):
+        raise Refused(422, ErrorCode.SHA256_MISMATCH, "the uploaded bytes do not match the declared sha256")
+    try:
+        header = artifact.check_file(path)  # structure, every tensor's sha256, the token ids
+    except KvcdnError as exc:
+        reason = (str(exc).partition(": ")[2] or str(exc) or "unreadable").splitlines()[0][:300]
+        raise Refused(422, ErrorCode.NOT_A_KV_ARTIFACT, f"the upload is not a valid .kv artifact: {reason}") from None
+    except (RecursionError, MemoryError, ValueError, TypeError, KeyError, AttributeError):
+        raise Refused(422, ErrorCode.NOT_A_KV_ARTIFACT, "the upload is not a valid .kv artifact") from None
     try:
         summary = manifest_summary(header)
     except (ValueError, TypeError, KeyError, AttributeError):

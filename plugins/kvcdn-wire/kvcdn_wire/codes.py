@@ -40,6 +40,8 @@ class ErrorCode(str, Enum):
     SHA256_MISMATCH = "sha256_mismatch"
     NOT_A_KV_ARTIFACT = "not_a_kv_artifact"
     MANIFEST_MISMATCH = "manifest_mismatch"
+    INVALID_RECORD = "invalid_record"
+    DIGEST_MISMATCH = "digest_mismatch"
     # inference
     MODEL_NOT_AVAILABLE = "model_not_available"
     ARTIFACT_INCOMPATIBLE = "artifact_incompatible"

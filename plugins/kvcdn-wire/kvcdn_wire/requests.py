@@ -80,6 +80,17 @@ class Part(Strict):
     etag: Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 
+class ChunkedUploadRequest(Strict):
+    """``POST /artifacts/chunked-upload``: the artifact as a record (header and chunk plan, as
+    ``kvcdn_core.store.record`` writes it) and the sha256 of the whole `.kv` file it rebuilds."""
+
+    name: str
+    sha256: Sha256
+    visibility: Literal["private", "public"] = "private"
+    record: dict[str, Any]
+    manifest: ManifestHints | None = None
+
+
 class ConfirmRequest(Strict):
     parts: list[Part] | None = Field(default=None, max_length=10000)
     #: the original client's confirm: the sha256 and size it uploaded (checked against the bytes)

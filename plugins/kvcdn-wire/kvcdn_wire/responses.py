@@ -8,7 +8,7 @@ once, with :func:`parse`; a body of another shape is one error, never a ``KeyErr
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -164,6 +164,8 @@ class ArtifactRecord(Answer):
     num_tokens: int | None
     num_layers: int | None
     quantized: bool
+    #: stored as chunks (download it whole with download-url, or by its chunks)
+    chunked: bool = False
 
 
 class ArtifactPage(Answer):
@@ -193,6 +195,42 @@ class InferComposition(Answer):
     recomputed_tokens: int
 
 
+class ObjectUrl(Answer):
+    """One object of a chunked artifact (a chunk, a piece of one, or the tail) and its signed URL."""
+
+    digest: str
+    size_bytes: int
+    url: str
+
+
+class ChunkedUploadGrant(Answer):
+    """``POST /artifacts/chunked-upload``: PUT each ``missing`` object to its URL, then confirm.
+
+    ``missing`` lists what this tenant must upload; the other objects the record references are
+    already held (by the tenant's own artifacts, or by public ones)."""
+
+    artifact_id: str
+    method: Literal["PUT"]
+    headers: dict[str, str]
+    expires_at: str
+    missing: list[ObjectUrl]
+    objects: int
+    bytes_missing: int
+    bytes_present: int
+
+
+class ChunksGrant(Answer):
+    """``POST /artifacts/{id}/chunks``: the record and a signed GET URL per distinct object; the
+    client rebuilds the `.kv` file (checking each object's BLAKE3 digest) and its sha256."""
+
+    artifact_id: str
+    record: dict[str, Any]
+    objects: list[ObjectUrl]
+    sha256: str
+    size_bytes: int
+    expires_at: str
+
+
 class InferAnswer(Answer):
     """``POST .../infer``: the greedy continuation; ``composition`` only when ``compose`` was asked."""
 
@@ -210,6 +248,8 @@ __all__ = [
     "Answer",
     "ArtifactPage",
     "ArtifactRecord",
+    "ChunkedUploadGrant",
+    "ChunksGrant",
     "DownloadGrant",
     "ErrorBody",
     "Health",
@@ -220,6 +260,7 @@ __all__ = [
     "Limits",
     "ManifestSummary",
     "Multipart",
+    "ObjectUrl",
     "OrgKey",
     "Quota",
     "SeedCounts",

@@ -17,12 +17,18 @@ ARTIFACTS = f"{API}/artifacts"
 ARTIFACT = f"{API}/artifacts/{{artifact_id}}"
 CONFIRM_UPLOAD = f"{API}/artifacts/{{artifact_id}}/confirm-upload"
 DOWNLOAD_URL = f"{API}/artifacts/{{artifact_id}}/download-url"
+#: start a chunked upload (the record; the server answers which objects are missing)
+CHUNKED_UPLOAD = f"{API}/artifacts/chunked-upload"
+#: a chunked artifact's record and a signed GET URL per object
+ARTIFACT_CHUNKS = f"{API}/artifacts/{{artifact_id}}/chunks"
 INFER = f"{API}/artifacts/{{artifact_id}}/infer"
 #: the original client's infer route (org and project are ignored: the credential names the tenant)
 LEGACY_INFER = f"{API}/orgs/{{org}}/projects/{{project}}/artifacts/{{artifact_id}}/infer"
 TELEMETRY = f"{API}/telemetry"
 BLOB = f"{API}/blobs/{{artifact_id}}"
 BLOBS_PREFIX = f"{API}/blobs/"
+#: one chunk object, named by its BLAKE3 digest (signed PUT and GET)
+BLOB_CHUNK = f"{API}/blobs/chunks/{{digest}}"
 
 
 def path(template: str, **params: str) -> str:
@@ -32,6 +38,8 @@ def path(template: str, **params: str) -> str:
 
 #: bytes of a JSON request body (``413 payload_too_large`` above)
 MAX_JSON_BODY = 64 * 1024
+#: bytes of a chunked upload's body: a record holds the `.kv` header (up to 16 MiB) and its chunk list
+MAX_CHUNKED_BODY = 32 * 1024 * 1024
 #: bytes of a telemetry event
 MAX_TELEMETRY_BODY = 8 * 1024
 #: characters of an infer question, and tokens an infer may ask for (the request model's bounds)

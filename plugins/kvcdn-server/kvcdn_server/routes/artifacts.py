@@ -9,14 +9,23 @@ from fastapi import APIRouter, Request, Response
 
 import kvcdn_wire as wire
 from kvcdn_core.model.defaults import DEFAULT_COMPOSE_RULE, DEFAULT_RECOMPUTE
+from kvcdn_server import chunks
 from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
 from kvcdn_server.errors import not_found, validation
 from kvcdn_server.inference import Composing
 from kvcdn_server.rows import artifact_key, now_iso, upload_key, view
 from kvcdn_server.services import Services
 from kvcdn_server.validation import UUID, check_hint, check_id, check_name, check_prefix_filter
-from kvcdn_wire.requests import ConfirmRequest, InferRequest, UploadUrlRequest
-from kvcdn_wire.responses import ArtifactPage, ArtifactRecord, DownloadGrant, InferAnswer, UploadGrant
+from kvcdn_wire.requests import ChunkedUploadRequest, ConfirmRequest, InferRequest, UploadUrlRequest
+from kvcdn_wire.responses import (
+    ArtifactPage,
+    ArtifactRecord,
+    ChunkedUploadGrant,
+    ChunksGrant,
+    DownloadGrant,
+    InferAnswer,
+    UploadGrant,
+)
 
 router = APIRouter()
 
@@ -52,6 +61,61 @@ def upload_url(identity: Auth, body: UploadUrlRequest, s: Svc):
         "headers": {"Content-Type": "application/octet-stream"},
         "expires_at": now_iso(expires),
         "multipart": multipart,
+    }
+
+
+@router.post(wire.CHUNKED_UPLOAD, response_model=ChunkedUploadGrant)
+def chunked_upload(identity: Auth, body: ChunkedUploadRequest, s: Svc):
+    """Start an upload by chunks: the objects missing for this tenant, each with a signed PUT URL
+    (through this server, which checks each object's BLAKE3 digest as its bytes arrive)."""
+    name = check_name(body.name)
+    hints = body.manifest.model_dump(exclude_none=True) if body.manifest else {}
+    for field, value in hints.items():
+        check_hint(field, value)
+    record = chunks.parse_record(body.record)
+    row, objects, present = s.store.begin_chunked(identity.tenant, name, body.sha256, body.visibility, hints, record)
+    expires = row["url_expires"]
+    missing = [
+        {"digest": d, "size_bytes": size, "url": s.signed_chunk_url("put", d, size, expires)}
+        for d, size in sorted(objects.items())
+        if d not in present
+    ]
+    return {
+        "artifact_id": row["id"],
+        "method": "PUT",
+        "headers": {"Content-Type": "application/octet-stream"},
+        "expires_at": now_iso(expires),
+        "missing": missing,
+        "objects": len(objects),
+        "bytes_missing": sum(m["size_bytes"] for m in missing),
+        "bytes_present": sum(size for d, size in objects.items() if d in present),
+    }
+
+
+@router.post(wire.ARTIFACT_CHUNKS, response_model=ChunksGrant)
+def artifact_chunks(identity: MaybeAuth, artifact_id: str, s: Svc):
+    """A ready chunked artifact's record and a signed GET URL per distinct object."""
+    row = s.store.readable(identity.tenant if identity else None, artifact_id)
+    if row.status != "ready":
+        raise not_found()
+    if row.record is None:
+        raise validation("this artifact is stored whole: download it with download-url")
+    record = chunks.parse_record(json.loads(row.record))
+    ttl = s.config.download_ttl
+    expires = int(s.store.clock()) + ttl
+    objects = []
+    for digest, size in sorted(chunks.objects_of(record).items()):
+        url = None if s.store.local else s.storage.presigned_url("GET", chunks.object_key(digest), ttl)
+        objects.append(
+            {"digest": digest, "size_bytes": size, "url": url or s.signed_chunk_url("get", digest, size, expires)}
+        )
+    return {
+        "artifact_id": artifact_id,
+        "record": record.to_dict(),
+        "objects": objects,
+        "sha256": row.sha256,
+        "size_bytes": row.size_bytes,
+        "expires_at": now_iso(expires),
     }
 
 
@@ -93,7 +157,8 @@ def download_url(identity: MaybeAuth, artifact_id: str, s: Svc):
         raise not_found()
     ttl = s.config.download_ttl
     expires = int(s.store.clock()) + ttl
-    url = None if s.store.local else s.storage.presigned_url("GET", artifact_key(artifact_id), ttl)
+    chunked = row.record is not None  # served rebuilt from its chunks by this server's blob route
+    url = None if s.store.local or chunked else s.storage.presigned_url("GET", artifact_key(artifact_id), ttl)
     url = url or s.signed_blob_url("get", artifact_id, row.size_bytes, expires)
     return {
         "artifact_id": artifact_id,
@@ -169,7 +234,9 @@ def _tokens(row) -> int:
 
 
 def _fetch(s: Services, artifact_id: str):
-    return lambda: s.store.local_copy(artifact_key(artifact_id))
+    """A local path of the artifact's `.kv` file when inference loads it (rebuilt if chunked)."""
+    row = s.store.row(artifact_id)
+    return lambda: s.store.artifact_copy(row)
 
 
 @router.post(wire.INFER, response_model=InferAnswer, response_model_exclude_none=True)

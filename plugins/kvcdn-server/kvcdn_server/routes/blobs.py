@@ -8,11 +8,14 @@ from __future__ import annotations
 import hashlib
 import os
 
+import blake3
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 import kvcdn_wire as wire
+from kvcdn_core.store.record import HEX64
+from kvcdn_server import chunks
 from kvcdn_server.auth import Svc
 from kvcdn_server.errors import ApiError, not_found
 from kvcdn_server.rows import artifact_key
@@ -64,13 +67,71 @@ def blob_get(artifact_id: str, request: Request, s: Svc):
     if row is None:
         raise not_found()
     headers = {"ETag": f'"{row.sha256}"', "Cache-Control": "private, no-store", "Content-Length": str(row.size_bytes)}
-    body = s.storage.open_read(artifact_key(artifact_id))
-
-    def chunks():
+    if row.record is not None:  # a chunked artifact: the whole `.kv` file, rebuilt from its chunks
+        copy = s.store.objects.rebuilt(row)
+        path = copy.__enter__()
         try:
-            while block := body.read(1 << 20):
-                yield block
-        finally:
-            body.close()
+            body = open(path, "rb")
+        except BaseException as exc:
+            copy.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return StreamingResponse(_stream(body, copy), media_type="application/octet-stream", headers=headers)
+    return StreamingResponse(
+        _stream(s.storage.open_read(artifact_key(artifact_id))), media_type="application/octet-stream", headers=headers
+    )
 
-    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
+
+def _stream(body, owner=None):
+    try:
+        while block := body.read(1 << 20):
+            yield block
+    finally:
+        body.close()
+        if owner is not None:
+            owner.__exit__(None, None, None)
+
+
+def _chunk_checked(s, op: str, digest: str, request: Request) -> int:
+    if not HEX64.fullmatch(digest):
+        raise ApiError(403, ErrorCode.INVALID_SIGNATURE, "the URL is not a valid signed URL")
+    return s.signer.check(op, f"chunks/{digest}", request.query_params)
+
+
+@router.put(wire.BLOB_CHUNK)
+async def chunk_put(digest: str, request: Request, s: Svc):
+    """One chunk object: its bytes must hash (BLAKE3) to the digest its URL names, and have the
+    signed size; stored once for all tenants (kvcdn_server.chunks)."""
+    size = _chunk_checked(s, "put", digest, request)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > size:
+        raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
+    hasher, written = blake3.blake3(), 0
+    temp = s.store.objects.temp_file()
+    target = temp.__enter__()
+    try:
+        with open(target, "wb") as out:
+            async for block in request.stream():
+                written += len(block)
+                if written > size:
+                    raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
+                hasher.update(block)
+                await run_in_threadpool(out.write, block)
+        if written != size:
+            raise ApiError(422, ErrorCode.SIZE_MISMATCH, f"received {written} bytes, the URL is for {size}")
+        if hasher.hexdigest() != digest:
+            raise ApiError(422, ErrorCode.DIGEST_MISMATCH, "the bytes do not hash to the object's digest")
+        await run_in_threadpool(s.store.objects.accept, digest, size, target)
+    finally:
+        temp.__exit__(None, None, None)
+    return JSONResponse({"size_bytes": written, "digest": digest}, headers={"ETag": f'"{digest}"'})
+
+
+@router.get(wire.BLOB_CHUNK)
+def chunk_get(digest: str, request: Request, s: Svc):
+    size = _chunk_checked(s, "get", digest, request)
+    if s.storage.size_of(chunks.object_key(digest)) != size:
+        raise not_found()
+    headers = {"ETag": f'"{digest}"', "Cache-Control": "private, no-store", "Content-Length": str(size)}
+    return StreamingResponse(
+        _stream(s.storage.open_read(chunks.object_key(digest))), media_type="application/octet-stream", headers=headers
+    )

@@ -1,0 +1,126 @@
+"""Upload and download of chunked artifacts through the hosted service (docs/hosted-api.md).
+
+The upload cuts the `.kv` file as core's chunk store does (:mod:`kvcdn_core.store.pack`), sends
+the record, PUTs only the objects the server answers missing for this tenant, and confirms; the
+server rebuilds and checks the file. The download reads the record and rebuilds the file from one
+GET per object, each checked against its BLAKE3 digest as it arrives, then the file's sha256.
+
+``http`` is an :class:`httpx.Client` (or anything with its ``post``/``put``/``get``); ``base`` and
+``headers`` address the server and carry the credential. Signed URLs carry their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import kvcdn_wire as wire
+from kvcdn_core.errors import KvcdnError
+
+
+@dataclasses.dataclass
+class ChunkedReport:
+    artifact_id: str
+    file_bytes: int
+    objects: int
+    #: object bytes sent (PUT) or fetched (GET)
+    bytes_moved: int
+    #: object bytes not sent because the server held them for this tenant (or the artifact
+    #: repeats an object)
+    bytes_saved: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _answer(response, what: str) -> dict[str, Any]:
+    if response.status_code >= 400:
+        try:
+            message = response.json().get("message") or response.text
+        except ValueError:
+            message = response.text
+        raise KvcdnError(f"{what} failed ({response.status_code}): {str(message).splitlines()[0][:300]}")
+    return response.json()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def upload(
+    http,
+    base: str,
+    headers: dict[str, str],
+    path: Path,
+    name: str,
+    visibility: str = "private",
+    chunk_tokens: int | None = None,
+) -> ChunkedReport:
+    """Upload the `.kv` file at ``path`` by chunks as ``name``; the report of what moved."""
+    from kvcdn_core import artifact
+    from kvcdn_core.store import keys, pack
+    from kvcdn_core.store.record import NAME
+
+    path = Path(path)
+    header = artifact.read_header(path)
+    ids = artifact.read_token_ids(path, header)
+    cutter = pack.Cutter(header, ids, chunk_tokens or keys.CHUNK_TOKENS)
+    cutter.check_digests()
+    plan = cutter.plan({}, lambda _digest: False)
+    stem = pack.file_stem(path)
+    record = pack.record_for(stem if NAME.fullmatch(stem) else "artifact", path, header, cutter, plan)
+    body = {"name": name, "sha256": _sha256(path), "visibility": visibility, "record": record.to_dict()}
+    grant = _answer(http.post(f"{base}{wire.CHUNKED_UPLOAD}", json=body, headers=headers), "chunked upload")
+    blobs = {b.digest: b for b in plan.blobs}
+    moved = 0
+    for item in grant["missing"]:
+        blob = blobs[item["digest"]]
+        data = pack.checked(blob.gather(), blob.digest, blob.size, str(path))
+        _answer(http.put(item["url"], content=data, headers=grant["headers"]), f"PUT of object {blob.digest[:12]}")
+        moved += len(data)
+    artifact_id = grant["artifact_id"]
+    _answer(http.post(f"{base}{wire.path(wire.CONFIRM_UPLOAD, artifact_id=artifact_id)}", headers=headers), "confirm")
+    total = sum(b.size for b in plan.blobs)
+    return ChunkedReport(artifact_id, header.file_size, grant["objects"], moved, total - moved)
+
+
+def download(http, base: str, headers: dict[str, str], artifact_id: str, target: Path) -> ChunkedReport:
+    """Rebuild chunked artifact ``artifact_id`` as the `.kv` file ``target`` (atomically)."""
+    from kvcdn_core.store import pack
+    from kvcdn_core.store.record import ArtifactRecord
+
+    route = wire.path(wire.ARTIFACT_CHUNKS, artifact_id=artifact_id)
+    grant = _answer(http.post(f"{base}{route}", headers=headers), "chunked download")
+    import json
+
+    record = ArtifactRecord.from_json(json.dumps(grant["record"]).encode(), f"artifact {artifact_id}")
+    urls = {o["digest"]: o["url"] for o in grant["objects"]}
+    moved = 0
+
+    def fetch(digest: str, size: int) -> bytes:
+        nonlocal moved
+        if digest not in urls:
+            raise KvcdnError(f"artifact {artifact_id}: the server gave no URL for object {digest}")
+        data = _get(http, urls[digest], digest)
+        moved += len(data)
+        return pack.checked(data, digest, size, f"artifact {artifact_id}")
+
+    target = Path(target)
+    pack.rebuild(record, fetch, target)
+    if _sha256(target) != grant["sha256"]:
+        target.unlink(missing_ok=True)
+        raise KvcdnError(f"artifact {artifact_id}: the rebuilt file does not match its sha256")
+    return ChunkedReport(artifact_id, record.size, len(urls), moved, record.stored_bytes - moved)
+
+
+def _get(http, url: str, digest: str) -> bytes:
+    response = http.get(url)
+    if response.status_code != 200:
+        raise KvcdnError(f"GET of object {digest[:12]} failed ({response.status_code})")
+    return response.content
