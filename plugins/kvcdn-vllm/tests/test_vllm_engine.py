@@ -4,14 +4,15 @@ Engines run in subprocesses with that environment's Python (``scripts/vllm-venv.
 these tests are skipped only when it is missing outside CI, and fail in CI. One module fixture runs
 the engines, the tests check what they reported:
 
-1. References (fresh process, no connector): greedy tokens of three SmolLM2 prompts and one tiny
-   Qwen2 prompt, computed by vLLM alone.
-2. ``kvcdn vllm-serve --save`` (OpenAI server, fresh process) on a directory holding a kvcdn-generated
+1. ``kvcdn vllm-serve --save`` (OpenAI server, fresh process) on a directory holding a kvcdn-generated
    SmolLM2 artifact, an int8 one, a corrupted, a truncated and a foreign artifact: a completion of
    prompt 1 reuses the kvcdn artifact, and the server saves the prompt as a new artifact.
-3. A fresh process with the connector loads prompt 1 from the server's saved artifact, prompt 2
-   (the same document, another question) from the longest match, prompt 3 from the int8 artifact,
-   and the tiny Qwen2 prompt from its kvcdn artifact.
+2. In one fresh process (``vllm_driver.py``), one engine after another:
+   - references (no connector): greedy tokens of three SmolLM2 prompts and one tiny Qwen2 prompt,
+     computed by vLLM alone;
+   - with the connector: prompt 1 loaded from the server's saved artifact, prompt 2 (the same
+     document, another question) from the longest match, prompt 3 from the int8 artifact, and the
+     tiny Qwen2 prompt from its kvcdn artifact.
 
 vLLM's own prefix cache is off, so every cached token was loaded by the connector.
 """
@@ -242,21 +243,16 @@ def engines(tmp_path_factory):
     ]
     qwen_prompt = artifact.read_token_ids(qwen_source / "qwen.kv") + encode(qwen, QUESTION_1, False)
 
-    reference = drive(
-        tmp,
-        "reference",
-        [
-            {"model": str(smol), "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
-            {"model": str(qwen), "connector": None, "prompts": [qwen_prompt], "max_tokens": MAX_TOKENS},
-        ],
-    )
     before_serve = set(os.listdir(source))
     served, server_log = serve_and_complete(tmp, smol, source, prompts[0])
     saved = sorted(name for name in set(os.listdir(source)) - before_serve if name.endswith(".kv"))
-    loaded = drive(
+    # One driver process (one vLLM import) runs the references, then the engines with the connector.
+    runs = drive(
         tmp,
-        "loaded",
+        "engines",
         [
+            {"model": str(smol), "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
+            {"model": str(qwen), "connector": None, "prompts": [qwen_prompt], "max_tokens": MAX_TOKENS},
             {"model": str(smol), "connector": {"source": str(source)}, "prompts": prompts, "max_tokens": MAX_TOKENS},
             {
                 "model": str(qwen),
@@ -266,6 +262,7 @@ def engines(tmp_path_factory):
             },
         ],
     )
+    reference, loaded = runs[:2], runs[2:]
     return {
         "smol": smol,
         "qwen": qwen,
