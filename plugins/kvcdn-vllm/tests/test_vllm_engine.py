@@ -43,6 +43,8 @@ OTHER_TEXT = (
     "model again and again, so prefill dominates the bill. "
 ) * 10
 MAX_TOKENS = 8
+#: real engines and real SmolLM2 weights: minutes, like the other model suites
+pytestmark = pytest.mark.slow
 
 if not VLLM_PYTHON.exists():
     if os.environ.get("CI"):
