@@ -31,6 +31,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from kvcdn_core import StorageBackend
+from kvcdn_server import prefix
 from kvcdn_server.db import artifacts, readers
 from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, not_found
 from kvcdn_server.quota import Quota
@@ -338,11 +339,11 @@ class Uploads:
             raise self._refuse_state(self.row(artifact_id), "confirm")
         with self.lease(artifact_id, "confirming"):
             try:
-                summary = check_upload(self.storage, row, parts, digest, size, self.local_copy)
+                summary, entry = check_upload(self.storage, row, parts, digest, size, self.local_copy)
             except Exception as exc:
                 raise self._check_failed(artifact_id, exc) from None
             try:
-                confirmed, replaced = self._make_ready(tenant, artifact_id, row.name, summary, replace)
+                confirmed, replaced = self._make_ready(row, summary, entry, replace)
             except Exception:
                 with contextlib.suppress(Exception):  # the database may still be away: the lease covers it
                     self._hand_back(artifact_id)
@@ -353,9 +354,11 @@ class Uploads:
             raise self._lost_meanwhile(artifact_id)
         return view(confirmed)
 
-    def _make_ready(self, tenant: str, artifact_id: str, name: str, summary: dict, replace: bool):
+    def _make_ready(self, row, summary: dict, entry: prefix.Entry, replace: bool):
         """The last transaction of a confirm: the artifact row (None when the upload was deleted or
-        taken back meanwhile) and the rows of the same name it replaced."""
+        taken back meanwhile) and the rows of the same name it replaced. The artifact enters the
+        prefix index in this transaction, and what it replaces leaves it."""
+        tenant, artifact_id, name = row.tenant, row.id, row.name
         replaced = []
         with self.db.begin() as c:
             if replace:
@@ -370,6 +373,8 @@ class Uploads:
                 manifest=json.dumps(summary, sort_keys=True),
                 error=None,
             )
+            if done:
+                prefix.index_artifact(c, artifact_id, prefix.scope_of(tenant, row.visibility), name, entry)
             if done and replace:
                 replaced = self._drop_others_named(c, tenant, name, artifact_id)
             # read in the same transaction: a delete or a later replace may remove it right after
@@ -438,6 +443,7 @@ class Uploads:
             )
         ).all()
         for old in rows:
+            prefix.drop_artifact(c, old.id)
             c.execute(artifacts.delete().where(artifacts.c.id == old.id))
             self.quota.release(c, tenant, old.size_bytes)
         return rows
@@ -489,6 +495,7 @@ class Uploads:
                 != 1
             ):
                 raise ApiError(409, ErrorCode.CONFLICT, "the artifact changed meanwhile; try again")
+            prefix.drop_artifact(c, artifact_id)
             self.quota.release(c, tenant, row.size_bytes)
         self._remove_objects(artifact_id, row.multipart_id)
 
