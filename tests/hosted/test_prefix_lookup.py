@@ -143,7 +143,8 @@ def test_the_index_follows_confirm_replace_and_delete(hosted, tmp_path):
     a = write_kv(tmp_path / "a.kv", doc)
     root = root_of(a)
     first = hosted.upload("acme", a, "doc")
-    assert hosted.rows(first) == 3 + 1  # two full chunks and a partial one; the artifact row
+    # the root, two full chunks and a partial one; blocks of 16 inside them (15 + 15 + 11); the artifact
+    assert hosted.rows(first) == 4 + 41 + 1
     found = hosted.lookup("acme", query_body(root, doc + [7, 8, 9]))
     assert found["matched_chunks"] == 2
     assert [(m["artifact_id"], m["matched_tokens"], m["exact"]) for m in found["matches"]] == [(first, 700, True)]
@@ -154,7 +155,7 @@ def test_the_index_follows_confirm_replace_and_delete(hosted, tmp_path):
     # replacing the name drops the old artifact's rows in the confirm's own transaction
     other = ids_of(2, 300)
     second = hosted.upload("acme", write_kv(tmp_path / "b.kv", other), "doc", replace=True)
-    assert hosted.rows(first) == 0 and hosted.rows(second) == 2 + 1
+    assert hosted.rows(first) == 0 and hosted.rows(second) == 3 + 17 + 1
     assert hosted.lookup("acme", query_body(root, doc))["matches"] == []
     assert [m["artifact_id"] for m in hosted.lookup("acme", query_body(root, other))["matches"]] == [second]
 
@@ -196,13 +197,16 @@ def test_published_artifacts_are_found_by_everyone(hosted, tmp_path):
 
 
 def test_lookup_agrees_with_core_index(hosted, tmp_path):
-    """The same artifacts in core's chunk-store index and in the hosted one: for each query the
-    hosted answer holds core's best match, at core's prefix where the match is exact (the artifact
-    ends inside the query's chunk, or is whole-prefix), else at its whole chunks."""
+    """The same artifacts in core's chunk-store index and in the hosted one: the hosted client's
+    lookup (chain keys, then block keys inside the next chunk, refined by the candidates' token ids)
+    gives exactly core's hits."""
+    import dataclasses
     from types import SimpleNamespace
 
     from kvcdn_core.plugin_host.registry import open_storage
     from kvcdn_core.store import index
+    from kvcdn_hosted.storage import HostedStorage
+    from kvcdn_wire.responses import parse
 
     base = ids_of(6, 1024)
     corpus = {
@@ -227,6 +231,8 @@ def test_lookup_agrees_with_core_index(hosted, tmp_path):
             chunk_tokens=C,
             token_count=len(ids),
             model={"id": "example/prefix"},
+            compute_dtype="float32",
+            quantization=None,
         )
         index.add(backend, record, ids)
     queries = [
@@ -238,32 +244,18 @@ def test_lookup_agrees_with_core_index(hosted, tmp_path):
         base[:300],
         ids_of(9, 300),
         ids_of(10, 700),
+        base[:100] + ids_of(11, 50),  # inside the first chunk
+        base[:5] + ids_of(12, 400),
+        base[:512] + ids_of(7, 37) + ids_of(13, 300),  # inside a chunk, past a block boundary
+        base[:530],
     ]
+    client = HostedStorage(settings=None)  # the client's own two-step lookup, over the in-process app
+    client._lookup = lambda model, body: parse(model, hosted.lookup("acme", body))  # type: ignore[method-assign]
     for q in queries:
         core = index.lookup(backend, root, q, 0, 10)
-        hosted_answer = hosted.lookup("acme", query_body(root, q))
-        got = {m["name"]: m for m in hosted_answer["matches"]}
-        if not core:
-            assert got == {} and hosted_answer["matched_chunks"] == 0
-            continue
-        best = core[0]
-        assert best.name in got, (best, hosted_answer)
-        m = got[best.name]
-        if m["exact"]:
-            assert m["matched_tokens"] == best.prefix_tokens
-        else:
-            assert m["matched_tokens"] == best.prefix_tokens // C * C
-        assert hosted_answer["matched_chunks"] == max(
-            [h.prefix_tokens // C for h in core if h.reuse == "any_prefix"], default=hosted_answer["matched_chunks"]
-        )
-        for m in got.values():  # whole-prefix: exact, or a candidate the client checks by its key
-            if m["reuse"] == "whole_prefix" and not m["exact"]:
-                whole = m["matched_tokens"] // C
-                parent = chainkeys.full_chain(root, q)[whole - 1] if whole else root
-                held = chainkeys.child_key(parent, q[whole * C : m["token_count"]]) == m["end_key"]
-                m.update(exact=held, matched_tokens=m["token_count"] if held else 0)
-        wholes = {h.name: h.prefix_tokens for h in core if h.reuse == "whole_prefix"}
-        assert {n: m["matched_tokens"] for n, m in got.items() if m["reuse"] == "whole_prefix" and m["exact"]} == wholes
+        remote = client.prefix_lookup(root, q, 0, 10)
+        assert [dataclasses.replace(h, ref=None) for h in remote] == core, q[:3]
+        assert all(h.ref for h in remote)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from kvcdn_server.db import metadata
 
 #: the scope of published artifacts (no tenant id is empty)
 PUBLIC = ""
-PATH, END = "path", "end"
+PATH, END, BLOCK = "path", "end", "block"
 
 prefix_nodes = sa.Table(
     "prefix_nodes",
@@ -63,6 +63,9 @@ prefix_artifacts = sa.Table(
     sa.Column("compute_dtype", sa.String(32)),
     sa.Column("quantization", sa.String(64)),
     sa.Column("end_key", sa.String(64), nullable=False),
+    #: its token ids (little-endian uint32): the next chunk of a chunk-granular match is sent back
+    #: to the caller, who may read the artifact anyway, to refine the match to the token
+    sa.Column("token_ids", sa.LargeBinary, nullable=False),
 )
 
 prefix_roots = sa.Table(
@@ -92,8 +95,10 @@ class Entry:
     model: dict[str, Any]
     compute_dtype: str | None
     quantization: str | None
-    keys: list[str]  # path keys (any-prefix), or the one anchor key (whole-prefix)
+    keys: list[str]  # path keys (any-prefix: the root, then each chunk), or the one anchor key (whole-prefix)
+    blocks: list[str]  # any-prefix: the keys of each chunk's first 16, 32, ... tokens
     end_key: str  # the key of all its tokens
+    token_ids: bytes  # little-endian uint32
 
 
 def entry_of(header: Header, token_ids: Sequence[int]) -> Entry:
@@ -101,9 +106,14 @@ def entry_of(header: Header, token_ids: Sequence[int]) -> Entry:
     manifest = manifest_of(header)
     root = root_of(manifest)
     ids = np.asarray(token_ids, dtype=np.int64)
+    c = chainkeys.CHUNK_TOKENS
     chain = chainkeys.chain(root, ids)
-    whole = ids.size // chainkeys.CHUNK_TOKENS
-    keys = chain if manifest.reuse == ANY_PREFIX else [chain[whole - 1] if whole else root]
+    whole = ids.size // c
+    keys, blocks = [chain[whole - 1] if whole else root], []
+    if manifest.reuse == ANY_PREFIX:
+        keys = [root, *chain]
+        for i, parent in enumerate([root, *chain[:-1]]):
+            blocks += chainkeys.block_keys(parent, ids[i * c : (i + 1) * c])
     return Entry(
         root,
         manifest.reuse,
@@ -112,7 +122,9 @@ def entry_of(header: Header, token_ids: Sequence[int]) -> Entry:
         manifest.compute_dtype,
         manifest.scheme,
         keys,
+        blocks,
         chain[-1] if chain else root,
+        ids.astype("<u4").tobytes(),
     )
 
 
@@ -122,13 +134,14 @@ def index_artifact(conn, artifact_id: str, scope: str, name: str, entry: Entry) 
     rows = [
         {
             "scope": scope,
-            "kind": kind,
+            "kind": k,
             "node_key": key,
             "token_count": entry.token_count,
             "name": name,
             "artifact_id": artifact_id,
         }
-        for key in entry.keys
+        for k, keys in ((kind, entry.keys), (BLOCK, entry.blocks))
+        for key in keys
     ]
     if rows:
         conn.execute(prefix_nodes.insert(), rows)
@@ -143,6 +156,7 @@ def index_artifact(conn, artifact_id: str, scope: str, name: str, entry: Entry) 
             compute_dtype=entry.compute_dtype,
             quantization=entry.quantization,
             end_key=entry.end_key,
+            token_ids=entry.token_ids,
         )
     )
     insert = _upsert(conn)(prefix_roots).values(
@@ -209,14 +223,14 @@ def roots(conn, tenant: str) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def _best(scopes: tuple[str, ...], key: str, limit: int):
+def _best(scopes: tuple[str, ...], key: str, limit: int, kind: str = PATH):
     """The ``limit`` best any-prefix rows of one node in each scope: seeks on the primary key."""
     n = prefix_nodes.c
     return sa.union_all(
         *(
             sa.select(
                 sa.select(n.token_count, n.name, n.artifact_id)
-                .where(n.scope == scope, n.kind == PATH, n.node_key == key)
+                .where(n.scope == scope, n.kind == kind, n.node_key == key)
                 .order_by(n.token_count, n.name, n.artifact_id)
                 .limit(limit)
                 .subquery()
@@ -224,6 +238,11 @@ def _best(scopes: tuple[str, ...], key: str, limit: int):
             for scope in scopes
         )
     )
+
+
+def _probes(rows: list[tuple[int, str]]):
+    """The keys of one request as a table ``q(pos, k)`` (a VALUES list), joined against the index."""
+    return sa.values(sa.column("pos", sa.Integer), sa.column("k", sa.String), name="q").data(rows).cte("q")
 
 
 def lookup(conn, tenant: str, root: str, keys: list[str], partial: list[str], limit: int) -> dict[str, Any]:
@@ -236,6 +255,8 @@ def lookup(conn, tenant: str, root: str, keys: list[str], partial: list[str], li
     artifacts through the deepest key found, the third reads the rows shown. Nothing depends on how
     many artifacts exist or share a prefix.
 
+    A match through the deepest key counts whole chunks; it carries ``next_tokens``, its token ids in
+    the next chunk, with which the client finds the exact length (the caller may read the artifact).
     A whole-prefix artifact that ends inside one of the query's full chunks cannot be checked from
     full-chunk keys: it comes back as a candidate with its ``end_key`` (the key of all its tokens),
     which the client compares with the key of the query's own tokens at that length.
@@ -243,7 +264,7 @@ def lookup(conn, tenant: str, root: str, keys: list[str], partial: list[str], li
     scopes = (tenant, PUBLIC)
     n, c = prefix_nodes.c, chainkeys.CHUNK_TOKENS
     probes = [(-1, root), *enumerate(keys), *((len(keys) + j, key) for j, key in enumerate(partial))]
-    q = sa.values(sa.column("pos", sa.Integer), sa.column("k", sa.String), name="q").data(probes).cte("q")
+    q = _probes(probes)
     through = sa.or_(*(sa.exists().where(n.scope == scope, n.kind == PATH, n.node_key == q.c.k) for scope in scopes))
     present = sa.select(q.c.pos, sa.null().label("kind"), sa.null().label("token_count"), sa.null().label("id"))
     present = present.where(q.c.pos >= 0, q.c.pos < len(keys), through)
@@ -294,6 +315,9 @@ def lookup(conn, tenant: str, root: str, keys: list[str], partial: list[str], li
             "quantization": a.quantization,
         }
         if a.artifact_id not in anchored:
+            if not match["exact"]:  # the client refines it inside the next chunk
+                ids = np.frombuffer(a.token_ids, dtype="<u4")[depth * c : (depth + 1) * c]
+                match["next_tokens"] = ids.tolist()
             matches.append(match)
             continue
         whole = anchored[a.artifact_id]
@@ -313,3 +337,45 @@ def lookup(conn, tenant: str, root: str, keys: list[str], partial: list[str], li
         "chunk_tokens": c,
         "matches": sorted(matches[:limit] + wholes, key=order),
     }
+
+
+def refine(conn, tenant: str, root: str, node: str, chunks: int, blocks: list[str], limit: int) -> dict[str, Any]:
+    """A lookup's second step, inside the chunk after ``node`` (the key of the query's first
+    ``chunks`` chunks, or the root): ``blocks`` are the keys of that chunk's first 16, 32, ...
+    query tokens. The deepest block present narrows the match to 16 tokens; its ``limit`` best
+    artifacts come with their token ids to the end of the chunk, from which the client finds the
+    exact length. One statement for the blocks, one for the best artifacts, one for their rows."""
+    scopes = (tenant, PUBLIC)
+    n, c, bt = prefix_nodes.c, chainkeys.CHUNK_TOKENS, chainkeys.BLOCK_TOKENS
+    depth = 0
+    if blocks:
+        q = _probes(list(enumerate(blocks)))
+        through = sa.or_(
+            *(sa.exists().where(n.scope == scope, n.kind == BLOCK, n.node_key == q.c.k) for scope in scopes)
+        )
+        present = {r.pos for r in conn.execute(sa.select(q.c.pos).where(through))}
+        while depth in present:
+            depth += 1
+    key, kind = (blocks[depth - 1], BLOCK) if depth else (node, PATH)
+    best = {r.artifact_id for r in conn.execute(_best(scopes, key, limit, kind))}
+    start = chunks * c + depth * bt
+    matches = []
+    if best:
+        for a in conn.execute(sa.select(prefix_artifacts).where(prefix_artifacts.c.artifact_id.in_(sorted(best)))):
+            if a.root != root or a.scope not in scopes or a.token_count < start:
+                continue
+            matches.append(
+                {
+                    "artifact_id": a.artifact_id,
+                    "name": a.name,
+                    "matched_tokens": start,
+                    "exact": a.token_count == start,
+                    "token_count": a.token_count,
+                    "reuse": a.reuse,
+                    "compute_dtype": a.compute_dtype,
+                    "quantization": a.quantization,
+                    "next_tokens": np.frombuffer(a.token_ids, dtype="<u4")[start : (chunks + 1) * c].tolist(),
+                }
+            )
+    matches.sort(key=lambda m: (m["token_count"], m["name"], m["artifact_id"]))
+    return {"root": root, "matched_chunks": chunks, "chunk_tokens": c, "matches": matches}

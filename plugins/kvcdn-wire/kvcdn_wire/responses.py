@@ -222,6 +222,9 @@ class PrefixMatch(Answer):
     #: a whole-prefix candidate that ends inside one of the query's full chunks: the key of all its
     #: tokens; it matches when the query's own tokens up to ``token_count`` have this key
     end_key: str | None = None
+    #: a match that is not exact: the artifact's token ids in the chunk after ``matched_tokens``
+    #: (the client's refinement: how many of them the query shares)
+    next_tokens: list[int] | None = None
 
 
 class PrefixLookup(Answer):

@@ -46,5 +46,7 @@ MAX_COMPOSE_ARTIFACTS = 15
 #: last partial chunk (one per length, at most a chunk's tokens less one); 767 keys fit MAX_JSON_BODY
 MAX_LOOKUP_KEYS = 512
 MAX_PARTIAL_KEYS = 255
+#: block keys of a lookup's second step: a chunk's first 16, 32, ..., 240 tokens
+MAX_REFINE_BLOCKS = 15
 #: matches one lookup may ask for
 MAX_LOOKUP_LIMIT = 50

@@ -36,6 +36,7 @@ def upgrade() -> None:
         sa.Column("compute_dtype", sa.String(32)),
         sa.Column("quantization", sa.String(64)),
         sa.Column("end_key", sa.String(64), nullable=False),
+        sa.Column("token_ids", sa.LargeBinary, nullable=False),
     )
     op.create_table(
         "prefix_roots",
