@@ -104,26 +104,34 @@ class Entry:
 def entry_of(header: Header, token_ids: Sequence[int]) -> Entry:
     """The index entry of a checked artifact: its root and chain keys, as a chunk store computes them."""
     manifest = manifest_of(header)
-    root = root_of(manifest)
-    ids = np.asarray(token_ids, dtype=np.int64)
+    rep = (manifest.compute_dtype, manifest.scheme)
+    return entry_from_ids(root_of(manifest), manifest.reuse, token_ids, dataclasses.asdict(manifest.model), *rep)
+
+
+def entry_from_ids(
+    root: str, reuse: str, token_ids: Sequence[int] | np.ndarray, model: dict, compute_dtype, quantization
+) -> Entry:
+    """The entry of an artifact of ``token_ids`` under ``root`` (also what the benchmark indexes)."""
     c = chainkeys.CHUNK_TOKENS
+    ids = np.asarray(token_ids, dtype=np.int64)
     chain = chainkeys.chain(root, ids)
     whole = ids.size // c
     keys, blocks = [chain[whole - 1] if whole else root], []
-    if manifest.reuse == ANY_PREFIX:
+    if reuse == ANY_PREFIX:
         keys = [root, *chain]
         for i, parent in enumerate([root, *chain[:-1]]):
             blocks += chainkeys.block_keys(parent, ids[i * c : (i + 1) * c])
+    end_key = chain[-1] if chain else root
     return Entry(
         root,
-        manifest.reuse,
+        reuse,
         int(ids.size),
-        dataclasses.asdict(manifest.model),
-        manifest.compute_dtype,
-        manifest.scheme,
+        model,
+        compute_dtype,
+        quantization,
         keys,
         blocks,
-        chain[-1] if chain else root,
+        end_key,
         ids.astype("<u4").tobytes(),
     )
 
@@ -240,6 +248,34 @@ def _best(scopes: tuple[str, ...], key: str, limit: int, kind: str = PATH):
     )
 
 
+def _probe_statement(probes: list[tuple[int, str]], full: int, scopes: tuple[str, ...]):
+    """The first statement of a lookup, as SQL text: built by string joins, because compiling an
+    expression of hundreds of VALUES rows took most of a lookup's time. ``q(pos, k)`` holds the
+    keys; positions ``0 .. full - 1`` are the full chunks (-1 the root, past them the partial keys).
+    Every probe compares scope, kind and node_key for equality: a seek on the primary key."""
+    values = ", ".join(f"(:p{i}, :k{i})" for i in range(len(probes)))
+    params: dict[str, Any] = {"full": full}
+    for i, (pos, key) in enumerate(probes):
+        params[f"p{i}"], params[f"k{i}"] = pos, key
+    exists, joins = [], []
+    for j, scope in enumerate(scopes):
+        params[f"s{j}"] = scope
+        exists.append(
+            f"EXISTS (SELECT 1 FROM prefix_nodes n WHERE n.scope = :s{j} AND n.kind = '{PATH}' AND n.node_key = q.k)"
+        )
+        for kind, where in ((END, "q.pos < :full"), (PATH, "q.pos >= :full")):
+            joins.append(
+                f"SELECT q.pos AS pos, n.kind AS kind, n.token_count AS token_count, n.artifact_id AS id FROM q "
+                f"JOIN prefix_nodes n ON n.scope = :s{j} AND n.kind = '{kind}' AND n.node_key = q.k WHERE {where}"
+            )
+    present = (
+        "SELECT q.pos AS pos, NULL AS kind, NULL AS token_count, NULL AS id FROM q "
+        f"WHERE q.pos >= 0 AND q.pos < :full AND ({' OR '.join(exists)})"
+    )
+    sql = f"WITH q(pos, k) AS (VALUES {values}) " + " UNION ALL ".join([present, *joins])
+    return sa.text(sql), params
+
+
 def _probes(rows: list[tuple[int, str]]):
     """The keys of one request as a table ``q(pos, k)`` (a VALUES list), joined against the index."""
     return sa.values(sa.column("pos", sa.Integer), sa.column("k", sa.String), name="q").data(rows).cte("q")
@@ -262,24 +298,9 @@ def lookup(conn, tenant: str, root: str, keys: list[str], partial: list[str], li
     which the client compares with the key of the query's own tokens at that length.
     """
     scopes = (tenant, PUBLIC)
-    n, c = prefix_nodes.c, chainkeys.CHUNK_TOKENS
+    c = chainkeys.CHUNK_TOKENS
     probes = [(-1, root), *enumerate(keys), *((len(keys) + j, key) for j, key in enumerate(partial))]
-    q = _probes(probes)
-    through = sa.or_(*(sa.exists().where(n.scope == scope, n.kind == PATH, n.node_key == q.c.k) for scope in scopes))
-    present = sa.select(q.c.pos, sa.null().label("kind"), sa.null().label("token_count"), sa.null().label("id"))
-    present = present.where(q.c.pos >= 0, q.c.pos < len(keys), through)
-    ending = sa.select(q.c.pos, n.kind, n.token_count, n.artifact_id).join(
-        prefix_nodes,
-        sa.and_(
-            n.node_key == q.c.k,
-            n.scope.in_(scopes),
-            sa.or_(
-                sa.and_(n.kind == END, q.c.pos < len(keys)),  # anchors: the root and full chunks
-                sa.and_(n.kind == PATH, q.c.pos >= len(keys)),  # ends inside the last chunk
-            ),
-        ),
-    )
-    found = conn.execute(sa.union_all(present, ending)).all()
+    found = conn.execute(*_probe_statement(probes, len(keys), scopes)).all()
     full_path = {r.pos for r in found if r.kind is None}
     depth = 0
     while depth in full_path:  # keys chain: chunk i present means every chunk before it is
