@@ -30,6 +30,10 @@ plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contra
   - ``"local_path"``: every object is a file on this machine (:meth:`StorageBackend.path_of`):
     reading it gives the object's bytes, and a file atomically renamed onto it becomes the object.
     The hosted server then reads and writes the files directly and signs its own URLs.
+  - ``"prefix_lookup"``: the medium keeps its own prefix index of ``.kv`` artifacts and answers
+    lookups itself (:meth:`StorageBackend.prefix_roots`, ``prefix_lookup``, ``fetch_hit``): the
+    hosted endpoint. ``search --store`` and ``continue --store`` ask it instead of reading a chunk
+    store's index objects.
 
   Callers read only the declaration (:meth:`StorageBackend.offers`), never probe for methods; a
   backend that declares a capability implements its methods, and one that does not is never asked.
@@ -70,7 +74,7 @@ STORES = ("bytes", "kv")
 #: The operations a backend may list in ``unsupported``.
 OPTIONAL_OPERATIONS = frozenset({"rename"})
 #: The extra abilities a backend may declare in ``capabilities``.
-CAPABILITIES = frozenset({"multipart", "local_path"})
+CAPABILITIES = frozenset({"multipart", "local_path", "prefix_lookup"})
 
 
 class StorageBackend:
@@ -183,6 +187,21 @@ class StorageBackend:
     def path_of(self, key: str) -> Path:
         """``"local_path"``: the file that holds object ``key`` (it need not exist yet)."""
         raise NotSupported(f"{type(self).__name__} does not declare local_path")
+
+    def prefix_roots(self) -> builtins.list[dict[str, Any]]:
+        """``"prefix_lookup"``: the roots of the artifacts the caller can find, as
+        :func:`kvcdn_core.store.index.roots` gives them (``root``, ``model``, ``compute_dtype``,
+        ``quantization``)."""
+        raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
+
+    def prefix_lookup(self, root: str, query_ids: Any, start_tokens: int, limit: int) -> builtins.list[Any]:
+        """``"prefix_lookup"``: :func:`kvcdn_core.store.index.lookup`'s hits for the query under
+        ``root``, from the medium's own index (the query leaves as chain keys, never token ids)."""
+        raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
+
+    def fetch_hit(self, hit: Any, target: Path) -> None:
+        """``"prefix_lookup"``: download the artifact a hit names to ``target``, checked."""
+        raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
     def needs_multipart(self, size: int) -> bool:
         """``"multipart"``: whether an object of ``size`` bytes must go up in parts."""

@@ -1,7 +1,8 @@
 """Search a chunk store (``--store URI``): the query is looked up in the store's prefix index.
 
 A lookup reads only the index (:mod:`kvcdn_core.store.index`), never an artifact: its cost follows
-the query's chunk count, not the store's size. Continuing fetches the one best artifact through
+the query's chunk count, not the store's size. A backend that declares ``prefix_lookup`` (the
+hosted endpoint) keeps its own index and is asked instead, by chain keys; its hits are the same. Continuing fetches the one best artifact through
 the chunk store (every chunk checked against its digest) into a temporary directory and continues
 from it exactly as ``--dir`` does: the prefix is recomputed from the fetched file's own token ids.
 """
@@ -84,7 +85,8 @@ def search_store(
     from kvcdn_core.store import index
 
     backend = open_storage(uri)
-    roots = index.roots(backend)
+    remote = type(backend).offers("prefix_lookup")  # the hosted endpoint: its own index, by chain keys
+    roots = backend.prefix_roots() if remote else index.roots(backend)
     if model_ref is None:
         model_ref = _one_model(roots, uri)
     model_dir = resolve_model_dir(model_ref, revision, weights=False)
@@ -99,7 +101,10 @@ def search_store(
     mine = [r for r in roots if same_model(r.get("model") or {}, fp)]
     hits = []
     for r in mine:
-        hits += index.lookup(backend, r["root"], ids, start, limit, refresh=False)
+        if remote:
+            hits += backend.prefix_lookup(r["root"], ids, start, limit)
+        else:
+            hits += index.lookup(backend, r["root"], ids, start, limit, refresh=False)
     hits.sort(key=index.Hit.sort_key)
     return StoreSearch(
         uri,
@@ -136,12 +141,16 @@ def fetch_best(found: StoreSearch, directory: Path, warn: Warn = notices.warn) -
     """
     from kvcdn_core.store.chunkstore import ChunkStore
 
-    store = ChunkStore(found.backend)
+    remote = type(found.backend).offers("prefix_lookup")
     entries = []
     for hit in [h for h in found.hits if h.usable_tokens > 0]:
         target = Path(directory) / f"{hit.name}.kv"
         try:
-            store.get(hit.name, target)
+            if remote:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                found.backend.fetch_hit(hit, target)
+            else:
+                ChunkStore(found.backend).get(hit.name, target)
             entries.append(_entry_from_file(target, os.stat(target)))
             break
         except (KvcdnError, OSError) as exc:

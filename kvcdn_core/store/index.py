@@ -80,6 +80,8 @@ class Hit:
     reuse: str
     compute_dtype: str | None = None
     quantization: str | None = None
+    #: where a remote index found it (the hosted artifact id), for fetching it
+    ref: str | None = None
 
     def sort_key(self) -> tuple:
         """The order of :func:`kvcdn_core.search.rank`: usable, prefix, usable fraction, unquantized, name."""
@@ -819,6 +821,50 @@ def lookup(
     """
     trie = load(backend, refresh).trie
     hits = trie.lookup(root, _check_ids(query_ids), start_tokens, max(1, limit))
+    hits.sort(key=Hit.sort_key)
+    return hits[:limit]
+
+
+def from_matches(matches: Iterable[Any], root: str, query_ids, start_tokens: int, limit: int) -> list[Hit]:
+    """The hits of a remote lookup's matches (the hosted ``/prefix/lookup``), as :func:`lookup` gives
+    them: a chunk-granular match refined to the token by its ``next_tokens``, a whole-prefix
+    candidate kept only when the query's own key at its length is its ``end_key``; then only the
+    any-prefix artifacts sharing the longest prefix, and every whole-prefix one held whole."""
+    q = _check_ids(query_ids)
+    c = chainkeys.CHUNK_TOKENS
+    full = chainkeys.full_chain(root, q, c)
+    anyp, whole = [], []
+    for m in matches:
+        prefix, count = int(m.matched_tokens), int(m.token_count)
+        if m.reuse == WHOLE_PREFIX:
+            if not m.exact:
+                depth = prefix // c
+                parent = full[depth - 1] if depth else root
+                if count > q.size or chainkeys.child_key(parent, q[depth * c : count]) != m.end_key:
+                    continue
+                prefix = count
+            if prefix == count and count > start_tokens:
+                whole.append((m, prefix))
+            continue
+        if not m.exact and m.next_tokens:
+            prefix += _lcp(np.asarray(m.next_tokens, dtype=np.int64), q[prefix : prefix + c])
+        if prefix > start_tokens:
+            anyp.append((m, prefix))
+    best = max((p for _, p in anyp), default=0)
+    hits = [
+        Hit(
+            m.name,
+            root,
+            p,
+            usable(p, int(m.token_count), q.size, m.reuse),
+            int(m.token_count),
+            m.reuse,
+            m.compute_dtype,
+            m.quantization,
+            m.artifact_id,
+        )
+        for m, p in [*(x for x in anyp if x[1] == best), *whole]
+    ]
     hits.sort(key=Hit.sort_key)
     return hits[:limit]
 

@@ -83,6 +83,7 @@ class HostedStorage(StorageBackend):
     schemes: ClassVar[tuple[str, ...]] = ("kvcdn", "kvcdn+http", "kvcdn+https")
     stores: ClassVar[str] = "kv"
     unsupported: ClassVar[frozenset[str]] = frozenset({"rename"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"prefix_lookup"})
 
     def __init__(self, settings, *, quiet: bool = True):
         self.settings = settings
@@ -322,6 +323,52 @@ class HostedStorage(StorageBackend):
                 body[field] = value
         # no side effects: a retry only repeats the work
         return self.client.read(InferAnswer, "POST", path, what="infer", json=body, timeout=600.0, idempotent=True)
+
+    # -- prefix_lookup: the server's index, asked by chain keys ---------------------------------
+
+    def prefix_roots(self) -> list[dict[str, Any]]:
+        from kvcdn_wire.responses import PrefixRoots
+
+        answer = self.client.read(PrefixRoots, "GET", wire.PREFIX_ROOTS, what="prefix roots")
+        return [r.model_dump() for r in answer.roots]
+
+    def prefix_lookup(self, root: str, query_ids, start_tokens: int, limit: int) -> list[Any]:
+        """The server's matches for the query's chain keys (its token ids never leave this process),
+        refined to the token here (:func:`kvcdn_core.store.index.from_matches`): a first request
+        finds how many whole chunks match; a second narrows the match inside the next chunk by its
+        block keys and brings the best candidates' token ids to the end of that chunk."""
+        import numpy as np
+
+        from kvcdn_core.store import index, keys
+        from kvcdn_wire.responses import PrefixLookup
+
+        ids = np.asarray(query_ids, dtype=np.int64)
+        c = keys.CHUNK_TOKENS
+        full, partial = keys.query_keys(root, ids)
+        if len(full) > wire.MAX_LOOKUP_KEYS:
+            raise KvcdnError(
+                f"lookup: the query has {len(full)} chunks; the server looks up at most {wire.MAX_LOOKUP_KEYS}"
+            )
+        body: dict[str, Any] = {"root": root, "keys": full, "partial": partial}
+        body["limit"] = min(max(limit, 1), wire.MAX_LOOKUP_LIMIT)
+        first = self._lookup(PrefixLookup, body)
+        matches = {m.artifact_id: m for m in first.matches}
+        depth = first.matched_chunks
+        if ids.size > depth * c:
+            node = full[depth - 1] if depth else root
+            step = {"node": node, "chunks": depth, "blocks": keys.block_keys(node, ids[depth * c : (depth + 1) * c])}
+            second = self._lookup(PrefixLookup, {"root": root, "limit": body["limit"], "refine": step})
+            for m in second.matches:
+                if m.artifact_id not in matches or not matches[m.artifact_id].exact:
+                    matches[m.artifact_id] = m
+        return index.from_matches(matches.values(), root, ids, start_tokens, limit)
+
+    def _lookup(self, model, body: dict[str, Any]):
+        return self.client.read(model, "POST", wire.PREFIX_LOOKUP, what="prefix lookup", json=body, idempotent=True)
+
+    def fetch_hit(self, hit: Any, target: Path) -> None:
+        """The artifact a lookup found, by its id (not its name: a public one is another tenant's)."""
+        self.download(hit.ref, Path(target))
 
     # -- StorageBackend: keys are artifact names -----------------------------------------------
 

@@ -29,7 +29,7 @@ from kvcdn_server.db import open_database
 from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, outage_summary
 from kvcdn_server.inference import InferenceEngine
 from kvcdn_server.oidc import JwtVerifier
-from kvcdn_server.routes import account, admin, artifacts, blobs, telemetry
+from kvcdn_server.routes import account, admin, artifacts, blobs, prefix, telemetry
 from kvcdn_server.services import Services
 from kvcdn_server.signing import UrlSigner
 from kvcdn_server.telemetry import RateLimit, TelemetrySink
@@ -207,7 +207,7 @@ def create_app(config: ServerConfig, storage=None, db_engine=None, clock: Callab
     )
     app.state.services = s  # the one way in: routes (``services.services``) and tests alike
     app.add_middleware(BodyLimit)
-    for router in (account.router, admin.router, artifacts.router, blobs.router, telemetry.router):
+    for router in (account.router, admin.router, artifacts.router, blobs.router, prefix.router, telemetry.router):
         app.include_router(router)
 
     @app.exception_handler(ApiError)

@@ -31,7 +31,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from kvcdn_core import KvcdnError, StorageBackend
-from kvcdn_server import chunks
+from kvcdn_server import chunks, prefix
 from kvcdn_server.db import artifacts, readers
 from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, not_found
 from kvcdn_server.quota import Quota
@@ -51,17 +51,6 @@ TEMP_OWNER = {TEMP_PREFIX: "uploading", COPY_PREFIX: "confirming"}
 #: the ``error`` of an upload whose confirm was interrupted once (handed back); a second interruption
 #: fails it, so that a file that kills the server checking it cannot do so again and again
 INTERRUPTED = "its confirm was interrupted"
-
-
-def index_artifact(c, artifact_id: str) -> None:
-    """The one place a confirmed artifact enters the hosted prefix index, inside the confirm's
-    last transaction (``c``). The index lives apart (its own tables and lookup route); this hook
-    is where it plugs in, and does nothing until it does."""
-
-
-def drop_artifact(c, artifact_id: str) -> None:
-    """The one place an artifact leaves the hosted prefix index, inside the transaction that
-    deletes it, replaces it or ends its upload (``c``); see :func:`index_artifact`."""
 
 
 class Uploads:
@@ -161,7 +150,7 @@ class Uploads:
         """Give back what a row held in its tenant's usage, in the transaction that ends it: a
         whole file its size; an open chunked upload its reservation; a ready chunked artifact the
         objects no other ready artifact of its tenant references (:func:`chunks.drop`)."""
-        drop_artifact(c, artifact_id)
+        prefix.drop_artifact(c, artifact_id)
         if row.charge is None:
             self.quota.release(c, row.tenant, row.size_bytes)
             return
@@ -405,13 +394,13 @@ class Uploads:
         with self.lease(artifact_id, "confirming"):
             try:
                 if row.record is not None:
-                    summary = self._check_chunked(row, digest, size)
+                    summary, entry = self._check_chunked(row, digest, size)
                 else:
-                    summary = check_upload(self.storage, row, parts, digest, size, self.local_copy)
+                    summary, entry = check_upload(self.storage, row, parts, digest, size, self.local_copy)
             except Exception as exc:
                 raise self._check_failed(artifact_id, exc) from None
             try:
-                confirmed, replaced = self._make_ready(tenant, artifact_id, row.name, summary, replace)
+                confirmed, replaced = self._make_ready(row, summary, entry, replace)
             except Exception:
                 with contextlib.suppress(Exception):  # the database may still be away: the lease covers it
                     self._hand_back(artifact_id)
@@ -422,7 +411,7 @@ class Uploads:
             raise self._lost_meanwhile(artifact_id)
         return view(confirmed)
 
-    def _check_chunked(self, row, digest: str | None, size: int | None) -> dict[str, Any]:
+    def _check_chunked(self, row, digest: str | None, size: int | None) -> tuple[dict[str, Any], prefix.Entry]:
         """A chunked upload's confirm checks: every object stored, then the `.kv` file rebuilt from
         them (each object checked against its digest) checked as a whole-file confirm checks it."""
         self.objects.check_present(row)
@@ -440,9 +429,11 @@ class Uploads:
             return self.objects.rebuilt(row)
         return self.local_copy(artifact_key(row.id))
 
-    def _make_ready(self, tenant: str, artifact_id: str, name: str, summary: dict, replace: bool):
+    def _make_ready(self, row, summary: dict, entry: prefix.Entry, replace: bool):
         """The last transaction of a confirm: the artifact row (None when the upload was deleted or
-        taken back meanwhile) and the rows of the same name it replaced."""
+        taken back meanwhile) and the rows of the same name it replaced. The artifact enters the
+        prefix index in this transaction, and what it replaces leaves it."""
+        tenant, artifact_id, name = row.tenant, row.id, row.name
         replaced = []
         with self.db.begin() as c:
             chunked = c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first()
@@ -462,7 +453,7 @@ class Uploads:
             if done and chunked is not None:
                 chunks.make_ready(c, tenant, chunked)
             if done:
-                index_artifact(c, artifact_id)
+                prefix.index_artifact(c, artifact_id, prefix.scope_of(tenant, row.visibility), name, entry)
             if done and replace:
                 replaced = self._drop_others_named(c, tenant, name, artifact_id)
             # read in the same transaction: a delete or a later replace may remove it right after

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvcdn_core import KvcdnError, StorageBackend, artifact, nfc, text_problem
 from kvcdn_server.errors import ApiError, not_found
+from kvcdn_server.prefix import Entry, entry_of
 from kvcdn_server.rows import artifact_key, upload_key
 from kvcdn_wire import ErrorCode
 
@@ -138,10 +139,11 @@ def check_upload(
     digest: str | None,
     size: int | None,
     local_copy: Callable[[str], contextlib.AbstractContextManager[Path]],
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Entry]:
     """Move the upload's bytes to its artifact key and check them against what was declared: the
-    listing summary of a valid artifact; :class:`Refused` when the bytes are wrong, :class:`NotYet`
-    when they are not all there. ``local_copy`` gives a local path of an object."""
+    listing summary of a valid artifact and its prefix-index entry (read from the same copy);
+    :class:`Refused` when the bytes are wrong, :class:`NotYet` when they are not all there.
+    ``local_copy`` gives a local path of an object."""
     _take_bytes(storage, row, parts)
     stored = storage.size_of(artifact_key(row.id))
     if stored != row.size_bytes:
@@ -152,14 +154,15 @@ def check_upload(
         return check_file(path, row, digest)
 
 
-def check_file(path: Path, row, digest: str | None) -> dict[str, Any]:
+def check_file(path: Path, row, digest: str | None) -> tuple[dict[str, Any], Entry]:
     """The checks of an artifact's whole file (uploaded, or rebuilt from its chunks): its sha256,
-    a valid ``.kv`` (every tensor's digest), a manifest that agrees with what was declared."""
+    a valid ``.kv`` (every tensor's digest), a manifest that agrees with what was declared; and the artifact's prefix-index entry."""
     computed = sha256_file(path)
     if computed != row.sha256 or (digest is not None and digest.lower() != computed):
         raise Refused(422, ErrorCode.SHA256_MISMATCH, "the uploaded bytes do not match the declared sha256")
     try:
         header = artifact.check_file(path)  # structure, every tensor's sha256, the token ids
+        entry = entry_of(header, artifact.read_token_ids(path, header))
     except KvcdnError as exc:
         reason = (str(exc).partition(": ")[2] or str(exc) or "unreadable").splitlines()[0][:300]
         raise Refused(422, ErrorCode.NOT_A_KV_ARTIFACT, f"the upload is not a valid .kv artifact: {reason}") from None
@@ -176,7 +179,7 @@ def check_file(path: Path, row, digest: str | None) -> dict[str, Any]:
                 ErrorCode.MANIFEST_MISMATCH,
                 f"declared {hint} {declared!r}, the artifact's manifest says {summary[hint]!r}",
             )
-    return summary
+    return summary, entry
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

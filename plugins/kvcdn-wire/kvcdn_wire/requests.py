@@ -7,9 +7,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from kvcdn_wire.routes import MAX_COMPOSE_ARTIFACTS, MAX_INFER_TOKENS, MAX_QUESTION_CHARS
+from kvcdn_wire.routes import (
+    MAX_COMPOSE_ARTIFACTS,
+    MAX_INFER_TOKENS,
+    MAX_LOOKUP_KEYS,
+    MAX_LOOKUP_LIMIT,
+    MAX_PARTIAL_KEYS,
+    MAX_QUESTION_CHARS,
+    MAX_REFINE_BLOCKS,
+)
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
+#: a chain key (kvcdn_core.store.keys): 64 lowercase hex digits, as the keys are computed
+ChainKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class Strict(BaseModel):
@@ -119,6 +129,31 @@ class InferRequest(Strict):
         if self.compose is None and (self.recompute is not None or self.select is not None):
             raise ValueError("recompute and select compose several artifacts: name the others in compose")
         return self
+
+
+class RefineStep(Strict):
+    """A lookup's second step, inside the chunk after ``node`` (the key of the query's first
+    ``chunks`` chunks, or the root): ``blocks`` are the keys of that chunk's first 16, 32, ...
+    query tokens (at most 15)."""
+
+    node: ChainKey
+    chunks: int = Field(ge=0, le=MAX_LOOKUP_KEYS)
+    blocks: list[ChainKey] = Field(default_factory=list, max_length=MAX_REFINE_BLOCKS)
+
+
+class LookupRequest(Strict):
+    """``POST /prefix/lookup``: a query as chain keys under one root, never its token ids.
+
+    ``keys``: the keys of the query's full chunks, in order; ``partial``: the keys of its first
+    1, 2, ... tokens after the last full chunk (optional: they find artifacts that end inside it).
+    """
+
+    root: ChainKey
+    keys: list[ChainKey] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS)
+    partial: list[ChainKey] = Field(default_factory=list, max_length=MAX_PARTIAL_KEYS)
+    limit: int = Field(default=10, ge=1, le=MAX_LOOKUP_LIMIT)
+    #: given: the second step (``keys`` and ``partial`` are then ignored)
+    refine: RefineStep | None = None
 
 
 class OrgRequest(Strict):

@@ -244,6 +244,53 @@ class InferAnswer(Answer):
     composition: InferComposition | None = None
 
 
+class PrefixMatch(Answer):
+    """One artifact of a lookup's answer. ``matched_tokens`` is exact when ``exact`` (the artifact
+    ends there, or is whole-prefix and held whole), else a whole number of chunks: the client
+    refines it inside the next chunk from the artifact's token ids."""
+
+    artifact_id: str
+    name: str
+    matched_tokens: int
+    exact: bool
+    token_count: int
+    reuse: str
+    compute_dtype: str | None
+    quantization: str | None
+    #: a whole-prefix candidate that ends inside one of the query's full chunks: the key of all its
+    #: tokens; it matches when the query's own tokens up to ``token_count`` have this key
+    end_key: str | None = None
+    #: a match that is not exact: the artifact's token ids in the chunk after ``matched_tokens``
+    #: (the client's refinement: how many of them the query shares)
+    next_tokens: list[int] | None = None
+
+
+class PrefixLookup(Answer):
+    """``POST /prefix/lookup``: the longest matches among the caller's and published artifacts."""
+
+    root: str
+    #: how many of the query's full-chunk keys the index holds (a prefix: keys chain)
+    matched_chunks: int
+    chunk_tokens: int
+    matches: list[PrefixMatch]
+
+
+class PrefixRoot(Answer):
+    """A root the caller can find artifacts under: the model fingerprint and representation."""
+
+    root: str
+    model: dict[str, object]
+    compute_dtype: str | None
+    quantization: str | None
+    artifacts: int
+
+
+class PrefixRoots(Answer):
+    """``GET /prefix/roots``: the roots of the caller's own and of published artifacts."""
+
+    roots: list[PrefixRoot]
+
+
 __all__ = [
     "Answer",
     "ArtifactPage",
@@ -262,6 +309,10 @@ __all__ = [
     "Multipart",
     "ObjectUrl",
     "OrgKey",
+    "PrefixLookup",
+    "PrefixMatch",
+    "PrefixRoot",
+    "PrefixRoots",
     "Quota",
     "SeedCounts",
     "UploadGrant",

@@ -25,6 +25,9 @@ INFER = f"{API}/artifacts/{{artifact_id}}/infer"
 #: the original client's infer route (org and project are ignored: the credential names the tenant)
 LEGACY_INFER = f"{API}/orgs/{{org}}/projects/{{project}}/artifacts/{{artifact_id}}/infer"
 TELEMETRY = f"{API}/telemetry"
+#: the prefix index: the longest match for a query's chain keys, and the roots a caller can search
+PREFIX_LOOKUP = f"{API}/prefix/lookup"
+PREFIX_ROOTS = f"{API}/prefix/roots"
 BLOB = f"{API}/blobs/{{artifact_id}}"
 BLOBS_PREFIX = f"{API}/blobs/"
 #: one chunk object, named by its BLAKE3 digest (signed PUT and GET)
@@ -47,3 +50,11 @@ MAX_QUESTION_CHARS = 32768
 MAX_INFER_TOKENS = 256
 #: artifacts an infer may compose after the route's own (``compose``)
 MAX_COMPOSE_ARTIFACTS = 15
+#: full-chunk keys of one lookup (512 chunks of 256 tokens: a 131,072-token query), and keys of its
+#: last partial chunk (one per length, at most a chunk's tokens less one); 767 keys fit MAX_JSON_BODY
+MAX_LOOKUP_KEYS = 512
+MAX_PARTIAL_KEYS = 255
+#: block keys of a lookup's second step: a chunk's first 16, 32, ..., 240 tokens
+MAX_REFINE_BLOCKS = 15
+#: matches one lookup may ask for
+MAX_LOOKUP_LIMIT = 50

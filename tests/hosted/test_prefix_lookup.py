@@ -1,0 +1,319 @@
+"""The hosted prefix index: kept in step with confirm, replace and delete; lookups by chain keys that
+see only the caller's and published artifacts, answer a foreign key exactly as an unknown one, and
+find what core's own index finds. The app runs in-process (TestClient) on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from kvcdn_core.store import keys as chainkeys
+from tests.support.hosted import API, bearer, sha256_of
+
+C = chainkeys.CHUNK_TOKENS
+
+
+def write_kv(path: Path, ids, reuse: str | None = None, model_id: str = "example/prefix") -> Path:
+    """A valid `.kv` of two small full-attention layers holding ``ids`` (``reuse`` declared if given)."""
+    import torch
+
+    from kvcdn_core import artifact
+
+    n = len(ids)
+    tensors = {"token_ids": torch.tensor(list(ids), dtype=torch.int64)}
+    layers = []
+    for i in range(2):
+        k, v = f"layers.{i}.key", f"layers.{i}.value"
+        tensors[k] = torch.zeros(1, 1, n, 2)
+        tensors[v] = torch.ones(1, 1, n, 2)
+        layers.append({"index": i, "kind": "full_attention", "tensors": {"key": k, "value": v}})
+    manifest = {
+        "kvcdn_version": "0.1.0",
+        "created_at": "2026-01-01T00:00:00Z",
+        "model": {"id": model_id, "architecture": "Qwen3ForCausalLM", "family": "qwen"},
+        "compute_dtype": "float32",
+        "layers": layers,
+        "quantization": None,
+    }
+    if reuse:
+        manifest["reuse"] = reuse
+    return artifact.write_artifact(path, manifest, tensors)
+
+
+def root_of(path: Path) -> str:
+    from kvcdn_core import artifact
+    from kvcdn_core.artifact.manifest import manifest_of
+    from kvcdn_core.store.pack import root_of as root
+
+    return root(manifest_of(artifact.read_header(path)))
+
+
+def query_body(root: str, ids, limit: int = 10) -> dict:
+    """What a client sends: the query's full-chunk keys and the keys of its tail at each length."""
+    ids = np.asarray(ids, dtype=np.int64)
+    full = chainkeys.full_chain(root, ids)
+    parent, tail = (full[-1] if full else root), ids[len(full) * C :]
+    partial = [chainkeys.child_key(parent, tail[: i + 1]) for i in range(tail.size)]
+    return {"root": root, "keys": full, "partial": partial, "limit": limit}
+
+
+@pytest.fixture
+def hosted(monkeypatch, tmp_path, database_url):
+    """The app in-process with two orgs; ``upload(org, path, name, ...)`` confirms an artifact."""
+    from kvcdn_server.apikeys import derive_key
+    from kvcdn_server.app import create_app
+    from kvcdn_server.config import load_config
+
+    monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme,beta")
+    monkeypatch.setenv("KVCDN_DATABASE_URL", database_url)
+    config = load_config(storage=str(tmp_path / "objects"))
+    app = create_app(config)
+    client = TestClient(app)
+    keys = {org: derive_key(config.api_key_seed, org) for org in ("acme", "beta")}
+
+    class Hosted:
+        def __init__(self):
+            self.app, self.client, self.keys = app, client, keys
+            self.db = app.state.services.db_engine
+
+        def upload(self, org, path, name, visibility="private", replace=False) -> str:
+            r = client.post(
+                f"{API}/artifacts/upload-url",
+                headers=bearer(keys[org]),
+                json={
+                    "name": name,
+                    "size_bytes": path.stat().st_size,
+                    "sha256": sha256_of(path),
+                    "visibility": visibility,
+                },
+            )
+            assert r.status_code == 200, r.text
+            plan = r.json()
+            url = "/" + plan["url"].split("://", 1)[1].split("/", 1)[1]
+            assert client.put(url, content=path.read_bytes()).status_code == 200
+            r = client.post(
+                f"{API}/artifacts/{plan['artifact_id']}/confirm-upload",
+                headers=bearer(keys[org]),
+                json={"replace": replace},
+            )
+            assert r.status_code == 200, r.text
+            return plan["artifact_id"]
+
+        def lookup(self, org, body) -> dict:
+            r = client.post(f"{API}/prefix/lookup", headers=bearer(keys[org]), json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def raw_lookup(self, org, body):
+            return client.post(f"{API}/prefix/lookup", headers=bearer(keys[org]), json=body)
+
+        def roots(self, org) -> list[dict]:
+            r = client.get(f"{API}/prefix/roots", headers=bearer(keys[org]))
+            assert r.status_code == 200, r.text
+            return r.json()["roots"]
+
+        def rows(self, artifact_id: str) -> int:
+            from kvcdn_server.prefix import prefix_artifacts, prefix_nodes
+
+            with self.db.connect() as c:
+                nodes = c.execute(
+                    sa.select(sa.func.count()).where(prefix_nodes.c.artifact_id == artifact_id)
+                ).scalar_one()
+                arts = c.execute(
+                    sa.select(sa.func.count()).where(prefix_artifacts.c.artifact_id == artifact_id)
+                ).scalar_one()
+            return nodes + arts
+
+    with client:
+        yield Hosted()
+
+
+def ids_of(seed: int, n: int, start: int = 0) -> list[int]:
+    return (np.random.default_rng(seed).integers(1, 50_000, n) + 0 * start).tolist()
+
+
+def test_the_index_follows_confirm_replace_and_delete(hosted, tmp_path):
+    doc = ids_of(1, 700)
+    a = write_kv(tmp_path / "a.kv", doc)
+    root = root_of(a)
+    first = hosted.upload("acme", a, "doc")
+    # the root, two full chunks and a partial one; blocks of 16 inside them (15 + 15 + 11); the artifact
+    assert hosted.rows(first) == 4 + 41 + 1
+    found = hosted.lookup("acme", query_body(root, doc + [7, 8, 9]))
+    assert found["matched_chunks"] == 2
+    assert [(m["artifact_id"], m["matched_tokens"], m["exact"]) for m in found["matches"]] == [(first, 700, True)]
+    assert [(r["root"], r["artifacts"], r["model"]["id"]) for r in hosted.roots("acme")] == [
+        (root, 1, "example/prefix")
+    ]
+
+    # replacing the name drops the old artifact's rows in the confirm's own transaction
+    other = ids_of(2, 300)
+    second = hosted.upload("acme", write_kv(tmp_path / "b.kv", other), "doc", replace=True)
+    assert hosted.rows(first) == 0 and hosted.rows(second) == 3 + 17 + 1
+    assert hosted.lookup("acme", query_body(root, doc))["matches"] == []
+    assert [m["artifact_id"] for m in hosted.lookup("acme", query_body(root, other))["matches"]] == [second]
+
+    r = hosted.client.delete(f"{API}/artifacts/{second}", headers=bearer(hosted.keys["acme"]))
+    assert r.status_code == 204
+    assert hosted.rows(second) == 0
+    assert hosted.lookup("acme", query_body(root, other)) == {
+        "root": root,
+        "matched_chunks": 0,
+        "chunk_tokens": C,
+        "matches": [],
+    }
+    assert hosted.roots("acme") == []
+
+
+def test_a_foreign_private_key_answers_exactly_as_an_unknown_one(hosted, tmp_path):
+    secret = ids_of(3, 600)
+    path = write_kv(tmp_path / "s.kv", secret)
+    root = root_of(path)
+    hosted.upload("beta", path, "secret")
+    unknown = ids_of(4, 600)
+    mine = hosted.raw_lookup("acme", query_body(root, secret))
+    miss = hosted.raw_lookup("acme", query_body(root, unknown))
+    assert mine.status_code == miss.status_code == 200
+    assert mine.content == miss.content  # byte for byte: the same answer as a key nobody holds
+    assert hosted.roots("acme") == []  # nor does the root of a foreign private artifact show
+    # its owner finds it
+    assert hosted.lookup("beta", query_body(root, secret))["matches"][0]["name"] == "secret"
+
+
+def test_published_artifacts_are_found_by_everyone(hosted, tmp_path):
+    shared = ids_of(5, 520)
+    path = write_kv(tmp_path / "p.kv", shared)
+    root = root_of(path)
+    published = hosted.upload("beta", path, "public-doc", visibility="public")
+    found = hosted.lookup("acme", query_body(root, shared + [1, 2]))
+    assert [(m["artifact_id"], m["matched_tokens"]) for m in found["matches"]] == [(published, 520)]
+    assert [r["root"] for r in hosted.roots("acme")] == [root]
+
+
+def test_lookup_agrees_with_core_index(hosted, tmp_path):
+    """The same artifacts in core's chunk-store index and in the hosted one: the hosted client's
+    lookup (chain keys, then block keys inside the next chunk, refined by the candidates' token ids)
+    gives exactly core's hits."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kvcdn_core.plugin_host.registry import open_storage
+    from kvcdn_core.store import index
+    from kvcdn_hosted.storage import HostedStorage
+    from kvcdn_wire.responses import parse
+
+    base = ids_of(6, 1024)
+    corpus = {
+        "base": base,
+        "short": base[:300],
+        "branch": base[:512] + ids_of(7, 400),
+        "tail": base[:768] + ids_of(8, 20),
+        "other": ids_of(9, 900),
+        "state": base[:530],  # whole-prefix: found only when the query holds it whole
+    }
+    backend = open_storage(str(tmp_path / "core-store"))
+    root = None
+    for name, ids in corpus.items():
+        reuse = "whole_prefix" if name == "state" else None
+        path = write_kv(tmp_path / f"{name}.kv", ids, reuse=reuse)
+        root = root_of(path)
+        hosted.upload("acme", path, name)
+        record = SimpleNamespace(
+            name=name,
+            root=root,
+            reuse=reuse or "any_prefix",
+            chunk_tokens=C,
+            token_count=len(ids),
+            model={"id": "example/prefix"},
+            compute_dtype="float32",
+            quantization=None,
+        )
+        index.add(backend, record, ids)
+    queries = [
+        base + [5, 6],
+        base[:600],
+        base[:512] + ids_of(7, 450),
+        base[:768] + ids_of(8, 20) + [1],
+        base[:780],
+        base[:300],
+        ids_of(9, 300),
+        ids_of(10, 700),
+        base[:100] + ids_of(11, 50),  # inside the first chunk
+        base[:5] + ids_of(12, 400),
+        base[:512] + ids_of(7, 37) + ids_of(13, 300),  # inside a chunk, past a block boundary
+        base[:530],
+    ]
+    client = HostedStorage(settings=None)  # the client's own two-step lookup, over the in-process app
+    client._lookup = lambda model, body: parse(model, hosted.lookup("acme", body))  # type: ignore[method-assign]
+    for q in queries:
+        core = index.lookup(backend, root, q, 0, 10)
+        remote = client.prefix_lookup(root, q, 0, 10)
+        assert [dataclasses.replace(h, ref=None) for h in remote] == core, q[:3]
+        assert all(h.ref for h in remote)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"root": "zz" * 32, "keys": []},
+        {"root": "ab" * 32, "keys": ["ab" * 31]},
+        {"root": "ab" * 32, "keys": ["AB" * 32]},
+        {"root": "ab" * 32, "keys": ["ab" * 32] * 513},
+        {"root": "ab" * 32, "partial": ["ab" * 32] * 256},
+        {"root": "ab" * 32, "limit": 0},
+        {"root": "ab" * 32, "tokens": [1, 2, 3]},
+    ],
+)
+def test_bad_lookups_are_refused_in_one_line(hosted, body):
+    r = hosted.raw_lookup("acme", body)
+    assert r.status_code == 422 and r.json()["error"] == "validation_error"
+    assert "\n" not in r.json()["message"]
+
+
+def test_lookup_needs_a_credential(hosted):
+    assert hosted.client.post(f"{API}/prefix/lookup", json={"root": "ab" * 32}).status_code == 401
+    assert hosted.client.get(f"{API}/prefix/roots").status_code == 401
+
+
+def test_foreign_and_unknown_keys_take_the_same_time(hosted, tmp_path):
+    """Timing: lookups of keys held only in another tenant's private artifacts against lookups of
+    keys nobody holds, interleaved (one of each in turn, so a busy machine's load falls on both
+    alike), compared by the medians of batches. Both run the same statements against the same
+    index seeks (a lookup reads only the caller's and the public scope, where neither key is), so
+    their times differ only by noise; the bound (medians within a factor of 1.5) is wide enough
+    that no load pattern breaks it yet far below what a real difference would show: a scope that
+    leaked (reading the foreign rows and then filtering them) costs the row reads of 16 chunks."""
+    foreign_bodies, unknown_bodies = [], []
+    for i in range(4):
+        ids = ids_of(100 + i, 16 * C)
+        path = write_kv(tmp_path / f"f{i}.kv", ids)
+        root = root_of(path)
+        for j in range(3):  # several artifacts behind each key: a scan would show
+            hosted.upload("beta", path, f"f{i}-{j}")
+        foreign_bodies.append(query_body(root, ids))
+        unknown_bodies.append(query_body(root, ids_of(200 + i, 16 * C)))
+    # warm both paths first
+    for body in foreign_bodies + unknown_bodies:
+        hosted.raw_lookup("acme", body)
+
+    def batch(bodies) -> float:
+        start = time.perf_counter()
+        for body in bodies:
+            assert hosted.raw_lookup("acme", body).json()["matches"] == []
+        return time.perf_counter() - start
+
+    foreign, unknown = [], []
+    for round_ in range(30):
+        pair = [(foreign, foreign_bodies), (unknown, unknown_bodies)]
+        if round_ % 2:
+            pair.reverse()
+        for into, bodies in pair:
+            into.append(batch(bodies))
+    ratio = statistics.median(foreign) / statistics.median(unknown)
+    assert 1 / 1.5 < ratio < 1.5, (ratio, foreign, unknown)
