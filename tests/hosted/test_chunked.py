@@ -154,6 +154,37 @@ def test_round_trip_is_byte_exact_and_download_url_serves_the_whole_file(server,
     ]
 
 
+def test_a_chunked_artifact_enters_the_prefix_index_and_leaves_it_when_deleted(server, tmp_path):
+    """The chunked confirm indexes its artifact in the same transaction as a whole-file confirm, and
+    a delete takes it out: the hosted lookup finds it by its chain keys, then not at all."""
+    import numpy as np
+
+    from kvcdn_core import artifact
+    from kvcdn_core.artifact.manifest import manifest_of
+    from kvcdn_core.store import keys as chainkeys
+    from kvcdn_core.store.pack import root_of
+
+    app, client, keys = server
+    src = write_kv(tmp_path / "a.kv", 40)
+    report = up(client, keys["acme"], src)
+    root = root_of(manifest_of(artifact.read_header(src)))
+    query = np.arange(45, dtype=np.int64)  # the artifact's 40 tokens, then 5 more: no full 256-token chunk
+    partial = [chainkeys.child_key(root, query[: i + 1]) for i in range(query.size)]
+    body = {"root": root, "keys": [], "partial": partial, "limit": 10}
+
+    def found() -> list[tuple[str, int]]:
+        r = client.post(f"{API}/prefix/lookup", headers=bearer(keys["acme"]), json=body)
+        assert r.status_code == 200, r.text
+        return [(m["artifact_id"], m["matched_tokens"]) for m in r.json()["matches"]]
+
+    assert found() == [(report.artifact_id, 40)]
+    assert client.delete(f"{API}/artifacts/{report.artifact_id}", headers=bearer(keys["acme"])).status_code in (
+        200,
+        204,
+    )
+    assert found() == []
+
+
 def test_a_second_artifact_uploads_only_its_new_chunks(server, tmp_path):
     app, client, keys = server
     first = write_kv(tmp_path / "first.kv", 40)  # chunks [0,16) [16,32) [32,40)
