@@ -25,11 +25,14 @@ early layer differ most between the moved cache and a fresh computation of that 
 ``doc-start`` (each later document's first tokens, which the moved cache lets attend to nothing of
 the documents before them; attention sinks sit there).
 
-Refused with one line: artifacts of different models; layers that are not plain full attention
-(sliding windows keep only the last tokens of the whole prefix, recurrent and linear-attention
-states summarise the prefix, MLA stores its rotary key apart and is not handled here); models with no
-rotary embedding (absolute positions, ALiBi); length-dependent RoPE (dynamic NTK, LongRoPE) past the
-length where its rotation changes.
+Multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-MoE-DSA) caches a latent, which carries no
+position and is kept, and a rotary key stored apart, which is moved (:func:`move_mla_keys`); so is
+the rotary part of a DSA indexer key.
+
+Refused with one line: artifacts of different models; layers that are neither full attention nor
+MLA (sliding windows keep only the last tokens of the whole prefix, recurrent and linear-attention
+states summarise the prefix); models with no rotary embedding (absolute positions, ALiBi);
+length-dependent RoPE (dynamic NTK, LongRoPE) past the length where its rotation changes.
 """
 
 from __future__ import annotations
@@ -104,17 +107,27 @@ def check_same_model(headers: list[artifact.Header]) -> None:
             )
 
 
+#: Layer kinds whose caches can be moved to a new offset.
+MOVABLE = (artifact.FULL_ATTENTION, artifact.MLA_LATENT, artifact.MLA_INDEXED)
+
+
 def composable(session, layers) -> None:
     """Refuse, with the reason in one line, a model whose caches cannot be moved to a new offset."""
     for entry in layers:
-        if entry.kind != artifact.FULL_ATTENTION:
+        if entry.kind not in MOVABLE:
             why = {
                 artifact.SLIDING_WINDOW: "a sliding window keeps only the last tokens of the whole prefix",
-                artifact.MLA_LATENT: "multi-head latent attention stores its rotary key apart (not handled)",
-                artifact.MLA_INDEXED: "multi-head latent attention stores its rotary key apart (not handled)",
             }.get(entry.kind, "a recurrent or linear-attention state summarises the whole prefix")
             raise KvcdnError(f"cannot compose: layer {entry.index} is '{entry.kind}': {why}")
-    _rotary(session.model)
+    if is_mla(session.model):
+        _mla_turn(session.model, 1, session.device)
+    else:
+        _rotary(session.model)
+
+
+def is_mla(model) -> bool:
+    """Whether the model's attention is multi-head latent attention (a latent and a rotary key cached)."""
+    return getattr(model.config, "kv_lora_rank", None) is not None
 
 
 def _rotary(model):
@@ -169,6 +182,65 @@ def move_keys(model, keys, offset: int):
         _, moved = apply(k[..., :width], k[..., :width], cos, sin)
         moved = torch.cat([moved, k[..., width:]], dim=-1)
     return moved.to(keys.dtype)
+
+
+def _mla_turn(model, offset: int, device):
+    """``(turn, interleaved)``: the rotation by ``offset``, one complex number per frequency pair
+    (``[1, 1, pairs]``), from the MLA model's own rotary module with its attention scaling (YaRN's
+    mscale) divided out; and whether the cached rotary key keeps its pairs interleaved.
+
+    DeepSeek-V2's module returns complex numbers and its attention multiplies interleaved pairs by
+    them, keeping them interleaved. V3, V3.2 (``rope_interleave`` or not) and GLM-MoE-DSA return
+    ``cat(freqs, freqs)`` cos and sin, and their attention writes the rotated key half-split.
+    """
+    import torch
+
+    inner = getattr(model, "base_model", model)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None:
+        raise KvcdnError(
+            f"cannot compose with {type(model).__name__}: its latent attention has no rotary module kvcdn can use"
+        )
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    angles = rotary(probe, torch.tensor([[offset]], dtype=torch.long, device=device))
+    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if isinstance(angles, torch.Tensor) and torch.is_complex(angles):
+        return angles / scale, True
+    cos, sin = angles  # the first half holds one angle per pair
+    half = cos.shape[-1] // 2
+    return torch.complex(cos[..., :half].float(), sin[..., :half].float()) / scale, False
+
+
+def _rotate_pairs(x, turn, interleaved: bool):
+    """``x`` (float32) with each frequency pair rotated by ``turn``: pairs ``(x0, x1), (x2, x3)...``
+    when interleaved, ``(x_i, x_{i + D/2})`` otherwise; the layout is kept."""
+    import torch
+
+    if interleaved:
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * turn).flatten(-2)
+    half = x.shape[-1] // 2
+    pairs = torch.complex(x[..., :half], x[..., half:]) * turn
+    return torch.cat([pairs.real, pairs.imag], dim=-1)
+
+
+def move_mla_keys(model, rotary_keys, offset: int, indexer: bool = False):
+    """MLA's cached rotary keys (``[B, 1, T, rope]``), or with ``indexer`` DSA indexer keys
+    (``[B, T, D]``, whose first ``rope`` channels are rotary and always half-split), computed at
+    ``0..T-1``, re-rotated to ``offset..offset+T-1``. Rotated in float32, cast back.
+    """
+    import torch
+
+    if offset == 0:
+        return rotary_keys
+    turn, interleaved = _mla_turn(model, offset, rotary_keys.device)
+    x = rotary_keys.float()
+    width = turn.shape[-1] * 2
+    if indexer:
+        moved = torch.cat([_rotate_pairs(x[..., :width], turn, False), x[..., width:]], dim=-1)
+    else:
+        moved = _rotate_pairs(x, turn, interleaved)
+    return moved.to(rotary_keys.dtype)
 
 
 def _check_length(session, total: int) -> None:
@@ -239,21 +311,37 @@ def _prefill(session, ids: list[int], cache):
 
 
 def _concatenate(session, parts, offsets: list[int]):
-    """A cache holding every part's keys (moved to its offset) and values, in order."""
+    """A cache holding every part's keys (moved to its offset) and values, in order.
+
+    MLA layers hold the latent in ``keys`` (no position: kept) and the rotary key in ``values``
+    (moved), and DSA layers their indexer keys (moved) besides.
+    """
     import torch
 
-    cache = session.adapter.new_cache(session.model)
+    model = session.model
+    cache = session.adapter.new_cache(model)
     targets = session.adapter.cache_layers(cache)
     sources = [session.adapter.cache_layers(part_cache) for part_cache, _ in parts]
-    rotated = rotated_layers(session.model)
+    mla = is_mla(model)
+    rotated = rotated_layers(model)
     for i, target in enumerate(targets):
-        keys = torch.cat(
-            [move_keys(session.model, s[i].keys, o) if rotated[i] else s[i].keys for s, o in zip(sources, offsets)],
-            dim=-2,
-        )
-        values = torch.cat([s[i].values for s in sources], dim=-2)
+        layers = [(s[i], o) for s, o in zip(sources, offsets)]
+        if mla:
+            keys = torch.cat([layer.keys for layer, _ in layers], dim=-2)
+            values = torch.cat([move_mla_keys(model, layer.values, o) for layer, o in layers], dim=-2)
+        else:
+            keys = torch.cat(
+                [move_keys(model, layer.keys, o) if rotated[i] else layer.keys for layer, o in layers], dim=-2
+            )
+            values = torch.cat([layer.values for layer, _ in layers], dim=-2)
         target.lazy_initialization(keys, values)
         target.keys, target.values = keys, values
+        if getattr(layers[0][0], "is_indexer_initialized", False):
+            indexer = torch.cat(
+                [move_mla_keys(model, layer.indexer_keys, o, indexer=True) for layer, o in layers], dim=1
+            )
+            target.lazy_initialization_indexer(indexer)
+            target.indexer_keys = indexer
     return cache
 
 
@@ -310,8 +398,9 @@ def _by_deviation(session, first_cache, ids: list[int], prefix: int, cache, coun
         pass
     finally:
         hook.remove()
-    fresh = session.adapter.cache_layers(probe)[watched].values[..., prefix:, :]
-    moved = session.adapter.cache_layers(cache)[watched].values[..., prefix:, :]
+    slot = "keys" if is_mla(model) else "values"  # MLA: the latent, from which values are decompressed
+    fresh = getattr(session.adapter.cache_layers(probe)[watched], slot)[..., prefix:, :]
+    moved = getattr(session.adapter.cache_layers(cache)[watched], slot)[..., prefix:, :]
     deviation = (fresh.float() - moved.float()).pow(2).sum(dim=(0, 1, 3))
     top = torch.topk(deviation, count).indices + prefix
     return sorted(int(i) for i in top)
@@ -354,3 +443,7 @@ def recompute_tokens(session, cache, ids: list[int], selected: list[int]) -> Non
             keys[..., chosen, :] = layer.keys[..., total:, :]
             values[..., chosen, :] = layer.values[..., total:, :]
             layer.keys, layer.values = keys, values
+            if getattr(layer, "is_indexer_initialized", False):  # DSA: [batch, tokens, width]
+                indexer = layer.indexer_keys[:, :total, :].clone()
+                indexer[:, chosen, :] = layer.indexer_keys[:, total:, :]
+                layer.indexer_keys = indexer
