@@ -14,7 +14,7 @@ from kvcdn_core import artifact, compose, runtime
 from kvcdn_core.artifact.manifest import LayerEntry
 from kvcdn_core.errors import KvcdnError
 from kvcdn_core.model.mla import ungroup_mla_heads
-from kvcdn_core.model.tiny import SAMPLE_TEXT, config_variants, model_class
+from kvcdn_core.model.tiny import SAMPLE_TEXT, TINY_DECODER, config_variants, model_class
 from kvcdn_core.plugin_host.registry import adapter_classes
 
 TOL = 1e-4
@@ -37,9 +37,13 @@ FAMILIES = [
     "DeepseekV3ForCausalLM",  # MLA, interleaved YaRN written half-split
     "DeepseekV32ForCausalLM",  # MLA with the DSA indexer key
     "GlmMoeDsaForCausalLM",  # MLA, DSA with layers sharing a selection
+    "Qwen3_5ForCausalLM",  # multimodal rotary sections, interleaved, partial (full-attention layers only)
 ]
 
 _ROPE = {"rope_theta": 10000.0}
+#: Qwen3.5's rotary at tiny scale: half of the head rotary, its 4 frequency pairs
+#: split 2:1:1 between the temporal, height and width positions, interleaved.
+_MROPE = {**_ROPE, "rope_type": "default", "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}
 #: (architecture, variant, config changes): every rotary kind, as a model built in memory.
 ROTARY_KINDS = {
     "plain": ("Qwen3ForCausalLM", None, {}),
@@ -61,6 +65,11 @@ ROTARY_KINDS = {
     "partial-in-apply": ("NemotronForCausalLM", None, {}),
     "nope-layers": ("SmolLM3ForCausalLM", None, {}),
     "chunked-halves": ("GptOssForCausalLM", None, {}),
+    "mrope-interleaved-partial": (
+        "Qwen3_5ForCausalLM",
+        None,
+        {"layer_types": ["full_attention"] * 4, "rope_parameters": _MROPE},
+    ),
 }
 
 
@@ -164,6 +173,61 @@ def test_a_moved_mla_document_equals_its_prefill_at_the_new_offset(kind):
     assert indexed >= (1 if "v32" in kind or "glm" in kind else 0)
 
 
+@pytest.mark.parametrize("name", ["Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel"])
+def test_a_moved_document_equals_its_prefill_on_the_vision_language_text_stacks(name):
+    """Qwen2-VL and 2.5-VL (sections in blocks) and Qwen3-VL (interleaved) text stacks: a text
+    document moves like any rotary one. (kvcdn has no adapter for these yet; the rotation is the
+    same code path as Qwen3.5's.) The sections are real: an image-like position (t, 0, 0) rotates
+    differently from the text position t (equal sections)."""
+    import torch
+    import transformers
+    from transformers import DynamicCache
+
+    cls = getattr(transformers, name)
+    config = cls.config_class(
+        **dict(
+            TINY_DECODER,
+            vocab_size=384,
+            bos_token_id=1,
+            eos_token_id=1,
+            rope_parameters={**_MROPE, "partial_rotary_factor": 1.0, "mrope_section": [4, 2, 2]},
+        )
+    )
+    torch.manual_seed(0)
+    model = cls(config).float().eval()
+    ids = torch.randint(0, 384, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def prefilled_at(offset):
+        cache = DynamicCache(config=config)
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.arange(offset, offset + 40)[None], cache=cache, use_cache=True)
+        return cache
+
+    for moved_from, want in zip(prefilled_at(0).layers, prefilled_at(23).layers):
+        assert _relative(compose.move_keys(model, moved_from.keys, 23), want.keys) < TOL
+        assert _relative(moved_from.keys, want.keys) > 1e-2
+    text, _ = model.rotary_emb(torch.zeros(1), torch.tensor([[200]]))
+    image, _ = model.rotary_emb(torch.zeros(1), torch.tensor([[[200]], [[0]], [[0]]]))
+    assert float((text - image).abs().max()) > 0.1
+
+
+class _Qwen35FullAttention(adapter_classes()["Qwen3_5ForCausalLM"]):
+    """Qwen3.5's text model with full-attention layers only: its multimodal rotary sections, without
+    the gated-DeltaNet layers that are refused for composition."""
+
+    validation_configs = {
+        "Qwen3_5ForCausalLM": dict(
+            adapter_classes()["Qwen3_5ForCausalLM"].validation_configs["Qwen3_5ForCausalLM"],
+            layer_types=["full_attention"] * 4,
+            rope_parameters=_MROPE,
+        )
+    }
+
+
+#: Architectures composed with a test adapter instead of their own (whose layers are refused).
+_ADAPTERS = {"Qwen3_5ForCausalLM": _Qwen35FullAttention}
+
+
 @pytest.fixture(scope="module")
 def family_artifacts(tiny_session, tmp_path_factory):
     """Factory ``(session, headers)``: the tiny model of an architecture and an artifact per document."""
@@ -172,7 +236,7 @@ def family_artifacts(tiny_session, tmp_path_factory):
     def get(architecture, documents=DOCUMENTS[:3]):
         key = (architecture, tuple(documents))
         if key not in made:
-            session = tiny_session(adapter_classes()[architecture], architecture)
+            session = tiny_session(_ADAPTERS.get(architecture) or adapter_classes()[architecture], architecture)
             out = tmp_path_factory.mktemp(f"compose-{architecture}")
             headers = []
             for i, text in enumerate(documents):
@@ -330,11 +394,24 @@ def test_models_without_rotary_positions_are_refused(architecture):
         compose.move_keys(model, None, 3)
 
 
-def test_multimodal_rotary_sections_are_refused():
+def test_a_rotary_module_that_returns_angles_per_section_is_refused():
+    """A rotary module that leaves the sections apart (as transformers' Qwen2-VL did before it
+    recomposed them in the module) gives angles kvcdn cannot apply to one key: refused."""
+    import torch
+
+    class PerSection(torch.nn.Module):
+        def __init__(self, rotary):
+            super().__init__()
+            self.rotary = rotary
+
+        def forward(self, x, position_ids):
+            cos, sin = self.rotary(x, position_ids)
+            return cos.expand(3, *cos.shape), sin.expand(3, *sin.shape)
+
     model = _model("Qwen3ForCausalLM", None, {})
-    model.config.mrope_section = [2, 3, 3]
-    with pytest.raises(KvcdnError, match="multimodal rotary sections are not handled"):
-        compose.move_keys(model, None, 3)
+    model.model.rotary_emb = PerSection(model.model.rotary_emb)
+    with pytest.raises(KvcdnError, match=r"returns angles per position section \(\[3, 1, 1, 16\]\)"):
+        compose.move_keys(model, torch.zeros(1, 2, 4, 16), 3)
 
 
 def test_longrope_past_its_switch_is_refused(family_artifacts):

@@ -25,6 +25,14 @@ early layer differ most between the moved cache and a fresh computation of that 
 ``doc-start`` (each later document's first tokens, which the moved cache lets attend to nothing of
 the documents before them; attention sinks sit there).
 
+Multimodal rotary sections (mrope: Qwen3.5's text models, the Qwen2-VL, 2.5-VL and 3-VL text
+stacks) give each frequency the temporal, height or width position; a text token has the three
+equal, so its rotation is the plain one at its position and a shift by ``o`` moves every section by
+``o``. The model's own rotary module, given one position, expands it to equal sections and
+recomposes them, so keys move as above. kvcdn's artifacts are always text positions: it prefills
+token ids at ``0..T-1`` and has no vision-language adapter, so no artifact holds image positions. A
+rotary module that returns its angles per section (not recomposed) is refused.
+
 Multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-MoE-DSA) caches a latent, which carries no
 position and is kept, and a rotary key stored apart, which is moved (:func:`move_mla_keys`); so is
 the rotary part of a DSA indexer key.
@@ -143,8 +151,6 @@ def _rotary(model):
             f"cannot compose with {name}: it has no rotary position embedding kvcdn can move (absolute "
             "positions, ALiBi, or rotary kept inside the attention), so cached keys cannot change offset"
         )
-    if getattr(rotary, "rope_type", "default") == "mrope" or getattr(model.config, "mrope_section", None):
-        raise KvcdnError(f"cannot compose with {name}: multimodal rotary sections are not handled")
     return rotary, apply
 
 
@@ -172,6 +178,11 @@ def move_keys(model, keys, offset: int):
     probe = torch.zeros(1, dtype=torch.float32, device=keys.device)
     position = torch.tensor([[offset]], dtype=torch.long, device=keys.device)
     cos, sin = rotary(probe, position)
+    if cos.shape[:-1] != (1, 1):
+        raise KvcdnError(
+            f"cannot compose with {type(model).__name__}: its rotary module returns angles per position "
+            f"section ({list(cos.shape)}), which kvcdn cannot move"
+        )
     scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
     cos, sin = cos.float() / scale, sin.float() / scale
     k = keys.float()
