@@ -38,6 +38,11 @@ FAMILIES = [
     "DeepseekV32ForCausalLM",  # MLA with the DSA indexer key
     "GlmMoeDsaForCausalLM",  # MLA, DSA with layers sharing a selection
     "Qwen3_5ForCausalLM",  # multimodal rotary sections, interleaved, partial (full-attention layers only)
+    "MistralForCausalLM",  # a sliding window on every layer (widened to hold the documents)
+    "Gemma2ForCausalLM",  # sliding and full layers alternating (widened)
+    "GptOssForCausalLM",  # sliding and full layers, attention sinks (widened)
+    "Cohere2ForCausalLM",  # rotary on its sliding layers only (widened)
+    "Exaone4ForCausalLM",  # likewise, by another rule (widened)
 ]
 
 _ROPE = {"rope_theta": 10000.0}
@@ -65,6 +70,8 @@ ROTARY_KINDS = {
     "partial-in-apply": ("NemotronForCausalLM", None, {}),
     "nope-layers": ("SmolLM3ForCausalLM", None, {}),
     "chunked-halves": ("GptOssForCausalLM", None, {}),
+    "rope-on-sliding-only": ("Cohere2ForCausalLM", None, {"sliding_window": 64}),
+    "rope-on-sliding-only-exaone": ("Exaone4ForCausalLM", None, {"sliding_window": 64}),
     "mrope-interleaved-partial": (
         "Qwen3_5ForCausalLM",
         None,
@@ -224,8 +231,28 @@ class _Qwen35FullAttention(adapter_classes()["Qwen3_5ForCausalLM"]):
     }
 
 
+def _widened(architecture, window=512):
+    """The architecture's adapter with a sliding window wide enough for the test documents (the
+    tiny configs' 16-20 tokens hold none of them; those are refused, see below)."""
+    base = adapter_classes()[architecture]
+    configs = {architecture: dict(base.validation_configs[architecture], sliding_window=window)}
+    return type(f"Widened{base.__name__}", (base,), {"validation_configs": configs})
+
+
 #: Architectures composed with a test adapter instead of their own (whose layers are refused).
-_ADAPTERS = {"Qwen3_5ForCausalLM": _Qwen35FullAttention}
+_ADAPTERS = {
+    "Qwen3_5ForCausalLM": _Qwen35FullAttention,
+    **{
+        arch: _widened(arch)
+        for arch in (
+            "MistralForCausalLM",
+            "Gemma2ForCausalLM",
+            "GptOssForCausalLM",
+            "Cohere2ForCausalLM",
+            "Exaone4ForCausalLM",
+        )
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +260,11 @@ def family_artifacts(tiny_session, tmp_path_factory):
     """Factory ``(session, headers)``: the tiny model of an architecture and an artifact per document."""
     made = {}
 
-    def get(architecture, documents=DOCUMENTS[:3]):
-        key = (architecture, tuple(documents))
+    def get(architecture, documents=DOCUMENTS[:3], adapter=None):
+        adapter = adapter or _ADAPTERS.get(architecture) or adapter_classes()[architecture]
+        key = (architecture, tuple(documents), adapter)
         if key not in made:
-            session = tiny_session(_ADAPTERS.get(architecture) or adapter_classes()[architecture], architecture)
+            session = tiny_session(adapter, architecture)
             out = tmp_path_factory.mktemp(f"compose-{architecture}")
             headers = []
             for i, text in enumerate(documents):
@@ -348,7 +376,7 @@ def test_deviation_ranks_by_the_early_layer_values(family_artifacts, architectur
     assert picked == want
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "DeepseekV2ForCausalLM"])
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "DeepseekV2ForCausalLM", "MistralForCausalLM"])
 def test_recomputation_brings_the_composition_closer_to_the_full_prefill(family_artifacts, architecture):
     """(Not on the DSA models: a random tiny indexer's top-k flips between shares, and the largest
     logit error is not monotone below R = 0.75 there; the mean is, roughly.)"""
@@ -373,7 +401,6 @@ def test_artifacts_of_different_models_are_refused(family_artifacts):
 @pytest.mark.parametrize(
     ("kind", "reason"),
     [
-        ("sliding_window", "sliding window keeps only the last tokens"),
         ("linear_attention", "summarises the whole prefix"),
         ("recurrent_state", "summarises the whole prefix"),
     ],
@@ -412,6 +439,42 @@ def test_a_rotary_module_that_returns_angles_per_section_is_refused():
     model.model.rotary_emb = PerSection(model.model.rotary_emb)
     with pytest.raises(KvcdnError, match=r"returns angles per position section \(\[3, 1, 1, 16\]\)"):
         compose.move_keys(model, torch.zeros(1, 2, 4, 16), 3)
+
+
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "GptOssForCausalLM"])
+@pytest.mark.parametrize("share", [0.0, 0.25])
+def test_a_composed_sliding_window_layer_counts_every_token(family_artifacts, architecture, share):
+    """A sliding layer's length (its positions and its mask) is a counter beside its tensors: a
+    composition within the window leaves it where a full prefill does."""
+    session, headers = family_artifacts(architecture)
+    composed = compose.compose(session, headers, recompute=share)
+    full, _ = runtime.prefill(session, composed.ids, progress=False)
+    pairs = zip(session.adapter.cache_layers(composed.cache), session.adapter.cache_layers(full))
+    sliding = [(got, want) for got, want in pairs if getattr(want, "is_sliding", False)]
+    assert sliding
+    for got, want in sliding:
+        assert got.cumulative_length == want.cumulative_length == len(composed.ids)
+        assert got.keys.shape == want.keys.shape and not got.record_past
+
+
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Gemma2ForCausalLM"])
+def test_a_composition_longer_than_a_sliding_window_is_refused(family_artifacts, architecture):
+    """The stock tiny windows (20 and 16 tokens) hold less than the documents: refused in one line."""
+    adapter = adapter_classes()[architecture]
+    session, headers = family_artifacts(architecture, adapter=adapter)
+    window = adapter.validation_configs[architecture]["sliding_window"]
+    with pytest.raises(
+        KvcdnError,
+        match=rf"cannot compose \d+ tokens: layer 0 has a sliding window that keeps only the last {window - 1};",
+    ):
+        compose.compose(session, headers)
+
+
+def test_rotary_frequencies_per_layer_type_are_refused():
+    """Gemma 3 rotates local and global layers with different frequencies: refused."""
+    model = _model("Gemma3ForCausalLM", None, {})
+    with pytest.raises(KvcdnError, match="rotary frequencies differ per layer type"):
+        compose.move_keys(model, None, 3)
 
 
 def test_longrope_past_its_switch_is_refused(family_artifacts):

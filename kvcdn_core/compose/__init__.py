@@ -37,9 +37,13 @@ Multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-MoE-DSA) caches a latent, 
 position and is kept, and a rotary key stored apart, which is moved (:func:`move_mla_keys`); so is
 the rotary part of a DSA indexer key.
 
-Refused with one line: artifacts of different models; layers that are neither full attention nor
-MLA (sliding windows keep only the last tokens of the whole prefix, recurrent and linear-attention
-states summarise the prefix); models with no rotary embedding (absolute positions, ALiBi);
+Sliding-window layers keep their last ``window - 1`` tokens. A composition that fits in them is
+exact as above (every token is in reach of every later one, as in a full prefill); a longer one is
+refused (each document's cache would lack what the full prefill's window holds).
+
+Refused with one line: artifacts of different models; recurrent and linear-attention layers (their
+state summarises the prefix); a composition longer than a sliding window; models with no rotary
+embedding (absolute positions, ALiBi) or with rotary frequencies per layer type (Gemma 3);
 length-dependent RoPE (dynamic NTK, LongRoPE) past the length where its rotation changes.
 """
 
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import sys
 from typing import Any
 
@@ -115,17 +120,15 @@ def check_same_model(headers: list[artifact.Header]) -> None:
             )
 
 
-#: Layer kinds whose caches can be moved to a new offset.
-MOVABLE = (artifact.FULL_ATTENTION, artifact.MLA_LATENT, artifact.MLA_INDEXED)
+#: Layer kinds whose caches can be moved to a new offset (sliding windows: within the window).
+MOVABLE = (artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW, artifact.MLA_LATENT, artifact.MLA_INDEXED)
 
 
 def composable(session, layers) -> None:
     """Refuse, with the reason in one line, a model whose caches cannot be moved to a new offset."""
     for entry in layers:
         if entry.kind not in MOVABLE:
-            why = {
-                artifact.SLIDING_WINDOW: "a sliding window keeps only the last tokens of the whole prefix",
-            }.get(entry.kind, "a recurrent or linear-attention state summarises the whole prefix")
+            why = "a recurrent or linear-attention state summarises the whole prefix"
             raise KvcdnError(f"cannot compose: layer {entry.index} is '{entry.kind}': {why}")
     if is_mla(session.model):
         _mla_turn(session.model, 1, session.device)
@@ -146,6 +149,11 @@ def _rotary(model):
     attention = _attention(layers[0]) if layers is not None and len(layers) else None
     apply = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None) if attention else None
     name = type(model).__name__
+    if rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters:
+        raise KvcdnError(
+            f"cannot compose with {name}: its rotary frequencies differ per layer type (local and global "
+            "layers), which kvcdn does not move yet"
+        )
     if rotary is None or apply is None:
         raise KvcdnError(
             f"cannot compose with {name}: it has no rotary position embedding kvcdn can move (absolute "
@@ -154,11 +162,22 @@ def _rotary(model):
     return rotary, apply
 
 
+#: Model types whose attention's code, not an attribute, decides which layers rotate their keys:
+#: Cohere 2 only its sliding layers, EXAONE 4 only its sliding ones once it has a window (its global
+#: layers then have no positions).
+_ROTATES = {
+    "cohere2": lambda attention: attention.sliding_window is not None,
+    "exaone4": lambda attention: attention.sliding_window is None or attention.is_sliding,
+}
+
+
 def rotated_layers(model) -> list[bool]:
     """Per decoder layer, whether its keys carry rotary positions (SmolLM3 and Llama 4 leave some
-    layers without: their keys need no move)."""
+    layers without, Cohere 2 and EXAONE 4 their global ones: their keys need no move)."""
     inner = getattr(model, "base_model", model)
-    return [bool(getattr(_attention(layer), "use_rope", True)) for layer in inner.layers]
+    rotates = _ROTATES.get(str(getattr(model.config, "model_type", "")), lambda attention: True)
+    attentions = [_attention(layer) for layer in inner.layers]
+    return [bool(getattr(attention, "use_rope", True)) and rotates(attention) for attention in attentions]
 
 
 def _attention(layer):
@@ -265,6 +284,18 @@ def _check_length(session, total: int) -> None:
         )
 
 
+def _check_window(session, cache, total: int) -> None:
+    """Sliding-window layers keep their last ``window - 1`` tokens: a composition that fits in them
+    is what a full prefill leaves there (every token in reach of every later one); a longer one is
+    refused, since each document's cache would lack what a full prefill's window holds."""
+    for i, layer in enumerate(session.adapter.cache_layers(cache)):
+        if getattr(layer, "is_sliding", False) and total > layer.sliding_window - 1:
+            raise KvcdnError(
+                f"cannot compose {total} tokens: layer {i} has a sliding window that keeps only the last "
+                f"{layer.sliding_window - 1}; keep the documents within {layer.sliding_window - 1} tokens"
+            )
+
+
 def load_parts(session, headers: list[artifact.Header], force: bool = False):
     """Each artifact's ``(cache, token ids)``, after the checks that refuse a composition."""
     from kvcdn_core import runtime
@@ -297,6 +328,7 @@ def compose(
         offsets.append(len(ids))
         ids += part_ids
     _check_length(session, len(ids))
+    _check_window(session, parts[0][0], len(ids))
     first_cache, first_ids = parts[0]
     later = len(ids) - len(first_ids)
     count = round(recompute * later)
@@ -347,6 +379,8 @@ def _concatenate(session, parts, offsets: list[int]):
             values = torch.cat([layer.values for layer, _ in layers], dim=-2)
         target.lazy_initialization(keys, values)
         target.keys, target.values = keys, values
+        if getattr(target, "is_sliding", False):  # every token is within the window (checked)
+            target.cumulative_length = keys.shape[-2]
         if getattr(layers[0][0], "is_indexer_initialized", False):
             indexer = torch.cat(
                 [move_mla_keys(model, layer.indexer_keys, o, indexer=True) for layer, o in layers], dim=1
@@ -440,6 +474,9 @@ def recompute_tokens(session, cache, ids: list[int], selected: list[int]) -> Non
     allowed = torch.cat([sees_cached, sees_fresh], dim=-1)
     dtype = getattr(torch, session.dtype)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    sliding = [layer for layer in session.adapter.cache_layers(cache) if getattr(layer, "is_sliding", False)]
+    for layer in sliding:  # keep the stale entries past the window until they are replaced below
+        layer.record_past = True
     with model_turn(session), torch.inference_mode():
         model(
             input_ids=torch.tensor([[ids[i] for i in selected]], device=device),
@@ -458,3 +495,5 @@ def recompute_tokens(session, cache, ids: list[int], selected: list[int]) -> Non
                 indexer = layer.indexer_keys[:, :total, :].clone()
                 indexer[:, chosen, :] = layer.indexer_keys[:, total:, :]
                 layer.indexer_keys = indexer
+    for layer in sliding:
+        layer.record_past, layer.cumulative_length = False, total
