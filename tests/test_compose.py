@@ -43,6 +43,8 @@ FAMILIES = [
     "GptOssForCausalLM",  # sliding and full layers, attention sinks (widened)
     "Cohere2ForCausalLM",  # rotary on its sliding layers only (widened)
     "Exaone4ForCausalLM",  # likewise, by another rule (widened)
+    "Gemma3ForCausalLM",  # rotary frequencies per layer type, local and global (widened)
+    "Olmo3ForCausalLM",  # likewise (widened)
 ]
 
 _ROPE = {"rope_theta": 10000.0}
@@ -72,6 +74,8 @@ ROTARY_KINDS = {
     "chunked-halves": ("GptOssForCausalLM", None, {}),
     "rope-on-sliding-only": ("Cohere2ForCausalLM", None, {"sliding_window": 64}),
     "rope-on-sliding-only-exaone": ("Exaone4ForCausalLM", None, {"sliding_window": 64}),
+    "per-layer-type": ("Gemma3ForCausalLM", None, {"sliding_window": 64}),
+    "per-layer-type-olmo": ("Olmo3ForCausalLM", None, {"sliding_window": 64}),
     "mrope-interleaved-partial": (
         "Qwen3_5ForCausalLM",
         None,
@@ -143,10 +147,10 @@ def test_a_moved_document_equals_its_prefill_at_the_new_offset(kind):
     at_zero, at_p = _prefilled_at(model, ids, 0), _prefilled_at(model, ids, 23)
     rotated = compose.rotated_layers(model)
     checked = 0
-    for moved_from, want, has_rope in zip(at_zero.layers, at_p.layers, rotated):
+    for i, (moved_from, want, has_rope) in enumerate(zip(at_zero.layers, at_p.layers, rotated)):
         if getattr(want, "keys", None) is None or want.keys.shape != moved_from.keys.shape:
-            continue  # a sliding-window layer's buffer (gpt-oss): refused for composition anyway
-        keys = compose.move_keys(model, moved_from.keys, 23) if has_rope else moved_from.keys
+            continue  # a sliding window shorter than the document (gpt-oss's): such compositions are refused
+        keys = compose.move_keys(model, moved_from.keys, 23, i) if has_rope else moved_from.keys
         assert _relative(keys, want.keys) < TOL
         assert _relative(moved_from.values, want.values) < TOL
         # and the move is real: the unmoved keys are far off (order one)
@@ -250,6 +254,8 @@ _ADAPTERS = {
             "GptOssForCausalLM",
             "Cohere2ForCausalLM",
             "Exaone4ForCausalLM",
+            "Gemma3ForCausalLM",
+            "Olmo3ForCausalLM",
         )
     },
 }
@@ -470,11 +476,14 @@ def test_a_composition_longer_than_a_sliding_window_is_refused(family_artifacts,
         compose.compose(session, headers)
 
 
-def test_rotary_frequencies_per_layer_type_are_refused():
-    """Gemma 3 rotates local and global layers with different frequencies: refused."""
-    model = _model("Gemma3ForCausalLM", None, {})
-    with pytest.raises(KvcdnError, match="rotary frequencies differ per layer type"):
-        compose.move_keys(model, None, 3)
+def test_a_rotary_applied_one_tensor_at_a_time_is_refused():
+    """Gemma 3n's attention rotates queries and keys in separate calls (and shares caches between
+    layers): refused in one line, not a traceback."""
+    import torch
+
+    model = _model("Gemma3nForCausalLM", None, {})
+    with pytest.raises(KvcdnError, match="applies rotary positions in a form kvcdn does not move"):
+        compose.move_keys(model, torch.zeros(1, 2, 4, 16), 3)
 
 
 def test_longrope_past_its_switch_is_refused(family_artifacts):

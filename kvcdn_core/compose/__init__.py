@@ -43,7 +43,7 @@ refused (each document's cache would lack what the full prefill's window holds).
 
 Refused with one line: artifacts of different models; recurrent and linear-attention layers (their
 state summarises the prefix); a composition longer than a sliding window; models with no rotary
-embedding (absolute positions, ALiBi) or with rotary frequencies per layer type (Gemma 3);
+embedding (absolute positions, ALiBi) or whose attention rotates one tensor at a time (Gemma 3n);
 length-dependent RoPE (dynamic NTK, LongRoPE) past the length where its rotation changes.
 """
 
@@ -149,11 +149,6 @@ def _rotary(model):
     attention = _attention(layers[0]) if layers is not None and len(layers) else None
     apply = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None) if attention else None
     name = type(model).__name__
-    if rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters:
-        raise KvcdnError(
-            f"cannot compose with {name}: its rotary frequencies differ per layer type (local and global "
-            "layers), which kvcdn does not move yet"
-        )
     if rotary is None or apply is None:
         raise KvcdnError(
             f"cannot compose with {name}: it has no rotary position embedding kvcdn can move (absolute "
@@ -184,10 +179,13 @@ def _attention(layer):
     return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
 
 
-def move_keys(model, keys, offset: int):
-    """Keys computed at positions ``0..T-1`` re-rotated to ``offset..offset+T-1`` (``[B, H, T, D]``).
+def move_keys(model, keys, offset: int, layer: int = 0):
+    """Keys of decoder layer ``layer`` computed at positions ``0..T-1`` re-rotated to
+    ``offset..offset+T-1`` (``[B, H, T, D]``).
 
-    Rotated in float32 and cast back, so a bfloat16 cache loses nothing more than its own rounding.
+    A rotary module whose frequencies differ per layer type (Gemma 3 and OLMo 3: local and global
+    layers) is asked for the layer's own type. Rotated in float32 and cast back, so a bfloat16 cache
+    loses nothing more than its own rounding.
     """
     import torch
 
@@ -196,13 +194,18 @@ def move_keys(model, keys, offset: int):
     rotary, apply = _rotary(model)
     probe = torch.zeros(1, dtype=torch.float32, device=keys.device)
     position = torch.tensor([[offset]], dtype=torch.long, device=keys.device)
-    cos, sin = rotary(probe, position)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        layer_type = model.config.layer_types[layer]
+        cos, sin = rotary(probe, position, layer_type)
+        scale = float(getattr(rotary, f"{layer_type}_attention_scaling", 1.0) or 1.0)
+    else:
+        cos, sin = rotary(probe, position)
+        scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
     if cos.shape[:-1] != (1, 1):
         raise KvcdnError(
             f"cannot compose with {type(model).__name__}: its rotary module returns angles per position "
             f"section ({list(cos.shape)}), which kvcdn cannot move"
         )
-    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
     cos, sin = cos.float() / scale, sin.float() / scale
     k = keys.float()
     try:  # the model's apply takes the whole head (half-width cos of chunked layouts, its own partial split)
@@ -211,6 +214,11 @@ def move_keys(model, keys, offset: int):
         width = cos.shape[-1]
         _, moved = apply(k[..., :width], k[..., :width], cos, sin)
         moved = torch.cat([moved, k[..., width:]], dim=-1)
+    except TypeError:  # Gemma 3n rotates one tensor at a time, and shares caches between layers
+        raise KvcdnError(
+            f"cannot compose with {type(model).__name__}: its attention applies rotary positions in a form "
+            "kvcdn does not move"
+        ) from None
     return moved.to(keys.dtype)
 
 
@@ -374,7 +382,7 @@ def _concatenate(session, parts, offsets: list[int]):
             values = torch.cat([move_mla_keys(model, layer.values, o) for layer, o in layers], dim=-2)
         else:
             keys = torch.cat(
-                [move_keys(model, layer.keys, o) if rotated[i] else layer.keys for layer, o in layers], dim=-2
+                [move_keys(model, layer.keys, o, i) if rotated[i] else layer.keys for layer, o in layers], dim=-2
             )
             values = torch.cat([layer.values for layer, _ in layers], dim=-2)
         target.lazy_initialization(keys, values)
