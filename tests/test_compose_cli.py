@@ -142,3 +142,40 @@ def test_diag_auto_and_max_kl_go_together(cli, documents, extra):
 def test_auto_is_for_diag_only(cli, documents):
     result = cli("continue", *_kv(documents[:2]), "--recompute", "auto")
     assert result.exit_code == 2 and "Invalid value for '--recompute'" in result.stderr
+
+
+def _artifacts(cli, tiny_model, architecture, out):
+    """The tiny model of ``architecture`` and an artifact per sample paragraph, made by the CLI."""
+    from kvcdn_core.plugin_host.registry import adapter_classes
+
+    model = tiny_model(adapter_classes()[architecture], architecture)
+    paths = []
+    for i, text in enumerate(DOCUMENTS[:3]):
+        (out / f"doc{i}.txt").write_text(text)
+        path = out / f"doc{i}.kv"
+        made = cli(
+            "generate", "--model", str(model), "--context-file", str(out / f"doc{i}.txt"), "--output", str(path), "-q"
+        )
+        assert made.exit_code == 0, made.stderr
+        paths.append(str(path))
+    return paths
+
+
+def test_a_latent_attention_composition_verifies_at_recompute_one(cli, tiny_model, tmp_path):
+    """DeepSeek-V3.2 (MLA with the DSA indexer): moved, recomputed and checked as a user runs it."""
+    paths = _artifacts(cli, tiny_model, "DeepseekV32ForCausalLM", tmp_path)
+    checked = cli("verify", *_kv(paths), "--question", QUESTION, "--recompute", "1", "--n", "6", "--format", "json")
+    assert checked.exit_code == 0, checked.stdout
+    assert json.loads(checked.stdout)["status"] == "PASS"
+    moved = cli("continue", *_kv(paths[::-1]), "--question", QUESTION, "--recompute", "0.3", "--n", "4")
+    assert moved.exit_code == 0, moved.stderr
+    assert "composed 3 artifacts" in moved.stderr
+
+
+def test_a_composition_past_a_sliding_window_is_refused_in_one_line(cli, tiny_model, tmp_path):
+    """The tiny Mistral's 20-token window holds less than the documents: one line, exit non-zero."""
+    paths = _artifacts(cli, tiny_model, "MistralForCausalLM", tmp_path)
+    result = cli("continue", *_kv(paths), "--question", QUESTION, "--n", "4")
+    assert result.exit_code != 0
+    assert "sliding window that keeps only the last 19" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1

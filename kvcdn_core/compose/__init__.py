@@ -25,17 +25,33 @@ early layer differ most between the moved cache and a fresh computation of that 
 ``doc-start`` (each later document's first tokens, which the moved cache lets attend to nothing of
 the documents before them; attention sinks sit there).
 
-Refused with one line: artifacts of different models; layers that are not plain full attention
-(sliding windows keep only the last tokens of the whole prefix, recurrent and linear-attention
-states summarise the prefix, MLA stores its rotary key apart and is not handled here); models with no
-rotary embedding (absolute positions, ALiBi); length-dependent RoPE (dynamic NTK, LongRoPE) past the
-length where its rotation changes.
+Multimodal rotary sections (mrope: Qwen3.5's text models, the Qwen2-VL, 2.5-VL and 3-VL text
+stacks) give each frequency the temporal, height or width position; a text token has the three
+equal, so its rotation is the plain one at its position and a shift by ``o`` moves every section by
+``o``. The model's own rotary module, given one position, expands it to equal sections and
+recomposes them, so keys move as above. kvcdn's artifacts are always text positions: it prefills
+token ids at ``0..T-1`` and has no vision-language adapter, so no artifact holds image positions. A
+rotary module that returns its angles per section (not recomposed) is refused.
+
+Multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-MoE-DSA) caches a latent, which carries no
+position and is kept, and a rotary key stored apart, which is moved (:func:`move_mla_keys`); so is
+the rotary part of a DSA indexer key.
+
+Sliding-window layers keep their last ``window - 1`` tokens. A composition that fits in them is
+exact as above (every token is in reach of every later one, as in a full prefill); a longer one is
+refused (each document's cache would lack what the full prefill's window holds).
+
+Refused with one line: artifacts of different models; recurrent and linear-attention layers (their
+state summarises the prefix); a composition longer than a sliding window; models with no rotary
+embedding (absolute positions, ALiBi) or whose attention rotates one tensor at a time (Gemma 3n);
+length-dependent RoPE (dynamic NTK, LongRoPE) past the length where its rotation changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import sys
 from typing import Any
 
@@ -104,17 +120,25 @@ def check_same_model(headers: list[artifact.Header]) -> None:
             )
 
 
+#: Layer kinds whose caches can be moved to a new offset (sliding windows: within the window).
+MOVABLE = (artifact.FULL_ATTENTION, artifact.SLIDING_WINDOW, artifact.MLA_LATENT, artifact.MLA_INDEXED)
+
+
 def composable(session, layers) -> None:
     """Refuse, with the reason in one line, a model whose caches cannot be moved to a new offset."""
     for entry in layers:
-        if entry.kind != artifact.FULL_ATTENTION:
-            why = {
-                artifact.SLIDING_WINDOW: "a sliding window keeps only the last tokens of the whole prefix",
-                artifact.MLA_LATENT: "multi-head latent attention stores its rotary key apart (not handled)",
-                artifact.MLA_INDEXED: "multi-head latent attention stores its rotary key apart (not handled)",
-            }.get(entry.kind, "a recurrent or linear-attention state summarises the whole prefix")
+        if entry.kind not in MOVABLE:
+            why = "a recurrent or linear-attention state summarises the whole prefix"
             raise KvcdnError(f"cannot compose: layer {entry.index} is '{entry.kind}': {why}")
-    _rotary(session.model)
+    if is_mla(session.model):
+        _mla_turn(session.model, 1, session.device)
+    else:
+        _rotary(session.model)
+
+
+def is_mla(model) -> bool:
+    """Whether the model's attention is multi-head latent attention (a latent and a rotary key cached)."""
+    return getattr(model.config, "kv_lora_rank", None) is not None
 
 
 def _rotary(model):
@@ -130,26 +154,38 @@ def _rotary(model):
             f"cannot compose with {name}: it has no rotary position embedding kvcdn can move (absolute "
             "positions, ALiBi, or rotary kept inside the attention), so cached keys cannot change offset"
         )
-    if getattr(rotary, "rope_type", "default") == "mrope" or getattr(model.config, "mrope_section", None):
-        raise KvcdnError(f"cannot compose with {name}: multimodal rotary sections are not handled")
     return rotary, apply
+
+
+#: Model types whose attention's code, not an attribute, decides which layers rotate their keys:
+#: Cohere 2 only its sliding layers, EXAONE 4 only its sliding ones once it has a window (its global
+#: layers then have no positions).
+_ROTATES = {
+    "cohere2": lambda attention: attention.sliding_window is not None,
+    "exaone4": lambda attention: attention.sliding_window is None or attention.is_sliding,
+}
 
 
 def rotated_layers(model) -> list[bool]:
     """Per decoder layer, whether its keys carry rotary positions (SmolLM3 and Llama 4 leave some
-    layers without: their keys need no move)."""
+    layers without, Cohere 2 and EXAONE 4 their global ones: their keys need no move)."""
     inner = getattr(model, "base_model", model)
-    return [bool(getattr(_attention(layer), "use_rope", True)) for layer in inner.layers]
+    rotates = _ROTATES.get(str(getattr(model.config, "model_type", "")), lambda attention: True)
+    attentions = [_attention(layer) for layer in inner.layers]
+    return [bool(getattr(attention, "use_rope", True)) and rotates(attention) for attention in attentions]
 
 
 def _attention(layer):
     return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
 
 
-def move_keys(model, keys, offset: int):
-    """Keys computed at positions ``0..T-1`` re-rotated to ``offset..offset+T-1`` (``[B, H, T, D]``).
+def move_keys(model, keys, offset: int, layer: int = 0):
+    """Keys of decoder layer ``layer`` computed at positions ``0..T-1`` re-rotated to
+    ``offset..offset+T-1`` (``[B, H, T, D]``).
 
-    Rotated in float32 and cast back, so a bfloat16 cache loses nothing more than its own rounding.
+    A rotary module whose frequencies differ per layer type (Gemma 3 and OLMo 3: local and global
+    layers) is asked for the layer's own type. Rotated in float32 and cast back, so a bfloat16 cache
+    loses nothing more than its own rounding.
     """
     import torch
 
@@ -158,8 +194,18 @@ def move_keys(model, keys, offset: int):
     rotary, apply = _rotary(model)
     probe = torch.zeros(1, dtype=torch.float32, device=keys.device)
     position = torch.tensor([[offset]], dtype=torch.long, device=keys.device)
-    cos, sin = rotary(probe, position)
-    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        layer_type = model.config.layer_types[layer]
+        cos, sin = rotary(probe, position, layer_type)
+        scale = float(getattr(rotary, f"{layer_type}_attention_scaling", 1.0) or 1.0)
+    else:
+        cos, sin = rotary(probe, position)
+        scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if cos.shape[:-1] != (1, 1):
+        raise KvcdnError(
+            f"cannot compose with {type(model).__name__}: its rotary module returns angles per position "
+            f"section ({list(cos.shape)}), which kvcdn cannot move"
+        )
     cos, sin = cos.float() / scale, sin.float() / scale
     k = keys.float()
     try:  # the model's apply takes the whole head (half-width cos of chunked layouts, its own partial split)
@@ -168,7 +214,71 @@ def move_keys(model, keys, offset: int):
         width = cos.shape[-1]
         _, moved = apply(k[..., :width], k[..., :width], cos, sin)
         moved = torch.cat([moved, k[..., width:]], dim=-1)
+    except TypeError:  # Gemma 3n rotates one tensor at a time, and shares caches between layers
+        raise KvcdnError(
+            f"cannot compose with {type(model).__name__}: its attention applies rotary positions in a form "
+            "kvcdn does not move"
+        ) from None
     return moved.to(keys.dtype)
+
+
+def _mla_turn(model, offset: int, device):
+    """``(turn, interleaved)``: the rotation by ``offset``, one complex number per frequency pair
+    (``[1, 1, pairs]``), from the MLA model's own rotary module with its attention scaling (YaRN's
+    mscale) divided out; and whether the cached rotary key keeps its pairs interleaved.
+
+    DeepSeek-V2's module returns complex numbers and its attention multiplies interleaved pairs by
+    them, keeping them interleaved. V3, V3.2 (``rope_interleave`` or not) and GLM-MoE-DSA return
+    ``cat(freqs, freqs)`` cos and sin, and their attention writes the rotated key half-split.
+    """
+    import torch
+
+    inner = getattr(model, "base_model", model)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None:
+        raise KvcdnError(
+            f"cannot compose with {type(model).__name__}: its latent attention has no rotary module kvcdn can use"
+        )
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    angles = rotary(probe, torch.tensor([[offset]], dtype=torch.long, device=device))
+    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if isinstance(angles, torch.Tensor) and torch.is_complex(angles):
+        return angles / scale, True
+    cos, sin = angles  # the first half holds one angle per pair
+    half = cos.shape[-1] // 2
+    return torch.complex(cos[..., :half].float(), sin[..., :half].float()) / scale, False
+
+
+def _rotate_pairs(x, turn, interleaved: bool):
+    """``x`` (float32) with each frequency pair rotated by ``turn``: pairs ``(x0, x1), (x2, x3)...``
+    when interleaved, ``(x_i, x_{i + D/2})`` otherwise; the layout is kept."""
+    import torch
+
+    if interleaved:
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * turn).flatten(-2)
+    half = x.shape[-1] // 2
+    pairs = torch.complex(x[..., :half], x[..., half:]) * turn
+    return torch.cat([pairs.real, pairs.imag], dim=-1)
+
+
+def move_mla_keys(model, rotary_keys, offset: int, indexer: bool = False):
+    """MLA's cached rotary keys (``[B, 1, T, rope]``), or with ``indexer`` DSA indexer keys
+    (``[B, T, D]``, whose first ``rope`` channels are rotary and always half-split), computed at
+    ``0..T-1``, re-rotated to ``offset..offset+T-1``. Rotated in float32, cast back.
+    """
+    import torch
+
+    if offset == 0:
+        return rotary_keys
+    turn, interleaved = _mla_turn(model, offset, rotary_keys.device)
+    x = rotary_keys.float()
+    width = turn.shape[-1] * 2
+    if indexer:
+        moved = torch.cat([_rotate_pairs(x[..., :width], turn, False), x[..., width:]], dim=-1)
+    else:
+        moved = _rotate_pairs(x, turn, interleaved)
+    return moved.to(rotary_keys.dtype)
 
 
 def _check_length(session, total: int) -> None:
@@ -180,6 +290,18 @@ def _check_length(session, total: int) -> None:
             f"cannot compose {total} tokens: {regime[0]} RoPE rotates positions differently past "
             f"{regime[1]} tokens, so moved keys would not match; keep the prompt within {regime[1]} tokens"
         )
+
+
+def _check_window(session, cache, total: int) -> None:
+    """Sliding-window layers keep their last ``window - 1`` tokens: a composition that fits in them
+    is what a full prefill leaves there (every token in reach of every later one); a longer one is
+    refused, since each document's cache would lack what a full prefill's window holds."""
+    for i, layer in enumerate(session.adapter.cache_layers(cache)):
+        if getattr(layer, "is_sliding", False) and total > layer.sliding_window - 1:
+            raise KvcdnError(
+                f"cannot compose {total} tokens: layer {i} has a sliding window that keeps only the last "
+                f"{layer.sliding_window - 1}; keep the documents within {layer.sliding_window - 1} tokens"
+            )
 
 
 def load_parts(session, headers: list[artifact.Header], force: bool = False):
@@ -214,6 +336,7 @@ def compose(
         offsets.append(len(ids))
         ids += part_ids
     _check_length(session, len(ids))
+    _check_window(session, parts[0][0], len(ids))
     first_cache, first_ids = parts[0]
     later = len(ids) - len(first_ids)
     count = round(recompute * later)
@@ -239,21 +362,39 @@ def _prefill(session, ids: list[int], cache):
 
 
 def _concatenate(session, parts, offsets: list[int]):
-    """A cache holding every part's keys (moved to its offset) and values, in order."""
+    """A cache holding every part's keys (moved to its offset) and values, in order.
+
+    MLA layers hold the latent in ``keys`` (no position: kept) and the rotary key in ``values``
+    (moved), and DSA layers their indexer keys (moved) besides.
+    """
     import torch
 
-    cache = session.adapter.new_cache(session.model)
+    model = session.model
+    cache = session.adapter.new_cache(model)
     targets = session.adapter.cache_layers(cache)
     sources = [session.adapter.cache_layers(part_cache) for part_cache, _ in parts]
-    rotated = rotated_layers(session.model)
+    mla = is_mla(model)
+    rotated = rotated_layers(model)
     for i, target in enumerate(targets):
-        keys = torch.cat(
-            [move_keys(session.model, s[i].keys, o) if rotated[i] else s[i].keys for s, o in zip(sources, offsets)],
-            dim=-2,
-        )
-        values = torch.cat([s[i].values for s in sources], dim=-2)
+        layers = [(s[i], o) for s, o in zip(sources, offsets)]
+        if mla:
+            keys = torch.cat([layer.keys for layer, _ in layers], dim=-2)
+            values = torch.cat([move_mla_keys(model, layer.values, o) for layer, o in layers], dim=-2)
+        else:
+            keys = torch.cat(
+                [move_keys(model, layer.keys, o, i) if rotated[i] else layer.keys for layer, o in layers], dim=-2
+            )
+            values = torch.cat([layer.values for layer, _ in layers], dim=-2)
         target.lazy_initialization(keys, values)
         target.keys, target.values = keys, values
+        if getattr(target, "is_sliding", False):  # every token is within the window (checked)
+            target.cumulative_length = keys.shape[-2]
+        if getattr(layers[0][0], "is_indexer_initialized", False):
+            indexer = torch.cat(
+                [move_mla_keys(model, layer.indexer_keys, o, indexer=True) for layer, o in layers], dim=1
+            )
+            target.lazy_initialization_indexer(indexer)
+            target.indexer_keys = indexer
     return cache
 
 
@@ -310,8 +451,9 @@ def _by_deviation(session, first_cache, ids: list[int], prefix: int, cache, coun
         pass
     finally:
         hook.remove()
-    fresh = session.adapter.cache_layers(probe)[watched].values[..., prefix:, :]
-    moved = session.adapter.cache_layers(cache)[watched].values[..., prefix:, :]
+    slot = "keys" if is_mla(model) else "values"  # MLA: the latent, from which values are decompressed
+    fresh = getattr(session.adapter.cache_layers(probe)[watched], slot)[..., prefix:, :]
+    moved = getattr(session.adapter.cache_layers(cache)[watched], slot)[..., prefix:, :]
     deviation = (fresh.float() - moved.float()).pow(2).sum(dim=(0, 1, 3))
     top = torch.topk(deviation, count).indices + prefix
     return sorted(int(i) for i in top)
@@ -340,6 +482,9 @@ def recompute_tokens(session, cache, ids: list[int], selected: list[int]) -> Non
     allowed = torch.cat([sees_cached, sees_fresh], dim=-1)
     dtype = getattr(torch, session.dtype)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    sliding = [layer for layer in session.adapter.cache_layers(cache) if getattr(layer, "is_sliding", False)]
+    for layer in sliding:  # keep the stale entries past the window until they are replaced below
+        layer.record_past = True
     with model_turn(session), torch.inference_mode():
         model(
             input_ids=torch.tensor([[ids[i] for i in selected]], device=device),
@@ -354,3 +499,9 @@ def recompute_tokens(session, cache, ids: list[int], selected: list[int]) -> Non
             keys[..., chosen, :] = layer.keys[..., total:, :]
             values[..., chosen, :] = layer.values[..., total:, :]
             layer.keys, layer.values = keys, values
+            if getattr(layer, "is_indexer_initialized", False):  # DSA: [batch, tokens, width]
+                indexer = layer.indexer_keys[:, :total, :].clone()
+                indexer[:, chosen, :] = layer.indexer_keys[:, total:, :]
+                layer.indexer_keys = indexer
+    for layer in sliding:
+        layer.record_past, layer.cumulative_length = False, total
