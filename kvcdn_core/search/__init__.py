@@ -6,6 +6,7 @@ share with a query, :mod:`~kvcdn_core.search.reuse` loads the best one and prefi
 """
 
 from kvcdn_core.artifact.manifest import ANY_PREFIX, WHOLE_PREFIX
+from kvcdn_core.search.directory import search
 from kvcdn_core.search.index import INDEX_NAME, Entry, index_path, scan
 from kvcdn_core.search.rank import (
     Match,
@@ -18,7 +19,6 @@ from kvcdn_core.search.rank import (
     query_tokenizer,
     rank,
     same_model,
-    search,
     start_token_count,
     usable_tokens,
 )

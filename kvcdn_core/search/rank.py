@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from kvcdn_core import artifact, notices
+from kvcdn_core import artifact
 from kvcdn_core.artifact.manifest import ANY_PREFIX
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.model.files import fingerprint_differences
-from kvcdn_core.search.index import Entry, Warn, scan
+from kvcdn_core.search.index import Entry
 
 # -- matching and ranking -------------------------------------------------------------------
 
@@ -259,30 +259,3 @@ def infer_model(entries: list[Entry], directory) -> str:
     if not ids:
         raise KvcdnError(f"no readable artifact under '{directory}' names its model; pass --model")
     raise KvcdnError(f"artifacts under '{directory}' come from {len(ids)} models; pass --model to choose one")
-
-
-def search(
-    directory, query: str, model_ref: str | None = None, revision: str | None = None, warn: Warn = notices.warn
-) -> Search:
-    """Scan ``directory``, tokenize ``query`` the way the model's contexts are, and rank."""
-    from kvcdn_core.model.files import fingerprint as model_fingerprint
-    from kvcdn_core.model.files import resolve_model_dir
-    from kvcdn_core.search.prefix import open_index
-
-    entries = scan(directory, warn)
-    model_ref = model_ref or infer_model(entries, directory)
-    model_dir = resolve_model_dir(model_ref, revision, weights=False)
-    fp = model_fingerprint(model_dir, weights=False)
-    adapter = load_adapter(model_dir)
-    mine = [e for e in entries if same_model(e.model, fp)]
-    check = min(mine, key=lambda e: e.token_count) if mine else None
-    tokenizer = query_tokenizer(model_dir, adapter, check)
-
-    def encode(text: str) -> list[int]:
-        return list(adapter.encode_context(tokenizer, text))
-
-    ids, start = encode(query), start_token_count(encode)
-    index = open_index(directory, entries)
-    return Search(
-        model_ref, model_dir, fp, adapter, tokenizer, entries, query, ids, start, index.rank(fp, ids, start), index
-    )
