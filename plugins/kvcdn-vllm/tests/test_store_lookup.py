@@ -124,3 +124,37 @@ def test_the_tier_reports_remote_then_memory(store, tmp_path):
     tier = ChunkTier(finder.fetch, 1 << 20, 0, None, print)
     assert tier.get(part.digest, part.bytes)[1] == REMOTE
     assert tier.get(part.digest, part.bytes)[1] == "memory"
+
+
+@pytest.fixture
+def s3_uri(monkeypatch, request):
+    from tests.support import services
+
+    with services.moto_s3("kvcdn-fleet-test") as s3:
+        for name, value in s3.env.items():
+            monkeypatch.setenv(name, value)
+        yield f"s3://kvcdn-fleet-test/{request.node.name[:40]}"
+
+
+def test_on_s3_a_lookup_lists_only_the_index_and_fetches_only_the_planned_chunks(s3_uri, tmp_path):
+    from kvcdn_core.plugin_host.registry import open_storage
+
+    writer = ChunkStore(open_storage(s3_uri))
+    tensors, _ = put(writer, tmp_path, "doc", 900, seed=3)
+    put(writer, tmp_path, "other", 600, seed=4)
+    backend = open_storage(s3_uri)  # another engine's view of the same store
+    listed, read = [], []
+    real_list, real_read = backend.list, backend.read_bytes
+    backend.list = lambda prefix="": listed.append(prefix) or real_list(prefix)
+    backend.read_bytes = lambda key: read.append(key) or real_read(key)
+    finder = lookup.StoreLookup(ChunkStore(backend), ROOT, print)
+    match = finder.lookup(tensors[artifact.TOKEN_IDS].tolist()[:520] + [5, 6])
+    assert match is not None and (match.name, match.prefix_tokens) == ("doc", 520)
+    plan = lookup.plan(match.record, 0, 512)
+    tier = ChunkTier(finder.fetch, 1 << 20, 1 << 20, tmp_path / "tier", print)
+    for part in plan.parts:
+        assert tier.get(part.digest, part.bytes)[1] == REMOTE
+    assert listed and all(prefix.startswith("index/") for prefix in listed)  # never the store's listing
+    chunks = [key for key in read if key.startswith("chunks/")]
+    assert chunks == [f"chunks/{p.digest[:2]}/{p.digest}" for p in plan.parts] and len(chunks) == 2
+    assert [key for key in read if key.startswith("artifacts/")] == ["artifacts/doc.json"]
