@@ -325,6 +325,16 @@ class KvcdnConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcdnMetadata)
+        planned = [p.digest for job in meta.loads if job.chunks is not None for p in job.chunks.parts]
+        if self._tier is not None and planned:  # no fetch of this step evicts a chunk it planned
+            self._tier.pin(planned)
+        try:
+            self._load_all(meta)
+        finally:
+            if self._tier is not None and planned:
+                self._tier.unpin(planned)
+
+    def _load_all(self, meta: KvcdnMetadata) -> None:
         for job in meta.loads:
             try:
                 self._load(job)
