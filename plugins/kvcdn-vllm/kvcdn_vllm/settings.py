@@ -49,7 +49,8 @@ SETTINGS: tuple[settings.Setting, ...] = (
     ),
     settings.Setting(
         "tier_directory",
-        "With `store`: the directory of the disk level; engines on one machine may share it.",
+        "With `store`: the directory of the disk level. Engines on one machine may share it; each counts "
+        "the budget over the files it found at start and those it wrote.",
         flag="--tier-directory",
         default_doc="`$XDG_CACHE_HOME/kvcdn/vllm-tier/`",
     ),
