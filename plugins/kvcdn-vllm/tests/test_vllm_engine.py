@@ -86,10 +86,15 @@ def run_vllm_python(args: list[str], timeout: int) -> subprocess.CompletedProces
 
 
 def drive(tmp: Path, name: str, runs: list[dict]) -> list[list[dict]]:
+    return drive_logged(tmp, name, runs)[0]
+
+
+def drive_logged(tmp: Path, name: str, runs: list[dict]) -> tuple[list[list[dict]], str]:
+    """:func:`drive`, and the engines' log."""
     spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
     spec.write_text(json.dumps({"runs": runs}))
-    run_vllm_python([str(DRIVER), str(spec), str(out)], timeout=900)
-    return json.loads(out.read_text())["runs"]
+    done = run_vllm_python([str(DRIVER), str(spec), str(out)], timeout=900)
+    return json.loads(out.read_text())["runs"], done.stdout + done.stderr
 
 
 def encode(model_dir: Path, text: str, start: bool) -> list[int]:
@@ -421,7 +426,7 @@ def test_core_and_families_work_on_the_transformers_vllm_pins(family):
 def fleet(tmp_path_factory):
     from kvcdn_core.builtin.local_storage import LocalStorage
     from kvcdn_core.model.tiny import SAMPLE_TEXT
-    from kvcdn_core.store.chunkstore import ChunkStore
+    from kvcdn_core.store.chunkstore import ChunkStore, chunk_key
 
     tmp = tmp_path_factory.mktemp("fleet")
     smol = run_vllm_python(["-m", "kvcdn_core.testing.smollm2"], timeout=1200).stdout.strip().splitlines()[-1]
@@ -446,8 +451,30 @@ def fleet(tmp_path_factory):
         "b",
         [{"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]] * 2, "max_tokens": 8}],
     )
+    # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted; then an engine
+    # with an empty tier finds chunk 1 deleted from the store after the lookup found its record.
+    digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
+    flip_byte(tmp / "tier-b" / digests[0][:2] / digests[0], 1000)
+    (store / chunk_key(digests[1])).unlink()
+    third, log = drive_logged(
+        tmp,
+        "faults",
+        [
+            {"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]], "max_tokens": 8},
+            {"model": smol, "connector": connector("tier-c", False), "prompts": [prompts[1]], "max_tokens": 8},
+        ],
+    )
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
-    return {"reference": first[0], "a": first[1][0], "b": second[0], "names": names, "shared": shared}
+    return {
+        "reference": first[0],
+        "a": first[1][0],
+        "b": second[0],
+        "names": names,
+        "shared": shared,
+        "faults": [run[0] for run in third],
+        "log": log,
+        "digests": digests,
+    }
 
 
 def test_engine_a_saves_its_prompt_into_the_store(fleet):
@@ -472,3 +499,20 @@ def test_a_second_request_takes_the_chunks_from_the_memory_tier(fleet):
     params = again["kv_transfer_params"]
     assert params["kvcdn_chunks_memory"] == first["kv_transfer_params"]["kvcdn_chunks_remote"]
     assert params["kvcdn_chunks_remote"] == params["kvcdn_bytes_fetched"] == 0
+
+
+def test_a_corrupted_chunk_in_the_tier_is_dropped_and_fetched_again(fleet):
+    restarted = fleet["faults"][0]
+    assert restarted["ids"] == fleet["reference"][1]["ids"]
+    params = restarted["kv_transfer_params"]
+    assert (params["kvcdn_chunks_disk"], params["kvcdn_chunks_remote"]) == (1, 1)  # chunk 1 from disk, 0 again
+    lines = [line for line in fleet["log"].splitlines() if "is corrupted" in line]
+    assert len(lines) == 1 and fleet["digests"][0] in lines[0] and "fetching it again" in lines[0]
+
+
+def test_a_chunk_deleted_from_the_store_costs_recompute_and_one_line(fleet):
+    fresh = fleet["faults"][1]
+    assert fresh["ids"] == fleet["reference"][1]["ids"]  # vLLM recomputed the blocks: still token-exact
+    lines = [line for line in fleet["log"].splitlines() if f"chunk {fleet['digests'][1]} is missing" in line]
+    assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
+    assert "Traceback" not in fleet["log"]
