@@ -97,37 +97,41 @@ class Catalog:
 
     def check(self, header: artifact.Header) -> None:
         """Raise :class:`ArtifactError` unless the artifact fits the engine's paged cache."""
-        path, manifest, shape = header.path, header.manifest, self.shape
-        typed = manifest_of(header)
-        layers = typed.layers
-        kinds = sorted({layer.kind for layer in layers} - {artifact.FULL_ATTENTION})
-        if kinds:
-            raise ArtifactError(f"{path}: has {', '.join(kinds)} layers; vLLM loads full-attention caches only")
-        if len(layers) != shape.num_layers:
-            raise ArtifactError(f"{path}: has {len(layers)} layers, the engine's model {shape.num_layers}")
-        want = [shape.num_kv_heads, header.token_count, shape.head_size]
-        quant = typed.quantization or {}
-        for layer in layers:
-            for part in ("key", "value"):
-                name = layer.tensors.get(part)
-                spec = manifest["tensors"].get(name) if name else None
-                if quant:  # quantized tensors keep their original shape in the quantization record
-                    records = {r.get("index"): r for r in quant.get("layers", [])}
-                    spec = ((records.get(layer.index) or {}).get("tensors") or {}).get(part) or spec
-                if spec is None or list(spec.get("shape", []))[-3:] != want:
-                    got = spec.get("shape") if spec else None
-                    raise ArtifactError(
-                        f"{path}: layer {layer.index} {part} is {got}, the engine needs "
-                        f"[1, {want[0]}, {want[1]}, {want[2]}]"
-                    )
-        bad = artifact.check_hashes(header)
-        if bad:
-            raise ArtifactError(
-                f"{path}: corrupted: {header.digest} mismatch in {len(bad)} tensor(s), first '{bad[0]}'"
-            )
+        check_fits(header, self.shape)
 
     def _warn_once(self, message: str) -> None:
         """The index rescans a bad file at every search; the log gets one line per problem."""
         if message not in self._warned:
             self._warned.add(message)
             self._warn(message)
+
+
+def check_fits(header: artifact.Header, shape: ModelShape, hashes: bool = True) -> None:
+    """Raise :class:`ArtifactError` unless the artifact fits the engine's paged cache (and, with
+    ``hashes``, its tensors match their manifest digests; a chunk store checks its chunks itself)."""
+    path, manifest = header.path, header.manifest
+    typed = manifest_of(header)
+    layers = typed.layers
+    kinds = sorted({layer.kind for layer in layers} - {artifact.FULL_ATTENTION})
+    if kinds:
+        raise ArtifactError(f"{path}: has {', '.join(kinds)} layers; vLLM loads full-attention caches only")
+    if len(layers) != shape.num_layers:
+        raise ArtifactError(f"{path}: has {len(layers)} layers, the engine's model {shape.num_layers}")
+    want = [shape.num_kv_heads, header.token_count, shape.head_size]
+    quant = typed.quantization or {}
+    for layer in layers:
+        for part in ("key", "value"):
+            name = layer.tensors.get(part)
+            spec = manifest["tensors"].get(name) if name else None
+            if quant:  # quantized tensors keep their original shape in the quantization record
+                records = {r.get("index"): r for r in quant.get("layers", [])}
+                spec = ((records.get(layer.index) or {}).get("tensors") or {}).get(part) or spec
+            if spec is None or list(spec.get("shape", []))[-3:] != want:
+                got = spec.get("shape") if spec else None
+                raise ArtifactError(
+                    f"{path}: layer {layer.index} {part} is {got}, the engine needs "
+                    f"[1, {want[0]}, {want[1]}, {want[2]}]"
+                )
+    bad = artifact.check_hashes(header) if hashes else []
+    if bad:
+        raise ArtifactError(f"{path}: corrupted: {header.digest} mismatch in {len(bad)} tensor(s), first '{bad[0]}'")

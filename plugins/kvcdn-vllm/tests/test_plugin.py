@@ -55,6 +55,31 @@ def test_vllm_serve_dry_run_builds_the_server_command(tmp_path):
     assert argv[-2:] == ["--max-model-len", "4096"]
 
 
+def test_vllm_serve_with_a_chunk_store_passes_its_keys(tmp_path):
+    done = kvcdn(
+        "vllm-serve",
+        "--model",
+        "m",
+        "--store",
+        str(tmp_path),
+        "--tier-memory-bytes",
+        "1048576",
+        "--save-queue",
+        "2",
+        "--save",
+        "--format",
+        "json",
+        "--dry-run",
+    )
+    assert done.returncode == 0, done.stderr
+    argv = json.loads(done.stdout)["argv"]
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert config == {"store": str(tmp_path), "tier_memory_bytes": 1048576, "save_queue": 2, "save": True}
+    Settings.parse(config, 16)  # what the command writes, the connector reads
+    both = kvcdn("vllm-serve", "--model", "m", "--store", str(tmp_path), "--source", str(tmp_path), "--dry-run")
+    assert both.returncode == 2 and "one of the two" in both.stderr and "Traceback" not in both.stderr
+
+
 def test_vllm_serve_refuses_a_missing_source_in_one_line(tmp_path):
     done = kvcdn("vllm-serve", "--model", "m", "--source", str(tmp_path / "missing"), "--dry-run")
     assert done.returncode == 2
@@ -66,8 +91,19 @@ def test_settings_defaults_and_refusals():
     assert Settings.parse({"source": "s3://b/p", "save": "true", "min_tokens": 64}, 16) == Settings(
         "s3://b/p", True, 64
     )
+    tiered = Settings.parse({"store": "s3://b/s", "save": True, "tier_memory_bytes": 1 << 20}, 16)
+    assert (tiered.source, tiered.store, tiered.tier_memory_bytes, tiered.tier_disk_bytes) == (
+        None,
+        "s3://b/s",
+        1 << 20,
+        16 << 30,
+    )
+    assert tiered.tier_directory.endswith("vllm-tier") and tiered.save_queue == 4
     for extra, message in (
         ({}, "needs 'source'"),
+        ({"source": "d", "store": "s"}, "one of the two"),
+        ({"store": "s", "tier_disk_bytes": -1}, "tier_disk_bytes"),
+        ({"store": "s", "save_queue": 0}, "save_queue"),
         ({"source": "d", "save": 1}, "'save'"),
         ({"source": "d", "min_tokens": 0}, "min_tokens"),
         ({"source": "d", "sorce": "x"}, "unknown"),

@@ -86,10 +86,15 @@ def run_vllm_python(args: list[str], timeout: int) -> subprocess.CompletedProces
 
 
 def drive(tmp: Path, name: str, runs: list[dict]) -> list[list[dict]]:
+    return drive_logged(tmp, name, runs)[0]
+
+
+def drive_logged(tmp: Path, name: str, runs: list[dict]) -> tuple[list[list[dict]], str]:
+    """:func:`drive`, and the engines' log."""
     spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
     spec.write_text(json.dumps({"runs": runs}))
-    run_vllm_python([str(DRIVER), str(spec), str(out)], timeout=900)
-    return json.loads(out.read_text())["runs"]
+    done = run_vllm_python([str(DRIVER), str(spec), str(out)], timeout=900)
+    return json.loads(out.read_text())["runs"], done.stdout + done.stderr
 
 
 def encode(model_dir: Path, text: str, start: bool) -> list[int]:
@@ -403,3 +408,111 @@ def test_core_and_families_work_on_the_transformers_vllm_pins(family):
     done = run_vllm_python(["-m", "kvcdn_core", "validate", "--family", family, "--format", "json"], timeout=900)
     report = json.loads(done.stdout)
     assert report["passed"] and all(a["passed"] for a in report["architectures"]), done.stdout
+
+
+# -- two engines sharing one chunk store -------------------------------------------------------
+# Engine A saves into a chunk store, engine B in another process loads from it:
+#
+# 1. One process: references of two SmolLM2 prompts sharing a document (vLLM alone), then engine A
+#    with ``store`` and ``save`` on a local-directory chunk store: it finds nothing and saves prompt 1
+#    in the background (the queue is drained when the engine shuts down).
+# 2. A second process, engine B, on the same store with its own empty tier: prompt 2 finds prompt 1's
+#    artifact in the store's index and loads the shared document's chunks from the store, token-exact
+#    against vLLM alone; the same prompt again takes them from B's memory tier. vLLM's own prefix
+#    cache is off, so every cached token was loaded by the connector.
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from kvcdn_core.builtin.local_storage import LocalStorage
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
+    from kvcdn_core.store.chunkstore import ChunkStore, chunk_key
+
+    tmp = tmp_path_factory.mktemp("fleet")
+    smol = run_vllm_python(["-m", "kvcdn_core.testing.smollm2"], timeout=1200).stdout.strip().splitlines()[-1]
+    document = encode(Path(smol), SAMPLE_TEXT * 2, True)
+    prompts = [document + encode(Path(smol), q, False) for q in (QUESTION_1, QUESTION_2)]
+    store = tmp / "store"
+
+    def connector(tier: str, save: bool) -> dict:
+        return {"store": str(store), "save": save, "tier_directory": str(tmp / tier), "tier_memory_bytes": 1 << 30}
+
+    first = drive(
+        tmp,
+        "reference-and-a",
+        [
+            {"model": smol, "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
+            {"model": smol, "connector": connector("tier-a", True), "prompts": prompts[:1], "max_tokens": MAX_TOKENS},
+        ],
+    )
+    names = ChunkStore(LocalStorage(store)).names()
+    second = drive(
+        tmp,
+        "b",
+        [{"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]] * 2, "max_tokens": 8}],
+    )
+    # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted; then an engine
+    # with an empty tier finds chunk 1 deleted from the store after the lookup found its record.
+    digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
+    flip_byte(tmp / "tier-b" / digests[0][:2] / digests[0], 1000)
+    (store / chunk_key(digests[1])).unlink()
+    third, log = drive_logged(
+        tmp,
+        "faults",
+        [
+            {"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]], "max_tokens": 8},
+            {"model": smol, "connector": connector("tier-c", False), "prompts": [prompts[1]], "max_tokens": 8},
+        ],
+    )
+    shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
+    return {
+        "reference": first[0],
+        "a": first[1][0],
+        "b": second[0],
+        "names": names,
+        "shared": shared,
+        "faults": [run[0] for run in third],
+        "log": log,
+        "digests": digests,
+    }
+
+
+def test_engine_a_saves_its_prompt_into_the_store(fleet):
+    assert fleet["a"]["ids"] == fleet["reference"][0]["ids"]
+    assert fleet["a"]["cached"] == 0  # an empty store: nothing to load
+    assert len(fleet["names"]) == 1 and fleet["names"][0].startswith("vllm-")
+
+
+def test_engine_b_loads_the_shared_prefix_from_the_store_token_exact(fleet):
+    first, reference = fleet["b"][0], fleet["reference"][1]
+    assert first["ids"] == reference["ids"]
+    params = first["kv_transfer_params"]
+    assert params["kvcdn_artifact"] == fleet["names"][0]
+    assert first["cached"] == params["kvcdn_loaded_tokens"] == block_aligned(fleet["shared"]) > 256
+    assert params["kvcdn_chunks_remote"] > 0 and params["kvcdn_chunks_memory"] == 0
+    assert params["kvcdn_bytes_fetched"] > 0
+
+
+def test_a_second_request_takes_the_chunks_from_the_memory_tier(fleet):
+    again, first = fleet["b"][1], fleet["b"][0]
+    assert again["ids"] == fleet["reference"][1]["ids"]
+    params = again["kv_transfer_params"]
+    assert params["kvcdn_chunks_memory"] == first["kv_transfer_params"]["kvcdn_chunks_remote"]
+    assert params["kvcdn_chunks_remote"] == params["kvcdn_bytes_fetched"] == 0
+
+
+def test_a_corrupted_chunk_in_the_tier_is_dropped_and_fetched_again(fleet):
+    restarted = fleet["faults"][0]
+    assert restarted["ids"] == fleet["reference"][1]["ids"]
+    params = restarted["kv_transfer_params"]
+    assert (params["kvcdn_chunks_disk"], params["kvcdn_chunks_remote"]) == (1, 1)  # chunk 1 from disk, 0 again
+    lines = [line for line in fleet["log"].splitlines() if "is corrupted" in line]
+    assert len(lines) == 1 and fleet["digests"][0] in lines[0] and "fetching it again" in lines[0]
+
+
+def test_a_chunk_deleted_from_the_store_costs_recompute_and_one_line(fleet):
+    fresh = fleet["faults"][1]
+    assert fresh["ids"] == fleet["reference"][1]["ids"]  # vLLM recomputed the blocks: still token-exact
+    lines = [line for line in fleet["log"].splitlines() if f"chunk {fleet['digests'][1]} is missing" in line]
+    assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
+    assert "Traceback" not in fleet["log"]

@@ -1,0 +1,221 @@
+"""The local tier of a chunk store: chunks kept in memory and on disk, each under a byte budget.
+
+A chunk is named by the BLAKE3 digest of its bytes. Its digest is checked once, where it enters the
+tier: when it comes from the store, and when it is first read from disk by this process (a file
+left by an earlier run or by another process sharing the directory). A chunk that passed is
+trusted from then on: the worker copies its bytes into vLLM's cache without hashing them again.
+A file that fails the check is deleted with one warning line and the chunk is fetched again.
+
+Both levels evict the least recently used chunk first, and never a pinned one: a request pins the
+chunks of its load plan until they are in its blocks, so a fetch for the same or another request
+cannot evict them halfway (a level may then sit over its budget until they are unpinned). A disk
+that cannot take a chunk (full, read-only) costs one warning line; the chunk is still served.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from kvcdn_core.errors import ArtifactError
+from kvcdn_core.store.pack import checked
+from kvcdn_core.store.record import HEX64
+
+#: Where a chunk came from, as the per-request figures count them.
+MEMORY, DISK, REMOTE = "memory", "disk", "remote"
+
+
+class ChunkTier:
+    """``get(digest, size)`` → the chunk's checked bytes and where they came from.
+
+    ``fetch(digest)`` returns the chunk's bytes from the store, or None when the store lacks it.
+    ``directory`` None (or ``disk_bytes`` 0) keeps no disk level.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[str], bytes | None],
+        memory_bytes: int,
+        disk_bytes: int,
+        directory: Path | None,
+        warn: Callable[[str], None],
+    ):
+        self._fetch = fetch
+        self.memory_bytes = memory_bytes
+        self.disk_bytes = disk_bytes if directory is not None else 0
+        self.directory = Path(directory) if directory is not None else None
+        self._warn = warn
+        self._lock = threading.RLock()
+        self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._memory_used = 0
+        self._disk: collections.OrderedDict[str, int] = collections.OrderedDict()  # digest → size, LRU first
+        self._disk_used = 0
+        self._verified: set[str] = set()  # disk files this process wrote or checked
+        self._pins: collections.Counter[str] = collections.Counter()
+        self._disk_warned = False
+        if self.disk_bytes > 0 and self.directory is not None:
+            self._scan()
+
+    # -- pins --------------------------------------------------------------------------------------
+
+    def pin(self, digests: Iterable[str]) -> None:
+        with self._lock:
+            self._pins.update(digests)
+
+    def unpin(self, digests: Iterable[str]) -> None:
+        with self._lock:
+            self._pins.subtract(digests)
+            self._pins += collections.Counter()  # drop zero counts
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def get(self, digest: str, size: int) -> tuple[bytes, str]:
+        """The chunk's bytes (checked once) and ``memory``, ``disk`` or ``remote``; :class:`ArtifactError`
+        (one line) when the store lacks it or holds other bytes under its name."""
+        with self._lock:
+            data = self._memory.get(digest)
+            if data is not None and len(data) == size:
+                self._memory.move_to_end(digest)
+                return data, MEMORY
+        data = self._from_disk(digest, size)
+        if data is not None:
+            self._keep_in_memory(digest, data)
+            return data, DISK
+        try:
+            fetched = self._fetch(digest)
+        except Exception as exc:  # any backend's error (a network one too) is a failed load, one line
+            detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
+        data = checked(fetched, digest, size, "the store")
+        self._keep_in_memory(digest, data)
+        self._keep_on_disk(digest, data)
+        return data, REMOTE
+
+    def _path(self, digest: str) -> Path:
+        assert self.directory is not None
+        return self.directory / digest[:2] / digest
+
+    def _from_disk(self, digest: str, size: int) -> bytes | None:
+        with self._lock:
+            if digest not in self._disk:
+                return None
+            self._disk.move_to_end(digest)
+            trusted = digest in self._verified
+        try:
+            data = self._path(digest).read_bytes()
+            os.utime(self._path(digest))  # the LRU order an engine restart finds
+        except OSError:
+            self._forget_disk(digest)
+            return None
+        if not trusted:
+            try:
+                checked(data, digest, size, f"the local tier ({self.directory})")
+            except ArtifactError as exc:
+                self._warn(f"{exc}; dropped, fetching it again")
+                self._drop_file(digest)
+                return None
+            with self._lock:
+                self._verified.add(digest)
+        elif len(data) != size:
+            self._drop_file(digest)
+            return None
+        return data
+
+    # -- keeping -----------------------------------------------------------------------------------
+
+    def _keep_in_memory(self, digest: str, data: bytes) -> None:
+        if len(data) > self.memory_bytes:
+            return
+        with self._lock:
+            if digest not in self._memory:
+                self._memory[digest] = data
+                self._memory_used += len(data)
+            self._memory.move_to_end(digest)
+            for victim in [d for d in self._memory if d != digest and not self._pins[d]]:
+                if self._memory_used <= self.memory_bytes:
+                    break
+                self._memory_used -= len(self._memory.pop(victim))
+
+    def _keep_on_disk(self, digest: str, data: bytes) -> None:
+        if len(data) > self.disk_bytes:
+            return
+        path = self._path(digest)
+        tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            if not self._disk_warned:  # a full disk would otherwise warn at every chunk
+                self._disk_warned = True
+                self._warn(f"cannot keep chunks in the local tier ({self.directory}): {exc.strerror or exc}")
+            return
+        with self._lock:
+            if digest not in self._disk:
+                self._disk[digest] = len(data)
+                self._disk_used += len(data)
+            self._disk.move_to_end(digest)
+            self._verified.add(digest)
+            victims = [d for d in self._disk if d != digest and not self._pins[d]]
+        for victim in victims:
+            if self._disk_used <= self.disk_bytes:
+                break
+            self._drop_file(victim)
+
+    def _forget_disk(self, digest: str) -> None:
+        with self._lock:
+            size = self._disk.pop(digest, None)
+            if size is not None:
+                self._disk_used -= size
+            self._verified.discard(digest)
+
+    def _drop_file(self, digest: str) -> None:
+        self._forget_disk(digest)
+        try:
+            self._path(digest).unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def _scan(self) -> None:
+        """The chunks an earlier run left, oldest use first (unchecked until read); then the budget."""
+        assert self.directory is not None
+        found = []
+        for sub in self.directory.glob("??"):
+            for path in sub.iterdir() if sub.is_dir() else ():
+                if HEX64.fullmatch(path.name) and path.name.startswith(sub.name):
+                    try:
+                        st = path.stat()
+                    except OSError:
+                        continue
+                    found.append((st.st_mtime_ns, path.name, st.st_size))
+        for _, digest, size in sorted(found):
+            self._disk[digest] = size
+            self._disk_used += size
+        for victim in list(self._disk):
+            if self._disk_used <= self.disk_bytes:
+                break
+            self._drop_file(victim)
+
+    # -- figures -----------------------------------------------------------------------------------
+
+    @property
+    def memory_used(self) -> int:
+        return self._memory_used
+
+    @property
+    def disk_used(self) -> int:
+        return self._disk_used
+
+    def in_memory(self, digest: str) -> bool:
+        return digest in self._memory
+
+    def on_disk(self, digest: str) -> bool:
+        return digest in self._disk
