@@ -98,6 +98,10 @@ _EXPORTS = {
     "ensure_kv_suffix": "kvcdn_core.paths",
     "check_output": "kvcdn_core.paths",
     "input_artifact": "kvcdn_core.paths",
+    # composition's defaults, shared by `continue` and the hosted `infer`
+    "DEFAULT_RECOMPUTE": "kvcdn_core.model.defaults",
+    "DEFAULT_COMPOSE_RULE": "kvcdn_core.model.defaults",
+    "COMPOSE_RULES": "kvcdn_core.model.defaults",
     "Progress": "kvcdn_core.progress",
     "human_bytes": "kvcdn_core.progress",
     "emit_json": "kvcdn_core.cli.render",
@@ -106,12 +110,14 @@ _EXPORTS = {
     "print_table": "kvcdn_core.cli.render",
 }
 
-#: Public modules: the `.kv` format (read, write, validate), model sessions (load, prefill, decode)
-#: and prefix search (index, rank, reuse).
-_MODULES = ("artifact", "runtime", "search", "settings")
+#: Public modules, and the modules inside them: the `.kv` format (read, write, validate), model
+#: sessions (load, prefill, decode), prefix search (index, rank, reuse), declared settings, the
+#: chunk store (keys, records, packing, its prefix index) and composition of several artifacts.
+_MODULES = ("artifact", "compose", "runtime", "search", "settings", "store")
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tests/test_public_api.py keeps it in step)
     from kvcdn_core import artifact as artifact, runtime as runtime, search as search, settings as settings
+    from kvcdn_core import compose as compose, store as store
     from kvcdn_core.contracts.adapter import ModelAdapter as ModelAdapter
     from kvcdn_core.contracts.quantizer import Quantizer as Quantizer, KEY as KEY, VALUE as VALUE, role_of as role_of
     from kvcdn_core.contracts.storage import (
@@ -191,6 +197,11 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         input_artifact as input_artifact,
     )
     from kvcdn_core.progress import Progress as Progress, human_bytes as human_bytes
+    from kvcdn_core.model.defaults import (
+        DEFAULT_RECOMPUTE as DEFAULT_RECOMPUTE,
+        DEFAULT_COMPOSE_RULE as DEFAULT_COMPOSE_RULE,
+        COMPOSE_RULES as COMPOSE_RULES,
+    )
     from kvcdn_core.cli.render import emit_json as emit_json, render as render, print_table as print_table
     from kvcdn_core.cli.commands.common import format_option as format_option
 

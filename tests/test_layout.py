@@ -145,6 +145,12 @@ def plugin_sources() -> list[Path]:
     )
 
 
+def public_module(name: str) -> bool:
+    """``kvcdn_core.testing``, a public module (``kvcdn_core._MODULES``) or a module inside one."""
+    parts = name.split(".")
+    return parts[0] == "kvcdn_core" and len(parts) > 1 and parts[1] in {"testing", *kvcdn_core._MODULES}
+
+
 def private_core_uses(path: Path) -> list[str]:
     """``file:line name`` for every use of core outside its public API."""
     public = set(kvcdn_core.__all__)
@@ -153,12 +159,12 @@ def private_core_uses(path: Path) -> list[str]:
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names if a.name.startswith("kvcdn_core.") and a.name != "kvcdn_core.testing"]
+            names = [a.name for a in node.names if a.name.startswith("kvcdn_core.") and not public_module(a.name)]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvcdn_core"):
             if node.module == "kvcdn_core":
                 names = [f"kvcdn_core.{a.name}" for a in node.names if a.name not in public]
-            elif node.module != "kvcdn_core.testing":
-                names = [node.module]
+            elif not public_module(node.module or ""):
+                names = [node.module or ""]
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "kvcdn_core":
             names = [] if node.attr in public else [f"kvcdn_core.{node.attr}"]
         bad += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names]

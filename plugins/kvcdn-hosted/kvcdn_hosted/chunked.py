@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import kvcdn_wire as wire
-from kvcdn_core.errors import KvcdnError
+from kvcdn_core import KvcdnError
 
 
 @dataclasses.dataclass

@@ -19,8 +19,16 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import click
 
 import kvcdn_wire as wire
-from kvcdn_core import CheckFailed, KvcdnError, emit_json, print_table, warn
-from kvcdn_core.model.defaults import COMPOSE_RULES, DEFAULT_COMPOSE_RULE, DEFAULT_RECOMPUTE
+from kvcdn_core import (
+    COMPOSE_RULES,
+    DEFAULT_COMPOSE_RULE,
+    DEFAULT_RECOMPUTE,
+    CheckFailed,
+    KvcdnError,
+    emit_json,
+    print_table,
+    warn,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvcdn_core import StorageBackend

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvcdn_core.errors import ArtifactError
+from kvcdn_core import ArtifactError
 from kvcdn_core.store.pack import checked
 from kvcdn_core.store.record import HEX64
 

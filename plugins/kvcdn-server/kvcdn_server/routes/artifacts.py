@@ -8,7 +8,7 @@ from anyio import from_thread
 from fastapi import APIRouter, Request, Response
 
 import kvcdn_wire as wire
-from kvcdn_core.model.defaults import DEFAULT_COMPOSE_RULE, DEFAULT_RECOMPUTE
+from kvcdn_core import DEFAULT_COMPOSE_RULE, DEFAULT_RECOMPUTE
 from kvcdn_server import chunks
 from kvcdn_server.auth import Auth, Identity, MaybeAuth, Svc
 from kvcdn_server.errors import not_found, validation
