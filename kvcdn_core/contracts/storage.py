@@ -34,6 +34,12 @@ plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contra
     lookups itself (:meth:`StorageBackend.prefix_roots`, ``prefix_lookup``, ``fetch_hit``): the
     hosted endpoint. ``search --store`` and ``continue --store`` ask it instead of reading a chunk
     store's index objects.
+  - ``"chunk_store"``: the medium keeps artifacts as chunks itself and offers the chunk-store
+    operations (:meth:`StorageBackend.chunk_store`: ``put``, ``get``, ``listing``, ``chunk_table``,
+    ``delete``, ``check``, ``gc``, ``rebuild_index``, with the reports of
+    :class:`kvcdn_core.store.chunkstore.ChunkStore`): the hosted endpoint, whose server checks and
+    collects its own chunks. ``kvcdn store`` asks it instead of building a chunk store on the
+    medium's bytes (:func:`kvcdn_core.store.chunkstore.open_chunk_store`).
 
   Callers read only the declaration (:meth:`StorageBackend.offers`), never probe for methods; a
   backend that declares a capability implements its methods, and one that does not is never asked.
@@ -74,7 +80,7 @@ STORES = ("bytes", "kv")
 #: The operations a backend may list in ``unsupported``.
 OPTIONAL_OPERATIONS = frozenset({"rename"})
 #: The extra abilities a backend may declare in ``capabilities``.
-CAPABILITIES = frozenset({"multipart", "local_path", "prefix_lookup"})
+CAPABILITIES = frozenset({"multipart", "local_path", "prefix_lookup", "chunk_store"})
 
 
 class StorageBackend:
@@ -202,6 +208,11 @@ class StorageBackend:
     def fetch_hit(self, hit: Any, target: Path) -> None:
         """``"prefix_lookup"``: download the artifact a hit names to ``target``, checked."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
+
+    def chunk_store(self) -> Any:
+        """``"chunk_store"``: the medium's own chunk store, with the operations and reports of
+        :class:`kvcdn_core.store.chunkstore.ChunkStore`."""
+        raise NotSupported(f"{type(self).__name__} does not declare chunk_store")
 
     def needs_multipart(self, size: int) -> bool:
         """``"multipart"``: whether an object of ``size`` bytes must go up in parts."""

@@ -355,59 +355,13 @@ class ChunkStore:
     def listing(self, on_error: Callable[[str], None] | None = None) -> list[Listed]:
         """Every artifact with its chunks and how many of them share an object (the chunk whole, or
         one of its pieces) with another artifact."""
-        records = self.records(on_error)
-        users = collections.Counter(d for r in records for d in set(r.digests))
-        rows = []
-        for r in records:
-            rows.append(
-                Listed(
-                    r.name,
-                    r.token_count,
-                    len(r.chunks),
-                    sum(1 for c in r.chunks if any(users[p.digest] > 1 for p in c.parts)),
-                    r.stored_bytes,
-                    r.size,
-                    r.reuse,
-                    r.model.get("id"),
-                )
-            )
-        return rows
+        return listed(self.records(on_error))
 
     def chunk_table(self, name: str) -> tuple[ArtifactRecord, list[dict[str, Any]]]:
         """An artifact's objects, in token order: each chunk whole or its pieces (``chunk``: the
         chunk's index), then the tail, each with how many other artifacts reference it."""
         record = self.record(name)
-        others: collections.Counter[str] = collections.Counter()
-        for r in self.records(on_error=lambda _msg: None):
-            if r.name != name:
-                others.update(set(r.digests))
-        rows: list[dict[str, Any]] = []
-        first = 0
-        for i, c in enumerate(record.chunks):
-            for p in c.parts:
-                rows.append(
-                    {
-                        "chunk": i,
-                        "tokens": [first, first + p.tokens],
-                        "key": c.key,
-                        "digest": p.digest,
-                        "bytes": p.bytes,
-                        "shared_with": others[p.digest],
-                    }
-                )
-                first += p.tokens
-        if record.tail:
-            rows.append(
-                {
-                    "chunk": None,
-                    "tokens": None,
-                    "key": None,
-                    "digest": record.tail.digest,
-                    "bytes": record.tail.bytes,
-                    "shared_with": others[record.tail.digest],
-                }
-            )
-        return record, rows
+        return record, chunk_rows(record, [r for r in self.records(on_error=lambda _msg: None) if r.name != name])
 
     # -- garbage collection ------------------------------------------------------------------------
 
@@ -584,3 +538,63 @@ def _marker(data: bytes | None) -> tuple[float, list[str]] | None:
 def stored_bytes(backend: StorageBackend, prefixes: Iterable[str] = (CHUNKS, ARTIFACTS)) -> int:
     """Bytes the store's objects take (chunks and records by default)."""
     return sum(info.size for prefix in prefixes for info in backend.list(prefix))
+
+
+def open_chunk_store(backend: StorageBackend) -> Any:
+    """The chunk store on ``backend``: its own when it declares ``chunk_store`` (the hosted
+    endpoint), else a :class:`ChunkStore` on its bytes."""
+    return backend.chunk_store() if type(backend).offers("chunk_store") else ChunkStore(backend)
+
+
+def listed(records: list[ArtifactRecord]) -> list[Listed]:
+    """``records`` as listing rows, each with how many of its chunks share an object (the chunk
+    whole, or one of its pieces) with another of them."""
+    users = collections.Counter(d for r in records for d in set(r.digests))
+    return [
+        Listed(
+            r.name,
+            r.token_count,
+            len(r.chunks),
+            sum(1 for c in r.chunks if any(users[p.digest] > 1 for p in c.parts)),
+            r.stored_bytes,
+            r.size,
+            r.reuse,
+            r.model.get("id"),
+        )
+        for r in records
+    ]
+
+
+def chunk_rows(record: ArtifactRecord, others: list[ArtifactRecord]) -> list[dict[str, Any]]:
+    """``record``'s objects in token order: each chunk whole or its pieces (``chunk``: the chunk's
+    index), then the tail, each with how many of ``others`` reference it."""
+    counts: collections.Counter[str] = collections.Counter()
+    for r in others:
+        counts.update(set(r.digests))
+    rows: list[dict[str, Any]] = []
+    first = 0
+    for i, c in enumerate(record.chunks):
+        for p in c.parts:
+            rows.append(
+                {
+                    "chunk": i,
+                    "tokens": [first, first + p.tokens],
+                    "key": c.key,
+                    "digest": p.digest,
+                    "bytes": p.bytes,
+                    "shared_with": counts[p.digest],
+                }
+            )
+            first += p.tokens
+    if record.tail:
+        rows.append(
+            {
+                "chunk": None,
+                "tokens": None,
+                "key": None,
+                "digest": record.tail.digest,
+                "bytes": record.tail.bytes,
+                "shared_with": counts[record.tail.digest],
+            }
+        )
+    return rows

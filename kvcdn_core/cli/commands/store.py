@@ -18,15 +18,17 @@ store_option = click.option(
     "--store",
     "uri",
     required=True,
-    help="The store: a directory, file://, s3://bucket/prefix or another installed backend's URI.",
+    help="The store: a directory, file://, s3://bucket/prefix, kvcdn:// (the hosted service) or another installed backend's URI.",
 )
 
 
 def _open(uri: str):
+    """The chunk store at ``uri``: the backend's own when it keeps one (the hosted endpoint), else
+    core's on its bytes."""
     from kvcdn_core.plugin_host.registry import open_storage
-    from kvcdn_core.store.chunkstore import ChunkStore
+    from kvcdn_core.store.chunkstore import open_chunk_store
 
-    return ChunkStore(open_storage(uri))
+    return open_chunk_store(open_storage(uri))
 
 
 def _mb(n: int) -> str:

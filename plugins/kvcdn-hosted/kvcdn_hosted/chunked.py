@@ -30,9 +30,14 @@ class ChunkedReport:
     #: object bytes not sent because the server held them for this tenant (or the artifact
     #: repeats an object)
     bytes_saved: int
+    #: the artifact's record and the digests this transfer moved (``kvcdn store`` counts chunks by
+    #: them); not part of :meth:`as_dict`
+    record: Any = dataclasses.field(default=None, repr=False)
+    moved: frozenset[str] = frozenset()
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        skip = ("record", "moved")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 
 def _answer(response, what: str) -> dict[str, Any]:
@@ -61,8 +66,11 @@ def upload(
     name: str,
     visibility: str = "private",
     chunk_tokens: int | None = None,
+    replace: bool = False,
 ) -> ChunkedReport:
-    """Upload the `.kv` file at ``path`` by chunks as ``name``; the report of what moved."""
+    """Upload the `.kv` file at ``path`` by chunks as ``name``; the report of what moved.
+
+    ``replace``: the confirm also deletes the caller's other artifacts of this name."""
     from kvcdn_core import artifact
     from kvcdn_core.store import keys, pack
     from kvcdn_core.store.record import NAME
@@ -85,9 +93,11 @@ def upload(
         _answer(http.put(item["url"], content=data, headers=grant["headers"]), f"PUT of object {blob.digest[:12]}")
         moved += len(data)
     artifact_id = grant["artifact_id"]
-    _answer(http.post(f"{base}{wire.path(wire.CONFIRM_UPLOAD, artifact_id=artifact_id)}", headers=headers), "confirm")
+    route = f"{base}{wire.path(wire.CONFIRM_UPLOAD, artifact_id=artifact_id)}"
+    _answer(http.post(route, headers=headers, json={"replace": True} if replace else None), "confirm")
     total = sum(b.size for b in plan.blobs)
-    return ChunkedReport(artifact_id, header.file_size, grant["objects"], moved, total - moved)
+    sent = frozenset(item["digest"] for item in grant["missing"])
+    return ChunkedReport(artifact_id, header.file_size, grant["objects"], moved, total - moved, record, sent)
 
 
 def download(http, base: str, headers: dict[str, str], artifact_id: str, target: Path) -> ChunkedReport:
@@ -116,7 +126,7 @@ def download(http, base: str, headers: dict[str, str], artifact_id: str, target:
     if _sha256(target) != grant["sha256"]:
         target.unlink(missing_ok=True)
         raise KvcdnError(f"artifact {artifact_id}: the rebuilt file does not match its sha256")
-    return ChunkedReport(artifact_id, record.size, len(urls), moved, record.stored_bytes - moved)
+    return ChunkedReport(artifact_id, record.size, len(urls), moved, record.stored_bytes - moved, record)
 
 
 def _get(http, url: str, digest: str) -> bytes:

@@ -83,7 +83,7 @@ class HostedStorage(StorageBackend):
     schemes: ClassVar[tuple[str, ...]] = ("kvcdn", "kvcdn+http", "kvcdn+https")
     stores: ClassVar[str] = "kv"
     unsupported: ClassVar[frozenset[str]] = frozenset({"rename"})
-    capabilities: ClassVar[frozenset[str]] = frozenset({"prefix_lookup"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"prefix_lookup", "chunk_store"})
 
     def __init__(self, settings, *, quiet: bool = True):
         self.settings = settings
@@ -243,14 +243,37 @@ class HostedStorage(StorageBackend):
         path = wire.path(wire.ARTIFACT, artifact_id=_id(artifact_id))
         return self.client.read(ArtifactRecord, "GET", path, what=f"artifact {artifact_id}")
 
-    def upload_chunked(self, source: Path, name: str, visibility: Literal["private", "public"] = "private"):
+    def upload_chunked(
+        self, source: Path, name: str, visibility: Literal["private", "public"] = "private", replace: bool = False
+    ):
         """Upload a ``.kv`` file by its chunks, sending only those the server does not hold for
-        this tenant (:mod:`kvcdn_hosted.chunked`); the report of bytes moved and saved."""
+        this tenant (:mod:`kvcdn_hosted.chunked`); the report of bytes moved and saved.
+
+        ``replace``: the confirm also deletes the caller's other artifacts of this name."""
         from kvcdn_hosted import chunked
 
         self.client.require_credential("upload")
         base = self.client.api_url.rstrip("/")
-        return chunked.upload(self.client.http, base, self.client.headers(), Path(source), name, visibility)
+        return chunked.upload(
+            self.client.http, base, self.client.headers(), Path(source), name, visibility, replace=replace
+        )
+
+    def chunk_record(self, artifact_id: str):
+        """A chunked artifact's record (:class:`kvcdn_core.store.record.ArtifactRecord`), as its
+        chunks route gives it."""
+        import json
+
+        from kvcdn_core.store.record import ArtifactRecord
+
+        route = wire.path(wire.ARTIFACT_CHUNKS, artifact_id=_id(artifact_id))
+        answer = self.client.request("POST", route, what=f"artifact {artifact_id}", idempotent=True).json()
+        return ArtifactRecord.from_json(json.dumps(answer["record"]).encode(), f"artifact {artifact_id}")
+
+    def chunk_store(self):
+        """The chunk-store operations on this endpoint (:mod:`kvcdn_hosted.chunkstore`)."""
+        from kvcdn_hosted.chunkstore import HostedChunkStore
+
+        return HostedChunkStore(self)
 
     def download_chunked(self, artifact_id: str, target: Path):
         """Rebuild a chunked artifact from its objects, each checked as it arrives."""

@@ -22,7 +22,8 @@ collector looks. The confirm reads every object back and checks its digest befor
 
 Existence stays secret across tenants: an object is answered present only when the tenant's own
 ready artifacts or a public ready artifact reference it; another tenant's private object is
-answered missing, exactly as an unknown one, and its PUT is taken (the bytes are equal by digest).
+answered missing, exactly as an unknown one, and its PUT is taken (the bytes are equal by digest)
+and written again, as a new object's is, so that it takes as long (:meth:`ChunkObjects.accept`).
 """
 
 from __future__ import annotations
@@ -223,19 +224,23 @@ class ChunkObjects:
 
     def accept(self, digest: str, size: int, path: Path) -> None:
         """Store a received object whose bytes hashed to ``digest``, under its row's lock; 404 when no
-        upload references it (its row is gone)."""
+        upload references it (its row is gone).
+
+        The object is written every time, even when it is stored already: skipping the write for
+        bytes another tenant holds would answer such a PUT faster than one of new bytes, a timing
+        oracle for "someone holds this chunk". The write is idempotent (equal digest, equal bytes)
+        and atomic (a reader sees the old object or the new one, both the same bytes)."""
         store = self.store
         with store.db.begin() as c:
             row = c.execute(sa.select(chunks).where(chunks.c.digest == digest).with_for_update()).first()
             if row is None:
                 raise not_found()
-            if not (row.present and store.storage.size_of(object_key(digest)) == size):
-                if store.local:
-                    target = store.storage.path_of(object_key(digest))
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(path, target)
-                else:
-                    store.storage.put_file(object_key(digest), path)
+            if store.local:
+                target = store.storage.path_of(object_key(digest))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+            else:
+                store.storage.put_file(object_key(digest), path)
             c.execute(chunks.update().where(chunks.c.digest == digest).values(present=True, size_bytes=size))
 
     # -- confirm ---------------------------------------------------------------------------------
