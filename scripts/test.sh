@@ -3,6 +3,7 @@
 # Usage: scripts/test.sh [pytest args...]
 #   scripts/test.sh                                 everything (what CI runs)
 #   scripts/test.sh -m "not slow and not hosted"    the fast tests only (about 4 CPU-minutes; README has measured times)
+#   scripts/test.sh -n 0                            in one process (the default runs one pytest-xdist worker per core)
 # Finished steps are skipped: an up-to-date .venv is not reinstalled (see scripts/dev-install.sh),
 # and the test issuer's npm packages are installed again only when their lock file changed.
 set -euo pipefail
@@ -21,6 +22,9 @@ if [ -f "$issuer/package-lock.json" ]; then
     echo "$lock" > "$issuer/node_modules/.kvcdn-lock-sha256"
   fi
 fi
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-say "running: python -m pytest $*"
-exec .venv/bin/python -m pytest "$@"
+# One worker per core, each single-threaded. Whole files go to one worker (--dist loadfile): the
+# docs examples that start a server on its documented port stay in one process, in order.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+workers=$(nproc)
+say "running: python -m pytest -n $workers --dist loadfile $*"
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
