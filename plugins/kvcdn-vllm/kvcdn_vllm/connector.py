@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -213,7 +214,14 @@ class KvcdnConnector(KVConnectorBase_V1):
     def _store_hit(self, req_id: str, prompt: list[int]) -> _StoreHit | None:
         """The chunk store's best match, block-aligned, when it fits the engine (one index lookup)."""
         assert self._store is not None
+        began = time.perf_counter()
         match = self._store.lookup(prompt)
+        logger.info(
+            "kvcdn: request %s: store lookup %.1f ms, %d tokens matched",
+            req_id,
+            (time.perf_counter() - began) * 1000,
+            match.prefix_tokens if match is not None else 0,
+        )
         self._stored_prefix[req_id] = match.prefix_tokens if match is not None else 0
         if match is None:
             return None

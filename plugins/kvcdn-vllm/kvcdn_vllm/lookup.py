@@ -62,13 +62,6 @@ def engine_root(fingerprint: dict, compute_dtype: str) -> str:
     return keys.root_key(fingerprint, keys.representation(compute_dtype, None))
 
 
-def open_store(uri: str) -> ChunkStore:
-    """The chunk store at ``uri`` (a directory, ``file://``, ``s3://``, any backend that stores bytes)."""
-    from kvcdn_core import open_storage
-
-    return ChunkStore(open_storage(uri))
-
-
 class StoreLookup:
     """:class:`PrefixLookup` and :class:`ChunkSource` on a chunk store's own index and chunks."""
 
