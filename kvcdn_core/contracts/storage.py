@@ -210,10 +210,10 @@ class StorageBackend:
         """``"prefix_lookup"``: download the artifact a hit names to ``target``, checked."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
-    def hit_chunks(self, hit: Any) -> tuple[Any, dict[str, str]] | None:
+    def hit_chunks(self, hit: Any) -> tuple[Any, dict[str, str], float] | None:
         """``"prefix_lookup"``: the chunk record (:class:`kvcdn_core.store.record.ArtifactRecord`) of
-        the artifact a hit names and, per object digest, where :meth:`read_chunk` reads it; None when
-        that artifact is stored whole (not by chunks)."""
+        the artifact a hit names, per object digest where :meth:`read_chunk` reads it, and until when
+        (Unix seconds) those locations hold; None when that artifact is stored whole (not by chunks)."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
     def read_chunk(self, location: str) -> bytes | None:

@@ -393,9 +393,10 @@ class HostedStorage(StorageBackend):
         """The artifact a lookup found, by its id (not its name: a public one is another tenant's)."""
         self.download(hit.ref, Path(target))
 
-    def hit_chunks(self, hit: Any) -> tuple[Any, dict[str, str]] | None:
-        """A hit's chunk record and a signed GET URL per object (one request to the artifact's
-        chunks route); None for an artifact uploaded whole (the route answers 422 for it)."""
+    def hit_chunks(self, hit: Any) -> tuple[Any, dict[str, str], float] | None:
+        """A hit's chunk record, a signed GET URL per object and when they expire (one request to the
+        artifact's chunks route); None for an artifact uploaded whole (the route answers 422 for it)."""
+        import datetime as dt
         import json
 
         from kvcdn_core.store.record import ArtifactRecord as ChunkRecord
@@ -409,7 +410,8 @@ class HostedStorage(StorageBackend):
             raise_for_response(response, "artifact chunks")
         grant = response.json()
         record = ChunkRecord.from_json(json.dumps(grant["record"]).encode(), f"artifact {hit.ref}")
-        return record, {o["digest"]: self.client.url(o["url"]) for o in grant["objects"]}
+        expires = dt.datetime.strptime(grant["expires_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+        return record, {o["digest"]: self.client.url(o["url"]) for o in grant["objects"]}, expires.timestamp()
 
     def read_chunk(self, location: str) -> bytes | None:
         """One object through its signed URL (the URL carries its own credential)."""

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -96,22 +97,38 @@ class StoreLookup:
 
 #: signed URLs a hosted worker remembers at most (the latest plans' chunks)
 MAX_LOCATIONS = 65_536
+#: chunk grants (record and URLs) a hosted scheduler keeps, and how long before their URLs expire
+#: it stops using one (a worker fetches within a step or two of the lookup)
+MAX_GRANTS = 1024
+GRANT_MARGIN_S = 60.0
 
 
 class IndexLookup:
     """:class:`PrefixLookup` and :class:`ChunkSource` on a backend that answers prefix lookups itself
     (it declares ``prefix_lookup``: the hosted service). Per request: the backend's lookup (chain
     keys, never token ids or a listing), then one request for the hit's chunk record and a URL per
-    object. An artifact stored whole (uploaded without ``--chunked``) is skipped with one line per
+    object; that answer is kept per artifact id until shortly before its URLs expire (an artifact
+    id's record never changes), so a prefix the fleet asks for again costs only the index's
+    requests. An artifact stored whole (uploaded without ``--chunked``) is skipped with one line per
     artifact: a whole-file download per request is what this path exists to avoid."""
 
-    def __init__(self, backend: StorageBackend, root: str, warn: Callable[[str], None]):
+    def __init__(
+        self,
+        backend: StorageBackend,
+        root: str,
+        warn: Callable[[str], None],
+        clock: Callable[[], float] = time.time,
+    ):
         self.backend = backend
         self.root = root
         self._warn = warn
+        self._clock = clock
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._locations: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._grants: collections.OrderedDict[str, tuple[ArtifactRecord, dict[str, str], float]] = (
+            collections.OrderedDict()
+        )
 
     def lookup(self, prompt_ids: list[int]) -> Match | None:
         try:
@@ -119,16 +136,31 @@ class IndexLookup:
             if not hits or hits[0].prefix_tokens == 0:
                 return None
             hit = hits[0]
-            grant = self.backend.hit_chunks(hit)
+            grant = self._grant(hit)
             if grant is None:
                 self._warn_once(f"skipping stored artifact '{hit.name}': it is stored whole, not by chunks")
                 return None
-            record, locations = grant
+            record, locations, _ = grant
             return Match(hit.name, hit.prefix_tokens, record, locations)
         except Exception as exc:  # an unreachable or refusing service is a miss, never a failed request
             detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
+
+    def _grant(self, hit) -> tuple[ArtifactRecord, dict[str, str], float] | None:
+        """The hit's record and URLs: kept ones while they hold, else asked for (and kept)."""
+        now = self._clock()
+        kept = self._grants.get(hit.ref)
+        if kept is not None and kept[2] - GRANT_MARGIN_S > now:
+            self._grants.move_to_end(hit.ref)
+            return kept
+        grant = self.backend.hit_chunks(hit)
+        if grant is not None:
+            self._grants[hit.ref] = grant
+            self._grants.move_to_end(hit.ref)
+            while len(self._grants) > MAX_GRANTS:
+                self._grants.popitem(last=False)
+        return grant
 
     def locate(self, plan: ChunkPlan) -> None:
         with self._lock:

@@ -141,3 +141,28 @@ def test_an_unreachable_service_is_a_miss_with_one_line(monkeypatch):
     finder = lookup.open_lookup(f"kvcdn+http://127.0.0.1:{services.free_port()}", ROOT, WARNINGS.append)
     assert finder.lookup([1, 2, 3] * 200) is None and finder.lookup([1, 2, 3] * 200) is None
     assert len(WARNINGS) == 1 and WARNINGS[0].startswith("prefix lookup in the store failed: ")
+
+
+def test_a_prefix_asked_again_costs_only_the_index_until_its_urls_near_expiry(served, monkeypatch):
+    import time
+
+    from tests.support.clock import ManualClock
+
+    server, keys, tmp = served
+    opened = as_org(monkeypatch, server, keys["acme"])
+    clock = ManualClock(time.time())
+    finder = lookup.IndexLookup(opened.backend, ROOT, WARNINGS.append, clock=clock)
+    tensors, doc_id = upload(finder, tmp, "again", 600, seed=4)
+    prompt = tensors[artifact.TOKEN_IDS].tolist()[:520] + [5, 6]
+    traffic = Traffic(finder.backend)
+    chunks_route = ("POST", f"{API}/artifacts/{doc_id}/chunks")
+
+    first = finder.lookup(prompt)
+    assert first is not None and chunks_route in [(m, p) for m, p, _ in traffic.take()]
+    again = finder.lookup(prompt)
+    assert again is not None and again.record == first.record and again.locations == first.locations
+    assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup")] * 2  # no chunks request
+    # the server's URLs last its download TTL (an hour by default): near their expiry, asked for again
+    clock.advance(3600 - lookup.GRANT_MARGIN_S + 1)
+    assert finder.lookup(prompt) is not None
+    assert chunks_route in [(m, p) for m, p, _ in traffic.take()]
