@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcdn_core import KvcdnError, StorageBackend, artifact
 from kvcdn_core.store import index, keys
@@ -147,7 +147,7 @@ class IndexLookup:
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
 
-    def _grant(self, hit) -> tuple[ArtifactRecord, dict[str, str], float] | None:
+    def _grant(self, hit: Any) -> tuple[ArtifactRecord, dict[str, str], float] | None:
         """The hit's record and URLs: kept ones while they hold, else asked for (and kept)."""
         now = self._clock()
         kept = self._grants.get(hit.ref)
