@@ -31,9 +31,10 @@ plugins. What every backend promises (``kvcdn_core.testing.assert_storage_contra
     reading it gives the object's bytes, and a file atomically renamed onto it becomes the object.
     The hosted server then reads and writes the files directly and signs its own URLs.
   - ``"prefix_lookup"``: the medium keeps its own prefix index of ``.kv`` artifacts and answers
-    lookups itself (:meth:`StorageBackend.prefix_roots`, ``prefix_lookup``, ``fetch_hit``): the
-    hosted endpoint. ``search --store`` and ``continue --store`` ask it instead of reading a chunk
-    store's index objects.
+    lookups itself (:meth:`StorageBackend.prefix_roots`, ``prefix_lookup``, ``fetch_hit``,
+    ``hit_chunks``, ``read_chunk``): the hosted endpoint. ``search --store`` and ``continue
+    --store`` ask it instead of reading a chunk store's index objects, and the vLLM connector
+    reads a hit's chunks one by one.
   - ``"chunk_store"``: the medium keeps artifacts as chunks itself and offers the chunk-store
     operations (:meth:`StorageBackend.chunk_store`: ``put``, ``get``, ``listing``, ``chunk_table``,
     ``delete``, ``check``, ``gc``, ``rebuild_index``, with the reports of
@@ -207,6 +208,17 @@ class StorageBackend:
 
     def fetch_hit(self, hit: Any, target: Path) -> None:
         """``"prefix_lookup"``: download the artifact a hit names to ``target``, checked."""
+        raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
+
+    def hit_chunks(self, hit: Any) -> tuple[Any, dict[str, str], float] | None:
+        """``"prefix_lookup"``: the chunk record (:class:`kvcdn_core.store.record.ArtifactRecord`) of
+        the artifact a hit names, per object digest where :meth:`read_chunk` reads it, and until when
+        (Unix seconds) those locations hold; None when that artifact is stored whole (not by chunks)."""
+        raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
+
+    def read_chunk(self, location: str) -> bytes | None:
+        """``"prefix_lookup"``: the bytes at a location :meth:`hit_chunks` gave (unchecked: the
+        caller checks the digest), or None when the object is gone or the location expired."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
     def chunk_store(self) -> Any:

@@ -393,6 +393,35 @@ class HostedStorage(StorageBackend):
         """The artifact a lookup found, by its id (not its name: a public one is another tenant's)."""
         self.download(hit.ref, Path(target))
 
+    def hit_chunks(self, hit: Any) -> tuple[Any, dict[str, str], float] | None:
+        """A hit's chunk record, a signed GET URL per object and when they expire (one request to the
+        artifact's chunks route); None for an artifact uploaded whole (the route answers 422 for it)."""
+        import datetime as dt
+        import json
+
+        from kvcdn_core.store.record import ArtifactRecord as ChunkRecord
+        from kvcdn_hosted.client import raise_for_response
+
+        route = wire.path(wire.ARTIFACT_CHUNKS, artifact_id=_id(hit.ref))
+        response = self.client.request("POST", route, what="artifact chunks", ok=(200, 422), idempotent=True)
+        if response.status_code == 422:
+            if "stored whole" in response.text:
+                return None
+            raise_for_response(response, "artifact chunks")
+        grant = response.json()
+        record = ChunkRecord.from_json(json.dumps(grant["record"]).encode(), f"artifact {hit.ref}")
+        expires = dt.datetime.strptime(grant["expires_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+        return record, {o["digest"]: self.client.url(o["url"]) for o in grant["objects"]}, expires.timestamp()
+
+    def read_chunk(self, location: str) -> bytes | None:
+        """One object through its signed URL (the URL carries its own credential)."""
+        response = self.client.http.get(location)
+        if response.status_code in (403, 404, 410):
+            return None
+        if response.status_code != 200:
+            raise KvcdnError(f"GET of a chunk failed ({response.status_code})")
+        return response.content
+
     # -- StorageBackend: keys are artifact names -----------------------------------------------
 
     def _named(self, key: str) -> list[ArtifactRecord]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,11 +136,11 @@ class KvcdnConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = Settings.parse(extra, self._block_size)
         self._model_dir, self._fingerprint, self._shape = model_facts(vllm_config)
-        self._store: chunks.StoreLookup | None = None
+        self._store: chunks.Lookup | None = None
         if self.settings.store:
             dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
             root = chunks.engine_root(self._fingerprint, dtype)
-            self._store = chunks.StoreLookup(chunks.open_store(self.settings.store), root, _warn)
+            self._store = chunks.open_lookup(self.settings.store, root, _warn)
         else:
             assert self.settings.source is not None
             self._source = Source(self.settings.source, create=self.settings.save, warn=_warn)
@@ -147,7 +148,12 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._can_save = (
             self.settings.save and parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1
         )
-        if self.settings.save and not self._can_save:
+        if self._can_save and isinstance(self._store, chunks.IndexLookup):
+            self._can_save = False
+            _warn(
+                "save is on but this store answers lookups itself (the hosted service): saving to it is not offered yet"
+            )
+        elif self.settings.save and not self._can_save:
             _warn(
                 "save is on but tensor or pipeline parallelism splits the cache across workers; "
                 "prompts are not saved (loading works)"
@@ -184,6 +190,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             if self._can_save:
                 from kvcdn_vllm.saver import SaveQueue
 
+                assert isinstance(self._store, chunks.StoreLookup)
                 self._saver = SaveQueue(self._store.store, s.save_queue, _warn, self._saved)
 
     # ==== scheduler side ==========================================================================
@@ -207,7 +214,14 @@ class KvcdnConnector(KVConnectorBase_V1):
     def _store_hit(self, req_id: str, prompt: list[int]) -> _StoreHit | None:
         """The chunk store's best match, block-aligned, when it fits the engine (one index lookup)."""
         assert self._store is not None
+        began = time.perf_counter()
         match = self._store.lookup(prompt)
+        logger.info(
+            "kvcdn: request %s: store lookup %.1f ms, %d tokens matched",
+            req_id,
+            (time.perf_counter() - began) * 1000,
+            match.prefix_tokens if match is not None else 0,
+        )
         self._stored_prefix[req_id] = match.prefix_tokens if match is not None else 0
         if match is None:
             return None
@@ -227,7 +241,11 @@ class KvcdnConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         if num_external_tokens > 0 and hit is not None:
             start = hit.tokens - num_external_tokens
-            plan = chunks.plan(hit.match.record, start, hit.tokens) if isinstance(hit, _StoreHit) else None
+            plan = (
+                chunks.plan(hit.match.record, start, hit.tokens, hit.match.locations)
+                if isinstance(hit, _StoreHit)
+                else None
+            )
             self._loads[req_id] = LoadJob(req_id, hit.path, start, hit.tokens, prompt[: hit.tokens], chunks=plan)
             self._loaded[req_id] = (num_external_tokens, hit.path)
         stored = self._stored_prefix.pop(req_id, 0)
@@ -363,7 +381,8 @@ class KvcdnConnector(KVConnectorBase_V1):
     def _load_chunks(self, job: LoadJob, plan: chunks.ChunkPlan) -> None:
         """Copy tokens ``[start, end)`` from the planned chunks, taken through the local tier (the
         tier checked each chunk's digest where it entered: no second hash here)."""
-        assert self._tier is not None
+        assert self._tier is not None and self._store is not None
+        self._store.locate(plan)
         digests = [p.digest for p in plan.parts]
         figures = {"matched_tokens": job.end, "chunks_memory": 0, "chunks_disk": 0, "chunks_remote": 0}
         figures["bytes_fetched"] = 0

@@ -3,19 +3,25 @@
 The scheduler asks a :class:`PrefixLookup` for the stored artifact that shares the longest token
 prefix with a prompt. The one here, :class:`StoreLookup`, asks the store's own prefix index
 (:func:`kvcdn_core.store.index.lookup`: a trie over chain keys, read incrementally, never the
-store's listing or its chunks) and then reads the hit's record (one small object). Another
-implementation (the hosted service's lookup route, taking chain keys) only has to return the same
-:class:`Match`. Workers fetch chunks by digest through a :class:`ChunkSource`. No torch here.
+store's listing or its chunks) and then reads the hit's record (one small object). A backend
+that declares the ``prefix_lookup`` capability (the hosted service) answers lookups itself:
+:class:`IndexLookup` sends it the prompt's chain keys, reads the hit's record from the artifact's
+chunks route, and its workers fetch each missing chunk through the signed URL that route gave (the
+URLs travel in the load plan). :func:`open_lookup` picks one by the declaration. Workers fetch
+chunks by digest through a :class:`ChunkSource`. No torch here.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcdn_core import KvcdnError, artifact
+from kvcdn_core import KvcdnError, StorageBackend, artifact
 from kvcdn_core.store import index, keys
 from kvcdn_core.store.chunkstore import ChunkStore, chunk_key
 from kvcdn_core.store.record import ArtifactRecord
@@ -31,6 +37,9 @@ class Match:
     name: str
     prefix_tokens: int
     record: ArtifactRecord
+    #: per object digest, where the source reads it (the hosted service's signed URLs); empty for
+    #: a chunk store, whose chunks are read by key
+    locations: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class PrefixLookup(Protocol):
@@ -41,21 +50,17 @@ class PrefixLookup(Protocol):
 
 
 class ChunkSource(Protocol):
-    """What a worker's tier fetches a missing chunk from: its bytes, or None when it is not there."""
+    """What a worker's tier fetches a missing chunk from: its bytes, or None when it is not there.
+    ``locate`` is told a plan's locations before its chunks are fetched."""
 
     def fetch(self, digest: str) -> bytes | None: ...
+
+    def locate(self, plan: ChunkPlan) -> None: ...
 
 
 def engine_root(fingerprint: dict, compute_dtype: str) -> str:
     """The chain root of an engine's caches: its model fingerprint, unquantized, in its compute dtype."""
     return keys.root_key(fingerprint, keys.representation(compute_dtype, None))
-
-
-def open_store(uri: str) -> ChunkStore:
-    """The chunk store at ``uri`` (a directory, ``file://``, ``s3://``, any backend that stores bytes)."""
-    from kvcdn_core import open_storage
-
-    return ChunkStore(open_storage(uri))
 
 
 class StoreLookup:
@@ -81,10 +86,115 @@ class StoreLookup:
     def fetch(self, digest: str) -> bytes | None:
         return self.store.backend.read_bytes(chunk_key(digest))
 
+    def locate(self, plan: ChunkPlan) -> None:
+        """A chunk's key is its digest: nothing to learn."""
+
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
             self._warn(message)
+
+
+#: signed URLs a hosted worker remembers at most (the latest plans' chunks)
+MAX_LOCATIONS = 65_536
+#: chunk grants (record and URLs) a hosted scheduler keeps, and how long before their URLs expire
+#: it stops using one (a worker fetches within a step or two of the lookup)
+MAX_GRANTS = 1024
+GRANT_MARGIN_S = 60.0
+
+
+class IndexLookup:
+    """:class:`PrefixLookup` and :class:`ChunkSource` on a backend that answers prefix lookups itself
+    (it declares ``prefix_lookup``: the hosted service). Per request: the backend's lookup (chain
+    keys, never token ids or a listing), then one request for the hit's chunk record and a URL per
+    object; that answer is kept per artifact id until shortly before its URLs expire (an artifact
+    id's record never changes), so a prefix the fleet asks for again costs only the index's
+    requests. An artifact stored whole (uploaded without ``--chunked``) is skipped with one line per
+    artifact: a whole-file download per request is what this path exists to avoid."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        root: str,
+        warn: Callable[[str], None],
+        clock: Callable[[], float] = time.time,
+    ):
+        self.backend = backend
+        self.root = root
+        self._warn = warn
+        self._clock = clock
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._locations: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._grants: collections.OrderedDict[str, tuple[ArtifactRecord, dict[str, str], float]] = (
+            collections.OrderedDict()
+        )
+
+    def lookup(self, prompt_ids: list[int]) -> Match | None:
+        try:
+            hits = self.backend.prefix_lookup(self.root, prompt_ids, 0, 1)
+            if not hits or hits[0].prefix_tokens == 0:
+                return None
+            hit = hits[0]
+            grant = self._grant(hit)
+            if grant is None:
+                self._warn_once(f"skipping stored artifact '{hit.name}': it is stored whole, not by chunks")
+                return None
+            record, locations, _ = grant
+            return Match(hit.name, hit.prefix_tokens, record, locations)
+        except Exception as exc:  # an unreachable or refusing service is a miss, never a failed request
+            detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            self._warn_once(f"prefix lookup in the store failed: {detail}")
+            return None
+
+    def _grant(self, hit: Any) -> tuple[ArtifactRecord, dict[str, str], float] | None:
+        """The hit's record and URLs: kept ones while they hold, else asked for (and kept)."""
+        now = self._clock()
+        kept = self._grants.get(hit.ref)
+        if kept is not None and kept[2] - GRANT_MARGIN_S > now:
+            self._grants.move_to_end(hit.ref)
+            return kept
+        grant = self.backend.hit_chunks(hit)
+        if grant is not None:
+            self._grants[hit.ref] = grant
+            self._grants.move_to_end(hit.ref)
+            while len(self._grants) > MAX_GRANTS:
+                self._grants.popitem(last=False)
+        return grant
+
+    def locate(self, plan: ChunkPlan) -> None:
+        with self._lock:
+            for digest, url in plan.locations:
+                self._locations[digest] = url
+                self._locations.move_to_end(digest)
+            while len(self._locations) > MAX_LOCATIONS:
+                self._locations.popitem(last=False)
+
+    def fetch(self, digest: str) -> bytes | None:
+        with self._lock:
+            url = self._locations.get(digest)
+        if url is None:
+            raise KvcdnError("no URL for it in the load plan")
+        return self.backend.read_chunk(url)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            self._warn(message)
+
+
+Lookup = StoreLookup | IndexLookup
+
+
+def open_lookup(uri: str, root: str, warn: Callable[[str], None]) -> Lookup:
+    """The lookup for the store at ``uri``: the backend's own index when it declares
+    ``prefix_lookup``, otherwise the chunk store's index objects."""
+    from kvcdn_core import open_storage
+
+    backend = open_storage(uri)
+    if backend.offers("prefix_lookup"):
+        return IndexLookup(backend, root, warn)
+    return StoreLookup(ChunkStore(backend), root, warn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +225,13 @@ class ChunkPlan:
     name: str
     tensors: tuple[TensorSlot, ...]
     parts: tuple[Part, ...]
+    #: (digest, URL) of the parts, when the source reads them by URL (the hosted service)
+    locations: tuple[tuple[str, str], ...] = ()
 
 
-def plan(record: ArtifactRecord, start: int, end: int) -> ChunkPlan:
-    """The parts of ``record`` that hold tokens ``[start, end)``, and how their bytes are laid out."""
+def plan(record: ArtifactRecord, start: int, end: int, locations: Mapping[str, str] | None = None) -> ChunkPlan:
+    """The parts of ``record`` that hold tokens ``[start, end)``, how their bytes are laid out, and
+    (from ``locations``) where each is read."""
     header = record.parsed_header()
     tensors = []
     for name in record.chunked:
@@ -135,7 +248,8 @@ def plan(record: ArtifactRecord, start: int, end: int) -> ChunkPlan:
             t0 += piece.tokens
     if t0 < end:
         raise KvcdnError(f"artifact '{record.name}' holds {t0} tokens, not {end}")
-    return ChunkPlan(record.name, tuple(tensors), tuple(parts))
+    where = tuple((p.digest, locations[p.digest]) for p in parts if p.digest in locations) if locations else ()
+    return ChunkPlan(record.name, tuple(tensors), tuple(parts), where)
 
 
 def slices(plan: ChunkPlan, got: Sequence[tuple[Part, bytes]], start: int, end: int) -> dict[str, torch.Tensor]:

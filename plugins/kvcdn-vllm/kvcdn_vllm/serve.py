@@ -70,7 +70,7 @@ def server_command(
 @click.option(
     "--store",
     default=None,
-    help="A kvcdn chunk store (directory, s3://...) instead of --source: per-request lookup, a local tier.",
+    help="A kvcdn chunk store (directory, s3://..., kvcdn+https://host) instead of --source: per-request lookup, a local tier.",
 )
 @click.option("--tier-memory-bytes", type=click.IntRange(0), default=None, help="With --store: memory tier budget.")
 @click.option("--tier-disk-bytes", type=click.IntRange(0), default=None, help="With --store: disk tier budget.")
@@ -121,9 +121,10 @@ def command(
         "save_queue": save_queue,
     }
     if store:
-        from kvcdn_vllm.lookup import open_store
+        from kvcdn_vllm.lookup import open_lookup
 
-        open_store(store)  # an unknown scheme or a backend that keeps only .kv files: one line here
+        # an unknown scheme, or a backend that keeps only .kv files and answers no lookups: one line here
+        open_lookup(store, "", lambda _message: None)
     else:
         from kvcdn_vllm.source import Source
 

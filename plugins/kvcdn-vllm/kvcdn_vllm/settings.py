@@ -25,9 +25,10 @@ SETTINGS: tuple[settings.Setting, ...] = (
     settings.Setting(
         "store",
         "A kvcdn chunk store (docs/store.md) instead of `source`: a directory, `file://...`, `s3://bucket/prefix` "
-        "or any backend that stores bytes. Each request's prompt is looked up in the store's prefix index (never "
-        "a listing of the store); only the chunks the local tier lacks are fetched, and `save` puts only the "
-        "chunks the store lacks, in the background.",
+        "or any backend that stores bytes, or the hosted service (`kvcdn://`, `kvcdn+https://host`; read only). "
+        "Each request's prompt is looked up in the store's prefix index (never a listing of the store); only the "
+        "chunks the local tier lacks are fetched, and `save` puts only the chunks the store lacks, in the "
+        "background.",
         flag="--store",
         default_doc="none",
     ),

@@ -1,0 +1,168 @@
+"""The connector's lookup and chunk fetch against a real ``kvcdn serve`` (SQLite, local storage):
+the backend is chosen by its declared ``prefix_lookup``; a lookup is the index's requests plus one
+for the hit's chunk record; a worker fetches exactly the planned chunks it lacks, nothing else; a
+foreign private artifact is not found; an artifact stored whole is skipped with one line."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from kvcdn_vllm import lookup
+from kvcdn_vllm.tier import MEMORY, REMOTE, ChunkTier
+
+from kvcdn_core import artifact
+from tests.support import services
+from tests.support.hosted import API, mint_key
+from tests.support.storefiles import write_kinds
+
+FINGERPRINT = {"architecture": "Qwen3ForCausalLM", "config_sha256": "c" * 64, "tokenizer_sha256": None}
+ROOT = lookup.engine_root(FINGERPRINT, "float32")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One ``kvcdn serve``, an API key for each of two orgs."""
+    tmp = tmp_path_factory.mktemp("hosted-lookup")
+    with services.kvcdn_server(tmp / "home") as server:
+        keys = {org: mint_key(server.url, server.admin_secret(), org) for org in ("acme", "beta")}
+        yield server, keys, tmp
+
+
+class Traffic:
+    """Every response the backend's HTTP client received: (method, path, body bytes)."""
+
+    def __init__(self, backend):
+        self.seen: list[tuple[str, str, int]] = []
+        backend.client.http.event_hooks["response"].append(self._hook)
+
+    def _hook(self, response: httpx.Response) -> None:
+        response.read()
+        self.seen.append((response.request.method, response.request.url.path, len(response.content)))
+
+    def take(self) -> list[tuple[str, str, int]]:
+        seen, self.seen = self.seen, []
+        return seen
+
+
+def as_org(monkeypatch, server, key: str) -> lookup.Lookup:
+    for name in ("KVCDN_ADMIN_SECRET", "KVCDN_ISSUER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    monkeypatch.setenv("KVCDN_API_KEY", key)
+    return lookup.open_lookup("kvcdn+" + server.url, ROOT, WARNINGS.append)
+
+
+WARNINGS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _warnings():
+    WARNINGS.clear()
+    yield
+
+
+def upload(finder, tmp, name: str, tokens: int, seed: int, chunked: bool = True, visibility: str = "private"):
+    path = tmp / f"{name}.kv"
+    tensors = write_kinds(path, ["full_attention"] * 3, tokens, seed=seed)
+    if chunked:
+        artifact_id = finder.backend.upload_chunked(path, name, visibility).artifact_id
+    else:
+        artifact_id = finder.backend.upload(path, name, visibility).artifact_id
+    return tensors, artifact_id
+
+
+def test_lookup_and_fetch_move_only_the_planned_chunks(served, monkeypatch):
+    server, keys, tmp = served
+    finder = as_org(monkeypatch, server, keys["acme"])
+    assert isinstance(finder, lookup.IndexLookup)  # chosen by the declared capability
+    tensors, doc_id = upload(finder, tmp, "doc", 700, seed=1)
+    prompt = tensors[artifact.TOKEN_IDS].tolist()[:600] + [7, 8, 9]
+
+    traffic = Traffic(finder.backend)
+    match = finder.lookup(prompt)
+    assert match is not None and (match.name, match.prefix_tokens) == ("doc", 600)
+    calls = [(m, p) for m, p, _ in traffic.take()]
+    # the index (chain keys, then block keys inside the next chunk), then the hit's chunk record
+    assert calls == [("POST", f"{API}/prefix/lookup")] * 2 + [("POST", f"{API}/artifacts/{doc_id}/chunks")]
+
+    plan = lookup.plan(match.record, 128, 512, match.locations)
+    assert [(p.start, p.tokens) for p in plan.parts] == [(0, 256), (256, 256)]
+    assert {d for d, _ in plan.locations} == {p.digest for p in plan.parts}
+
+    # a worker: its own backend, told the plan's locations; only the two planned objects move
+    worker = as_org(monkeypatch, server, keys["acme"])
+    assert isinstance(worker, lookup.IndexLookup)
+    moved = Traffic(worker.backend)
+    worker.locate(plan)
+    tier = ChunkTier(worker.fetch, 1 << 20, 0, None, WARNINGS.append)
+    got = [(p, tier.get(p.digest, p.bytes)) for p in plan.parts]
+    assert [where for _, (_, where) in got] == [REMOTE, REMOTE]
+    fetched = moved.take()
+    assert [m for m, _, _ in fetched] == ["GET", "GET"]
+    assert sum(size for _, _, size in fetched) == sum(p.bytes for p in plan.parts)
+    out = lookup.slices(plan, [(p, data) for p, (data, _) in got], 128, 512)
+    for i in range(3):
+        for role in ("key", "value"):
+            name = f"layers.{i}.{role}"
+            assert torch.equal(out[name], tensors[name][0, :, 128:512])
+    # the same plan again: from memory, no request at all
+    assert [tier.get(p.digest, p.bytes)[1] for p in plan.parts] == [MEMORY, MEMORY]
+    assert moved.take() == []
+    assert WARNINGS == []
+
+
+def test_a_foreign_private_artifact_is_not_found(served, monkeypatch):
+    server, keys, tmp = served
+    beta = as_org(monkeypatch, server, keys["beta"])
+    tensors, _ = upload(beta, tmp, "secret", 600, seed=2)
+    prompt = tensors[artifact.TOKEN_IDS].tolist()[:520] + [1, 2]
+    found = beta.lookup(prompt)
+    assert found is not None and found.name == "secret"  # its owner finds it
+    acme = as_org(monkeypatch, server, keys["acme"])
+    assert acme.lookup(prompt) is None
+    assert WARNINGS == []
+
+
+def test_an_artifact_stored_whole_is_skipped_with_one_line(served, monkeypatch):
+    server, keys, tmp = served
+    finder = as_org(monkeypatch, server, keys["acme"])
+    tensors, _ = upload(finder, tmp, "whole", 600, seed=3, chunked=False)
+    prompt = tensors[artifact.TOKEN_IDS].tolist()[:520] + [1, 2]
+    traffic = Traffic(finder.backend)
+    assert finder.lookup(prompt) is None and finder.lookup(prompt) is None
+    assert WARNINGS == ["skipping stored artifact 'whole': it is stored whole, not by chunks"]
+    assert not any("download" in path or m == "GET" for m, path, _ in traffic.take())  # never downloaded
+
+
+def test_an_unreachable_service_is_a_miss_with_one_line(monkeypatch):
+    monkeypatch.setenv("KVCDN_API_KEY", "kvcdn_unused")
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    finder = lookup.open_lookup(f"kvcdn+http://127.0.0.1:{services.free_port()}", ROOT, WARNINGS.append)
+    assert finder.lookup([1, 2, 3] * 200) is None and finder.lookup([1, 2, 3] * 200) is None
+    assert len(WARNINGS) == 1 and WARNINGS[0].startswith("prefix lookup in the store failed: ")
+
+
+def test_a_prefix_asked_again_costs_only_the_index_until_its_urls_near_expiry(served, monkeypatch):
+    import time
+
+    from tests.support.clock import ManualClock
+
+    server, keys, tmp = served
+    opened = as_org(monkeypatch, server, keys["acme"])
+    clock = ManualClock(time.time())
+    finder = lookup.IndexLookup(opened.backend, ROOT, WARNINGS.append, clock=clock)
+    tensors, doc_id = upload(finder, tmp, "again", 600, seed=4)
+    prompt = tensors[artifact.TOKEN_IDS].tolist()[:520] + [5, 6]
+    traffic = Traffic(finder.backend)
+    chunks_route = ("POST", f"{API}/artifacts/{doc_id}/chunks")
+
+    first = finder.lookup(prompt)
+    assert first is not None and chunks_route in [(m, p) for m, p, _ in traffic.take()]
+    again = finder.lookup(prompt)
+    assert again is not None and again.record == first.record and again.locations == first.locations
+    assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup")] * 2  # no chunks request
+    # the server's URLs last its download TTL (an hour by default): near their expiry, asked for again
+    clock.advance(3600 - lookup.GRANT_MARGIN_S + 1)
+    assert finder.lookup(prompt) is not None
+    assert chunks_route in [(m, p) for m, p, _ in traffic.take()]
