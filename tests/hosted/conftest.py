@@ -143,12 +143,14 @@ def org_key(local_server, new_org):
     return make
 
 
-@pytest.fixture(scope="session")
+# Access tokens are minted per test: the issuer's live 300 s, and a session-wide token expired
+# before a late test used it (the order of tests is not fixed: one worker per core).
+@pytest.fixture
 def alice_token(oidc_issuer):
     return services.device_flow_token(oidc_issuer.url, "alice")["access_token"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def bob_token(oidc_issuer):
     return services.device_flow_token(oidc_issuer.url, "bob")["access_token"]
 
