@@ -12,6 +12,7 @@ import pytest
 from kvcdn_server.errors import ApiError
 from kvcdn_server.oidc import JwtVerifier
 from tests.support import services
+from tests.support.budget import wait_until
 from tests.support.hosted import API, bearer
 from tests.support.json_http import json_server
 
@@ -140,4 +141,5 @@ def test_a_server_refuses_tokens_whose_issuer_points_its_keys_elsewhere(port_hop
         r = httpx.get(f"{server.url}{API}/whoami", headers=bearer(token))
         assert r.status_code == 401, r.text
         assert keys_seen == []
-        assert any("jwks_uri" in line for line in server.log), "".join(server.log)
+        # the server's log reaches the test through a reader thread: wait for the line, do not race it
+        wait_until(lambda: any("jwks_uri" in line for line in server.log), 30)
