@@ -31,27 +31,35 @@ def _checked(s, op: str, artifact_id: str, request: Request) -> int:
     return s.signer.check(op, artifact_id, request.query_params)
 
 
-@router.put(wire.BLOB)
-async def blob_put(artifact_id: str, request: Request, s: Svc):
-    size = _checked(s, "put", artifact_id, request)
+async def _receive(request: Request, size: int, target, hasher) -> int:
+    """Stream the body into ``target``, hashing it with ``hasher``: 413 past the signed ``size``
+    (declared or sent), 422 when it ends short. Returns the bytes written."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > size:
         raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
-    digest, written = hashlib.sha256(), 0
+    written = 0
+    with open(target, "wb") as out:
+        async for block in request.stream():
+            written += len(block)
+            if written > size:
+                raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
+            hasher.update(block)
+            await run_in_threadpool(out.write, block)
+        if written != size:
+            raise ApiError(422, ErrorCode.SIZE_MISMATCH, f"received {written} bytes, the URL is for {size}")
+        out.flush()
+        await run_in_threadpool(os.fsync, out.fileno())
+    return written
+
+
+@router.put(wire.BLOB)
+async def blob_put(artifact_id: str, request: Request, s: Svc):
+    size = _checked(s, "put", artifact_id, request)
+    digest = hashlib.sha256()
     receiving = s.store.receiving(artifact_id)  # one PUT at a time per upload (409 otherwise)
     target = await run_in_threadpool(receiving.__enter__)
     try:
-        with open(target, "wb") as out:
-            async for chunk in request.stream():
-                written += len(chunk)
-                if written > size:
-                    raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
-                digest.update(chunk)
-                await run_in_threadpool(out.write, chunk)
-            if written != size:
-                raise ApiError(422, ErrorCode.SIZE_MISMATCH, f"received {written} bytes, the URL is for {size}")
-            out.flush()
-            await run_in_threadpool(os.fsync, out.fileno())
+        written = await _receive(request, size, target, digest)
     except BaseException as exc:
         await run_in_threadpool(receiving.__exit__, type(exc), exc, exc.__traceback__)
         raise
@@ -102,22 +110,11 @@ async def chunk_put(digest: str, request: Request, s: Svc):
     """One chunk object: its bytes must hash (BLAKE3) to the digest its URL names, and have the
     signed size; stored once for all tenants (kvcdn_server.chunks)."""
     size = _chunk_checked(s, "put", digest, request)
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > size:
-        raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
-    hasher, written = blake3.blake3(), 0
+    hasher = blake3.blake3()
     temp = s.store.objects.temp_file()
     target = temp.__enter__()
     try:
-        with open(target, "wb") as out:
-            async for block in request.stream():
-                written += len(block)
-                if written > size:
-                    raise ApiError(413, ErrorCode.PAYLOAD_TOO_LARGE, f"the body is larger than the signed {size} bytes")
-                hasher.update(block)
-                await run_in_threadpool(out.write, block)
-        if written != size:
-            raise ApiError(422, ErrorCode.SIZE_MISMATCH, f"received {written} bytes, the URL is for {size}")
+        written = await _receive(request, size, target, hasher)
         if hasher.hexdigest() != digest:
             raise ApiError(422, ErrorCode.DIGEST_MISMATCH, "the bytes do not hash to the object's digest")
         await run_in_threadpool(s.store.objects.accept, digest, size, target)
