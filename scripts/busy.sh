@@ -5,7 +5,7 @@
 # WORKERS defaults to the number of cores. The exit status is the command's; the load average is
 # printed when the command starts and every 5 minutes while it runs, so a report can quote it.
 set -euo pipefail
-workers=$(nproc)
+workers=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc honours OMP_NUM_THREADS
 if [ "${1:-}" = "-n" ]; then workers=$2; shift 2; fi
 if [ "${1:-}" != "--" ] || [ $# -lt 2 ]; then
   echo "usage: scripts/busy.sh [-n WORKERS] -- COMMAND [ARGS...]" >&2

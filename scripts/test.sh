@@ -24,7 +24,8 @@ if [ -f "$issuer/package-lock.json" ]; then
 fi
 # One worker per core, each single-threaded. Whole files go to one worker (--dist loadfile): the
 # docs examples that start a server on its documented port stay in one process, in order.
+# nproc honours OMP_NUM_THREADS, so count the cores before setting it.
+workers=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-workers=$(nproc)
 say "running: python -m pytest -n $workers --dist loadfile $*"
 exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
