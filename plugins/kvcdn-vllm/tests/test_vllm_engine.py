@@ -617,7 +617,8 @@ def test_an_engine_loads_a_prefix_uploaded_by_chunks_to_the_hosted_service_token
 #    (moto), once on two `kvcdn serve` replicas on one PostgreSQL database and one bucket: A saves
 #    through replica 1, B reads through replica 2. Both services share one API-key seed, so the
 #    engines' one key (KVCDN_API_KEY, as any hosted client reads it) opens the same org on each.
-#    Five engine starts in two processes: vLLM alone and the two A engines, then the two B engines.
+#    Five engine starts in two processes: vLLM alone and the two A engines, then the two B engines;
+#    then one more, with save on and its service unreachable from the start (a third process).
 
 SHARE_BUCKET = "kvcdn-vllm-share"
 
@@ -684,6 +685,10 @@ def hosted_share(tmp_path_factory):
                 [run(single, "tier-b1", False, prompts[1]), run(r2, "tier-b2", False, prompts[1])],
                 timeout=1800,
             )
+            # an engine whose service is unreachable from its start: two prompts, two failed saves
+            nobody = dict(run(single, "tier-c", True, prompts[1]), prompts=[prompts[1], prompts[0]])
+            nobody["connector"]["store"] = f"kvcdn+http://127.0.0.1:{free_port()}"
+            third, log_c = drive_logged(tmp, "unreachable", [nobody], timeout=1800)
     shared_tokens = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
     return {
         "reference": first[0],
@@ -692,6 +697,8 @@ def hosted_share(tmp_path_factory):
         "stored": stored,
         "shared": shared_tokens,
         "log": log_a + log_b,
+        "unreachable": third[0],
+        "unreachable_log": log_c,
     }
 
 
@@ -731,3 +738,15 @@ def test_sharing_through_the_hosted_service_logs_no_failure(hosted_share):
     log = hosted_share["log"]
     assert "Traceback" not in log and "not saving" not in log and "saving to it is not offered" not in log
     assert log.count("kvcdn: saved") == 2
+
+
+def test_a_service_unreachable_from_the_start_costs_one_line_per_kind_and_serving_stays_token_exact(hosted_share):
+    served = hosted_share["unreachable"]
+    assert [r["ids"] for r in served] == [hosted_share["reference"][1]["ids"], hosted_share["reference"][0]["ids"]]
+    assert [r["cached"] for r in served] == [0, 0]  # misses: vLLM computed every token
+    log = hosted_share["unreachable_log"]
+    assert "Traceback" not in log
+    lookups = [line for line in log.splitlines() if "prefix lookup in the store failed" in line]
+    saves = [line for line in log.splitlines() if "kvcdn: not saving" in line]
+    assert len(lookups) == 1 and len(saves) == 1 and "counted, not logged" in saves[0]
+    assert "saves 0 done, 0 skipped (queue full), 2 failed" in log
