@@ -14,12 +14,13 @@ service's own: :func:`kvcdn_core.store.chunkstore.open_chunk_store`).
 
 from __future__ import annotations
 
+import os
 import queue
 import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from kvcdn_core.store.chunkstore import PutReport
 
@@ -27,12 +28,19 @@ from kvcdn_core.store.chunkstore import PutReport
 Write = Callable[[Path], Path]
 
 
+class Store(Protocol):
+    """What the queue puts into: core's :class:`~kvcdn_core.store.chunkstore.ChunkStore` on a
+    backend of bytes, or a backend's own chunk store (the hosted service's)."""
+
+    def put(self, path: str | os.PathLike[str], name: str | None = None, force: bool = False) -> PutReport: ...
+
+
 class SaveQueue:
     """Puts artifacts into ``store`` in the background, at most ``capacity`` waiting."""
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         capacity: int,
         warn: Callable[[str], None],
         done: Callable[[str, PutReport], None] | None = None,
