@@ -371,10 +371,15 @@ def kvcdn_executable() -> list[str]:
 
 @contextlib.contextmanager
 def kvcdn_server(
-    data_home: Path, args: list[str] = (), env: dict[str, str] | None = None, timeout: float = 60.0
+    data_home: Path,
+    args: list[str] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    port: int | None = None,
 ) -> Iterator[KvcdnServer]:
-    """``kvcdn serve`` on a free loopback port with XDG_DATA_HOME=``data_home``; waits for /health."""
-    port = free_port()
+    """``kvcdn serve`` on a free loopback port (or ``port``: a server started again where its
+    clients expect it) with XDG_DATA_HOME=``data_home``; waits for /health."""
+    port = port or free_port()
     full_env = dict(os.environ)
     # Inference on the CPU, like the local `kvcdn continue --device cpu` the tests compare with.
     full_env.update(

@@ -63,6 +63,10 @@ def _warn(message: str) -> None:
     logger.warning("kvcdn: %s", message)
 
 
+def _info(message: str) -> None:
+    logger.info("kvcdn: %s", message)
+
+
 @dataclasses.dataclass
 class LoadJob:
     """Copy tokens ``[start, end)`` of ``path`` into the request's blocks."""
@@ -148,12 +152,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._can_save = (
             self.settings.save and parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1
         )
-        if self._can_save and isinstance(self._store, chunks.IndexLookup):
-            self._can_save = False
-            _warn(
-                "save is on but this store answers lookups itself (the hosted service): saving to it is not offered yet"
-            )
-        elif self.settings.save and not self._can_save:
+        if self.settings.save and not self._can_save:
             _warn(
                 "save is on but tensor or pipeline parallelism splits the cache across workers; "
                 "prompts are not saved (loading works)"
@@ -188,10 +187,16 @@ class KvcdnConnector(KVConnectorBase_V1):
             directory = _Path(s.tier_directory).expanduser() if s.tier_directory else None
             self._tier = ChunkTier(self._store.fetch, s.tier_memory_bytes, s.tier_disk_bytes, directory, _warn)
             if self._can_save:
+                from kvcdn_core import open_storage
+                from kvcdn_core.store.chunkstore import open_chunk_store
                 from kvcdn_vllm.saver import SaveQueue
 
-                assert isinstance(self._store, chunks.StoreLookup)
-                self._saver = SaveQueue(self._store.store, s.save_queue, _warn, self._saved)
+                # the store's own chunk store when its backend keeps chunks itself (the hosted
+                # service), else core's on its bytes; a backend of its own, so that saves never
+                # wait on the tier's fetches
+                assert s.store is not None
+                store = open_chunk_store(open_storage(s.store))
+                self._saver = SaveQueue(store, s.save_queue, _warn, self._saved, _info)
 
     # ==== scheduler side ==========================================================================
 

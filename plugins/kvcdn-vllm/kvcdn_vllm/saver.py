@@ -4,22 +4,35 @@ The forward step only hands over a prompt's gathered keys and values (already co
 thread writes them as an artifact in a scratch directory (:mod:`kvcdn_vllm.writer`, the same file
 any kvcdn tool reads) and puts it into the store with core's :meth:`ChunkStore.put`, which cuts it
 into chunks and uploads only those the store lacks. Back pressure: when ``capacity`` saves wait
-already, a new one is skipped with one warning line (the forward never waits for the store), and
-a save that fails (store unreachable, disk full) is one warning line: no request fails.
+already, a new one is skipped with one warning line (the forward never waits for the store).
+A save that fails (store unreachable, refusing, over quota, disk full) fails no request: the first
+failure of a run is one warning line, the saves that fail after it are only counted (a store that
+is down does not flood the log), and the first save that works again says so in one line.
+The store is any chunk store with core's ``put`` (core's on a backend of bytes, or the hosted
+service's own: :func:`kvcdn_core.store.chunkstore.open_chunk_store`).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
-from kvcdn_core.store.chunkstore import ChunkStore, PutReport
+from kvcdn_core.store.chunkstore import PutReport
 
 #: ``write(directory) -> path``: writes one prompt's artifact into ``directory``.
 Write = Callable[[Path], Path]
+
+
+class Store(Protocol):
+    """What the queue puts into: core's :class:`~kvcdn_core.store.chunkstore.ChunkStore` on a
+    backend of bytes, or a backend's own chunk store (the hosted service's)."""
+
+    def put(self, path: str | os.PathLike[str], name: str | None = None, force: bool = False) -> PutReport: ...
 
 
 class SaveQueue:
@@ -27,14 +40,17 @@ class SaveQueue:
 
     def __init__(
         self,
-        store: ChunkStore,
+        store: Store,
         capacity: int,
         warn: Callable[[str], None],
         done: Callable[[str, PutReport], None] | None = None,
+        info: Callable[[str], None] | None = None,
     ):
         self.store = store
         self._warn = warn
         self._done = done
+        self._info = info
+        self._failing = 0  # saves failed since the last one that worked
         self._queue: queue.Queue[tuple[str, Write] | None] = queue.Queue(maxsize=capacity)
         self._thread = threading.Thread(target=self._run, name="kvcdn-save", daemon=True)
         self._thread.start()
@@ -68,9 +84,17 @@ class SaveQueue:
                 report = self.store.put(path, name, force=True)
         except Exception as exc:  # a store that fails must not stop the engine: one line, go on
             self.failed += 1
-            detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
-            self._warn(f"not saving {name}: {detail}")
+            self._failing += 1
+            if self._failing == 1:
+                detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                self._warn(
+                    f"not saving {name}: {detail} (saves that fail after this one are counted, not logged, "
+                    "until one works again)"
+                )
             return
+        if self._failing and self._info is not None:
+            self._info(f"saving to the store works again; {self._failing} saves failed meanwhile")
+        self._failing = 0
         self.saved += 1
         self.bytes_moved += report.bytes_moved
         if self._done is not None:

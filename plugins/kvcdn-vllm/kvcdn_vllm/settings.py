@@ -25,7 +25,7 @@ SETTINGS: tuple[settings.Setting, ...] = (
     settings.Setting(
         "store",
         "A kvcdn chunk store (docs/store.md) instead of `source`: a directory, `file://...`, `s3://bucket/prefix` "
-        "or any backend that stores bytes, or the hosted service (`kvcdn://`, `kvcdn+https://host`; read only). "
+        "or any backend that stores bytes, or the hosted service (`kvcdn://`, `kvcdn+https://host`). "
         "Each request's prompt is looked up in the store's prefix index (never a listing of the store); only the "
         "chunks the local tier lacks are fetched, and `save` puts only the chunks the store lacks, in the "
         "background.",
@@ -66,8 +66,9 @@ SETTINGS: tuple[settings.Setting, ...] = (
     settings.Setting(
         "save",
         "`true`: write each prompt that no artifact holds yet as an artifact in `source` (`vllm-<hash of its "
-        "token ids>.kv`), in the step that computes its last prompt token. Saving needs the whole cache in "
-        "one worker: it is off (with one warning) under tensor or pipeline parallelism.",
+        "token ids>.kv`), in the step that computes its last prompt token; with `store`, put it into the store "
+        "(as `vllm-<hash>`, only the chunks the store lacks, in the background). Saving needs the whole cache "
+        "in one worker: it is off (with one warning) under tensor or pipeline parallelism.",
         settings.boolean,
         False,
         flag="--save",

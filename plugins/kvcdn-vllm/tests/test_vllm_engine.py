@@ -89,11 +89,11 @@ def drive(tmp: Path, name: str, runs: list[dict]) -> list[list[dict]]:
     return drive_logged(tmp, name, runs)[0]
 
 
-def drive_logged(tmp: Path, name: str, runs: list[dict]) -> tuple[list[list[dict]], str]:
+def drive_logged(tmp: Path, name: str, runs: list[dict], timeout: int = 900) -> tuple[list[list[dict]], str]:
     """:func:`drive`, and the engines' log."""
     spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
     spec.write_text(json.dumps({"runs": runs}))
-    done = run_vllm_python([str(DRIVER), str(spec), str(out)], timeout=900)
+    done = run_vllm_python([str(DRIVER), str(spec), str(out)], timeout=timeout)
     return json.loads(out.read_text())["runs"], done.stdout + done.stderr
 
 
@@ -537,6 +537,15 @@ print(model)
 HOSTED_IN_VLLM_ENV = "from kvcdn_core import open_storage; open_storage('kvcdn+http://127.0.0.1:9')"
 
 
+def require_hosted_client() -> None:
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", HOSTED_IN_VLLM_ENV], env=vllm_env(), capture_output=True)
+    if probe.returncode != 0:
+        message = "the vLLM environment lacks the hosted client; scripts/vllm-venv.sh installs it"
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+
 @pytest.fixture(scope="module")
 def hosted_fleet(tmp_path_factory):
     from kvcdn_core import artifact
@@ -545,12 +554,7 @@ def hosted_fleet(tmp_path_factory):
     from tests.support import services
     from tests.support.hosted import mint_key
 
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", HOSTED_IN_VLLM_ENV], env=vllm_env(), capture_output=True)
-    if probe.returncode != 0:
-        message = "the vLLM environment lacks the hosted client; scripts/vllm-venv.sh installs it"
-        if os.environ.get("CI"):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+    require_hosted_client()
     tmp = tmp_path_factory.mktemp("hosted-fleet")
     (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
     made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
@@ -604,3 +608,145 @@ def test_an_engine_loads_a_prefix_uploaded_by_chunks_to_the_hosted_service_token
     assert again["kv_transfer_params"]["kvcdn_bytes_fetched"] == 0
     lookups = [line for line in hosted_fleet["log"].splitlines() if "store lookup" in line]
     assert len(lookups) >= 2 and "Traceback" not in hosted_fleet["log"]
+
+
+# 5. Two engines share one hosted service, each in its own process: engine A saves a prompt through
+#    its connector (only the chunks the service lacks, in the background); engine B, in another
+#    process, serves a prompt sharing that prompt's document, token-exact against vLLM alone, with
+#    the shared tokens fetched from the service. Once on `kvcdn serve` with SQLite and its blobs in S3
+#    (moto), once on two `kvcdn serve` replicas on one PostgreSQL database and one bucket: A saves
+#    through replica 1, B reads through replica 2. Both services share one API-key seed, so the
+#    engines' one key (KVCDN_API_KEY, as any hosted client reads it) opens the same org on each.
+#    Five engine starts in two processes: vLLM alone and the two A engines, then the two B engines;
+#    then one more, with save on and its service unreachable from the start (a third process).
+
+SHARE_BUCKET = "kvcdn-vllm-share"
+
+
+@pytest.fixture(scope="module")
+def hosted_share(tmp_path_factory):
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
+    from tests.support import services
+    from tests.support.hosted import mint_key
+
+    require_hosted_client()
+    tmp = tmp_path_factory.mktemp("hosted-share")
+    smol = run_vllm_python(["-m", "kvcdn_core.testing.smollm2"], timeout=1200).stdout.strip().splitlines()[-1]
+    document = encode(Path(smol), SAMPLE_TEXT * 2, True)
+    prompts = [document + encode(Path(smol), q, False) for q in (QUESTION_1, QUESTION_2)]
+    secret = "share-admin-" + "1" * 32
+    shared = {
+        "KVCDN_API_KEY_SEED": "share-seed-" + "0" * 32,
+        "KVCDN_ADMIN_SECRET": secret,
+        "KVCDN_URL_SIGNING_KEY": "share-url-key-" + "2" * 32,
+        "KVCDN_TELEMETRY": "0",
+    }
+    with (
+        services.moto_s3(SHARE_BUCKET) as s3,
+        services.postgres() as pg,
+        pytest.MonkeyPatch.context() as env,
+    ):
+        env.delenv("KVCDN_ISSUER_URL", raising=False)
+        server_env = {**s3.env, **shared}
+        replicated = {**server_env, "KVCDN_DATABASE_URL": pg.new_database("share")}
+        with (
+            services.kvcdn_server(tmp / "sqlite", ["--storage", f"s3://{SHARE_BUCKET}/sqlite"], server_env) as single,
+            services.kvcdn_server(tmp / "r1", ["--storage", f"s3://{SHARE_BUCKET}/pg"], replicated) as r1,
+            services.kvcdn_server(tmp / "r2", ["--storage", f"s3://{SHARE_BUCKET}/pg"], replicated) as r2,
+        ):
+            key = mint_key(single.url, secret, "fleet")
+            assert mint_key(r1.url, secret, "fleet") == key  # one seed, one org: one key opens both services
+            env.delenv("KVCDN_ADMIN_SECRET", raising=False)
+            env.setenv("KVCDN_TELEMETRY", "0")
+            env.setenv("KVCDN_API_KEY", key)
+
+            def connector(server, tier: str, save: bool) -> dict:
+                store = "kvcdn+" + server.url
+                return {"store": store, "save": save, "tier_directory": str(tmp / tier), "tier_memory_bytes": 1 << 30}
+
+            def run(server, tier: str, save: bool, prompt: list[int]) -> dict:
+                c = connector(server, tier, save)
+                return {"model": smol, "connector": c, "prompts": [prompt], "max_tokens": MAX_TOKENS}
+
+            first, log_a = drive_logged(
+                tmp,
+                "reference-and-a",
+                [
+                    {"model": smol, "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
+                    run(single, "tier-a1", True, prompts[0]),
+                    run(r1, "tier-a2", True, prompts[0]),
+                ],
+                timeout=1800,
+            )
+            stored = {name: stored_names(server) for name, server in (("sqlite", single), ("r2", r2))}
+            second, log_b = drive_logged(
+                tmp,
+                "b",
+                [run(single, "tier-b1", False, prompts[1]), run(r2, "tier-b2", False, prompts[1])],
+                timeout=1800,
+            )
+            # an engine whose service is unreachable from its start: two prompts, two failed saves
+            nobody = dict(run(single, "tier-c", True, prompts[1]), prompts=[prompts[1], prompts[0]])
+            nobody["connector"]["store"] = f"kvcdn+http://127.0.0.1:{free_port()}"
+            third, log_c = drive_logged(tmp, "unreachable", [nobody], timeout=1800)
+    shared_tokens = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
+    return {
+        "reference": first[0],
+        "a": [first[1][0], first[2][0]],
+        "b": [second[0][0], second[1][0]],
+        "stored": stored,
+        "shared": shared_tokens,
+        "log": log_a + log_b,
+        "unreachable": third[0],
+        "unreachable_log": log_c,
+    }
+
+
+def stored_names(server) -> list[str]:
+    """The names of the org's chunked artifacts on ``server`` (as ``kvcdn store ls`` lists them)."""
+    from kvcdn_core import open_storage
+    from kvcdn_core.store.chunkstore import open_chunk_store
+
+    backend = open_storage("kvcdn+" + server.url)
+    try:
+        return [listed.name for listed in open_chunk_store(backend).listing()]
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("where", [0, 1], ids=["sqlite-s3", "postgresql-two-replicas"])
+def test_engine_a_saves_its_prompt_to_the_hosted_service(hosted_share, where):
+    a = hosted_share["a"][where]
+    assert a["ids"] == hosted_share["reference"][0]["ids"]
+    assert a["cached"] == 0  # an empty service: nothing to load
+    names = hosted_share["stored"]["sqlite" if where == 0 else "r2"]  # replica 2 sees what replica 1 took
+    assert len(names) == 1 and names[0].startswith("vllm-")
+
+
+@pytest.mark.parametrize("where", [0, 1], ids=["sqlite-s3", "postgresql-two-replicas"])
+def test_engine_b_serves_the_prefix_engine_a_saved_token_exact(hosted_share, where):
+    b = hosted_share["b"][where]
+    assert b["ids"] == hosted_share["reference"][1]["ids"]
+    params = b["kv_transfer_params"]
+    assert params["kvcdn_artifact"] == hosted_share["stored"]["sqlite" if where == 0 else "r2"][0]
+    assert b["cached"] == params["kvcdn_loaded_tokens"] == params["kvcdn_matched_tokens"]
+    assert params["kvcdn_matched_tokens"] == block_aligned(hosted_share["shared"]) > 256
+    assert params["kvcdn_chunks_remote"] > 0 and params["kvcdn_bytes_fetched"] > 0
+
+
+def test_sharing_through_the_hosted_service_logs_no_failure(hosted_share):
+    log = hosted_share["log"]
+    assert "Traceback" not in log and "not saving" not in log and "saving to it is not offered" not in log
+    assert log.count("kvcdn: saved") == 2
+
+
+def test_a_service_unreachable_from_the_start_costs_one_line_per_kind_and_serving_stays_token_exact(hosted_share):
+    served = hosted_share["unreachable"]
+    assert [r["ids"] for r in served] == [hosted_share["reference"][1]["ids"], hosted_share["reference"][0]["ids"]]
+    assert [r["cached"] for r in served] == [0, 0]  # misses: vLLM computed every token
+    log = hosted_share["unreachable_log"]
+    assert "Traceback" not in log
+    lookups = [line for line in log.splitlines() if "prefix lookup in the store failed" in line]
+    saves = [line for line in log.splitlines() if "kvcdn: not saving" in line]
+    assert len(lookups) == 1 and len(saves) == 1 and "counted, not logged" in saves[0]
+    assert "saves 0 done, 0 skipped (queue full), 2 failed" in log

@@ -1,0 +1,125 @@
+"""The connector's save queue publishing to a real ``kvcdn serve`` (SQLite, local storage), through
+the store's own chunk store (the backend's ``chunk_store`` capability, as the connector opens it):
+only the chunks the service lacks are uploaded, another engine's lookup finds the saved prompt, a
+refused save (over quota) is one warning line, and a service unreachable at start and again mid-run
+is one warning line per outage, with the saves working again once it is back (same port, same data).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvcdn_vllm import lookup
+from kvcdn_vllm.saver import SaveQueue
+
+from kvcdn_core import artifact, open_storage
+from kvcdn_core.store.chunkstore import open_chunk_store
+from tests.support import services
+from tests.support.hosted import mint_key
+from tests.support.storefiles import write_kinds
+
+FINGERPRINT = {"architecture": "Qwen3ForCausalLM", "config_sha256": "c" * 64, "tokenizer_sha256": None}
+ROOT = lookup.engine_root(FINGERPRINT, "float32")
+SEED = "hosted-save-seed-" + "0" * 32
+SECRET = "hosted-save-admin-" + "1" * 32
+#: one seed and admin secret: the org's key is the same on every start of the server
+SERVER_ENV = {"KVCDN_API_KEY_SEED": SEED, "KVCDN_ADMIN_SECRET": SECRET, "KVCDN_TELEMETRY": "0"}
+
+
+@pytest.fixture
+def client_env(monkeypatch):
+    """The engine's side: no admin secret, no issuer; the API key is set per test."""
+    for name in ("KVCDN_ADMIN_SECRET", "KVCDN_ISSUER_URL", "KVCDN_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    return monkeypatch
+
+
+class Saves:
+    """A :class:`SaveQueue` on the service at ``url`` as the connector opens it, and what it said."""
+
+    def __init__(self, url: str, capacity: int = 4):
+        self.warnings: list[str] = []
+        self.infos: list[str] = []
+        self.reports: list = []
+        self.backend = open_storage("kvcdn+" + url)
+        store = open_chunk_store(self.backend)
+        done = lambda name, report: self.reports.append(report)  # noqa: E731
+        self.queue = SaveQueue(store, capacity, self.warnings.append, done, self.infos.append)
+
+    def save(self, name: str, path: Path) -> None:
+        """Queue one save of the artifact at ``path`` and wait for the thread to finish it."""
+
+        def write(directory: Path) -> Path:
+            return path
+
+        assert self.queue.submit(name, write)
+        self.queue.join()
+
+    def close(self) -> None:
+        self.queue.close()
+        self.backend.close()
+
+
+def kinds(path: Path, tokens: int, seed: int, prefix_of: dict | None = None) -> dict:
+    return write_kinds(path, ["full_attention"] * 3, tokens, seed=seed, prefix_of=prefix_of)
+
+
+def test_saves_upload_only_new_chunks_and_a_refused_save_is_one_line(tmp_path, client_env):
+    env = {**SERVER_ENV, "KVCDN_QUOTA_ARTIFACTS": "2"}
+    with services.kvcdn_server(tmp_path / "home", env=env) as server:
+        client_env.setenv("KVCDN_API_KEY", mint_key(server.url, SECRET, "fleet"))
+        saves = Saves(server.url)
+        first = kinds(tmp_path / "turn1.kv", 512, 1)
+        second = kinds(tmp_path / "turn2.kv", 700, 2, prefix_of=first)
+        kinds(tmp_path / "other.kv", 300, 3)
+        saves.save("turn1", tmp_path / "turn1.kv")
+        saves.save("turn2", tmp_path / "turn2.kv")
+        one, two = saves.reports
+        assert (one.chunks, one.chunks_new) == (2, 2)
+        assert (two.chunks, two.chunks_new) == (3, 1)  # turn 1's two chunks were on the service
+        assert two.bytes_moved < one.bytes_moved
+        # another engine's lookup finds the longest saved prefix
+        finder = lookup.open_lookup("kvcdn+" + server.url, ROOT, print)
+        ids = second[artifact.TOKEN_IDS].tolist()
+        match = finder.lookup(ids[:650] + [1, 2])
+        assert match is not None and (match.name, match.prefix_tokens) == ("turn2", 650)
+        # a third artifact is over the org's quota: the service refuses it, one line, nothing raised
+        saves.save("other", tmp_path / "other.kv")
+        assert len(saves.warnings) == 1
+        assert saves.warnings[0].startswith("not saving other: chunked upload failed (4")
+        assert (saves.queue.saved, saves.queue.failed) == (2, 1)
+        saves.close()
+        finder.backend.close()
+
+
+def test_a_service_down_at_start_and_mid_run_is_one_warning_line_per_outage(tmp_path, client_env):
+    from kvcdn_server.apikeys import derive_key
+
+    port = services.free_port()
+    url = f"http://127.0.0.1:{port}"
+    key = derive_key(SEED.encode(), "fleet")
+    client_env.setenv("KVCDN_API_KEY", key)
+    saves = Saves(url)  # the engine starts while the service is down
+    kinds(tmp_path / "base.kv", 300, 1)
+    for i in range(2):
+        saves.save(f"early{i}", tmp_path / "base.kv")
+    assert len(saves.warnings) == 1 and saves.warnings[0].startswith("not saving early0: ")
+    assert "counted, not logged" in saves.warnings[0]
+    home = tmp_path / "home"
+    with services.kvcdn_server(home, env=SERVER_ENV, port=port) as server:
+        assert mint_key(server.url, SECRET, "fleet") == key
+        saves.save("up", tmp_path / "base.kv")
+        assert saves.infos == ["saving to the store works again; 2 saves failed meanwhile"]
+    for i in range(3):  # the service went away mid-run
+        saves.save(f"down{i}", tmp_path / "base.kv")
+    assert len(saves.warnings) == 2 and saves.warnings[1].startswith("not saving down0: ")
+    with services.kvcdn_server(home, env=SERVER_ENV, port=port):  # back, with its data
+        saves.save("back", tmp_path / "base.kv")
+        assert saves.infos[1:] == ["saving to the store works again; 3 saves failed meanwhile"]
+        names = [listed.name for listed in open_chunk_store(saves.backend).listing()]
+    assert names == ["back", "up"]
+    assert (saves.queue.saved, saves.queue.failed, saves.queue.skipped) == (2, 5, 0)
+    assert len(saves.warnings) == 2
+    saves.close()
