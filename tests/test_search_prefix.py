@@ -350,3 +350,30 @@ def test_a_directory_index_cut_short_after_the_scan_gives_the_artifacts_own_ids(
     with open(d / search.INDEX_NAME, "r+b") as fh:  # cut in place, behind kvcdn's back
         fh.truncate(100)
     assert [e.ids.tolist() for e in entries] == [DOC[:300], OTHER[:200]]
+
+
+def test_entries_read_their_ids_with_few_index_files_open(tmp_path, qwen3_dir, monkeypatch):
+    """A tree of many directories: the scan keeps a few index files open; one closed is reopened if
+    it is the file the scan read, and an index renamed over it meanwhile sends its entries to the
+    artifacts themselves."""
+    from kvcdn_core.search import index as search_index
+
+    monkeypatch.setattr(search_index, "_OPEN_MAX", 2)
+    d = tmp_path / "kv"
+    for i in range(5):
+        write_fake(d / f"s{i}" / "a.kv", qwen3_dir, DOC[: 40 * (i + 1)])
+    scan(d)
+    entries = scan(d)
+    assert len(search_index._open) == 2
+    write_fake(d / "s1" / "b.kv", qwen3_dir, OTHER[:30])
+    scan(d / "s1")  # rewrites s1's index: a new file renamed over the one the scan read
+    reads: list[str] = []
+    read_token_ids = search_index.artifact.read_token_ids
+    monkeypatch.setattr(
+        search_index.artifact,
+        "read_token_ids",
+        lambda p, *a: reads.append(Path(p).parent.name) or read_token_ids(p, *a),
+    )
+    assert [e.ids.tolist() for e in entries] == [DOC[: 40 * (i + 1)] for i in range(5)]
+    assert reads == ["s1"]  # the others were read from their index files, reopened
+    assert len(search_index._open) == 2

@@ -14,6 +14,8 @@ import json
 import os
 import stat
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,26 +40,56 @@ _COLUMNS = ("names", "size", "mtime_ns", "ino", "token_count", "model", "reuse",
 # -- the catalog: artifacts found under a directory -------------------------------------------
 
 
-class _IdsFile:
-    """An open index file that entries read their token ids from by offset. The descriptor keeps
-    the file a scan read, even after another search renames a new index over it. ``digest`` (of its
-    table) and ``rows`` (each entry's ``_source``) let :func:`identity` take a directory read whole
-    as one digest."""
+_OPEN_MAX = 64  # index files kept open for their entries' ids: a tree of many directories stays in the fd limit
+_open: OrderedDict[_IdsFile, None] = OrderedDict()  # least recently read first
+_open_lock = threading.Lock()  # a descriptor is closed only while no read uses it
 
-    def __init__(self, fd: int, start: int, digest: bytes):
-        self.fd, self.start, self.digest = fd, start, digest
+
+class _IdsFile:
+    """A directory index as a scan read it, for its entries to read their token ids from by offset.
+
+    Its descriptor is kept (up to ``_OPEN_MAX`` files, least recently read closed first), so an
+    index another search renames over it meanwhile does not matter; one closed is reopened only if
+    it is still the same file (device, inode, size, mtime), else the read gives None. ``digest`` (of
+    its table) and ``rows`` (each entry's ``_source``) let :func:`identity` take a directory read
+    whole as one digest."""
+
+    def __init__(self, path: Path, st: os.stat_result, fd: int, start: int, digest: bytes):
+        self.path, self.start, self.digest = path, start, digest
+        self.ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         self.rows: list[tuple[_IdsFile, int]] = []
+        self.fd: int | None = None
+        with _open_lock:
+            self._keep(fd)
+
+    def _keep(self, fd: int) -> None:
+        self.fd = fd
+        _open[self] = None
+        while len(_open) > _OPEN_MAX:
+            old, _ = _open.popitem(last=False)
+            if old.fd is not None:
+                os.close(old.fd)
+            old.fd = None
 
     def read(self, offset: int, count: int) -> np.ndarray | None:
-        """``count`` int32 ids from ``offset``; None when the file was cut short behind kvcdn's back."""
-        data = os.pread(self.fd, 4 * count, self.start + 4 * offset)
+        """``count`` int32 ids from ``offset``; None when the file is not the one the scan read or
+        was cut short behind kvcdn's back."""
+        with _open_lock:
+            if self.fd is None:
+                try:
+                    fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError:
+                    return None
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.ident:
+                    os.close(fd)
+                    return None
+                self._keep(fd)
+            else:
+                _open.move_to_end(self)
+            assert self.fd is not None
+            data = os.pread(self.fd, 4 * count, self.start + 4 * offset)
         return np.frombuffer(data, dtype="<i4") if len(data) == 4 * count else None
-
-    def __del__(self):
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
 
 
 class Entry:
@@ -219,7 +251,7 @@ def _read_index(path: Path, directory: Path) -> dict[str, Entry]:
             return {}
         if not all(isinstance(m, int) and 0 <= m < len(models) for m in cols[5]):
             return {}
-        ids_file = _IdsFile(fd, start, hashlib.sha256(table).digest())
+        ids_file = _IdsFile(path, st, fd, start, hashlib.sha256(table).digest())
         where_dir = "" if str(directory) == "." else os.path.join(str(directory), "")
         entries, offset = {}, 0
         for name, size, mtime_ns, ino, count, model, reuse, dtype, quant in zip(*cols):
