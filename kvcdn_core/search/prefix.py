@@ -11,9 +11,10 @@ in a store trie's edges) are always compared. A tokenizer with more start tokens
 falls back to the linear ranking.
 
 The trie is kept in one file per searched directory (``.kvcdn-prefix``, or a per-user cache file
-for a read-only one), with a BLAKE3 digest of its bytes and a digest of what it was made from: each
-artifact's relative path, size, mtime, inode and token count, the identity the directory indexes
-check. A search whose scan gives another identity updates the trie from what changed (removed ones
+for a read-only one), with a BLAKE3 digest of its bytes and a digest of what it was made from
+(:func:`~kvcdn_core.search.index.identity`: each artifact's relative path, size, mtime, inode,
+model and token count, a directory index read whole counting as its table's digest). A search
+whose scan gives another identity updates the trie from what changed (removed ones
 dropped, new ones hashed, the rest taken from the old trie) and rewrites the file atomically. A
 damaged, foreign or other-user-owned file is ignored and rebuilt: it is a cache, never the truth.
 """
