@@ -377,3 +377,15 @@ def test_entries_read_their_ids_with_few_index_files_open(tmp_path, qwen3_dir, m
     assert [e.ids.tolist() for e in entries] == [DOC[: 40 * (i + 1)] for i in range(5)]
     assert reads == ["s1"]  # the others were read from their index files, reopened
     assert len(search_index._open) == 2
+
+
+def test_an_entry_pickles_with_its_ids_not_its_index_file(tmp_path, qwen3_dir):
+    import pickle
+
+    d = tmp_path / "kv"
+    write_fake(d / "a.kv", qwen3_dir, DOC[:300])
+    scan(d)
+    (entry,) = scan(d)
+    copy = pickle.loads(pickle.dumps(entry))
+    assert copy._source is None and copy.ids.tolist() == DOC[:300]
+    assert (copy.path, copy.size, copy.ino, copy.model) == (entry.path, entry.size, entry.ino, entry.model)

@@ -180,6 +180,11 @@ class Entry:
     def __repr__(self) -> str:
         return f"Entry({self.location!r}, {self.token_count} tokens, {self.reuse})"
 
+    def __reduce__(self):
+        """Pickled and copied whole: an open index file means nothing in another process."""
+        fields = (self.size, self.mtime_ns, self.ino, self.model, self.token_count, self.reuse)
+        return Entry, (self.path, *fields, self.compute_dtype, self.quantization, self.ids)
+
 
 def _entry_from_file(path: Path, st: os.stat_result) -> Entry:
     header = artifact.read_header(path)
