@@ -293,6 +293,17 @@ def main(argv=None) -> int:
     open_s = median_time(lambda: prefix.open_index(corpus, entries), args.reps)
     index = prefix.open_index(corpus, entries)
     indexed_s = median_time(lambda: index.rank(found.fingerprint, found.query_ids, found.start_tokens), args.reps)
+    # end to end without the tokenizer: what the search does, against comparing every artifact
+    # (a fresh scan each time: its entries read their ids from the directory indexes when compared)
+    through_s = median_time(
+        lambda: prefix.open_index(corpus, search.scan(corpus)).rank(
+            found.fingerprint, found.query_ids, found.start_tokens
+        ),
+        args.reps,
+    )
+    linear_s = median_time(
+        lambda: search.rank(search.scan(corpus), found.fingerprint, found.query_ids, found.start_tokens), args.reps
+    )
     index_mb = sum(p.stat().st_size for p in corpus.rglob(search.INDEX_NAME)) / 1e6
     prefix_bytes = (corpus / prefix.PREFIX_NAME).stat().st_size
 
@@ -334,6 +345,8 @@ def main(argv=None) -> int:
         ("  of which prefix index opened (kept file read, checked)", ms(open_s)),
         ("  of which rank through the prefix index", ms(indexed_s)),
         ("  (linear rank, prefix against every artifact, for comparison)", ms(rank_s)),
+        ("scan + prefix index + rank through it (the search without the tokenizer)", ms(through_s)),
+        ("scan + linear rank of every artifact, for comparison", ms(linear_s)),
         ("`kvcdn search` command, fresh process", ms(cli_s)),
         ("  bare `python -c pass` on this machine", ms(python_s)),
         (

@@ -7,6 +7,7 @@ often and across chunk boundaries); the update, concurrency and damage tests wri
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -243,3 +244,148 @@ def test_read_only_directory_keeps_its_prefix_index_in_the_user_cache(tmp_path, 
     kept = list((tmp_path / "cache" / "kvcdn" / "search-prefix").iterdir())
     assert len(kept) == 1 and not (d / prefix.PREFIX_NAME).exists()
     assert check(d, qwen3_dir).rebuilt == 0
+
+
+def truth(directory, fp, q, start=0):
+    """The ranking of every artifact read from its own file, no index involved."""
+    from kvcdn_core.search.index import _entry_from_file
+
+    entries = [_entry_from_file(p, os.stat(p)) for p in sorted(Path(directory).rglob("*.kv"))]
+    return rows(search.rank(entries, fp, q, start))
+
+
+def replace_over(d, qwen3_dir, tmp_path):
+    write_fake(tmp_path / "new.kv", qwen3_dir, OTHER[:280])
+    os.rename(tmp_path / "new.kv", d / "sub" / "c.kv")
+
+
+def rewrite_in_place(d, qwen3_dir, tmp_path):
+    write_fake(tmp_path / "new.kv", qwen3_dir, OTHER[:280])
+    with open(d / "a.kv", "r+b") as fh:
+        fh.write((tmp_path / "new.kv").read_bytes())
+        fh.truncate()
+
+
+def restore_an_old_directory_index(d, qwen3_dir, tmp_path):
+    old = (d / search.INDEX_NAME).read_bytes()
+    write_fake(d / "a.kv", qwen3_dir, OTHER[:280])
+    scan(d)
+    (d / search.INDEX_NAME).write_bytes(old)  # in place, as a copy tool would
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d, m, t: write_fake(t / "new.kv", m, DOC[:420]) or os.rename(t / "new.kv", d / "sub" / "n.kv"),
+        lambda d, m, t: (d / "b.kv").unlink(),
+        replace_over,
+        rewrite_in_place,
+        lambda d, m, t: os.rename(d / "sub" / "c.kv", d / "c.kv"),
+        lambda d, m, t: shutil.rmtree(d / "sub"),
+        restore_an_old_directory_index,
+    ],
+    ids=["added", "removed", "replaced", "rewritten-in-place", "moved", "directory-removed", "old-index-restored"],
+)
+def test_a_change_behind_kvcdns_back_is_seen(tmp_path, qwen3_dir, change):
+    """The kept files are proved current per directory (a directory index read whole counts as the
+    digest of its table): any change made without kvcdn still gives the ranking of the files."""
+    d = tmp_path / "kv"
+    write_fake(d / "a.kv", qwen3_dir, DOC[:300])
+    write_fake(d / "b.kv", qwen3_dir, DOC[:100] + OTHER[100:200])
+    write_fake(d / "sub" / "c.kv", qwen3_dir, DOC[:500])
+    fp = fingerprint(qwen3_dir)
+    check(d, qwen3_dir)
+    assert check(d, qwen3_dir).rebuilt == 0  # both kept files current
+    (tmp_path / "t").mkdir()
+    change(d, qwen3_dir, tmp_path / "t")
+    for _ in range(2):  # the search that sees the change, then one reading what it rewrote
+        index = prefix.open_index(d, scan(d))
+        for q in [*QUERIES, OTHER[:290] + [1]]:
+            for start in (0, 1):
+                assert rows(index.rank(fp, q, start)) == truth(d, fp, q, start)
+
+
+def test_identity_is_one_digest_per_unchanged_directory(tmp_path, qwen3_dir):
+    from kvcdn_core.search.index import identity
+
+    d = tmp_path / "kv"
+    for i in range(4):
+        write_fake(d / f"a{i}.kv", qwen3_dir, DOC[: 50 * (i + 1)])
+    scan(d)
+    base = os.path.join(str(d), "")
+    entries = scan(d)
+    assert identity(entries, base) == identity(scan(d), base)  # read whole: the same digest
+    # a part of a directory, or its entries in another order, is described entry by entry
+    assert identity(entries[1:], base) != identity(entries, base)
+    assert identity(entries[::-1], base) != identity(entries, base)
+    os.utime(d / "a2.kv", ns=(1, 1))
+    assert identity(scan(d), base) != identity(entries, base)
+
+
+def test_a_search_through_the_index_reads_the_ids_of_its_candidates_only(tmp_path, qwen3_dir):
+    d = tmp_path / "kv"
+    for i in range(3):
+        write_fake(d / f"doc{i}.kv", qwen3_dir, DOC[: 100 * (i + 1)])
+        write_fake(d / f"other{i}.kv", qwen3_dir, OTHER[: 100 * (i + 1)])
+    check(d, qwen3_dir)
+    entries = scan(d)
+    index = prefix.open_index(d, entries)
+    assert index.rebuilt == 0 and not [e.name for e in entries if e._ids is not None]
+    found = index.rank(fingerprint(qwen3_dir), DOC[:250], 0)
+    assert sorted(e.name for e in entries if e._ids is not None) == ["doc0.kv", "doc1.kv", "doc2.kv"]
+    assert [(m.path.name, m.prefix_tokens) for m in found.matches] == [
+        ("doc2.kv", 250),
+        ("doc1.kv", 200),
+        ("doc0.kv", 100),
+    ]
+    assert rows(found) == rows(search.rank(entries, fingerprint(qwen3_dir), DOC[:250], 0))
+
+
+def test_a_directory_index_cut_short_after_the_scan_gives_the_artifacts_own_ids(tmp_path, qwen3_dir):
+    d = tmp_path / "kv"
+    write_fake(d / "a.kv", qwen3_dir, DOC[:300])
+    write_fake(d / "b.kv", qwen3_dir, OTHER[:200])
+    scan(d)
+    entries = scan(d)  # ids left in the index file
+    with open(d / search.INDEX_NAME, "r+b") as fh:  # cut in place, behind kvcdn's back
+        fh.truncate(100)
+    assert [e.ids.tolist() for e in entries] == [DOC[:300], OTHER[:200]]
+
+
+def test_entries_read_their_ids_with_few_index_files_open(tmp_path, qwen3_dir, monkeypatch):
+    """A tree of many directories: the scan keeps a few index files open; one closed is reopened if
+    it is the file the scan read, and an index renamed over it meanwhile sends its entries to the
+    artifacts themselves."""
+    from kvcdn_core.search import index as search_index
+
+    monkeypatch.setattr(search_index, "_OPEN_MAX", 2)
+    d = tmp_path / "kv"
+    for i in range(5):
+        write_fake(d / f"s{i}" / "a.kv", qwen3_dir, DOC[: 40 * (i + 1)])
+    scan(d)
+    entries = scan(d)
+    assert len(search_index._open) == 2
+    write_fake(d / "s1" / "b.kv", qwen3_dir, OTHER[:30])
+    scan(d / "s1")  # rewrites s1's index: a new file renamed over the one the scan read
+    reads: list[str] = []
+    read_token_ids = search_index.artifact.read_token_ids
+    monkeypatch.setattr(
+        search_index.artifact,
+        "read_token_ids",
+        lambda p, *a: reads.append(Path(p).parent.name) or read_token_ids(p, *a),
+    )
+    assert [e.ids.tolist() for e in entries] == [DOC[: 40 * (i + 1)] for i in range(5)]
+    assert reads == ["s1"]  # the others were read from their index files, reopened
+    assert len(search_index._open) == 2
+
+
+def test_an_entry_pickles_with_its_ids_not_its_index_file(tmp_path, qwen3_dir):
+    import pickle
+
+    d = tmp_path / "kv"
+    write_fake(d / "a.kv", qwen3_dir, DOC[:300])
+    scan(d)
+    (entry,) = scan(d)
+    copy = pickle.loads(pickle.dumps(entry))
+    assert copy._source is None and copy.ids.tolist() == DOC[:300]
+    assert (copy.path, copy.size, copy.ino, copy.model) == (entry.path, entry.size, entry.ino, entry.model)

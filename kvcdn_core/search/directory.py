@@ -9,11 +9,11 @@ from kvcdn_core import notices
 from kvcdn_core.search.index import Warn, scan
 from kvcdn_core.search.prefix import open_index
 from kvcdn_core.search.rank import (
+    SameModel,
     Search,
     infer_model,
     load_adapter,
     query_tokenizer,
-    same_model,
     start_token_count,
 )
 
@@ -30,7 +30,8 @@ def search(
     model_dir = resolve_model_dir(model_ref, revision, weights=False)
     fp = model_fingerprint(model_dir, weights=False)
     adapter = load_adapter(model_dir)
-    mine = [e for e in entries if same_model(e.model, fp)]
+    same = SameModel(fp)
+    mine = [e for e in entries if same(e.model)]
     check = min(mine, key=lambda e: e.token_count) if mine else None
     tokenizer = query_tokenizer(model_dir, adapter, check)
 

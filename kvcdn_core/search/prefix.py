@@ -11,9 +11,10 @@ in a store trie's edges) are always compared. A tokenizer with more start tokens
 falls back to the linear ranking.
 
 The trie is kept in one file per searched directory (``.kvcdn-prefix``, or a per-user cache file
-for a read-only one), with a BLAKE3 digest of its bytes and a digest of what it was made from: each
-artifact's relative path, size, mtime, inode and token count, the identity the directory indexes
-check. A search whose scan gives another identity updates the trie from what changed (removed ones
+for a read-only one), with a BLAKE3 digest of its bytes and a digest of what it was made from
+(:func:`~kvcdn_core.search.index.identity`: each artifact's relative path, size, mtime, inode,
+model and token count, a directory index read whole counting as its table's digest). A search
+whose scan gives another identity updates the trie from what changed (removed ones
 dropped, new ones hashed, the rest taken from the old trie) and rewrites the file atomically. A
 damaged, foreign or other-user-owned file is ignored and rebuilt: it is a cache, never the truth.
 """
@@ -31,7 +32,7 @@ import numpy as np
 from kvcdn_core.artifact.manifest import ANY_PREFIX
 from kvcdn_core.atomic import atomic_open
 from kvcdn_core.model.files import COMPATIBILITY_KEYS
-from kvcdn_core.search.index import Entry, cache_home, index_path
+from kvcdn_core.search.index import Entry, cache_home, identity, index_path
 from kvcdn_core.search.rank import Ranking, rank, same_model
 from kvcdn_core.store import index as trie_index
 from kvcdn_core.store.keys import CHUNK_TOKENS
@@ -90,24 +91,22 @@ def open_index(directory: str | os.PathLike, entries: list[Entry]) -> PrefixInde
     roots: dict[tuple, str] = {}
     indexed: list[tuple[str, str, Entry]] = []  # (relative path, root, entry)
     base = os.path.join(str(directory), "")
+    by_model: dict[int, str] = {}  # id of a model dict -> its root: the entries of a directory index share one
     for e in entries:
-        group = _group_key(e.model)
-        root = roots.get(group) or roots.setdefault(group, _root(group))
+        root = by_model.get(id(e.model))
+        if root is None:
+            group = _group_key(e.model)
+            root = by_model[id(e.model)] = roots.get(group) or roots.setdefault(group, _root(group))
         model, count, whole = groups.get(root) or (e.model, 0, [])
         groups[root] = (model, count + 1, whole)
         if e.reuse != ANY_PREFIX:
             whole.append(e)
         elif e.token_count:
-            path = str(e.path)  # scan's paths are the directory's own, then names
+            path = e.location  # scan's paths are the directory's own, then names
             rel = path[len(base) :] if path.startswith(base) else os.path.relpath(path, directory)
             indexed.append((rel, root, e))
     by_name = {rel: e for rel, _, e in indexed}
-    # what the kept file must have been made from: each artifact's identity, as the directory indexes check it
-    view = hashlib.sha256(
-        repr([(rel, root, e.size, e.mtime_ns, e.ino, e.token_count) for rel, root, e in indexed]).encode(
-            errors="surrogateescape"
-        )
-    ).digest()
+    view = identity(entries, base)  # what the kept file must have been made from
     where = index_path(directory, PREFIX_NAME, cache_home() / "search-prefix")
     old, old_view = _read(where)
     if old is not None and old_view == view:

@@ -90,6 +90,21 @@ def same_model(entry_model: dict, fingerprint: dict) -> bool:
     return not fingerprint_differences(entry_model, fingerprint)
 
 
+class SameModel:
+    """:func:`same_model` against one fingerprint, compared once per model dict: the entries of a
+    directory index share theirs."""
+
+    def __init__(self, fingerprint: dict):
+        self.fingerprint = fingerprint
+        self.seen: dict[int, tuple[dict, bool]] = {}  # id of a model dict -> (the dict, answer)
+
+    def __call__(self, model: dict) -> bool:
+        seen = self.seen.get(id(model))
+        if seen is None or seen[0] is not model:
+            seen = self.seen[id(model)] = (model, same_model(model, self.fingerprint))
+        return seen[1]
+
+
 def rank(
     entries: list[Entry], fingerprint: dict, query_ids: Sequence[int] | np.ndarray, start_tokens: int = 0
 ) -> Ranking:
@@ -103,8 +118,9 @@ def rank(
     """
     q = np.asarray(query_ids, dtype=np.int64)
     matches, n_same, n_foreign = [], 0, 0
+    same = SameModel(fingerprint)
     for e in entries:
-        if not same_model(e.model, fingerprint):
+        if not same(e.model):
             n_foreign += 1
             continue
         n_same += 1
