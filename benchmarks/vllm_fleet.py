@@ -33,7 +33,10 @@ measurement pays the engine's first forward pass. TTFT is the wall time of one r
    shut down (its saves finished), against the final conversation's own artifact bytes.
 
 The scheduler's lookup is also timed outside the engines: ``--lookups`` lookups of the prompt
-through the connector's own lookup object, p50 and p99.
+through the connector's own lookup object, p50 and p99; and the link's speed, as the prefix's
+chunks fetched once through that object's own source. ``--profile`` runs the kvcdn requests and
+the last saved turn under cProfile and prints where their time goes (the timings then include
+the profiler's overhead: use it for shares, not for the table).
 """
 
 from __future__ import annotations
@@ -158,13 +161,35 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def timed(llm, prompt: list[int], reps: int, traffic: Traffic, lines: Lines) -> list[dict]:
-    """``reps`` requests of ``prompt``, each with its TTFT, connector figures, HTTP bytes and lookups."""
+PROFILES: dict[str, str] = {}
+
+
+def profiled(name: str | None, call):
+    """``call()``; with a name (``--profile``), under cProfile, its top functions kept in PROFILES."""
+    if name is None:
+        return call()
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(call)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(14)
+    stats.sort_stats("cumulative").print_stats("kvcdn", 14)
+    PROFILES[name] = text.getvalue()
+    return result
+
+
+def timed(llm, prompt: list[int], reps: int, traffic: Traffic, lines: Lines, profile: str | None = None) -> list[dict]:
+    """``reps`` requests of ``prompt``, each with its TTFT, connector figures, HTTP bytes and lookups;
+    the first under cProfile when ``profile`` names it."""
     out = []
-    for _ in range(reps):
+    for rep in range(reps):
         traffic.reset()
         lines.take()
-        times, result = ttft(llm, prompt, 1)
+        times, result = profiled(profile if rep == 0 else None, lambda: ttft(llm, prompt, 1))
         params = dict(result.kv_transfer_params or {})
         got = lines.take()
         out.append(
@@ -241,11 +266,12 @@ def conversation(session, turns: int, turn_tokens: int) -> list[list[int]]:
     return prompts
 
 
-def serve_conversation(llm, prompts: list[list[int]], lines: Lines) -> dict:
+def serve_conversation(llm, prompts: list[list[int]], lines: Lines, profile: str | None = None) -> dict:
+    """One request per turn; with ``profile``, the last turn under cProfile."""
     times, cached = [], []
     lines.take()
-    for prompt in prompts:
-        t, result = ttft(llm, prompt, 1)
+    for i, prompt in enumerate(prompts):
+        t, result = profiled(profile if i == len(prompts) - 1 else None, lambda: ttft(llm, prompt, 1))
         times.append(t[0])
         cached.append(result.num_cached_tokens)
     later = times[1:]
@@ -303,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-tokens", type=int, default=100, help="tokens per turn (message and reply)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 1))
     parser.add_argument("--kvcdn", default=None, help="command that runs kvcdn with the server (default: found)")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the kvcdn requests and the last saved turn (slower)"
+    )
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--json", default=None, help="also write the JSON results here")
     args = parser.parse_args(argv)
@@ -326,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
 
     traffic, lines = Traffic(), Lines()
     traffic.install()
+
+    def prof(name: str) -> str | None:
+        return name if args.profile else None
+
     logging.getLogger("vllm.kvcdn_vllm").addHandler(lines)
     model = str(smollm2_dir())
     work = Path(tempfile.mkdtemp(prefix="kvcdn-vllm-fleet-"))
@@ -351,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         results["prompt_tokens"] = len(prompt)
         results["shared_prefix_tokens"] = len(document)
 
-        with services.kvcdn_server(work / "home", kvcdn=kvcdn_command(args.kvcdn)) as server:
+        quota = {"KVCDN_QUOTA_ARTIFACTS": str(args.artifacts + 10)}  # the default is 1,000 per tenant
+        with services.kvcdn_server(work / "home", env=quota, kvcdn=kvcdn_command(args.kvcdn)) as server:
             os.environ["KVCDN_API_KEY"] = mint_key(server.url, server.admin_secret(), "fleet")
             stores = build_stores(args, work, real, model_info, server, traffic)
             results["stores_loaded_s"] = stores["loaded_s"]
@@ -364,8 +398,10 @@ def main(argv: list[str] | None = None) -> int:
             llm = engine(model, None, prefix_caching=True, in_process=True)
             ttft(llm, warm, 1)
             cold = timed(llm, prompt, 1, traffic, lines)[0]
-            apc = timed(llm, prompt, args.reps, traffic, lines)
-            results["conversation_no_connector"] = serve_conversation(llm, turns, lines)
+            apc = timed(llm, prompt, args.reps, traffic, lines, prof("apc_hit"))
+            results["conversation_no_connector"] = serve_conversation(
+                llm, turns, lines, prof("conversation_no_connector_last_turn")
+            )
             close(llm)
             results["cold"] = cold
             results["apc_hit"] = apc
@@ -373,14 +409,14 @@ def main(argv: list[str] | None = None) -> int:
             # 2. kvcdn on the hosted service, empty tier: from the store, then from memory
             llm = engine(model, tiered("tier-hosted", store=hosted_uri), in_process=True)
             ttft(llm, warm, 1)
-            results["hosted_remote"] = timed(llm, prompt, 1, traffic, lines)[0]
-            results["hosted_memory"] = timed(llm, prompt, args.reps, traffic, lines)
+            results["hosted_remote"] = timed(llm, prompt, 1, traffic, lines, prof("hosted_remote"))[0]
+            results["hosted_memory"] = timed(llm, prompt, args.reps, traffic, lines, prof("hosted_memory"))
             close(llm)
 
             # 3. the same tier directory, a new engine: the disk tier, then memory
             llm = engine(model, tiered("tier-hosted", store=hosted_uri), in_process=True)
             ttft(llm, warm, 1)
-            results["hosted_disk_first"] = timed(llm, prompt, 1, traffic, lines)[0]
+            results["hosted_disk_first"] = timed(llm, prompt, 1, traffic, lines, prof("hosted_disk_first"))[0]
             results["hosted_disk_later"] = timed(llm, prompt, args.reps, traffic, lines)
             close(llm)
 
@@ -398,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         # 4. kvcdn on the local directory store, empty tier
         llm = engine(model, tiered("tier-local", store=str(work / "store")), in_process=True)
         ttft(llm, warm, 1)
-        results["local_remote"] = timed(llm, prompt, 1, traffic, lines)[0]
+        results["local_remote"] = timed(llm, prompt, 1, traffic, lines, prof("local_remote"))[0]
         close(llm)
 
         # 5. vLLM's example disk connector
@@ -420,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         saving = work / "saving"
         llm = engine(model, tiered("tier-saving", store=str(saving), save=True), prefix_caching=True, in_process=True)
         ttft(llm, warm, 1)
-        results["conversation_save"] = serve_conversation(llm, turns, lines)
+        results["conversation_save"] = serve_conversation(llm, turns, lines, prof("conversation_save_last_turn"))
         lines.take()
         close(llm)
         summary = [line for line in lines.take() if "summary" in line]
@@ -439,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["load_average_end"] = os.getloadavg()
+    results["profiles"] = PROFILES
     results["wall_s"] = time.perf_counter() - began
     report(results, args)
     return 0
@@ -559,6 +596,8 @@ def report(r: dict, args) -> None:
     print()
     for goal, met in g["met"].items():
         print(f"{'met   ' if met else 'MISSED'} {goal}")
+    for name, text in r["profiles"].items():
+        print(f"\n== profile: {name} ==\n{text}")
 
 
 if __name__ == "__main__":  # vLLM may spawn processes that re-import this file
