@@ -34,8 +34,8 @@ measurement pays the engine's first forward pass. TTFT is the wall time of one r
 
 The scheduler's lookup is also timed outside the engines: ``--lookups`` lookups of the prompt
 through the connector's own lookup object, p50 and p99; and the link's speed, as the prefix's
-chunks fetched once through that object's own source. ``--profile`` runs the kvcdn requests and
-the last saved turn under cProfile and prints where their time goes (the timings then include
+chunks fetched once through that object's own source. ``--profile`` runs the kvcdn requests,
+the last saved turn and the save thread under cProfile and prints where their time goes (the timings then include
 the profiler's overhead: use it for shares, not for the table).
 """
 
@@ -182,6 +182,36 @@ def profiled(name: str | None, call):
     return result
 
 
+def saver_profile():
+    """A cProfile of the connector's save thread (``kvcdn-save``), enabled from inside that thread as
+    it starts (cProfile sees only the thread that enables it); :func:`keep_saver_profile` ends it."""
+    import cProfile
+    import threading
+
+    profile = cProfile.Profile()
+
+    def hook(*_):
+        sys.setprofile(None)
+        if threading.current_thread().name == "kvcdn-save":
+            profile.enable()
+
+    threading.setprofile(hook)
+    return profile
+
+
+def keep_saver_profile(profile) -> None:
+    import io
+    import pstats
+    import threading
+
+    threading.setprofile(None)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(14)
+    stats.sort_stats("cumulative").print_stats("kvcdn", 14)
+    PROFILES["save_thread_all_turns"] = text.getvalue()
+
+
 def timed(llm, prompt: list[int], reps: int, traffic: Traffic, lines: Lines, profile: str | None = None) -> list[dict]:
     """``reps`` requests of ``prompt``, each with its TTFT, connector figures, HTTP bytes and lookups;
     the first under cProfile when ``profile`` names it."""
@@ -284,7 +314,7 @@ def serve_conversation(llm, prompts: list[list[int]], lines: Lines, profile: str
     }
 
 
-def build_stores(args, work: Path, real: Path, model_info: dict, server, traffic: Traffic) -> dict:
+def build_stores(args, work: Path, real: Path, model_info: dict, server) -> dict:
     """The hosted service and the local directory, each with the synthetic artifacts and the real one."""
     from kvcdn_core.builtin.local_storage import LocalStorage
     from kvcdn_core.store.chunkstore import ChunkStore
@@ -330,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 1))
     parser.add_argument("--kvcdn", default=None, help="command that runs kvcdn with the server (default: found)")
     parser.add_argument(
-        "--profile", action="store_true", help="cProfile the kvcdn requests and the last saved turn (slower)"
+        "--profile", action="store_true", help="cProfile the kvcdn requests, the last saved turn and the save thread"
     )
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--json", default=None, help="also write the JSON results here")
@@ -343,7 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)  # before vLLM's CPU worker stops set_num_threads
-    import vllm  # noqa: F401  (its logging set-up clears handlers on loggers under its own)
     from kvcdn_vllm import lookup
 
     from kvcdn_core import artifact, runtime
@@ -359,7 +388,6 @@ def main(argv: list[str] | None = None) -> int:
     def prof(name: str) -> str | None:
         return name if args.profile else None
 
-    logging.getLogger("vllm.kvcdn_vllm").addHandler(lines)
     model = str(smollm2_dir())
     work = Path(tempfile.mkdtemp(prefix="kvcdn-vllm-fleet-"))
     results: dict = {
@@ -387,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         quota = {"KVCDN_QUOTA_ARTIFACTS": str(args.artifacts + 10)}  # the default is 1,000 per tenant
         with services.kvcdn_server(work / "home", env=quota, kvcdn=kvcdn_command(args.kvcdn)) as server:
             os.environ["KVCDN_API_KEY"] = mint_key(server.url, server.admin_secret(), "fleet")
-            stores = build_stores(args, work, real, model_info, server, traffic)
+            stores = build_stores(args, work, real, model_info, server)
             results["stores_loaded_s"] = stores["loaded_s"]
             hosted_uri = "kvcdn+" + server.url
 
@@ -454,12 +482,15 @@ def main(argv: list[str] | None = None) -> int:
 
         # 6. the conversation with save on (prefix cache on, as a serving engine runs)
         saving = work / "saving"
+        save_profile = saver_profile() if args.profile else None
         llm = engine(model, tiered("tier-saving", store=str(saving), save=True), prefix_caching=True, in_process=True)
         ttft(llm, warm, 1)
         results["conversation_save"] = serve_conversation(llm, turns, lines, prof("conversation_save_last_turn"))
         lines.take()
         close(llm)
         summary = [line for line in lines.take() if "summary" in line]
+        if save_profile is not None:
+            keep_saver_profile(save_profile)
         store = ChunkStore(LocalStorage(saving))
         records = [store.record(n) for n in store.names()]
         final = max(records, key=lambda r: r.token_count)
