@@ -567,7 +567,8 @@ def report(r: dict, args) -> None:
         chunks = (
             f"{load['chunks_memory']}/{load['chunks_disk']}/{load['chunks_remote']}" if load["loaded_tokens"] else ""
         )
-        looked = "/".join(f"{ms:.1f}" for ms in last["lookup_ms"])
+        looked = [ms for x in runs for ms in x["lookup_ms"]]
+        looked = f"{statistics.median(looked):.1f}" if looked else ""
         return (
             f"| {name} | {t:.3f} s | {t / apc:.2f}x | {last['cached_tokens']} | {chunks} | "
             f"{load['bytes_fetched']:,} | {last['http_body_bytes']:,} | {looked} | {note} |"
@@ -581,7 +582,7 @@ def report(r: dict, args) -> None:
     )
     print(
         f"| first token (median of {len(r['apc_hit'])} where 'later') | TTFT | x APC hit | cached tokens "
-        "| chunks memory/disk/remote | bytes fetched | HTTP body bytes | lookup ms | |"
+        "| chunks memory/disk/remote | bytes fetched | HTTP body bytes | lookup ms (median) | |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     print(row("cold (vLLM alone)", [r["cold"]]))
