@@ -21,48 +21,9 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-
-def ttft(llm, prompt: list[int], reps: int) -> tuple[list[float], object]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    times, out = [], None
-    for _ in range(reps):
-        started = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        times.append(time.perf_counter() - started)
-    return times, out
-
-
-def engine(model: str, connector: dict | None):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kwargs = {}
-    if connector:
-        kwargs["kv_transfer_config"] = KVTransferConfig(kv_role="kv_both", **connector)
-    return LLM(
-        model=model,
-        dtype="float32",
-        max_model_len=4096,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        seed=0,
-        **kwargs,
-    )
-
-
-def close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+from vllm_engines import close, dir_bytes, document_ids, engine, kvcdn, ttft
 
 
 def main() -> None:
@@ -74,17 +35,13 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     from kvcdn_core import runtime
-    from kvcdn_core.model.tiny import SAMPLE_TEXT
     from kvcdn_core.testing.smollm2 import smollm2_dir
 
     model = smollm2_dir()
     work = Path(tempfile.mkdtemp(prefix="kvcdn-vllm-bench-"))
     try:
         session = runtime.load_session(str(model), device="cpu", dtype="float32")
-        context = SAMPLE_TEXT
-        while len(session.adapter.encode_context(session.tokenizer, context)) < args.tokens - 16:
-            context += "\n" + SAMPLE_TEXT
-        context_ids = session.adapter.encode_context(session.tokenizer, context)[: args.tokens - 16]
+        context_ids = document_ids(session, args.tokens - 16)
         question = session.adapter.encode_continuation(session.tokenizer, " Question: what did the keeper write?")
         prompt = context_ids + question
         artifacts = work / "kvcdn"
@@ -111,14 +68,7 @@ def main() -> None:
         }
         close(llm)
 
-        llm = engine(
-            str(model),
-            {
-                "kv_connector": "KvcdnConnector",
-                "kv_connector_module_path": "kvcdn_vllm",
-                "kv_connector_extra_config": {"source": str(artifacts)},
-            },
-        )
+        llm = engine(str(model), kvcdn({"source": str(artifacts)}))
         times, out = ttft(llm, prompt, args.reps)
         results["kvcdn"] = {
             "first_s": times[0],

@@ -376,9 +376,12 @@ def kvcdn_server(
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
     port: int | None = None,
+    kvcdn: list[str] | None = None,
 ) -> Iterator[KvcdnServer]:
     """``kvcdn serve`` on a free loopback port (or ``port``: a server started again where its
-    clients expect it) with XDG_DATA_HOME=``data_home``; waits for /health."""
+    clients expect it) with XDG_DATA_HOME=``data_home``; waits for /health. ``kvcdn``: the command
+    that runs kvcdn (default: this interpreter's), for a caller whose own environment lacks the
+    server (the vLLM benchmarks)."""
     port = port or free_port()
     full_env = dict(os.environ)
     # Inference on the CPU, like the local `kvcdn continue --device cpu` the tests compare with.
@@ -392,7 +395,7 @@ def kvcdn_server(
         }
     )
     full_env.update(env or {})
-    cmd = [*kvcdn_executable(), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [*(kvcdn or kvcdn_executable()), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log: list[str] = []
     threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()

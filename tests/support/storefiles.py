@@ -34,9 +34,17 @@ KINDS = {
 
 
 def write_kinds(
-    path: Path, kinds: list[str], tokens: int, seed: int = 0, prefix_of: dict | None = None, context: str | None = None
+    path: Path,
+    kinds: list[str],
+    tokens: int,
+    seed: int = 0,
+    prefix_of: dict | None = None,
+    context: str | None = None,
+    model: dict | None = None,
 ) -> dict:
     """Write an artifact with one layer per kind in ``kinds``; return its tensors.
+
+    ``model``: the manifest's model fingerprint (default: a tiny Qwen3's).
 
     With ``prefix_of`` (the tensors of another artifact), every per-token tensor starts with that
     artifact's first tokens, bit for bit, and the token ids too.
@@ -65,7 +73,7 @@ def write_kinds(
     manifest = {
         "kvcdn_version": "0.1.0",
         "created_at": "2026-12-01T00:00:00+00:00",
-        "model": {"id": "example/tiny", "architecture": "Qwen3ForCausalLM", "config_sha256": "c" * 64},
+        "model": model or {"id": "example/tiny", "architecture": "Qwen3ForCausalLM", "config_sha256": "c" * 64},
         "compute_dtype": "float32",
         "layers": layers,
         "quantization": None,

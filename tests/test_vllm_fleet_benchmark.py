@@ -1,0 +1,143 @@
+"""benchmarks/vllm_fleet.py's own parts: the HTTP byte count that says "nothing else downloaded",
+the connector log line it reads the per-request figures from, and the goals' arithmetic.
+
+The benchmark itself needs the vLLM environment and minutes of CPU; these tests need neither.
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import math
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    sys.path.insert(0, str(BENCHMARKS))  # its sibling vllm_engines.py
+    spec = importlib.util.spec_from_file_location("vllm_fleet_benchmark", BENCHMARKS / "vllm_fleet.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(BENCHMARKS))
+
+
+class Bodies(http.server.BaseHTTPRequestHandler):
+    """GET /n answers n bytes; POST answers a small JSON body."""
+
+    def do_GET(self):
+        body = b"x" * int(self.path.strip("/"))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"matches": []}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_traffic_counts_every_response_body_by_route(fleet, monkeypatch):
+    monkeypatch.setattr(httpx.HTTPTransport, "handle_request", httpx.HTTPTransport.handle_request)  # restored after
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bodies)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        traffic = fleet.Traffic()
+        traffic.install()
+        with httpx.Client() as client:
+            assert len(client.get(f"{url}/300000").content) == 300_000
+            client.post(f"{url}/api/v1/artifacts/0123456789abcdef0123/chunks", json={})
+            with client.stream("GET", f"{url}/1000") as streamed:  # a body read in pieces counts too
+                assert sum(len(piece) for piece in streamed.iter_bytes()) == 1000
+        assert traffic.bytes == 300_000 + 15 + 1000
+        assert traffic.responses == 3
+        assert traffic.by_route == {"chunk GET": 301_000, "POST /api/v1/artifacts/ID/chunks": 15}
+        traffic.reset()
+        assert (traffic.bytes, traffic.responses, traffic.by_route) == (0, 0, {})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_load_figures_read_the_connectors_per_request_line(fleet):
+    lines = [
+        "kvcdn: request 1-a8bf7ef8: store lookup 45.3 ms, 512 tokens matched",
+        "kvcdn: request 1-a8bf7ef8 loaded 512 tokens of 'document' (chunks: 0 memory, 0 disk, 2 remote; "
+        "23592960 bytes fetched)",
+        "kvcdn: request 2-b2 loaded 128 tokens of 'other' (chunks: 1 memory, 1 disk, 0 remote; 0 bytes fetched)",
+    ]
+    assert fleet.load_figures(lines) == {
+        "loaded_tokens": 640,
+        "chunks_memory": 1,
+        "chunks_disk": 1,
+        "chunks_remote": 2,
+        "bytes_fetched": 23_592_960,
+    }
+    assert fleet.lookup_ms(lines) == [45.3]
+    assert fleet.load_figures(["kvcdn: request 3 store lookup 1.0 ms, 0 tokens matched"])["loaded_tokens"] == 0
+
+
+def run(ttft: float, fetched: int = 0, loaded: int = 0, http: int = 0) -> dict:
+    return {
+        "ttft_s": ttft,
+        "load": {"loaded_tokens": loaded, "bytes_fetched": fetched},
+        "http_body_bytes": http,
+    }
+
+
+def results(remote: dict) -> dict:
+    return {
+        "apc_hit": [run(0.2), run(0.1), run(0.3)],  # median 0.2 s
+        "hosted_prefix_chunk_bytes": 1000,
+        "hosted_remote": remote,
+        "local_remote": run(0.4, fetched=1000, loaded=2048),
+        "hosted_disk_first": run(0.21),
+        "hosted_disk_later": [run(0.19), run(0.2), run(0.5)],
+        "hosted_memory": [run(0.2)],
+        "lookup_hosted": {"p50_ms": 4.0},
+        "link_hosted": {"mb_per_s": 0.001},  # 1,000 bytes a second: 1,050 bytes take 1.05 s
+        "link_local": {"mb_per_s": 0.01},
+        "conversation_store": {"stored_bytes": 125, "final_own_bytes": 100},
+        "conversation_save": {"median_later_s": 1.05},
+        "conversation_no_connector": {"median_later_s": 1.0},
+    }
+
+
+def test_goals_from_a_run(fleet):
+    g = fleet.goals(results(run(1.2, fetched=1050, loaded=2048, http=1200)))
+    assert g["fetch_ratio"] == pytest.approx(1.05) and g["http_ratio"] == pytest.approx(1.2)
+    assert g["hosted_remote_goal_s"] == pytest.approx(1.1 * 0.2 + 1.05)
+    assert g["tier_first_x_apc"] == pytest.approx(1.05) and g["tier_later_x_apc"] == pytest.approx(1.0)
+    assert g["stored_ratio"] == pytest.approx(1.25) and g["save_ttft_change"] == pytest.approx(0.05)
+    assert g["met"] == {
+        "fetch <= 1.1x prefix chunk bytes": True,
+        "all HTTP bodies <= 1.1x prefix chunk bytes": False,
+        "hosted lookup p50 <= 5 ms": True,
+        "tier first request <= 1.1x APC": True,
+        "tier later requests <= 1.0x APC": True,
+        "hosted remote <= 1.1x APC + transfer": True,
+        "local remote <= 1.1x APC + transfer": False,  # 0.4 s against 0.22 + 0.1 (1,000 bytes at 10,000 a second)
+        "stored <= 1.3x final conversation": True,
+        "save on TTFT within 10% of off": True,
+    }
+
+
+def test_a_request_that_loaded_nothing_does_not_meet_the_fetch_goal(fleet):
+    g = fleet.goals(results(run(0.2)))  # fetched 0 bytes because nothing was loaded: no ratio of 0
+    assert g["fetch_ratio"] == math.inf
+    assert g["met"]["fetch <= 1.1x prefix chunk bytes"] is False
