@@ -5,8 +5,8 @@ artifacts of ``--tokens`` tokens shaped like ``search_bench.py --store-index``'s
 and variants of each sharing a prefix of every length). The rows are inserted directly through
 :func:`kvcdn_server.prefix.index_artifact` (what a confirm calls), not through uploads: 10,000
 real uploads take hours here. Then 200 queries (a random artifact's prefix of random length, then
-200 new tokens) through the hosted client's own lookup (:meth:`HostedStorage.prefix_lookup`: two
-requests, chain keys then block keys, refined to the token), timed end to end: p50 and p99.
+200 new tokens) through the hosted client's own lookup (:meth:`HostedStorage.prefix_lookup`: one
+request of chain keys, refined to the token), timed end to end: p50 and p99.
 "Index bytes per artifact" is the database's growth from the index rows, divided by ``n``.
 
     OMP_NUM_THREADS=1 python benchmarks/hosted_lookup_bench.py --sizes 1000,10000

@@ -28,9 +28,6 @@ from kvcdn_core.model.files import COMPATIBILITY_KEYS
 #: also LMCache's default: at 4k tokens an artifact is 16 chunks, so the index stays small, and a
 #: chunk of a 0.6B model in float32 is about 60 MB, a good object size for S3.
 CHUNK_TOKENS = 256
-#: Tokens per block inside a chunk: the hosted index also keys every chunk's first 16, 32, ...
-#: tokens, so a lookup narrows a match inside a chunk to 16 tokens (vLLM's GPU block size).
-BLOCK_TOKENS = 16
 #: Bumped when the key derivation changes; part of every root.
 KEY_VERSION = 1
 
@@ -89,21 +86,3 @@ def full_chain(root: str, ids: Sequence[int] | np.ndarray, chunk_tokens: int = C
     """The keys of the full chunks of ``ids`` only (what a prompt can be looked up by)."""
     ids = np.asarray(ids, dtype=np.int64)
     return chain(root, ids[: ids.size - ids.size % chunk_tokens], chunk_tokens)
-
-
-def query_keys(
-    root: str, ids: Sequence[int] | np.ndarray, chunk_tokens: int = CHUNK_TOKENS
-) -> tuple[list[str], list[str]]:
-    """What a remote lookup is sent for a query: the keys of its full chunks, and the keys of its
-    first 1, 2, ... tokens after the last full chunk (they find artifacts ending inside it)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    full = full_chain(root, ids, chunk_tokens)
-    parent, tail = (full[-1] if full else root), ids[len(full) * chunk_tokens :]
-    return full, [child_key(parent, tail[: i + 1]) for i in range(tail.size)]
-
-
-def block_keys(parent: str, chunk_ids: Sequence[int] | np.ndarray, block_tokens: int = BLOCK_TOKENS) -> list[str]:
-    """The keys of a chunk's first ``block_tokens``, ``2 * block_tokens``, ... ids after ``parent``,
-    shorter than the chunk itself (the chunk's own key is :func:`child_key`)."""
-    ids = np.asarray(chunk_ids, dtype=np.int64)
-    return [child_key(parent, ids[:n]) for n in range(block_tokens, ids.size, block_tokens)]

@@ -120,7 +120,8 @@ def downgrade() -> None:
         if r.reuse == "any_prefix":
             rows += [_row(r, "path", k) for k in (r.root, *chain)]
             for i, parent in enumerate([r.root, *chain[:-1]]):
-                rows += [_row(r, "block", k) for k in chainkeys.block_keys(parent, ids[i * c : (i + 1) * c])]
+                piece = ids[i * c : (i + 1) * c]
+                rows += [_row(r, "block", chainkeys.child_key(parent, piece[:n])) for n in range(16, piece.size, 16)]
         else:
             whole = ids.size // c
             rows.append(_row(r, "end", chain[whole - 1] if whole else r.root))
