@@ -28,6 +28,9 @@ from kvcdn_core.model.files import COMPATIBILITY_KEYS
 #: also LMCache's default: at 4k tokens an artifact is 16 chunks, so the index stays small, and a
 #: chunk of a 0.6B model in float32 is about 60 MB, a good object size for S3.
 CHUNK_TOKENS = 256
+#: Tokens of a chunk's first block: the hosted index keys each chunk's first 16 tokens too (vLLM's
+#: GPU block size), so a lookup narrows the next chunk's candidates to those sharing them.
+BLOCK_TOKENS = 16
 #: Bumped when the key derivation changes; part of every root.
 KEY_VERSION = 1
 
@@ -86,3 +89,9 @@ def full_chain(root: str, ids: Sequence[int] | np.ndarray, chunk_tokens: int = C
     """The keys of the full chunks of ``ids`` only (what a prompt can be looked up by)."""
     ids = np.asarray(ids, dtype=np.int64)
     return chain(root, ids[: ids.size - ids.size % chunk_tokens], chunk_tokens)
+
+
+def first_block(parent: str, chunk_ids: Sequence[int] | np.ndarray, block_tokens: int = BLOCK_TOKENS) -> str | None:
+    """The key of a chunk's first ``block_tokens`` ids after ``parent`` (None when it holds fewer)."""
+    ids = np.asarray(chunk_ids, dtype=np.int64)
+    return child_key(parent, ids[:block_tokens]) if ids.size >= block_tokens else None

@@ -55,8 +55,12 @@ def root_of(path: Path) -> str:
 
 
 def query_body(root: str, ids, limit: int = 10) -> dict:
-    """What a client sends: the keys of the query's full chunks (never its token ids)."""
-    return {"root": root, "keys": chainkeys.full_chain(root, np.asarray(ids, dtype=np.int64)), "limit": limit}
+    """What a client sends: the keys of the query's full chunks, and of each chunk's first 16 tokens
+    (never its token ids)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    full = chainkeys.full_chain(root, ids)
+    blocks = [chainkeys.first_block(p, ids[i * C : (i + 1) * C]) for i, p in enumerate([root, *full])]
+    return {"root": root, "keys": full, "blocks": [b for b in blocks if b], "limit": limit}
 
 
 @pytest.fixture
@@ -309,6 +313,31 @@ def test_a_longer_match_behind_more_than_limit_ties_is_found(hosted, tmp_path):
     assert [(h.name, h.prefix_tokens) for h in index.lookup(backend, root, query, 0, 3)] == [("large", C + 25)]
 
 
+def test_a_node_with_more_children_than_one_answer_holds(hosted):
+    """40 artifacts go on past one chunk, each its own way (more children than an answer lists):
+    the query's next 16 tokens pick the one it shares them with, and the match is exact; a query
+    sharing fewer than 16 tokens with all of them gets an answer marked incomplete."""
+    import uuid
+
+    from kvcdn_server import prefix
+
+    base = ids_of(40, C)
+    root = chainkeys.root_key({"architecture": "Qwen3ForCausalLM"}, chainkeys.representation("float32", None))
+    arts = {f"a{i:02d}": base + ids_of(100 + i, 300) for i in range(prefix.MAX_CHILDREN + 8)}
+    ids_by_name = {}
+    with hosted.db.begin() as c:
+        for name, ids in arts.items():
+            entry = prefix.entry_from_ids(root, "any_prefix", ids, {"id": "m"}, "float32", None)
+            ids_by_name[name] = str(uuid.uuid4())
+            prefix.index_artifact(c, ids_by_name[name], "org:acme", name, entry)
+    client = client_of(hosted, "acme")
+    for name, ids in arts.items():
+        found = client.prefix_lookup(root, ids[: C + 40] + [0] * 50, 0, 10)
+        assert [(h.ref, h.prefix_tokens) for h in found] == [(ids_by_name[name], C + 40)], name
+    answer = hosted.lookup("acme", query_body(root, base + [0] * 50))
+    assert answer["matched_chunks"] == 1 and answer["complete"] is False
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -317,6 +346,8 @@ def test_a_longer_match_behind_more_than_limit_ties_is_found(hosted, tmp_path):
         {"root": "ab" * 32, "keys": ["AB" * 32]},
         {"root": "ab" * 32, "keys": ["ab" * 32] * 513},
         {"root": "ab" * 32, "partial": ["ab" * 32] * 256},
+        {"root": "ab" * 32, "blocks": ["ab" * 32] * 514},
+        {"root": "ab" * 32, "blocks": ["ab"]},
         {"root": "ab" * 32, "limit": 0},
         {"root": "ab" * 32, "tokens": [1, 2, 3]},
     ],

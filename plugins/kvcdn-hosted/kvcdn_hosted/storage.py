@@ -373,7 +373,13 @@ class HostedStorage(StorageBackend):
             raise KvcdnError(
                 f"lookup: the query has {len(full)} chunks; the server looks up at most {wire.MAX_LOOKUP_KEYS}"
             )
-        body = {"root": root, "keys": full, "limit": min(max(limit, 1), wire.MAX_LOOKUP_LIMIT)}
+        c, blocks = keys.CHUNK_TOKENS, []
+        for i, parent in enumerate([root, *full]):
+            block = keys.first_block(parent, ids[i * c : (i + 1) * c])
+            if block is None:
+                break
+            blocks.append(block)
+        body = {"root": root, "keys": full, "blocks": blocks, "limit": min(max(limit, 1), wire.MAX_LOOKUP_LIMIT)}
         answer = self._lookup(PrefixLookup, body)
         try:
             matches = [SimpleNamespace(**m.model_dump(), next_tokens=answer.next_tokens(m)) for m in answer.matches]

@@ -15,8 +15,9 @@ stored as their 32 raw bytes.
   rule). The primary key orders rows of one node by (token count, name): the best artifacts of a
   node (fewest tokens, then name) are the first rows of a seek.
 - ``prefix_children``: the edges of the chunk tree, one row per (scope, parent, child) with how
-  many artifacts pass along it: a lookup lists the children of the deepest node it matched, so
-  the client can refine the match to the token inside the next chunk among all of them.
+  many artifacts pass along it and the key of the child's first 16 tokens (empty when it holds
+  fewer): a lookup lists the children of the deepest node it matched, those that share the query's
+  next 16 tokens when any does, so the client can refine the match to the token among them.
 - ``prefix_artifacts``: what a match shows (name, token count, reuse rule, dtype, quantization) and
   the token ids that refinement reads.
 - ``prefix_roots``: the roots (model fingerprint, representation) of each scope with how many
@@ -64,9 +65,10 @@ prefix_children = sa.Table(
     metadata,
     sa.Column("scope", sa.String(255), nullable=False),
     sa.Column("parent_key", sa.LargeBinary(32), nullable=False),
+    sa.Column("block_key", sa.LargeBinary(32), nullable=False),
     sa.Column("child_key", sa.LargeBinary(32), nullable=False),
     sa.Column("artifacts", sa.BigInteger, nullable=False),
-    sa.PrimaryKeyConstraint("scope", "parent_key", "child_key"),
+    sa.PrimaryKeyConstraint("scope", "parent_key", "block_key", "child_key"),
 )
 
 prefix_artifacts = sa.Table(
@@ -116,13 +118,8 @@ class Entry:
     keys: list[str]  # path keys (any-prefix: the root, then each chunk), or the one anchor key (whole-prefix)
     end_key: str  # the key of all its tokens
     token_ids: bytes  # little-endian uint32
-
-    def edges(self) -> list[tuple[bytes, bytes]]:
-        """(parent, child) of each chunk of an any-prefix artifact: its path through the chunk tree."""
-        if self.reuse != ANY_PREFIX:
-            return []
-        raw = [bytes.fromhex(k) for k in self.keys]
-        return list(zip(raw[:-1], raw[1:]))
+    #: any-prefix: (parent, the key of the chunk's first 16 tokens or b"", child) of each chunk
+    edges: list[tuple[bytes, bytes, bytes]]
 
 
 def entry_of(header: Header, token_ids: Sequence[int]) -> Entry:
@@ -142,9 +139,13 @@ def entry_from_ids(
     whole = ids.size // c
     keys = [root, *chain] if reuse == ANY_PREFIX else [chain[whole - 1] if whole else root]
     end_key = chain[-1] if chain else root
-    return Entry(
-        root, reuse, int(ids.size), model, compute_dtype, quantization, keys, end_key, ids.astype("<u4").tobytes()
-    )
+    edges = []
+    if reuse == ANY_PREFIX:
+        for i, (parent, child) in enumerate(zip(keys[:-1], keys[1:])):
+            block = chainkeys.first_block(parent, ids[i * c : (i + 1) * c])
+            edges.append((bytes.fromhex(parent), bytes.fromhex(block) if block else b"", bytes.fromhex(child)))
+    raw = ids.astype("<u4").tobytes()
+    return Entry(root, reuse, int(ids.size), model, compute_dtype, quantization, keys, end_key, raw, edges)
 
 
 def index_artifact(conn, artifact_id: str, scope: str, name: str, entry: Entry) -> None:
@@ -163,7 +164,7 @@ def index_artifact(conn, artifact_id: str, scope: str, name: str, entry: Entry) 
     ]
     if rows:
         conn.execute(prefix_nodes.insert(), rows)
-    _count_edges(conn, scope, entry.edges(), +1)
+    _count_edges(conn, scope, entry.edges, +1)
     conn.execute(
         prefix_artifacts.insert().values(
             artifact_id=artifact_id,
@@ -191,7 +192,7 @@ def index_artifact(conn, artifact_id: str, scope: str, name: str, entry: Entry) 
     )
 
 
-def _count_edges(conn, scope: str, edges: list[tuple[bytes, bytes]], step: int) -> None:
+def _count_edges(conn, scope: str, edges: list[tuple[bytes, bytes, bytes]], step: int) -> None:
     """Add ``step`` to the count of each edge (an artifact passes each at most once), creating the
     edges an added artifact opens and deleting those a dropped one was the last to pass."""
     if not edges:
@@ -200,15 +201,21 @@ def _count_edges(conn, scope: str, edges: list[tuple[bytes, bytes]], step: int) 
     if step > 0:
         insert = _upsert(conn)(prefix_children)
         statement = insert.on_conflict_do_update(
-            index_elements=["scope", "parent_key", "child_key"],
+            index_elements=["scope", "parent_key", "block_key", "child_key"],
             set_={"artifacts": e.artifacts + insert.excluded.artifacts},
         )
         conn.execute(
-            statement, [{"scope": scope, "parent_key": p, "child_key": k, "artifacts": step} for p, k in edges]
+            statement,
+            [{"scope": scope, "parent_key": p, "block_key": b, "child_key": k, "artifacts": step} for p, b, k in edges],
         )
         return
-    where = sa.and_(e.scope == sa.bindparam("s"), e.parent_key == sa.bindparam("p"), e.child_key == sa.bindparam("k"))
-    params = [{"s": scope, "p": p, "k": k} for p, k in edges]
+    where = sa.and_(
+        e.scope == sa.bindparam("s"),
+        e.parent_key == sa.bindparam("p"),
+        e.block_key == sa.bindparam("b"),
+        e.child_key == sa.bindparam("k"),
+    )
+    params = [{"s": scope, "p": p, "b": b, "k": k} for p, b, k in edges]
     conn.execute(prefix_children.update().where(where).values(artifacts=e.artifacts + step), params)
     conn.execute(prefix_children.delete().where(where, e.artifacts <= 0), params)
 
@@ -231,7 +238,7 @@ def drop_artifact(conn, artifact_id: str) -> None:
     ids = np.frombuffer(row.token_ids, dtype="<u4")
     entry = entry_from_ids(row.root, row.reuse, ids, {}, None, None)
     conn.execute(prefix_nodes.delete().where(prefix_nodes.c.artifact_id == artifact_id))
-    _count_edges(conn, row.scope, entry.edges(), -1)
+    _count_edges(conn, row.scope, entry.edges, -1)
     conn.execute(prefix_artifacts.delete().where(a.artifact_id == artifact_id))
     where = sa.and_(prefix_roots.c.scope == row.scope, prefix_roots.c.root == row.root)
     conn.execute(prefix_roots.update().where(where).values(artifacts=prefix_roots.c.artifacts - 1))
@@ -294,19 +301,26 @@ def _union(arms: list[str]) -> str:
     return " UNION ALL ".join(f"SELECT * FROM ({arm}) AS a{i}" for i, arm in enumerate(arms))
 
 
-def _children(conn, scopes: tuple[str, ...], node: bytes) -> tuple[list[tuple[str, bytes]], bool]:
-    """Up to :data:`MAX_CHILDREN` children of ``node`` in each scope (in key order: no child is
-    preferred), and whether that was all of them."""
-    params: dict[str, Any] = {"node": node, "cap": MAX_CHILDREN + 1}
+def _children(conn, scopes: tuple[str, ...], node: bytes, block: bytes | None) -> tuple[list[tuple[str, bytes]], bool]:
+    """The children of ``node`` a lookup refines among, and whether that was all it should: those
+    whose first 16 tokens have the key ``block`` (the query's next 16) when any has, since they
+    share more of the query than any other; else every child. At most :data:`MAX_CHILDREN` per
+    scope, in key order (no child is preferred). One statement."""
+    params: dict[str, Any] = {"node": node, "block": block or b"", "cap": MAX_CHILDREN + 1}
     arms = []
     for j, scope in enumerate(scopes):
         params[f"s{j}"] = scope
-        arms.append(
-            f"SELECT scope, child_key FROM prefix_children WHERE scope = :s{j} AND parent_key = :node "
-            "ORDER BY child_key LIMIT :cap"
-        )
+        where = f"FROM prefix_children WHERE scope = :s{j} AND parent_key = :node"
+        arms.append(f"SELECT 0 AS any_block, scope, child_key {where} ORDER BY block_key, child_key LIMIT :cap")
+        if block:
+            arms.append(
+                f"SELECT 1 AS any_block, scope, child_key {where} AND block_key = :block ORDER BY child_key LIMIT :cap"
+            )
+    rows = conn.execute(sa.text(_union(arms)), params).all()
+    sharing = [r for r in rows if r.any_block]
+    chosen = sharing or [r for r in rows if not r.any_block]
     found: dict[str, list[bytes]] = {scope: [] for scope in scopes}
-    for r in conn.execute(sa.text(_union(arms)), params):
+    for r in chosen:
         found[r.scope].append(r.child_key)
     complete = all(len(keys) <= MAX_CHILDREN for keys in found.values())
     return [(scope, key) for scope in scopes for key in found[scope][:MAX_CHILDREN]], complete
@@ -326,14 +340,16 @@ def _best(conn, nodes: list[tuple[str, bytes]], limit: int) -> list[str]:
     return [r.artifact_id for r in conn.execute(sa.text(_union(arms)), params)] if arms else []
 
 
-def lookup(conn, tenant: str, root: str, keys: list[str], limit: int) -> dict[str, Any]:
+def lookup(conn, tenant: str, root: str, keys: list[str], blocks: list[str], limit: int) -> dict[str, Any]:
     """The longest match among the artifacts ``tenant`` may see (its own and published ones), in
-    one request: ``keys`` are the chain keys of the query's full chunks, never its token ids.
+    one request: ``keys`` are the chain keys of the query's full chunks, never its token ids, and
+    ``blocks[i]`` the key of the first 16 tokens of its chunk ``i`` (after the root, then after each
+    full chunk) where it has them.
 
     Four statements, whatever the store holds: the first seeks each key in the two scopes (does
     any artifact pass through it; which whole-prefix artifacts are anchored on it), giving the
-    deepest node the query reaches; the second lists that node's children (up to
-    :data:`MAX_CHILDREN` per scope); the third seeks the ``limit`` best artifacts through the node
+    deepest node the query reaches; the second lists that node's children (those sharing
+    the query's next 16 tokens when any does; up to :data:`MAX_CHILDREN` per scope); the third seeks the ``limit`` best artifacts through the node
     and through each child; the fourth reads those artifacts, with their token ids in the chunk
     after the node only.
 
@@ -352,7 +368,8 @@ def lookup(conn, tenant: str, root: str, keys: list[str], limit: int) -> dict[st
     while depth in present:  # keys chain: chunk i present means every chunk before it is
         depth += 1
     anchored = {r.id: r.pos + 1 for r in found if r.kind == END}  # whole-prefix id -> whole chunks before its rest
-    children, complete = _children(conn, scopes, raw[depth])
+    block = bytes.fromhex(blocks[depth]) if depth < len(blocks) else None
+    children, complete = _children(conn, scopes, raw[depth], block)
     candidates = _best(conn, [(scope, raw[depth]) for scope in scopes] + children, limit)
     wanted = sorted({*candidates, *anchored})
     a = prefix_artifacts.c

@@ -133,11 +133,14 @@ class LookupRequest(Strict):
     """``POST /prefix/lookup``: a query as chain keys under one root, never its token ids.
 
     ``keys``: the keys of the query's full chunks, in order (a query shorter than a chunk sends
-    none: its match is refined among the root's children).
+    none: its match is refined among the root's children); ``blocks``: the key of the first 16
+    tokens of each of its chunks, full or not, in order, while it has 16 (they narrow the children
+    refined among to those sharing them).
     """
 
     root: ChainKey
     keys: list[ChainKey] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS)
+    blocks: list[ChainKey] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS + 1)
     limit: int = Field(default=10, ge=1, le=MAX_LOOKUP_LIMIT)
 
 

@@ -16,7 +16,7 @@ router = APIRouter()
 @router.post(wire.PREFIX_LOOKUP, response_model=PrefixLookup)
 def lookup(identity: Auth, body: LookupRequest, s: Svc):
     with s.store.reads.connect() as c:
-        return prefix.lookup(c, identity.tenant, body.root, body.keys, body.limit)
+        return prefix.lookup(c, identity.tenant, body.root, body.keys, body.blocks, body.limit)
 
 
 @router.get(wire.PREFIX_ROOTS, response_model=PrefixRoots)

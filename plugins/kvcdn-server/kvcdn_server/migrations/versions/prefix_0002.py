@@ -1,5 +1,5 @@
 """The prefix index in one request: keys as 32 raw bytes, no block rows, the chunk tree's edges
-(prefix_children). The node rows are rebuilt from prefix_artifacts, which holds every indexed
+(prefix_children, with the key of each child's first 16 tokens). The node rows are rebuilt from prefix_artifacts, which holds every indexed
 artifact's root, reuse rule and token ids (kvcdn_server.prefix).
 
 Revision ID: prefix_0002
@@ -82,25 +82,32 @@ def upgrade() -> None:
         "prefix_children",
         sa.Column("scope", sa.String(255), nullable=False),
         sa.Column("parent_key", sa.LargeBinary(32), nullable=False),
+        sa.Column("block_key", sa.LargeBinary(32), nullable=False),
         sa.Column("child_key", sa.LargeBinary(32), nullable=False),
         sa.Column("artifacts", sa.BigInteger, nullable=False),
-        sa.PrimaryKeyConstraint("scope", "parent_key", "child_key"),
+        sa.PrimaryKeyConstraint("scope", "parent_key", "block_key", "child_key"),
     )
     c = chainkeys.CHUNK_TOKENS
     rows: list[dict] = []
     edges: Counter = Counter()
     for r, ids, chain in _artifacts(conn):
         if r.reuse == "any_prefix":
-            path = [bytes.fromhex(k) for k in (r.root, *chain)]
-            rows += [_row(r, "path", k) for k in path]
-            edges.update((r.scope, p, k) for p, k in zip(path[:-1], path[1:]))
+            path = [r.root, *chain]
+            rows += [_row(r, "path", bytes.fromhex(k)) for k in path]
+            for i, (parent, child) in enumerate(zip(path[:-1], path[1:])):
+                piece = ids[i * c : (i + 1) * c]
+                block = bytes.fromhex(chainkeys.child_key(parent, piece[:16])) if piece.size >= 16 else b""
+                edges[(r.scope, bytes.fromhex(parent), block, bytes.fromhex(child))] += 1
         else:
             whole = ids.size // c
             rows.append(_row(r, "end", bytes.fromhex(chain[whole - 1] if whole else r.root)))
         if len(rows) >= BATCH * 20:
             _insert(conn, nodes, rows)
     _insert(conn, nodes, rows)
-    counted = [{"scope": s, "parent_key": p, "child_key": k, "artifacts": n} for (s, p, k), n in edges.items()]
+    counted = [
+        {"scope": s, "parent_key": p, "block_key": b, "child_key": k, "artifacts": n}
+        for (s, p, b, k), n in edges.items()
+    ]
     for start in range(0, len(counted), BATCH * 20):
         _insert(conn, children, counted[start : start + BATCH * 20])
 
