@@ -99,3 +99,30 @@ def test_an_artifact_indexed_at_prefix_0001_is_found_after_the_upgrade(database_
     assert count(server.db, "SELECT count(*) FROM prefix_nodes") == 4
     found = client_of(server, "acme").prefix_lookup(root, doc[:600] + [1, 2], 0, 10)
     assert [(h.ref, h.prefix_tokens) for h in found] == [(old, 600)]
+
+
+def test_ready_artifacts_the_index_lacks_are_indexed(database_url, request, tmp_path):
+    """An artifact confirmed before the server kept a prefix index (its rows absent) is indexed
+    from its object, once, and found; a deleted one is not brought back."""
+    from kvcdn_server import prefix
+    from tests.hosted.test_prefix_lookup import root_of, write_kv
+    from tests.support.hosted import bearer
+
+    server = request.getfixturevalue("hosted")
+
+    doc, gone = ids_of(31, 600), ids_of(32, 600)
+    path = write_kv(tmp_path / "doc.kv", doc)
+    root = root_of(path)
+    kept = server.upload("acme", path, "doc")
+    deleted = server.upload("acme", write_kv(tmp_path / "gone.kv", gone), "gone")
+    with server.db.begin() as c:  # as before prefix_0001: ready, not indexed
+        prefix.drop_artifact(c, kept)
+        prefix.drop_artifact(c, deleted)
+    assert client_of(server, "acme").prefix_lookup(root, doc, 0, 10) == []
+    assert server.client.delete(f"/api/v1/artifacts/{deleted}", headers=bearer(server.keys["acme"])).status_code == 204
+
+    server.app.state.services.store.index_unindexed()  # what the collector's first pass does
+    assert server.app.state.services.store.index_unindexed() == 0  # nothing left to do
+    assert server.rows(kept) == 1 + 4 and server.rows(deleted) == 0
+    found = client_of(server, "acme").prefix_lookup(root, doc[:500] + [1], 0, 10)
+    assert [(h.ref, h.prefix_tokens) for h in found] == [(kept, 500)]

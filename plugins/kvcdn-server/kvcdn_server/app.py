@@ -173,8 +173,14 @@ def create_app(config: ServerConfig, storage=None, db_engine=None, clock: Callab
     redact_access_log()
 
     def collector():
+        unindexed = True  # the first pass also indexes artifacts confirmed before the prefix index
         while True:
             try:
+                if unindexed:
+                    indexed = s.store.index_unindexed()
+                    unindexed = False
+                    if indexed:
+                        log.info("prefix index: indexed %d artifacts confirmed before it existed", indexed)
                 counts = s.store.collect()
                 s.limit.forget_idle()
                 if any(counts.values()):
