@@ -27,6 +27,7 @@ stored as their 32 raw bytes.
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -150,65 +151,75 @@ def entry_from_ids(
 
 def index_artifact(conn, artifact_id: str, scope: str, name: str, entry: Entry) -> None:
     """Index a confirmed artifact; called inside the confirm's transaction."""
-    kind = PATH if entry.reuse == ANY_PREFIX else END
-    rows = [
-        {
-            "scope": scope,
-            "kind": kind,
-            "node_key": bytes.fromhex(key),
-            "token_count": entry.token_count,
-            "name": name,
-            "artifact_id": artifact_id,
-        }
-        for key in entry.keys
-    ]
-    if rows:
-        conn.execute(prefix_nodes.insert(), rows)
-    _count_edges(conn, scope, entry.edges, +1)
-    conn.execute(
-        prefix_artifacts.insert().values(
-            artifact_id=artifact_id,
+    index_artifacts(conn, [(artifact_id, scope, name, entry)])
+
+
+def index_artifacts(conn, items: Sequence[tuple[str, str, str, Entry]]) -> None:
+    """Index several artifacts, each ``(artifact_id, scope, name, entry)``, in a few statements (a
+    confirm indexes one; a bulk load, such as the benchmark's, many)."""
+    nodes, arts = [], []
+    edges: collections.Counter = collections.Counter()
+    roots: dict[tuple[str, str], list] = {}
+    for artifact_id, scope, name, entry in items:
+        kind = PATH if entry.reuse == ANY_PREFIX else END
+        row = {"scope": scope, "token_count": entry.token_count, "name": name, "artifact_id": artifact_id}
+        nodes += [{**row, "kind": kind, "node_key": bytes.fromhex(key)} for key in entry.keys]
+        edges.update((scope, *edge) for edge in entry.edges)
+        arts.append(
+            {
+                **row,
+                "root": entry.root,
+                "reuse": entry.reuse,
+                "compute_dtype": entry.compute_dtype,
+                "quantization": entry.quantization,
+                "end_key": entry.end_key,
+                "token_ids": entry.token_ids,
+            }
+        )
+        roots.setdefault((scope, entry.root), [entry, 0])[1] += 1
+    if nodes:
+        conn.execute(prefix_nodes.insert(), nodes)
+    _add_edges(conn, edges)
+    if arts:
+        conn.execute(prefix_artifacts.insert(), arts)
+    insert = _upsert(conn)(prefix_roots)
+    for (scope, root), (entry, count) in roots.items():
+        values = insert.values(
             scope=scope,
-            root=entry.root,
-            name=name,
-            token_count=entry.token_count,
-            reuse=entry.reuse,
+            root=root,
+            artifacts=count,
+            model=json.dumps(entry.model, sort_keys=True),
             compute_dtype=entry.compute_dtype,
             quantization=entry.quantization,
-            end_key=entry.end_key,
-            token_ids=entry.token_ids,
         )
-    )
-    insert = _upsert(conn)(prefix_roots).values(
-        scope=scope,
-        root=entry.root,
-        artifacts=1,
-        model=json.dumps(entry.model, sort_keys=True),
-        compute_dtype=entry.compute_dtype,
-        quantization=entry.quantization,
-    )
-    conn.execute(
-        insert.on_conflict_do_update(index_elements=["scope", "root"], set_={"artifacts": prefix_roots.c.artifacts + 1})
-    )
+        conn.execute(
+            values.on_conflict_do_update(
+                index_elements=["scope", "root"], set_={"artifacts": prefix_roots.c.artifacts + count}
+            )
+        )
 
 
-def _count_edges(conn, scope: str, edges: list[tuple[bytes, bytes, bytes]], step: int) -> None:
-    """Add ``step`` to the count of each edge (an artifact passes each at most once), creating the
-    edges an added artifact opens and deleting those a dropped one was the last to pass."""
+def _add_edges(conn, counts: collections.Counter) -> None:
+    """Add to each edge ``(scope, parent, block, child)`` its count of new artifacts passing it."""
+    if not counts:
+        return
+    insert = _upsert(conn)(prefix_children)
+    statement = insert.on_conflict_do_update(
+        index_elements=["scope", "parent_key", "block_key", "child_key"],
+        set_={"artifacts": prefix_children.c.artifacts + insert.excluded.artifacts},
+    )
+    rows = [
+        {"scope": s, "parent_key": p, "block_key": b, "child_key": k, "artifacts": n}
+        for (s, p, b, k), n in counts.items()
+    ]
+    conn.execute(statement, rows)
+
+
+def _drop_edges(conn, scope: str, edges: list[tuple[bytes, bytes, bytes]]) -> None:
+    """Take one artifact off each of its edges, deleting those it was the last to pass."""
     if not edges:
         return
     e = prefix_children.c
-    if step > 0:
-        insert = _upsert(conn)(prefix_children)
-        statement = insert.on_conflict_do_update(
-            index_elements=["scope", "parent_key", "block_key", "child_key"],
-            set_={"artifacts": e.artifacts + insert.excluded.artifacts},
-        )
-        conn.execute(
-            statement,
-            [{"scope": scope, "parent_key": p, "block_key": b, "child_key": k, "artifacts": step} for p, b, k in edges],
-        )
-        return
     where = sa.and_(
         e.scope == sa.bindparam("s"),
         e.parent_key == sa.bindparam("p"),
@@ -216,7 +227,7 @@ def _count_edges(conn, scope: str, edges: list[tuple[bytes, bytes, bytes]], step
         e.child_key == sa.bindparam("k"),
     )
     params = [{"s": scope, "p": p, "b": b, "k": k} for p, b, k in edges]
-    conn.execute(prefix_children.update().where(where).values(artifacts=e.artifacts + step), params)
+    conn.execute(prefix_children.update().where(where).values(artifacts=e.artifacts - 1), params)
     conn.execute(prefix_children.delete().where(where, e.artifacts <= 0), params)
 
 
@@ -238,7 +249,7 @@ def drop_artifact(conn, artifact_id: str) -> None:
     ids = np.frombuffer(row.token_ids, dtype="<u4")
     entry = entry_from_ids(row.root, row.reuse, ids, {}, None, None)
     conn.execute(prefix_nodes.delete().where(prefix_nodes.c.artifact_id == artifact_id))
-    _count_edges(conn, row.scope, entry.edges, -1)
+    _drop_edges(conn, row.scope, entry.edges)
     conn.execute(prefix_artifacts.delete().where(a.artifact_id == artifact_id))
     where = sa.and_(prefix_roots.c.scope == row.scope, prefix_roots.c.root == row.root)
     conn.execute(prefix_roots.update().where(where).values(artifacts=prefix_roots.c.artifacts - 1))
