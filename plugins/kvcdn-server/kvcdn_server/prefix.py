@@ -359,10 +359,10 @@ def lookup(conn, tenant: str, root: str, keys: list[str], blocks: list[str], lim
 
     Four statements, whatever the store holds: the first seeks each key in the two scopes (does
     any artifact pass through it; which whole-prefix artifacts are anchored on it), giving the
-    deepest node the query reaches; the second lists that node's children (those sharing
-    the query's next 16 tokens when any does; up to :data:`MAX_CHILDREN` per scope); the third seeks the ``limit`` best artifacts through the node
-    and through each child; the fourth reads those artifacts, with their token ids in the chunk
-    after the node only.
+    deepest node the query reaches; the second lists that node's children (those sharing the
+    query's next 16 tokens when any does; up to :data:`MAX_CHILDREN` per scope); the third seeks
+    the ``limit`` best artifacts through the node and through each child; the fourth reads those
+    artifacts, with their token ids in the chunk after the node only.
 
     A match counts whole chunks; one that goes on past the node carries ``next_chunk``, an index
     into ``next_chunks``: its token ids in the next chunk (the caller may read the artifact), from
