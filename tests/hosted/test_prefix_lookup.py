@@ -358,6 +358,18 @@ def test_bad_lookups_are_refused_in_one_line(hosted, body):
     assert "\n" not in r.json()["message"]
 
 
+def test_the_longest_query_fits_one_request(hosted):
+    """512 full-chunk keys and 513 block keys (a 131,072-token query) are over the 64 KiB of other
+    JSON bodies: the lookup route takes them; one key more is refused in one line."""
+    rng = np.random.default_rng(50)
+    keys = [rng.bytes(32).hex() for _ in range(1025)]
+    body = {"root": keys[0], "keys": keys[:512], "blocks": keys[512:], "limit": 50}
+    r = hosted.raw_lookup("acme", body)
+    assert r.status_code == 200 and r.json()["matched_chunks"] == 0, r.text
+    r = hosted.raw_lookup("acme", {**body, "keys": keys[:513]})
+    assert r.status_code == 422 and "\n" not in r.json()["message"]
+
+
 def test_lookup_needs_a_credential(hosted):
     assert hosted.client.post(f"{API}/prefix/lookup", json={"root": "ab" * 32}).status_code == 401
     assert hosted.client.get(f"{API}/prefix/roots").status_code == 401
