@@ -3,13 +3,13 @@
 For each size, a fresh ``kvcdn serve`` (SQLite, local storage) whose index holds ``n`` synthetic
 artifacts of ``--tokens`` tokens shaped like ``search_bench.py --store-index``'s corpus (documents,
 and variants of each sharing a prefix of every length). The rows are inserted directly through
-:func:`kvcdn_server.prefix.index_artifact` (what a confirm calls), not through uploads: 10,000
-real uploads take hours here. Then 200 queries (a random artifact's prefix of random length, then
-200 new tokens) through the hosted client's own lookup (:meth:`HostedStorage.prefix_lookup`: two
-requests, chain keys then block keys, refined to the token), timed end to end: p50 and p99.
+:func:`kvcdn_server.prefix.index_artifacts` (what a confirm calls for one artifact), 500 artifacts
+to a transaction, not through uploads: 10,000 real uploads take hours here. Then 200 queries (a
+random artifact's prefix of random length, then 200 new tokens) through the hosted client's own lookup (:meth:`HostedStorage.prefix_lookup`: one
+request of chain keys, refined to the token), timed end to end: p50 and p99.
 "Index bytes per artifact" is the database's growth from the index rows, divided by ``n``.
 
-    OMP_NUM_THREADS=1 python benchmarks/hosted_lookup_bench.py --sizes 1000,10000
+    OMP_NUM_THREADS=1 python benchmarks/hosted_lookup_bench.py --sizes 1000,10000,100000
 """
 
 from __future__ import annotations
@@ -26,24 +26,25 @@ sys.path.insert(0, str(ROOT))
 
 
 def corpus(n: int, tokens: int, seed: int):
-    """(name, token ids) of ``n`` artifacts, and 200 queries, as ``search_bench.synthetic_state``."""
+    """``art(i)``: (name, token ids) of artifact ``i`` of ``n``, made on demand (100,000 of them would
+    not fit in memory at once), and 200 queries, as ``search_bench.synthetic_state``."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     variants = 10
     docs = rng.integers(0, 151_936, size=(max(1, n // variants), tokens), dtype=np.int64)
-    arts = []
-    for i in range(n):
+
+    def art(i: int):
         d, j = i % len(docs), i // len(docs)
         keep = tokens * j // variants if j else tokens
-        ids = np.concatenate([docs[d][:keep], docs[(d + 1) % len(docs)][keep:]])
-        arts.append((f"d{d:05d}/v{j:02d}", ids))
+        return f"d{d:05d}/v{j:02d}", np.concatenate([docs[d][:keep], docs[(d + 1) % len(docs)][keep:]])
+
     queries = []
     for _ in range(200):
-        _, body = arts[int(rng.integers(n))]
+        _, body = art(int(rng.integers(n)))
         cut = int(rng.integers(1, tokens + 1))
         queries.append(np.concatenate([body[:cut], rng.integers(0, 151_936, size=200)]))
-    return arts, queries
+    return art, queries
 
 
 def db_bytes(path: Path) -> int:
@@ -74,12 +75,16 @@ def run(n: int, tokens: int, seed: int) -> str:
         db_file = Path(config.database_url.split(":///", 1)[1])
         engine = open_database(config.database_url)  # migrated: the server finds the schema in place
         before = db_bytes(db_file)
-        arts, queries = corpus(n, tokens, seed)
+        art, queries = corpus(n, tokens, seed)
         start = time.perf_counter()
-        with engine.begin() as c:
-            for name, ids in arts:
+        for first in range(0, n, 500):  # bulk: 500 artifacts a transaction, a few statements each
+            batch = []
+            for i in range(first, min(n, first + 500)):
+                name, ids = art(i)
                 entry = prefix.entry_from_ids(root, "any_prefix", ids, dict(fp, id="bench"), "bfloat16", None)
-                prefix.index_artifact(c, str(uuid.uuid4()), "org:bench", name, entry)
+                batch.append((str(uuid.uuid4()), "org:bench", name, entry))
+            with engine.begin() as c:
+                prefix.index_artifacts(c, batch)
         build_s = time.perf_counter() - start
         engine.dispose()
         per_artifact = (db_bytes(db_file) - before) / n

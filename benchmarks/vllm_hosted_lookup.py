@@ -3,8 +3,9 @@
 A fresh ``kvcdn serve`` (SQLite, local storage) holding ``--artifacts`` small synthetic artifacts,
 each uploaded by chunks (real uploads, so each has its chunk record). Then ``--queries`` prompts
 (a random artifact's first ``--prefix`` tokens, then 50 new tokens) through the connector's own
-scheduler-side lookup (:class:`kvcdn_vllm.lookup.IndexLookup`: the service's prefix lookup, two
-requests, then the hit's chunk record, one request), timed end to end over loopback: p50 and p99.
+scheduler-side lookup (:class:`kvcdn_vllm.lookup.IndexLookup`: the service's prefix lookup, one
+request, then the hit's chunk record, one request), timed end to end over loopback: p50 and p99.
+Then the same prompts again: the chunk records are kept, so each lookup is the one index request.
 The issue's goal is at most 5 ms added per request.
 
     OMP_NUM_THREADS=1 python benchmarks/vllm_hosted_lookup.py --artifacts 1000
@@ -56,20 +57,28 @@ def run(artifacts: int, tokens: int, prefix: int, queries: int, seed: int) -> st
             ids = list(pool.map(put, range(artifacts)))
         loaded_s = time.perf_counter() - began
         rng = random.Random(seed)
-        times, matched = [], 0
+        prompts = []
         for _ in range(queries):
             i = rng.randrange(artifacts)
-            prompt = ids[i][:prefix] + [rng.randrange(50_000) for _ in range(50)]
-            t0 = time.perf_counter()
-            match = finder.lookup(prompt)
-            times.append((time.perf_counter() - t0) * 1000)
-            matched += match is not None and match.prefix_tokens >= prefix
-        times.sort()
-        p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+            prompts.append(ids[i][:prefix] + [rng.randrange(50_000) for _ in range(50)])
+
+        def timed() -> tuple[str, int]:
+            times, matched = [], 0
+            for prompt in prompts:
+                t0 = time.perf_counter()
+                match = finder.lookup(prompt)
+                times.append((time.perf_counter() - t0) * 1000)
+                matched += match is not None and match.prefix_tokens >= prefix
+            times.sort()
+            p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+            return f"p50 {statistics.median(times):.1f} ms, p99 {p99:.1f} ms", matched
+
+        first, matched = timed()
+        again, _ = timed()
         return (
             f"{artifacts} artifacts of {tokens} tokens (uploaded in {loaded_s:.0f} s); {queries} lookups of a "
-            f"{prefix}-token prefix: p50 {statistics.median(times):.1f} ms, p99 {p99:.1f} ms, "
-            f"{matched}/{queries} found whole"
+            f"{prefix}-token prefix: {first} ({matched}/{queries} found whole); the same again, chunk records "
+            f"kept: {again}"
         )
 
 

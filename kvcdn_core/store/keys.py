@@ -28,8 +28,8 @@ from kvcdn_core.model.files import COMPATIBILITY_KEYS
 #: also LMCache's default: at 4k tokens an artifact is 16 chunks, so the index stays small, and a
 #: chunk of a 0.6B model in float32 is about 60 MB, a good object size for S3.
 CHUNK_TOKENS = 256
-#: Tokens per block inside a chunk: the hosted index also keys every chunk's first 16, 32, ...
-#: tokens, so a lookup narrows a match inside a chunk to 16 tokens (vLLM's GPU block size).
+#: Tokens of a chunk's first block: the hosted index keys each chunk's first 16 tokens too (vLLM's
+#: GPU block size), so a lookup narrows the next chunk's candidates to those sharing them.
 BLOCK_TOKENS = 16
 #: Bumped when the key derivation changes; part of every root.
 KEY_VERSION = 1
@@ -91,19 +91,7 @@ def full_chain(root: str, ids: Sequence[int] | np.ndarray, chunk_tokens: int = C
     return chain(root, ids[: ids.size - ids.size % chunk_tokens], chunk_tokens)
 
 
-def query_keys(
-    root: str, ids: Sequence[int] | np.ndarray, chunk_tokens: int = CHUNK_TOKENS
-) -> tuple[list[str], list[str]]:
-    """What a remote lookup is sent for a query: the keys of its full chunks, and the keys of its
-    first 1, 2, ... tokens after the last full chunk (they find artifacts ending inside it)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    full = full_chain(root, ids, chunk_tokens)
-    parent, tail = (full[-1] if full else root), ids[len(full) * chunk_tokens :]
-    return full, [child_key(parent, tail[: i + 1]) for i in range(tail.size)]
-
-
-def block_keys(parent: str, chunk_ids: Sequence[int] | np.ndarray, block_tokens: int = BLOCK_TOKENS) -> list[str]:
-    """The keys of a chunk's first ``block_tokens``, ``2 * block_tokens``, ... ids after ``parent``,
-    shorter than the chunk itself (the chunk's own key is :func:`child_key`)."""
+def first_block(parent: str, chunk_ids: Sequence[int] | np.ndarray, block_tokens: int = BLOCK_TOKENS) -> str | None:
+    """The key of a chunk's first ``block_tokens`` ids after ``parent`` (None when it holds fewer)."""
     ids = np.asarray(chunk_ids, dtype=np.int64)
-    return [child_key(parent, ids[:n]) for n in range(block_tokens, ids.size, block_tokens)]
+    return child_key(parent, ids[:block_tokens]) if ids.size >= block_tokens else None

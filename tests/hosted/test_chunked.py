@@ -169,13 +169,22 @@ def test_a_chunked_artifact_enters_the_prefix_index_and_leaves_it_when_deleted(s
     report = up(client, keys["acme"], src)
     root = root_of(manifest_of(artifact.read_header(src)))
     query = np.arange(45, dtype=np.int64)  # the artifact's 40 tokens, then 5 more: no full 256-token chunk
-    partial = [chainkeys.child_key(root, query[: i + 1]) for i in range(query.size)]
-    body = {"root": root, "keys": [], "partial": partial, "limit": 10}
+    body = {"root": root, "keys": [], "blocks": [chainkeys.first_block(root, query)], "limit": 10}
 
     def found() -> list[tuple[str, int]]:
-        r = client.post(f"{API}/prefix/lookup", headers=bearer(keys["acme"]), json=body)
-        assert r.status_code == 200, r.text
-        return [(m["artifact_id"], m["matched_tokens"]) for m in r.json()["matches"]]
+        """The hosted client's lookup (one request, refined to the token by the answer's token ids)."""
+        from kvcdn_hosted.storage import HostedStorage
+        from kvcdn_wire.responses import parse
+
+        def ask(model, sent):
+            assert sent == body
+            r = client.post(f"{API}/prefix/lookup", headers=bearer(keys["acme"]), json=sent)
+            assert r.status_code == 200, r.text
+            return parse(model, r.json())
+
+        hosted = HostedStorage(settings=None)
+        hosted._lookup = ask  # type: ignore[method-assign]
+        return [(h.ref, h.prefix_tokens) for h in hosted.prefix_lookup(root, query, 0, 10)]
 
     assert found() == [(report.artifact_id, 40)]
     assert client.delete(f"{API}/artifacts/{report.artifact_id}", headers=bearer(keys["acme"])).status_code in (

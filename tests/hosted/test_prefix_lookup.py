@@ -55,12 +55,12 @@ def root_of(path: Path) -> str:
 
 
 def query_body(root: str, ids, limit: int = 10) -> dict:
-    """What a client sends: the query's full-chunk keys and the keys of its tail at each length."""
+    """What a client sends: the keys of the query's full chunks, and of each chunk's first 16 tokens
+    (never its token ids)."""
     ids = np.asarray(ids, dtype=np.int64)
     full = chainkeys.full_chain(root, ids)
-    parent, tail = (full[-1] if full else root), ids[len(full) * C :]
-    partial = [chainkeys.child_key(parent, tail[: i + 1]) for i in range(tail.size)]
-    return {"root": root, "keys": full, "partial": partial, "limit": limit}
+    blocks = [chainkeys.first_block(p, ids[i * C : (i + 1) * C]) for i, p in enumerate([root, *full])]
+    return {"root": root, "keys": full, "blocks": [b for b in blocks if b], "limit": limit}
 
 
 @pytest.fixture
@@ -130,8 +130,26 @@ def hosted(monkeypatch, tmp_path, database_url):
                 ).scalar_one()
             return nodes + arts
 
+        def edges(self) -> list[tuple[str, int]]:
+            """(scope, artifacts) of every edge of the chunk tree."""
+            from kvcdn_server.prefix import prefix_children
+
+            with self.db.connect() as c:
+                e = prefix_children.c
+                return [tuple(r) for r in c.execute(sa.select(e.scope, e.artifacts).order_by(e.scope, e.artifacts))]
+
     with client:
         yield Hosted()
+
+
+def client_of(hosted, org: str):
+    """The hosted client's own lookup (one request, refined to the token), over the in-process app."""
+    from kvcdn_hosted.storage import HostedStorage
+    from kvcdn_wire.responses import parse
+
+    client = HostedStorage(settings=None)
+    client._lookup = lambda model, body: parse(model, hosted.lookup(org, body))  # type: ignore[method-assign]
+    return client
 
 
 def ids_of(seed: int, n: int, start: int = 0) -> list[int]:
@@ -143,11 +161,13 @@ def test_the_index_follows_confirm_replace_and_delete(hosted, tmp_path):
     a = write_kv(tmp_path / "a.kv", doc)
     root = root_of(a)
     first = hosted.upload("acme", a, "doc")
-    # the root, two full chunks and a partial one; blocks of 16 inside them (15 + 15 + 11); the artifact
-    assert hosted.rows(first) == 4 + 41 + 1
+    # the root, two full chunks and a partial one; the artifact; the three edges between them
+    assert hosted.rows(first) == 4 + 1
+    assert hosted.edges() == [("org:acme", 1)] * 3
     found = hosted.lookup("acme", query_body(root, doc + [7, 8, 9]))
     assert found["matched_chunks"] == 2
-    assert [(m["artifact_id"], m["matched_tokens"], m["exact"]) for m in found["matches"]] == [(first, 700, True)]
+    assert [(m["artifact_id"], m["matched_tokens"], m["exact"]) for m in found["matches"]] == [(first, 512, False)]
+    assert found["next_chunks"] and found["matches"][0]["next_chunk"] == 0
     assert [(r["root"], r["artifacts"], r["model"]["id"]) for r in hosted.roots("acme")] == [
         (root, 1, "example/prefix")
     ]
@@ -155,17 +175,20 @@ def test_the_index_follows_confirm_replace_and_delete(hosted, tmp_path):
     # replacing the name drops the old artifact's rows in the confirm's own transaction
     other = ids_of(2, 300)
     second = hosted.upload("acme", write_kv(tmp_path / "b.kv", other), "doc", replace=True)
-    assert hosted.rows(first) == 0 and hosted.rows(second) == 3 + 17 + 1
-    assert hosted.lookup("acme", query_body(root, doc))["matches"] == []
-    assert [m["artifact_id"] for m in hosted.lookup("acme", query_body(root, other))["matches"]] == [second]
+    assert hosted.rows(first) == 0 and hosted.rows(second) == 3 + 1
+    assert hosted.edges() == [("org:acme", 1)] * 2
+    assert client_of(hosted, "acme").prefix_lookup(root, doc, 0, 10) == []
+    assert [h.ref for h in client_of(hosted, "acme").prefix_lookup(root, other, 0, 10)] == [second]
 
     r = hosted.client.delete(f"{API}/artifacts/{second}", headers=bearer(hosted.keys["acme"]))
     assert r.status_code == 204
-    assert hosted.rows(second) == 0
+    assert hosted.rows(second) == 0 and hosted.edges() == []
     assert hosted.lookup("acme", query_body(root, other)) == {
         "root": root,
         "matched_chunks": 0,
         "chunk_tokens": C,
+        "complete": True,
+        "next_chunks": [],
         "matches": [],
     }
     assert hosted.roots("acme") == []
@@ -191,22 +214,20 @@ def test_published_artifacts_are_found_by_everyone(hosted, tmp_path):
     path = write_kv(tmp_path / "p.kv", shared)
     root = root_of(path)
     published = hosted.upload("beta", path, "public-doc", visibility="public")
-    found = hosted.lookup("acme", query_body(root, shared + [1, 2]))
-    assert [(m["artifact_id"], m["matched_tokens"]) for m in found["matches"]] == [(published, 520)]
+    found = client_of(hosted, "acme").prefix_lookup(root, shared + [1, 2], 0, 10)
+    assert [(h.ref, h.prefix_tokens) for h in found] == [(published, 520)]
     assert [r["root"] for r in hosted.roots("acme")] == [root]
 
 
 def test_lookup_agrees_with_core_index(hosted, tmp_path):
     """The same artifacts in core's chunk-store index and in the hosted one: the hosted client's
-    lookup (chain keys, then block keys inside the next chunk, refined by the candidates' token ids)
+    lookup (one request of chain keys, refined by the candidates' token ids in the next chunk)
     gives exactly core's hits."""
     import dataclasses
     from types import SimpleNamespace
 
     from kvcdn_core.plugin_host.registry import open_storage
     from kvcdn_core.store import index
-    from kvcdn_hosted.storage import HostedStorage
-    from kvcdn_wire.responses import parse
 
     base = ids_of(6, 1024)
     corpus = {
@@ -249,13 +270,72 @@ def test_lookup_agrees_with_core_index(hosted, tmp_path):
         base[:512] + ids_of(7, 37) + ids_of(13, 300),  # inside a chunk, past a block boundary
         base[:530],
     ]
-    client = HostedStorage(settings=None)  # the client's own two-step lookup, over the in-process app
-    client._lookup = lambda model, body: parse(model, hosted.lookup("acme", body))  # type: ignore[method-assign]
+    client = client_of(hosted, "acme")
     for q in queries:
         core = index.lookup(backend, root, q, 0, 10)
         remote = client.prefix_lookup(root, q, 0, 10)
         assert [dataclasses.replace(h, ref=None) for h in remote] == core, q[:3]
         assert all(h.ref for h in remote)
+
+
+def test_a_longer_match_behind_more_than_limit_ties_is_found(hosted, tmp_path):
+    """More than ``limit`` small artifacts share the query's first 20 tokens of a chunk, and one
+    larger artifact shares 25: the lookup finds the larger one, as core's index does (a refinement
+    that took only the ``limit`` smallest artifacts past the last common 16-token block missed it)."""
+    from types import SimpleNamespace
+
+    from kvcdn_core.plugin_host.registry import open_storage
+    from kvcdn_core.store import index
+
+    base, common = ids_of(20, C), ids_of(21, 40)
+    corpus = {f"small-{i}": base + common[:20] + [60_000 + i] for i in range(4)}
+    corpus["large"] = base + common[:25] + ids_of(22, 300)
+    backend = open_storage(str(tmp_path / "core-store"))
+    root = None
+    for name, ids in corpus.items():
+        path = write_kv(tmp_path / f"{name}.kv", ids)
+        root = root_of(path)
+        hosted.upload("acme", path, name)
+        record = SimpleNamespace(
+            name=name,
+            root=root,
+            reuse="any_prefix",
+            chunk_tokens=C,
+            token_count=len(ids),
+            model={"id": "example/prefix"},
+            compute_dtype="float32",
+            quantization=None,
+        )
+        index.add(backend, record, ids)
+    query = base + common[:25] + ids_of(23, 100)
+    remote = client_of(hosted, "acme").prefix_lookup(root, query, 0, 3)
+    assert [(h.name, h.prefix_tokens) for h in remote] == [("large", C + 25)]
+    assert [(h.name, h.prefix_tokens) for h in index.lookup(backend, root, query, 0, 3)] == [("large", C + 25)]
+
+
+def test_a_node_with_more_children_than_one_answer_holds(hosted):
+    """40 artifacts go on past one chunk, each its own way (more children than an answer lists):
+    the query's next 16 tokens pick the one it shares them with, and the match is exact; a query
+    sharing fewer than 16 tokens with all of them gets an answer marked incomplete."""
+    import uuid
+
+    from kvcdn_server import prefix
+
+    base = ids_of(40, C)
+    root = chainkeys.root_key({"architecture": "Qwen3ForCausalLM"}, chainkeys.representation("float32", None))
+    arts = {f"a{i:02d}": base + ids_of(100 + i, 300) for i in range(prefix.MAX_CHILDREN + 8)}
+    ids_by_name = {}
+    with hosted.db.begin() as c:
+        for name, ids in arts.items():
+            entry = prefix.entry_from_ids(root, "any_prefix", ids, {"id": "m"}, "float32", None)
+            ids_by_name[name] = str(uuid.uuid4())
+            prefix.index_artifact(c, ids_by_name[name], "org:acme", name, entry)
+    client = client_of(hosted, "acme")
+    for name, ids in arts.items():
+        found = client.prefix_lookup(root, ids[: C + 40] + [0] * 50, 0, 10)
+        assert [(h.ref, h.prefix_tokens) for h in found] == [(ids_by_name[name], C + 40)], name
+    answer = hosted.lookup("acme", query_body(root, base + [0] * 50))
+    assert answer["matched_chunks"] == 1 and answer["complete"] is False
 
 
 @pytest.mark.parametrize(
@@ -266,6 +346,8 @@ def test_lookup_agrees_with_core_index(hosted, tmp_path):
         {"root": "ab" * 32, "keys": ["AB" * 32]},
         {"root": "ab" * 32, "keys": ["ab" * 32] * 513},
         {"root": "ab" * 32, "partial": ["ab" * 32] * 256},
+        {"root": "ab" * 32, "blocks": ["ab" * 32] * 514},
+        {"root": "ab" * 32, "blocks": ["ab"]},
         {"root": "ab" * 32, "limit": 0},
         {"root": "ab" * 32, "tokens": [1, 2, 3]},
     ],
@@ -274,6 +356,18 @@ def test_bad_lookups_are_refused_in_one_line(hosted, body):
     r = hosted.raw_lookup("acme", body)
     assert r.status_code == 422 and r.json()["error"] == "validation_error"
     assert "\n" not in r.json()["message"]
+
+
+def test_the_longest_query_fits_one_request(hosted):
+    """512 full-chunk keys and 513 block keys (a 131,072-token query) are over the 64 KiB of other
+    JSON bodies: the lookup route takes them; one key more is refused in one line."""
+    rng = np.random.default_rng(50)
+    keys = [rng.bytes(32).hex() for _ in range(1025)]
+    body = {"root": keys[0], "keys": keys[:512], "blocks": keys[512:], "limit": 50}
+    r = hosted.raw_lookup("acme", body)
+    assert r.status_code == 200 and r.json()["matched_chunks"] == 0, r.text
+    r = hosted.raw_lookup("acme", {**body, "keys": keys[:513]})
+    assert r.status_code == 422 and "\n" not in r.json()["message"]
 
 
 def test_lookup_needs_a_credential(hosted):

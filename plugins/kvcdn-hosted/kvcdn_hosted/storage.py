@@ -357,34 +357,35 @@ class HostedStorage(StorageBackend):
 
     def prefix_lookup(self, root: str, query_ids, start_tokens: int, limit: int) -> list[Any]:
         """The server's matches for the query's chain keys (its token ids never leave this process),
-        refined to the token here (:func:`kvcdn_core.store.index.from_matches`): a first request
-        finds how many whole chunks match; a second narrows the match inside the next chunk by its
-        block keys and brings the best candidates' token ids to the end of that chunk."""
+        refined to the token here (:func:`kvcdn_core.store.index.from_matches`), in one request:
+        the server finds how many whole chunks match and sends back the candidates that go on,
+        with their token ids in the next chunk."""
+        from types import SimpleNamespace
+
         import numpy as np
 
         from kvcdn_core.store import index, keys
         from kvcdn_wire.responses import PrefixLookup
 
         ids = np.asarray(query_ids, dtype=np.int64)
-        c = keys.CHUNK_TOKENS
-        full, partial = keys.query_keys(root, ids)
+        full = keys.full_chain(root, ids)
         if len(full) > wire.MAX_LOOKUP_KEYS:
             raise KvcdnError(
                 f"lookup: the query has {len(full)} chunks; the server looks up at most {wire.MAX_LOOKUP_KEYS}"
             )
-        body: dict[str, Any] = {"root": root, "keys": full, "partial": partial}
-        body["limit"] = min(max(limit, 1), wire.MAX_LOOKUP_LIMIT)
-        first = self._lookup(PrefixLookup, body)
-        matches = {m.artifact_id: m for m in first.matches}
-        depth = first.matched_chunks
-        if ids.size > depth * c:
-            node = full[depth - 1] if depth else root
-            step = {"node": node, "chunks": depth, "blocks": keys.block_keys(node, ids[depth * c : (depth + 1) * c])}
-            second = self._lookup(PrefixLookup, {"root": root, "limit": body["limit"], "refine": step})
-            for m in second.matches:
-                if m.artifact_id not in matches or not matches[m.artifact_id].exact:
-                    matches[m.artifact_id] = m
-        return index.from_matches(matches.values(), root, ids, start_tokens, limit)
+        c, blocks = keys.CHUNK_TOKENS, []
+        for i, parent in enumerate([root, *full]):
+            block = keys.first_block(parent, ids[i * c : (i + 1) * c])
+            if block is None:
+                break
+            blocks.append(block)
+        body = {"root": root, "keys": full, "blocks": blocks, "limit": min(max(limit, 1), wire.MAX_LOOKUP_LIMIT)}
+        answer = self._lookup(PrefixLookup, body)
+        try:
+            matches = [SimpleNamespace(**m.model_dump(), next_tokens=answer.next_tokens(m)) for m in answer.matches]
+        except (IndexError, ValueError, TypeError) as e:
+            raise KvcdnError(f"prefix lookup: the server's answer does not parse ({e})") from None
+        return index.from_matches(matches, root, ids, start_tokens, limit)
 
     def _lookup(self, model, body: dict[str, Any]):
         return self.client.read(model, "POST", wire.PREFIX_LOOKUP, what="prefix lookup", json=body, idempotent=True)

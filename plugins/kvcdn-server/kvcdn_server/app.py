@@ -61,9 +61,12 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"].startswith(wire.BLOBS_PREFIX):
             return await self.app(scope, receive, send)
-        limit = {wire.TELEMETRY: wire.MAX_TELEMETRY_BODY, wire.CHUNKED_UPLOAD: wire.MAX_CHUNKED_BODY}.get(
-            scope["path"], wire.MAX_JSON_BODY
-        )
+        limits = {
+            wire.TELEMETRY: wire.MAX_TELEMETRY_BODY,
+            wire.CHUNKED_UPLOAD: wire.MAX_CHUNKED_BODY,
+            wire.PREFIX_LOOKUP: wire.MAX_LOOKUP_BODY,
+        }
+        limit = limits.get(scope["path"], wire.MAX_JSON_BODY)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await _send_error(send, 413, ErrorCode.PAYLOAD_TOO_LARGE, f"request body is over {limit} bytes")
@@ -173,8 +176,14 @@ def create_app(config: ServerConfig, storage=None, db_engine=None, clock: Callab
     redact_access_log()
 
     def collector():
+        unindexed = True  # the first pass also indexes artifacts confirmed before the prefix index
         while True:
             try:
+                if unindexed:
+                    indexed = s.store.index_unindexed()
+                    unindexed = False
+                    if indexed:
+                        log.info("prefix index: indexed %d artifacts confirmed before it existed", indexed)
                 counts = s.store.collect()
                 s.limit.forget_idle()
                 if any(counts.values()):

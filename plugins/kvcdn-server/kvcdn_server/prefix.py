@@ -1,25 +1,33 @@
 """The hosted prefix index: which confirmed artifacts a caller may see share the longest prefix with
-a query, answered from chain keys (:mod:`kvcdn_core.store.keys`) by index seeks.
+a query, answered in one request from the query's chain keys (:mod:`kvcdn_core.store.keys`).
 
 Every confirmed artifact is indexed in the confirm's own transaction and dropped in the delete's
 (and a replacing confirm's), so the index never disagrees with the artifacts table. Rows are kept
 per *scope*: the owning tenant for a private artifact, :data:`PUBLIC` for a published one. A lookup
 reads only the caller's scope and the public scope, so a key held only in another tenant's private
-artifact is, physically, the same path through the same index as a key nobody holds.
+artifact is, physically, the same path through the same index as a key nobody holds. Keys are
+stored as their 32 raw bytes.
 
 - ``prefix_nodes``: one row per (scope, node, artifact). An any-prefix artifact has a ``path`` row
-  at each chain key of its tokens (each full chunk, then its last partial chunk); a whole-prefix
-  artifact (state layers: its cache cannot be cut) has one ``end`` row at the key of all its tokens,
-  and a query finds it only when the query contains it whole (docs/store-index.md's rule). The
-  primary key orders rows of one node by (token count, name): the best artifact of a node (fewest
-  tokens, then name) is the first row of a seek.
-- ``prefix_artifacts``: what a match shows (name, token count, reuse rule, dtype, quantization).
+  at each chain key of its tokens (the root, each full chunk, then its last partial chunk); a
+  whole-prefix artifact (state layers: its cache cannot be cut) has one ``end`` row at the key of
+  its whole chunks, and a query finds it only when the query contains it whole (docs/store-index.md's
+  rule). The primary key orders rows of one node by (token count, name): the best artifacts of a
+  node (fewest tokens, then name) are the first rows of a seek.
+- ``prefix_children``: the edges of the chunk tree, one row per (scope, parent, child) with how
+  many artifacts pass along it and the key of the child's first 16 tokens (empty when it holds
+  fewer): a lookup lists the children of the deepest node it matched, those that share the query's
+  next 16 tokens when any does, so the client can refine the match to the token among them.
+- ``prefix_artifacts``: what a match shows (name, token count, reuse rule, dtype, quantization) and
+  the token ids that refinement reads.
 - ``prefix_roots``: the roots (model fingerprint, representation) of each scope with how many
   artifacts use them, so a client can learn which roots exist for it without any scan.
 """
 
 from __future__ import annotations
 
+import base64
+import collections
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -36,19 +44,32 @@ from kvcdn_server.db import metadata
 
 #: the scope of published artifacts (no tenant id is empty)
 PUBLIC = ""
-PATH, END, BLOCK = "path", "end", "block"
+PATH, END = "path", "end"
+#: children of one node a lookup refines among, per scope (more: the answer says ``complete: false``)
+MAX_CHILDREN = 32
 
 prefix_nodes = sa.Table(
     "prefix_nodes",
     metadata,
     sa.Column("scope", sa.String(255), nullable=False),
     sa.Column("kind", sa.String(8), nullable=False),
-    sa.Column("node_key", sa.String(64), nullable=False),
+    sa.Column("node_key", sa.LargeBinary(32), nullable=False),
     sa.Column("token_count", sa.BigInteger, nullable=False),
     sa.Column("name", sa.String(1024), nullable=False),
     sa.Column("artifact_id", sa.String(36), nullable=False),
     sa.PrimaryKeyConstraint("scope", "kind", "node_key", "token_count", "name", "artifact_id"),
     sa.Index("ix_prefix_nodes_artifact", "artifact_id"),
+)
+
+prefix_children = sa.Table(
+    "prefix_children",
+    metadata,
+    sa.Column("scope", sa.String(255), nullable=False),
+    sa.Column("parent_key", sa.LargeBinary(32), nullable=False),
+    sa.Column("block_key", sa.LargeBinary(32), nullable=False),
+    sa.Column("child_key", sa.LargeBinary(32), nullable=False),
+    sa.Column("artifacts", sa.BigInteger, nullable=False),
+    sa.PrimaryKeyConstraint("scope", "parent_key", "block_key", "child_key"),
 )
 
 prefix_artifacts = sa.Table(
@@ -96,9 +117,10 @@ class Entry:
     compute_dtype: str | None
     quantization: str | None
     keys: list[str]  # path keys (any-prefix: the root, then each chunk), or the one anchor key (whole-prefix)
-    blocks: list[str]  # any-prefix: the keys of each chunk's first 16, 32, ... tokens
     end_key: str  # the key of all its tokens
     token_ids: bytes  # little-endian uint32
+    #: any-prefix: (parent, the key of the chunk's first 16 tokens or b"", child) of each chunk
+    edges: list[tuple[bytes, bytes, bytes]]
 
 
 def entry_of(header: Header, token_ids: Sequence[int]) -> Entry:
@@ -116,68 +138,97 @@ def entry_from_ids(
     ids = np.asarray(token_ids, dtype=np.int64)
     chain = chainkeys.chain(root, ids)
     whole = ids.size // c
-    keys, blocks = [chain[whole - 1] if whole else root], []
-    if reuse == ANY_PREFIX:
-        keys = [root, *chain]
-        for i, parent in enumerate([root, *chain[:-1]]):
-            blocks += chainkeys.block_keys(parent, ids[i * c : (i + 1) * c])
+    keys = [root, *chain] if reuse == ANY_PREFIX else [chain[whole - 1] if whole else root]
     end_key = chain[-1] if chain else root
-    return Entry(
-        root,
-        reuse,
-        int(ids.size),
-        model,
-        compute_dtype,
-        quantization,
-        keys,
-        blocks,
-        end_key,
-        ids.astype("<u4").tobytes(),
-    )
+    edges = []
+    if reuse == ANY_PREFIX:
+        for i, (parent, child) in enumerate(zip(keys[:-1], keys[1:])):
+            block = chainkeys.first_block(parent, ids[i * c : (i + 1) * c])
+            edges.append((bytes.fromhex(parent), bytes.fromhex(block) if block else b"", bytes.fromhex(child)))
+    raw = ids.astype("<u4").tobytes()
+    return Entry(root, reuse, int(ids.size), model, compute_dtype, quantization, keys, end_key, raw, edges)
 
 
 def index_artifact(conn, artifact_id: str, scope: str, name: str, entry: Entry) -> None:
     """Index a confirmed artifact; called inside the confirm's transaction."""
-    kind = PATH if entry.reuse == ANY_PREFIX else END
-    rows = [
-        {
-            "scope": scope,
-            "kind": k,
-            "node_key": key,
-            "token_count": entry.token_count,
-            "name": name,
-            "artifact_id": artifact_id,
-        }
-        for k, keys in ((kind, entry.keys), (BLOCK, entry.blocks))
-        for key in keys
-    ]
-    if rows:
-        conn.execute(prefix_nodes.insert(), rows)
-    conn.execute(
-        prefix_artifacts.insert().values(
-            artifact_id=artifact_id,
+    index_artifacts(conn, [(artifact_id, scope, name, entry)])
+
+
+def index_artifacts(conn, items: Sequence[tuple[str, str, str, Entry]]) -> None:
+    """Index several artifacts, each ``(artifact_id, scope, name, entry)``, in a few statements (a
+    confirm indexes one; a bulk load, such as the benchmark's, many)."""
+    nodes, arts = [], []
+    edges: collections.Counter = collections.Counter()
+    roots: dict[tuple[str, str], list] = {}
+    for artifact_id, scope, name, entry in items:
+        kind = PATH if entry.reuse == ANY_PREFIX else END
+        row = {"scope": scope, "token_count": entry.token_count, "name": name, "artifact_id": artifact_id}
+        nodes += [{**row, "kind": kind, "node_key": bytes.fromhex(key)} for key in entry.keys]
+        edges.update((scope, *edge) for edge in entry.edges)
+        arts.append(
+            {
+                **row,
+                "root": entry.root,
+                "reuse": entry.reuse,
+                "compute_dtype": entry.compute_dtype,
+                "quantization": entry.quantization,
+                "end_key": entry.end_key,
+                "token_ids": entry.token_ids,
+            }
+        )
+        roots.setdefault((scope, entry.root), [entry, 0])[1] += 1
+    if nodes:
+        conn.execute(prefix_nodes.insert(), nodes)
+    _add_edges(conn, edges)
+    if arts:
+        conn.execute(prefix_artifacts.insert(), arts)
+    insert = _upsert(conn)(prefix_roots)
+    for (scope, root), (entry, count) in roots.items():
+        values = insert.values(
             scope=scope,
-            root=entry.root,
-            name=name,
-            token_count=entry.token_count,
-            reuse=entry.reuse,
+            root=root,
+            artifacts=count,
+            model=json.dumps(entry.model, sort_keys=True),
             compute_dtype=entry.compute_dtype,
             quantization=entry.quantization,
-            end_key=entry.end_key,
-            token_ids=entry.token_ids,
         )
+        conn.execute(
+            values.on_conflict_do_update(
+                index_elements=["scope", "root"], set_={"artifacts": prefix_roots.c.artifacts + count}
+            )
+        )
+
+
+def _add_edges(conn, counts: collections.Counter) -> None:
+    """Add to each edge ``(scope, parent, block, child)`` its count of new artifacts passing it."""
+    if not counts:
+        return
+    insert = _upsert(conn)(prefix_children)
+    statement = insert.on_conflict_do_update(
+        index_elements=["scope", "parent_key", "block_key", "child_key"],
+        set_={"artifacts": prefix_children.c.artifacts + insert.excluded.artifacts},
     )
-    insert = _upsert(conn)(prefix_roots).values(
-        scope=scope,
-        root=entry.root,
-        artifacts=1,
-        model=json.dumps(entry.model, sort_keys=True),
-        compute_dtype=entry.compute_dtype,
-        quantization=entry.quantization,
+    rows = [
+        {"scope": s, "parent_key": p, "block_key": b, "child_key": k, "artifacts": n}
+        for (s, p, b, k), n in counts.items()
+    ]
+    conn.execute(statement, rows)
+
+
+def _drop_edges(conn, scope: str, edges: list[tuple[bytes, bytes, bytes]]) -> None:
+    """Take one artifact off each of its edges, deleting those it was the last to pass."""
+    if not edges:
+        return
+    e = prefix_children.c
+    where = sa.and_(
+        e.scope == sa.bindparam("s"),
+        e.parent_key == sa.bindparam("p"),
+        e.block_key == sa.bindparam("b"),
+        e.child_key == sa.bindparam("k"),
     )
-    conn.execute(
-        insert.on_conflict_do_update(index_elements=["scope", "root"], set_={"artifacts": prefix_roots.c.artifacts + 1})
-    )
+    params = [{"s": scope, "p": p, "b": b, "k": k} for p, b, k in edges]
+    conn.execute(prefix_children.update().where(where).values(artifacts=e.artifacts - 1), params)
+    conn.execute(prefix_children.delete().where(where, e.artifacts <= 0), params)
 
 
 def _upsert(conn):
@@ -191,15 +242,15 @@ def _upsert(conn):
 def drop_artifact(conn, artifact_id: str) -> None:
     """Remove an artifact from the index (nothing when it was never indexed); called inside the
     transaction that deletes or replaces it."""
-    row = conn.execute(
-        sa.select(prefix_artifacts.c.scope, prefix_artifacts.c.root).where(
-            prefix_artifacts.c.artifact_id == artifact_id
-        )
-    ).first()
+    a = prefix_artifacts.c
+    row = conn.execute(sa.select(a.scope, a.root, a.reuse, a.token_ids).where(a.artifact_id == artifact_id)).first()
     if row is None:
         return
+    ids = np.frombuffer(row.token_ids, dtype="<u4")
+    entry = entry_from_ids(row.root, row.reuse, ids, {}, None, None)
     conn.execute(prefix_nodes.delete().where(prefix_nodes.c.artifact_id == artifact_id))
-    conn.execute(prefix_artifacts.delete().where(prefix_artifacts.c.artifact_id == artifact_id))
+    _drop_edges(conn, row.scope, entry.edges)
+    conn.execute(prefix_artifacts.delete().where(a.artifact_id == artifact_id))
     where = sa.and_(prefix_roots.c.scope == row.scope, prefix_roots.c.root == row.root)
     conn.execute(prefix_roots.update().where(where).values(artifacts=prefix_roots.c.artifacts - 1))
     conn.execute(prefix_roots.delete().where(where, prefix_roots.c.artifacts <= 0))
@@ -231,172 +282,140 @@ def roots(conn, tenant: str) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def _best(scopes: tuple[str, ...], key: str, limit: int, kind: str = PATH):
-    """The ``limit`` best any-prefix rows of one node in each scope: seeks on the primary key."""
-    n = prefix_nodes.c
-    return sa.union_all(
-        *(
-            sa.select(
-                sa.select(n.token_count, n.name, n.artifact_id)
-                .where(n.scope == scope, n.kind == kind, n.node_key == key)
-                .order_by(n.token_count, n.name, n.artifact_id)
-                .limit(limit)
-                .subquery()
-            )
-            for scope in scopes
-        )
-    )
-
-
-def _probe_statement(probes: list[tuple[int, str]], full: int, scopes: tuple[str, ...]):
+def _probe_statement(raw: list[bytes], scopes: tuple[str, ...]):
     """The first statement of a lookup, as SQL text: built by string joins, because compiling an
     expression of hundreds of VALUES rows took most of a lookup's time. ``q(pos, k)`` holds the
-    keys; positions ``0 .. full - 1`` are the full chunks (-1 the root, past them the partial keys).
-    Every probe compares scope, kind and node_key for equality: a seek on the primary key."""
-    values = ", ".join(f"(:p{i}, :k{i})" for i in range(len(probes)))
-    params: dict[str, Any] = {"full": full}
-    for i, (pos, key) in enumerate(probes):
-        params[f"p{i}"], params[f"k{i}"] = pos, key
+    keys: ``-1`` the root, ``0 ..`` the query's full chunks. It finds which full-chunk keys some
+    any-prefix artifact passes through, and the whole-prefix artifacts anchored on any key. Every
+    probe compares scope, kind and node_key for equality: a seek on the primary key."""
+    values = ", ".join(f"(:p{i}, :k{i})" for i in range(len(raw)))
+    params: dict[str, Any] = {}
+    for i, key in enumerate(raw):
+        params[f"p{i}"], params[f"k{i}"] = i - 1, key
     exists, joins = [], []
     for j, scope in enumerate(scopes):
         params[f"s{j}"] = scope
         exists.append(
             f"EXISTS (SELECT 1 FROM prefix_nodes n WHERE n.scope = :s{j} AND n.kind = '{PATH}' AND n.node_key = q.k)"
         )
-        for kind, where in ((END, "q.pos < :full"), (PATH, "q.pos >= :full")):
-            joins.append(
-                f"SELECT q.pos AS pos, n.kind AS kind, n.token_count AS token_count, n.artifact_id AS id FROM q "
-                f"JOIN prefix_nodes n ON n.scope = :s{j} AND n.kind = '{kind}' AND n.node_key = q.k WHERE {where}"
-            )
-    present = (
-        "SELECT q.pos AS pos, NULL AS kind, NULL AS token_count, NULL AS id FROM q "
-        f"WHERE q.pos >= 0 AND q.pos < :full AND ({' OR '.join(exists)})"
-    )
+        joins.append(
+            f"SELECT q.pos AS pos, n.kind AS kind, n.artifact_id AS id FROM q "
+            f"JOIN prefix_nodes n ON n.scope = :s{j} AND n.kind = '{END}' AND n.node_key = q.k"
+        )
+    present = f"SELECT q.pos AS pos, NULL AS kind, NULL AS id FROM q WHERE q.pos >= 0 AND ({' OR '.join(exists)})"
     sql = f"WITH q(pos, k) AS (VALUES {values}) " + " UNION ALL ".join([present, *joins])
     return sa.text(sql), params
 
 
-def _probes(rows: list[tuple[int, str]]):
-    """The keys of one request as a table ``q(pos, k)`` (a VALUES list), joined against the index."""
-    return sa.values(sa.column("pos", sa.Integer), sa.column("k", sa.String), name="q").data(rows).cte("q")
+def _union(arms: list[str]) -> str:
+    """Arms that each order and limit their own rows, as one statement (SQLite wants them wrapped)."""
+    return " UNION ALL ".join(f"SELECT * FROM ({arm}) AS a{i}" for i, arm in enumerate(arms))
 
 
-def lookup(conn, tenant: str, root: str, keys: list[str], partial: list[str], limit: int) -> dict[str, Any]:
-    """The longest match among the artifacts ``tenant`` may see (its own and published ones).
+def _children(conn, scopes: tuple[str, ...], node: bytes, block: bytes | None) -> tuple[list[tuple[str, bytes]], bool]:
+    """The children of ``node`` a lookup refines among, and whether that was all it should: those
+    whose first 16 tokens have the key ``block`` (the query's next 16) when any has, since they
+    share more of the query than any other; else every child. At most :data:`MAX_CHILDREN` per
+    scope, in key order (no child is preferred). One statement."""
+    params: dict[str, Any] = {"node": node, "block": block or b"", "cap": MAX_CHILDREN + 1}
+    arms = []
+    for j, scope in enumerate(scopes):
+        params[f"s{j}"] = scope
+        where = f"FROM prefix_children WHERE scope = :s{j} AND parent_key = :node"
+        arms.append(f"SELECT 0 AS any_block, scope, child_key {where} ORDER BY block_key, child_key LIMIT :cap")
+        if block:
+            arms.append(
+                f"SELECT 1 AS any_block, scope, child_key {where} AND block_key = :block ORDER BY child_key LIMIT :cap"
+            )
+    rows = conn.execute(sa.text(_union(arms)), params).all()
+    sharing = [r for r in rows if r.any_block]
+    chosen = sharing or [r for r in rows if not r.any_block]
+    found: dict[str, list[bytes]] = {scope: [] for scope in scopes}
+    for r in chosen:
+        found[r.scope].append(r.child_key)
+    complete = all(len(keys) <= MAX_CHILDREN for keys in found.values())
+    return [(scope, key) for scope in scopes for key in found[scope][:MAX_CHILDREN]], complete
 
-    ``keys`` are the chain keys of the query's full chunks; ``partial[i]`` the key of its first
-    ``i + 1`` tokens after the last full chunk. Three statements, whatever the store holds: the first
-    seeks each key in the two scopes (does any artifact pass through it; which end in the query's
-    last chunk; which whole-prefix artifacts are anchored there), the second the ``limit`` best
-    artifacts through the deepest key found, the third reads the rows shown. Nothing depends on how
-    many artifacts exist or share a prefix.
 
-    A match through the deepest key counts whole chunks; it carries ``next_tokens``, its token ids in
-    the next chunk, with which the client finds the exact length (the caller may read the artifact).
-    A whole-prefix artifact that ends inside one of the query's full chunks cannot be checked from
-    full-chunk keys: it comes back as a candidate with its ``end_key`` (the key of all its tokens),
-    which the client compares with the key of the query's own tokens at that length.
+def _best(conn, nodes: list[tuple[str, bytes]], limit: int) -> list[str]:
+    """The ``limit`` best any-prefix artifacts (fewest tokens, then name) through each (scope, node):
+    one seek on the primary key per node, in one statement."""
+    params: dict[str, Any] = {"limit": limit}
+    arms = []
+    for i, (scope, key) in enumerate(nodes):
+        params[f"s{i}"], params[f"k{i}"] = scope, key
+        arms.append(
+            f"SELECT artifact_id FROM prefix_nodes WHERE scope = :s{i} AND kind = '{PATH}' AND node_key = :k{i} "
+            "ORDER BY token_count, name, artifact_id LIMIT :limit"
+        )
+    return [r.artifact_id for r in conn.execute(sa.text(_union(arms)), params)] if arms else []
+
+
+def lookup(conn, tenant: str, root: str, keys: list[str], blocks: list[str], limit: int) -> dict[str, Any]:
+    """The longest match among the artifacts ``tenant`` may see (its own and published ones), in
+    one request: ``keys`` are the chain keys of the query's full chunks, never its token ids, and
+    ``blocks[i]`` the key of the first 16 tokens of its chunk ``i`` (after the root, then after each
+    full chunk) where it has them.
+
+    Four statements, whatever the store holds: the first seeks each key in the two scopes (does
+    any artifact pass through it; which whole-prefix artifacts are anchored on it), giving the
+    deepest node the query reaches; the second lists that node's children (those sharing the
+    query's next 16 tokens when any does; up to :data:`MAX_CHILDREN` per scope); the third seeks
+    the ``limit`` best artifacts through the node and through each child; the fourth reads those
+    artifacts, with their token ids in the chunk after the node only.
+
+    A match counts whole chunks; one that goes on past the node carries ``next_chunk``, an index
+    into ``next_chunks``: its token ids in the next chunk (the caller may read the artifact), from
+    which the client finds the exact length, the longest among all the node's children. A
+    whole-prefix artifact that does not end on a chunk boundary comes back with its ``end_key``
+    (the key of all its tokens), which the client compares with the key of its own tokens there.
     """
     scopes = (tenant, PUBLIC)
     c = chainkeys.CHUNK_TOKENS
-    probes = [(-1, root), *enumerate(keys), *((len(keys) + j, key) for j, key in enumerate(partial))]
-    found = conn.execute(*_probe_statement(probes, len(keys), scopes)).all()
-    full_path = {r.pos for r in found if r.kind is None}
+    raw = [bytes.fromhex(root), *(bytes.fromhex(k) for k in keys)]
+    found = conn.execute(*_probe_statement(raw, scopes)).all()
+    present = {r.pos for r in found if r.kind is None}
     depth = 0
-    while depth in full_path:  # keys chain: chunk i present means every chunk before it is
+    while depth in present:  # keys chain: chunk i present means every chunk before it is
         depth += 1
-    hits: dict[str, int] = {}  # artifact id -> matched tokens
-    exact: set[str] = set()
-    anchored: dict[str, int] = {}  # whole-prefix artifact id -> whole chunks before its rest
-    for r in found:
-        if r.kind == END:
-            anchored[r.id] = r.pos + 1
-        elif r.kind == PATH and depth == len(keys):
-            hits[r.id] = len(keys) * c + (r.pos - len(keys) + 1)
-            exact.add(r.id)
-    if depth:
-        for r in conn.execute(_best(scopes, keys[depth - 1], limit)).all():
-            hits.setdefault(r.artifact_id, depth * c)
-            if r.token_count == depth * c:
-                exact.add(r.artifact_id)
-    wanted = sorted({*hits, *anchored})
-    rows = conn.execute(sa.select(prefix_artifacts).where(prefix_artifacts.c.artifact_id.in_(wanted))) if wanted else []
-    matches, wholes = [], []
-    for a in rows:
-        if a.root != root or a.scope not in scopes:
+    anchored = {r.id: r.pos + 1 for r in found if r.kind == END}  # whole-prefix id -> whole chunks before its rest
+    block = bytes.fromhex(blocks[depth]) if depth < len(blocks) else None
+    children, complete = _children(conn, scopes, raw[depth], block)
+    candidates = _best(conn, [(scope, raw[depth]) for scope in scopes] + children, limit)
+    wanted = sorted({*candidates, *anchored})
+    a = prefix_artifacts.c
+    columns = [a.artifact_id, a.scope, a.root, a.name, a.token_count, a.reuse, a.compute_dtype, a.quantization]
+    piece = sa.func.substr(a.token_ids, depth * c * 4 + 1, c * 4).label("next_ids")
+    rows = conn.execute(sa.select(*columns, a.end_key, piece).where(a.artifact_id.in_(wanted))) if wanted else []
+    matches: list[dict[str, Any]] = []
+    chunks: dict[bytes, int] = {}  # a next chunk's bytes -> its index in next_chunks
+    for r in rows:
+        if r.root != root or r.scope not in scopes:
             continue
-        match = {
-            "artifact_id": a.artifact_id,
-            "name": a.name,
-            "matched_tokens": hits.get(a.artifact_id, 0),
-            "exact": a.artifact_id in exact,
-            "token_count": a.token_count,
-            "reuse": a.reuse,
-            "compute_dtype": a.compute_dtype,
-            "quantization": a.quantization,
+        match: dict[str, Any] = {
+            "artifact_id": r.artifact_id,
+            "name": r.name,
+            "matched_tokens": depth * c,
+            "exact": r.token_count == depth * c,
+            "token_count": r.token_count,
+            "reuse": r.reuse,
+            "compute_dtype": r.compute_dtype,
+            "quantization": r.quantization,
         }
-        if a.artifact_id not in anchored:
-            if not match["exact"]:  # the client refines it inside the next chunk
-                ids = np.frombuffer(a.token_ids, dtype="<u4")[depth * c : (depth + 1) * c]
-                match["next_tokens"] = ids.tolist()
-            matches.append(match)
-            continue
-        whole = anchored[a.artifact_id]
-        rest = a.token_count - whole * c
-        if rest == 0 or (whole == len(keys) and 0 < rest <= len(partial) and partial[rest - 1] == a.end_key):
-            wholes.append({**match, "matched_tokens": a.token_count, "exact": True})
-        elif whole < len(keys):  # ends inside a full chunk of the query: the client checks its key
-            wholes.append({**match, "matched_tokens": whole * c, "exact": False, "end_key": a.end_key})
-
-    def order(m: dict) -> tuple:
-        return (-m["matched_tokens"], m["token_count"], m["name"], m["artifact_id"])
-
-    matches.sort(key=order)
+        if r.artifact_id in anchored:
+            whole = anchored[r.artifact_id]
+            match["matched_tokens"], match["exact"] = whole * c, r.token_count == whole * c
+            if not match["exact"]:
+                match["end_key"] = r.end_key
+        elif not match["exact"]:
+            match["next_chunk"] = chunks.setdefault(bytes(r.next_ids), len(chunks))
+        matches.append(match)
+    matches.sort(key=lambda m: (m["token_count"], m["name"], m["artifact_id"]))
     return {
         "root": root,
         "matched_chunks": depth,
         "chunk_tokens": c,
-        "matches": sorted(matches[:limit] + wholes, key=order),
+        "complete": complete,
+        "next_chunks": [base64.b64encode(b).decode() for b in chunks],
+        "matches": matches,
     }
-
-
-def refine(conn, tenant: str, root: str, node: str, chunks: int, blocks: list[str], limit: int) -> dict[str, Any]:
-    """A lookup's second step, inside the chunk after ``node`` (the key of the query's first
-    ``chunks`` chunks, or the root): ``blocks`` are the keys of that chunk's first 16, 32, ...
-    query tokens. The deepest block present narrows the match to 16 tokens; its ``limit`` best
-    artifacts come with their token ids to the end of the chunk, from which the client finds the
-    exact length. One statement for the blocks, one for the best artifacts, one for their rows."""
-    scopes = (tenant, PUBLIC)
-    n, c, bt = prefix_nodes.c, chainkeys.CHUNK_TOKENS, chainkeys.BLOCK_TOKENS
-    depth = 0
-    if blocks:
-        q = _probes(list(enumerate(blocks)))
-        through = sa.or_(
-            *(sa.exists().where(n.scope == scope, n.kind == BLOCK, n.node_key == q.c.k) for scope in scopes)
-        )
-        present = {r.pos for r in conn.execute(sa.select(q.c.pos).where(through))}
-        while depth in present:
-            depth += 1
-    key, kind = (blocks[depth - 1], BLOCK) if depth else (node, PATH)
-    best = {r.artifact_id for r in conn.execute(_best(scopes, key, limit, kind))}
-    start = chunks * c + depth * bt
-    matches = []
-    if best:
-        for a in conn.execute(sa.select(prefix_artifacts).where(prefix_artifacts.c.artifact_id.in_(sorted(best)))):
-            if a.root != root or a.scope not in scopes or a.token_count < start:
-                continue
-            matches.append(
-                {
-                    "artifact_id": a.artifact_id,
-                    "name": a.name,
-                    "matched_tokens": start,
-                    "exact": a.token_count == start,
-                    "token_count": a.token_count,
-                    "reuse": a.reuse,
-                    "compute_dtype": a.compute_dtype,
-                    "quantization": a.quantization,
-                    "next_tokens": np.frombuffer(a.token_ids, dtype="<u4")[start : (chunks + 1) * c].tolist(),
-                }
-            )
-    matches.sort(key=lambda m: (m["token_count"], m["name"], m["artifact_id"]))
-    return {"root": root, "matched_chunks": chunks, "chunk_tokens": c, "matches": matches}

@@ -423,6 +423,44 @@ class Uploads:
         except KvcdnError as exc:  # an object read back does not hash to its digest
             raise Refused(422, ErrorCode.DIGEST_MISMATCH, str(exc).splitlines()[0][:300]) from None
 
+    def index_unindexed(self) -> int:
+        """Index the ready artifacts the prefix index lacks (confirmed before the server kept one):
+        each one's header and token ids read from its object (checked at its confirm), then indexed
+        in a transaction that finds it still ready and still unindexed (a delete, or another replica
+        doing the same, may come first). One pass over the artifacts table; returns how many it
+        indexed. An artifact that cannot be read is left out with one warning line."""
+        from kvcdn_core import artifact
+
+        a, pa = artifacts.c, prefix.prefix_artifacts.c
+        unindexed = sa.and_(a.status == "ready", ~sa.exists().where(pa.artifact_id == a.id))
+        done, after = 0, ""
+        while True:
+            with self.reads.connect() as c:
+                rows = c.execute(sa.select(artifacts).where(unindexed, a.id > after).order_by(a.id).limit(100)).all()
+            if not rows:
+                return done
+            after = rows[-1].id
+            for row in rows:
+                try:
+                    with self.artifact_copy(row) as path:
+                        header = artifact.read_header(path)
+                        entry = prefix.entry_of(header, artifact.read_token_ids(path, header))
+                except Exception as exc:  # noqa: BLE001 (its object is damaged or gone: the others still go in)
+                    log.warning(
+                        "artifact %s left out of the prefix index: %s",
+                        row.id,
+                        (str(exc).splitlines() or [repr(exc)])[0],
+                    )
+                    continue
+                with self.db.begin() as c:
+                    ready = sa.select(a.id).where(a.id == row.id, a.status == "ready").with_for_update()
+                    if c.execute(ready).first() is None:
+                        continue
+                    if c.execute(sa.select(pa.artifact_id).where(pa.artifact_id == row.id)).first() is not None:
+                        continue
+                    prefix.index_artifact(c, row.id, prefix.scope_of(row.tenant, row.visibility), row.name, entry)
+                    done += 1
+
     def artifact_copy(self, row):
         """A local path of a ready artifact's `.kv` file: its object, or rebuilt from its chunks."""
         if row.record is not None:

@@ -12,9 +12,7 @@ from kvcdn_wire.routes import (
     MAX_INFER_TOKENS,
     MAX_LOOKUP_KEYS,
     MAX_LOOKUP_LIMIT,
-    MAX_PARTIAL_KEYS,
     MAX_QUESTION_CHARS,
-    MAX_REFINE_BLOCKS,
 )
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
@@ -131,29 +129,19 @@ class InferRequest(Strict):
         return self
 
 
-class RefineStep(Strict):
-    """A lookup's second step, inside the chunk after ``node`` (the key of the query's first
-    ``chunks`` chunks, or the root): ``blocks`` are the keys of that chunk's first 16, 32, ...
-    query tokens (at most 15)."""
-
-    node: ChainKey
-    chunks: int = Field(ge=0, le=MAX_LOOKUP_KEYS)
-    blocks: list[ChainKey] = Field(default_factory=list, max_length=MAX_REFINE_BLOCKS)
-
-
 class LookupRequest(Strict):
     """``POST /prefix/lookup``: a query as chain keys under one root, never its token ids.
 
-    ``keys``: the keys of the query's full chunks, in order; ``partial``: the keys of its first
-    1, 2, ... tokens after the last full chunk (optional: they find artifacts that end inside it).
+    ``keys``: the keys of the query's full chunks, in order (a query shorter than a chunk sends
+    none: its match is refined among the root's children); ``blocks``: the key of the first 16
+    tokens of each of its chunks, full or not, in order, while it has 16 (they narrow the children
+    refined among to those sharing them).
     """
 
     root: ChainKey
     keys: list[ChainKey] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS)
-    partial: list[ChainKey] = Field(default_factory=list, max_length=MAX_PARTIAL_KEYS)
+    blocks: list[ChainKey] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS + 1)
     limit: int = Field(default=10, ge=1, le=MAX_LOOKUP_LIMIT)
-    #: given: the second step (``keys`` and ``partial`` are then ignored)
-    refine: RefineStep | None = None
 
 
 class OrgRequest(Strict):

@@ -246,8 +246,8 @@ class InferAnswer(Answer):
 
 class PrefixMatch(Answer):
     """One artifact of a lookup's answer. ``matched_tokens`` is exact when ``exact`` (the artifact
-    ends there, or is whole-prefix and held whole), else a whole number of chunks: the client
-    refines it inside the next chunk from the artifact's token ids."""
+    ends there), else a whole number of chunks: the client refines it inside the next chunk from
+    the artifact's token ids (``next_chunk``) or, for a whole-prefix artifact, its ``end_key``."""
 
     artifact_id: str
     name: str
@@ -257,12 +257,12 @@ class PrefixMatch(Answer):
     reuse: str
     compute_dtype: str | None
     quantization: str | None
-    #: a whole-prefix candidate that ends inside one of the query's full chunks: the key of all its
-    #: tokens; it matches when the query's own tokens up to ``token_count`` have this key
+    #: a whole-prefix candidate that ends inside a chunk: the key of all its tokens; it matches
+    #: when the query's own tokens up to ``token_count`` have this key
     end_key: str | None = None
-    #: a match that is not exact: the artifact's token ids in the chunk after ``matched_tokens``
-    #: (the client's refinement: how many of them the query shares)
-    next_tokens: list[int] | None = None
+    #: an any-prefix match that goes on: the index in ``next_chunks`` of its token ids in the
+    #: chunk after ``matched_tokens`` (the client's refinement: how many of them the query shares)
+    next_chunk: int | None = None
 
 
 class PrefixLookup(Answer):
@@ -272,7 +272,22 @@ class PrefixLookup(Answer):
     #: how many of the query's full-chunk keys the index holds (a prefix: keys chain)
     matched_chunks: int
     chunk_tokens: int
+    #: false when the matched node had more children in a scope than one answer refines among
+    complete: bool
+    #: the distinct next chunks of the matches, each its token ids as little-endian uint32, base64
+    next_chunks: list[str]
     matches: list[PrefixMatch]
+
+    def next_tokens(self, match: PrefixMatch) -> list[int] | None:
+        """A match's token ids in the chunk after its ``matched_tokens`` (None when it ends there)."""
+        import base64
+        import struct
+
+        if match.next_chunk is None:
+            return None
+        data = base64.b64decode(self.next_chunks[match.next_chunk], validate=True)
+        n = len(data) // 4
+        return list(struct.unpack(f"<{n}I", data[: 4 * n]))
 
 
 class PrefixRoot(Answer):

@@ -50,11 +50,9 @@ MAX_QUESTION_CHARS = 32768
 MAX_INFER_TOKENS = 256
 #: artifacts an infer may compose after the route's own (``compose``)
 MAX_COMPOSE_ARTIFACTS = 15
-#: full-chunk keys of one lookup (512 chunks of 256 tokens: a 131,072-token query), and keys of its
-#: last partial chunk (one per length, at most a chunk's tokens less one); 767 keys fit MAX_JSON_BODY
+#: full-chunk keys of one lookup (512 chunks of 256 tokens: a 131,072-token query), and bytes of
+#: its body: 512 keys and 513 block keys as JSON are about 70 kB, over MAX_JSON_BODY
 MAX_LOOKUP_KEYS = 512
-MAX_PARTIAL_KEYS = 255
-#: block keys of a lookup's second step: a chunk's first 16, 32, ..., 240 tokens
-MAX_REFINE_BLOCKS = 15
+MAX_LOOKUP_BODY = 128 * 1024
 #: matches one lookup may ask for
 MAX_LOOKUP_LIMIT = 50

@@ -16,10 +16,7 @@ router = APIRouter()
 @router.post(wire.PREFIX_LOOKUP, response_model=PrefixLookup)
 def lookup(identity: Auth, body: LookupRequest, s: Svc):
     with s.store.reads.connect() as c:
-        if body.refine is not None:
-            step = body.refine
-            return prefix.refine(c, identity.tenant, body.root, step.node, step.chunks, step.blocks, body.limit)
-        return prefix.lookup(c, identity.tenant, body.root, body.keys, body.partial, body.limit)
+        return prefix.lookup(c, identity.tenant, body.root, body.keys, body.blocks, body.limit)
 
 
 @router.get(wire.PREFIX_ROOTS, response_model=PrefixRoots)
