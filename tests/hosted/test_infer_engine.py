@@ -7,13 +7,15 @@ what it was sent and refuses it, so each test sees exactly which requests reache
   before any request reaches the engine, with the codes the in-process engine gives;
 - what reaches it: the artifact's token ids then the question's, ``n`` tokens exactly, and a grant
   holding this artifact's record and one working signed URL per object of it, nothing else;
-- an engine that refuses is a 502 ``engine_unavailable``, one that is down too, never a 500.
+- an engine that refuses is a 502 ``engine_unavailable``, one that is down too, never a 500;
+- a client that leaves while the engine still computes the prompt closes the engine's request.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 
 import httpx
@@ -22,6 +24,7 @@ import pytest
 from kvcdn_core import artifact
 from kvcdn_core.store.pack import digest_of
 from tests.support import services
+from tests.support.budget import budget
 from tests.support.hosted import API, bearer, mint_key
 
 pytestmark = pytest.mark.hosted
@@ -33,11 +36,22 @@ class Recorder(http.server.ThreadingHTTPServer):
 
     def __init__(self):
         self.bodies: list[dict] = []
+        self.streaming = threading.Event()  # a request for 3 tokens is being "computed"
+        self.closed = threading.Event()  # ... and the service closed its connection
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(handler):  # noqa: N805 - the handler's own self
                 length = int(handler.headers.get("Content-Length") or 0)
                 self.bodies.append(json.loads(handler.rfile.read(length)))
+                if self.bodies[-1]["max_tokens"] == 3:  # an engine still on the prompt: no token yet
+                    handler.send_response(200)
+                    handler.send_header("Content-Type", "text/event-stream")
+                    handler.end_headers()
+                    handler.wfile.flush()
+                    self.streaming.set()
+                    if handler.connection.recv(1) == b"":
+                        self.closed.set()
+                    return
                 reply = json.dumps({"error": {"message": "engine overloaded\nsecond line"}}).encode()
                 handler.send_response(503)
                 handler.send_header("Content-Type", "application/json")
@@ -137,3 +151,20 @@ def test_an_engine_that_is_down_is_a_502(tmp_path, qwen3_dir, qwen3_artifact, mo
         assert reply.json()["error"] == "engine_unavailable"
         assert reply.json()["message"] == "the inference engine did not answer (ConnectError)"
         assert "Traceback" not in "".join(server.log)
+
+
+def test_a_client_that_leaves_closes_the_engine_request_before_any_token(engine_setup):
+    server, recorder, keys, ids = engine_setup
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"question": QUESTION, "n": 3}).encode()
+    request = (
+        f"POST {API}/artifacts/{ids['mine']}/infer HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {keys['mine']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(request)
+        assert recorder.streaming.wait(budget(120)), "the request never reached the engine"
+    # the service notices the client left and closes the engine's stream, with no token sent
+    assert recorder.closed.wait(budget(60)), "the engine's request was not closed"
+    assert "Traceback" not in "".join(server.log)

@@ -15,7 +15,9 @@ request: the engine stops within one decoded token.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -98,11 +100,15 @@ class RemoteEngine:
 
     def _stream(self, body: dict, cancel: threading.Event) -> tuple[list[int] | None, int]:
         """The completion's token ids and the prompt tokens the engine had cached (loaded by the
-        connector); ``None`` once cancelled: leaving the ``with`` closes the upstream request."""
+        connector); ``None`` once cancelled. Cancelling closes the upstream stream at once, even
+        while the engine is still computing the prompt: vLLM aborts a request whose client left."""
         tokens: list[int] = []
         cached = 0
+        finished = threading.Event()
         try:
             with self._client.stream("POST", f"{self.url}/v1/completions", json=body) as reply:
+                # run_in_slot sets ``cancel`` when it answers, whatever the answer: this ends then
+                threading.Thread(target=_cut_when_set, args=(cancel, finished, reply), daemon=True).start()
                 if reply.status_code != 200:
                     reply.read()
                     raise ApiError(
@@ -120,14 +126,19 @@ class RemoteEngine:
                         tokens.extend(choice.get("token_ids") or ())
                     details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
                     cached = int(details.get("cached_tokens") or cached)
-        except httpx.HTTPError as exc:
+        except ApiError:
+            raise
+        except (httpx.HTTPError, OSError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
+            if cancel.is_set():  # the stream closed under the reader: the request was cancelled
+                return None, 0
+            what = "did not answer" if isinstance(exc, (httpx.HTTPError, OSError)) else "sent an unreadable answer"
             raise ApiError(
-                502, ErrorCode.ENGINE_UNAVAILABLE, f"the inference engine did not answer ({type(exc).__name__})"
+                502, ErrorCode.ENGINE_UNAVAILABLE, f"the inference engine {what} ({type(exc).__name__})"
             ) from None
-        except (ValueError, TypeError, AttributeError):
-            raise ApiError(
-                502, ErrorCode.ENGINE_UNAVAILABLE, "the inference engine sent an unreadable answer"
-            ) from None
+        finally:
+            finished.set()
+        if cancel.is_set():
+            return None, 0
         return tokens, cached
 
     def _tokenizer(self, model_ref: str):
@@ -158,6 +169,20 @@ class RemoteEngine:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _cut_when_set(cancel: threading.Event, finished: threading.Event, reply: httpx.Response) -> None:
+    """Once ``cancel`` is set, shut down the socket of a stream still being read: the reader,
+    blocked on it, wakes up, and the engine sees its client leave (closing the socket from another
+    thread would do neither)."""
+    cancel.wait()
+    if finished.is_set():
+        return
+    stream = reply.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _detail(reply: httpx.Response) -> str:
