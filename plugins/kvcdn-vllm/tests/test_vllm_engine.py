@@ -778,7 +778,9 @@ def vllm_server(tmp: Path, port: int, args: list[str], env: dict):
             assert server.poll() is None, log.read_text()[-5000:]
             assert time.monotonic() < deadline, "the engine did not come up in 900 s"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                # /v1/models, not /health: on a shared machine another service may hold the port
+                # (vLLM binds it late); then vLLM exits on the bind and the poll above says so
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
