@@ -29,6 +29,7 @@ from kvcdn_server.db import open_database
 from kvcdn_server.errors import ApiError, database_unavailable, is_database_outage, outage_summary
 from kvcdn_server.inference import InferenceEngine
 from kvcdn_server.oidc import JwtVerifier
+from kvcdn_server.remote import RemoteEngine
 from kvcdn_server.routes import account, admin, artifacts, blobs, prefix, telemetry
 from kvcdn_server.services import Services
 from kvcdn_server.signing import UrlSigner
@@ -149,6 +150,7 @@ def build_services(
         )
     db_engine = db_engine or open_database(config.database_url)
     limit = RateLimit(db_engine)
+    inference = InferenceEngine.from_config(config)
     return Services(
         config=config,
         db_engine=db_engine,
@@ -161,12 +163,13 @@ def build_services(
             else None
         ),
         signer=UrlSigner(config.url_key, clock),
-        inference=InferenceEngine.from_config(config),
+        inference=inference,
         limit=limit,
         telemetry=TelemetrySink(config.telemetry_url, config.telemetry_secret, limit),
         public_base=(config.public_url or DEFAULT_PUBLIC_URL).rstrip("/"),
         # what /health shows: "local" for objects on this machine's disk, else the backend's scheme
         storage_kind="local" if type(storage).offers("local_path") else (type(storage).schemes or ("other",))[0],
+        remote=RemoteEngine(config.infer_engine, inference) if config.infer_engine else None,
     )
 
 
@@ -204,6 +207,8 @@ def create_app(config: ServerConfig, storage=None, db_engine=None, clock: Callab
         yield
         stop.set()
         s.inference.shutdown()
+        if s.remote is not None:
+            s.remote.close()
 
     # No trailing-slash redirects: their Location would be built from the request's Host header.
     app = FastAPI(

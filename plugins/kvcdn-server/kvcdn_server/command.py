@@ -45,6 +45,7 @@ def _is_loopback(host: str) -> bool:
 @click.option("--client-id", default=None, help=_help("client_id"))
 @click.option("--infer-concurrency", type=click.IntRange(1), default=None, help=_help("infer_concurrency"))
 @click.option("--infer-timeout", type=click.FloatRange(min=0, min_open=True), default=None, help=_help("infer_timeout"))
+@click.option("--infer-engine", default=None, metavar="URL", help=_help("infer_engine"))
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default=None, help=_help("infer_device"))
 @click.option("--infer-dtype", type=click.Choice(list(INFER_DTYPES)), default=None, help=_help("infer_dtype"))
 @click.option("--forwarded-allow-ips", default=None, metavar="IP|NET,...", help=_help("forwarded_allow_ips"))
@@ -61,6 +62,7 @@ def serve(
     client_id,
     infer_concurrency,
     infer_timeout,
+    infer_engine,
     device,
     infer_dtype,
     forwarded_allow_ips,
@@ -95,6 +97,7 @@ def serve(
         client_id=client_id,
         infer_concurrency=infer_concurrency,
         infer_timeout=infer_timeout,
+        infer_engine=infer_engine,
         infer_device=device,
         infer_dtype=infer_dtype,
         forwarded_allow_ips=forwarded_allow_ips,

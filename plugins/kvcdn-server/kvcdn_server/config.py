@@ -78,6 +78,8 @@ class ServerConfig:
     telemetry_url: str | None
     telemetry_secret: str | None
     created_secrets: list[Path] = dataclasses.field(default_factory=list)
+    #: a vLLM server that answers ``infer`` on one artifact (None: the in-process engine)
+    infer_engine: str | None = None
     #: addresses (IPs or networks) whose X-Forwarded-For/-Proto are believed; none by default
     forwarded_allow_ips: list[str] = dataclasses.field(default_factory=list)
     host: str = "127.0.0.1"
@@ -189,6 +191,13 @@ def _secret_value(raw: Any) -> str:
 
 def _optional_text(raw: Any) -> str | None:
     return settings.text(raw) or None
+
+
+def _engine_url(raw: Any) -> str | None:
+    value = settings.text(raw)
+    if value and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+        raise ValueError("is not an http:// or https:// base URL (of a vLLM OpenAI-compatible server)")
+    return value.rstrip("/") or None
 
 
 _integer = settings.integer
@@ -464,6 +473,14 @@ SETTINGS: tuple[settings.Setting, ...] = (
         default_doc=_GIB_DOC.format(16 * GIB, 16),
     ),
     settings.Setting(
+        "infer_engine",
+        "Base URL of a vLLM OpenAI-compatible server with the kvcdn connector that answers `infer` on one chunked artifact (limits, slots and cancellation stay here; see docs/vllm.md).",
+        _engine_url,
+        env="KVCDN_INFER_ENGINE",
+        flag="--infer-engine",
+        default_doc="none: the in-process engine",
+    ),
+    settings.Setting(
         "telemetry_url",
         "Where clients' telemetry events are forwarded (without it they are logged as JSON lines).",
         _optional_text,
@@ -558,6 +575,7 @@ def load_config(config_file: str | None = None, **flags: Any) -> ServerConfig:
         infer_max_question_bytes=values["infer_max_question_bytes"],
         infer_max_context_tokens=values["infer_max_context_tokens"],
         infer_model_bytes=values["infer_model_bytes"],
+        infer_engine=values["infer_engine"],
         telemetry_url=values["telemetry_url"],
         telemetry_secret=values["telemetry_secret"],
         created_secrets=created,

@@ -356,10 +356,22 @@ class InferenceEngine:
         On a timeout or a disconnect the computation is cancelled before its next decode step.
         """
         self.check_request(question, n)
+        return self.run_in_slot(
+            tenant,
+            lambda cancel: self._infer(tenant, artifact_key, fetch_path, question, n, cancel, composing),
+            disconnected,
+        )
+
+    def run_in_slot(
+        self, tenant: str, work: Callable[[threading.Event], Any], disconnected: Callable[[], bool] | None
+    ) -> Any:
+        """``work(cancel)`` on the pool while ``tenant`` holds a slot: 504 past the timeout, 499 when
+        the client goes away; either way ``cancel`` is set, and ``work`` stops at its next step.
+        ``work`` returns None only once cancelled. Shared with the remote engine (:mod:`kvcdn_server.remote`)."""
         self.slots.acquire(tenant)
         cancel = threading.Event()
         try:
-            future = self.pool.submit(self._infer, tenant, artifact_key, fetch_path, question, n, cancel, composing)
+            future = self.pool.submit(work, cancel)
             deadline = time.monotonic() + self.timeout
             while True:
                 left = deadline - time.monotonic()

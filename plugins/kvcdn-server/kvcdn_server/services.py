@@ -13,6 +13,7 @@ from kvcdn_server.artifacts import ArtifactStore
 from kvcdn_server.config import ServerConfig
 from kvcdn_server.inference import InferenceEngine
 from kvcdn_server.oidc import JwtVerifier
+from kvcdn_server.remote import RemoteEngine
 from kvcdn_server.signing import UrlSigner
 from kvcdn_server.telemetry import RateLimit, TelemetrySink
 
@@ -32,6 +33,8 @@ class Services:
     telemetry: TelemetrySink
     public_base: str
     storage_kind: str
+    #: the vLLM server ``infer`` is handed to (``--infer-engine``); None: the in-process engine
+    remote: RemoteEngine | None = None
 
     def signed_blob_url(self, op: str, artifact_id: str, size: int, expires: int) -> str:
         """A server-signed blob URL on the configured public URL (never the request's Host header);

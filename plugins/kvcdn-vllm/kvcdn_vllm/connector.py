@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -206,7 +207,10 @@ class KvcdnConnector(KVConnectorBase_V1):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         hit: _StoreHit | Hit | None
-        if self._store is not None:
+        grant = _grant_of(request)
+        if grant is not None:
+            hit = self._granted_hit(request.request_id, prompt, grant)
+        elif self._store is not None:
             hit = self._store_hit(request.request_id, prompt)
         else:
             self._source.sync()
@@ -230,6 +234,31 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._stored_prefix[req_id] = match.prefix_tokens if match is not None else 0
         if match is None:
             return None
+        return self._fitting_hit(match, prompt)
+
+    def _granted_hit(self, req_id: str, prompt: list[int], grant: dict) -> _StoreHit | None:
+        """The artifact a hosted ``infer`` handed over with the request (``kvcdn_grant``: its
+        record and a signed URL per object), instead of a lookup: the engine reads what the server
+        authorized for this request, with no credential of its own. Never saved back."""
+        from kvcdn_core.store.record import ArtifactRecord
+
+        if not isinstance(self._store, chunks.IndexLookup):
+            _warn(f"request {req_id} carries a kvcdn grant, but the connector's store is not a hosted service")
+            return None
+        try:
+            record = ArtifactRecord.from_json(json.dumps(grant["record"]).encode(), "the grant's record")
+            urls = {str(k): str(v) for k, v in dict(grant["urls"]).items()}
+        except (KvcdnError, KeyError, TypeError, ValueError) as exc:
+            _warn(f"request {req_id}: unreadable kvcdn grant ({str(exc).splitlines()[0]})")
+            return None
+        if record.root != self._store.root:
+            self._store._warn_once(f"skipping granted artifact '{record.name}': made by another model or dtype")
+            return None
+        return self._fitting_hit(chunks.Match(record.name, record.token_count, record, urls), prompt)
+
+    def _fitting_hit(self, match: chunks.Match, prompt: list[int]) -> _StoreHit | None:
+        """``match`` cut to whole blocks (one prompt token left to compute), when it fits the engine."""
+        assert self._store is not None
         tokens = min(match.prefix_tokens, len(prompt) - 1) // self._block_size * self._block_size
         if tokens < max(self.settings.min_tokens, 1):
             return None
@@ -259,6 +288,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             and req_id not in self._pending_saves
             and len(prompt) >= self.settings.min_tokens
             and _plain_text_request(request)
+            and _grant_of(request) is None
             and not (stored >= len(prompt) if self._store is not None else self._catalog.holds(prompt))
         ):
             self._pending_saves[req_id] = _Pending(prompt)
@@ -560,6 +590,13 @@ class _StoreHit:
     path: str
     tokens: int
     match: chunks.Match
+
+
+def _grant_of(request: Request) -> dict | None:
+    """The ``kvcdn_grant`` a hosted ``infer`` put in the request's ``kv_transfer_params``, if any."""
+    params = getattr(request, "kv_transfer_params", None)
+    grant = params.get("kvcdn_grant") if isinstance(params, dict) else None
+    return grant if isinstance(grant, dict) else None
 
 
 def _plain_text_request(request: Request) -> bool:

@@ -19,6 +19,7 @@ vLLM's own prefix cache is off, so every cached token was loaded by the connecto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -750,3 +751,175 @@ def test_a_service_unreachable_from_the_start_costs_one_line_per_kind_and_servin
     saves = [line for line in log.splitlines() if "kvcdn: not saving" in line]
     assert len(lookups) == 1 and len(saves) == 1 and "counted, not logged" in saves[0]
     assert "saves 0 done, 0 skipped (queue full), 2 failed" in log
+
+
+# 6. The hosted `infer` handed to a vLLM server (`kvcdn serve --infer-engine URL`): a tenant's
+#    private chunked artifact, answered by `kvcdn vllm-serve --store kvcdn+<service>` whose connector
+#    holds no credential and loads the artifact through the grant the service put in the request.
+#    One engine start (a fresh process, vLLM's default process split). Before it starts, the same
+#    service answers an infer with the engine down. Reference: the same engine on the full prompt
+#    with nothing loaded, and local `kvcdn continue` (transformers) on the artifact.
+
+INFER_N = 8
+
+
+@contextlib.contextmanager
+def vllm_server(tmp: Path, port: int, args: list[str], env: dict):
+    """``kvcdn vllm-serve`` in the vLLM environment on ``port``, until /health answers (bounded)."""
+    import httpx
+
+    log = tmp / "engine.log"
+    cmd = [str(VLLM_PYTHON), "-m", "kvcdn_core", "vllm-serve", "--port", str(port), *args]
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None, log.read_text()[-5000:]
+            assert time.monotonic() < deadline, "the engine did not come up in 900 s"
+            try:
+                # /v1/models, not /health: on a shared machine another service may hold the port
+                # (vLLM binds it late); then vLLM exits on the bind and the poll above says so
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        yield log
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def completions_logged(log: Path) -> int:
+    return log.read_text().count('"POST /v1/completions')
+
+
+@pytest.fixture(scope="module")
+def hosted_infer(tmp_path_factory):
+    import httpx
+
+    from kvcdn_core import artifact
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
+    from tests.support import services
+    from tests.support.hosted import mint_key
+
+    require_hosted_client()
+    tmp = tmp_path_factory.mktemp("hosted-infer")
+    (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
+    made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
+    smol = Path(made.stdout.strip().splitlines()[-1])
+    document = artifact.read_token_ids(tmp / "doc.kv")
+    question_ids = encode(smol, QUESTION_1, False)
+    local = run_vllm_python(
+        ["-m", "kvcdn_core", "continue", "--kv-path", str(tmp / "doc.kv"), "--question", QUESTION_1]
+        + ["--n", str(INFER_N), "--device", "cpu", "--dtype", "float32", "--format", "json", "-q"],
+        timeout=1200,
+    )
+    engine_port = free_port()
+    args = ["--models", str(smol), "--infer-engine", f"http://127.0.0.1:{engine_port}"]
+    args += ["--infer-timeout", "900"]
+    limits = {"KVCDN_INFER_MAX_NEW_TOKENS": "16", "KVCDN_INFER_MAX_QUESTION_TOKENS": "64"}
+    out: dict = {"document": len(document), "local": json.loads(local.stdout)["token_ids"]}
+    with services.kvcdn_server(tmp / "home", args, limits) as server, pytest.MonkeyPatch.context() as env:
+        for name in ("KVCDN_ADMIN_SECRET", "KVCDN_ISSUER_URL", "KVCDN_API_KEY"):
+            env.delenv(name, raising=False)
+        env.setenv("KVCDN_TELEMETRY", "0")
+        key, other = (mint_key(server.url, server.admin_secret(), org) for org in ("infer", "other"))
+        from kvcdn_hosted.storage import HostedStorage
+
+        ids = {}
+        for who, token in (("mine", key), ("foreign", other)):
+            env.setenv("KVCDN_API_KEY", token)
+            backend = HostedStorage.from_uri("kvcdn+" + server.url)
+            ids[who] = backend.upload_chunked(tmp / "doc.kv", "doc").artifact_id
+            backend.close()
+        env.delenv("KVCDN_API_KEY")
+        auth = {"Authorization": f"Bearer {key}"}
+
+        def infer(artifact_id: str, question: str = QUESTION_1, n: int = INFER_N) -> httpx.Response:
+            url = f"{server.url}/api/v1/artifacts/{artifact_id}/infer"
+            return httpx.post(url, headers=auth, json={"question": question, "n": n}, timeout=900)
+
+        out["down"] = infer(ids["mine"])  # no engine listens yet
+        engine_env = vllm_env()
+        engine_env.pop("KVCDN_API_KEY", None)  # the engine holds no tenant's credential
+        engine_args = ["--model", str(smol), "--store", "kvcdn+" + server.url, "--tier-memory-bytes", str(1 << 30)]
+        engine_args += ["--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
+        engine_args += ["--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
+        with vllm_server(tmp, engine_port, engine_args, engine_env) as log:
+            reference = httpx.post(
+                f"http://127.0.0.1:{engine_port}/v1/completions",
+                timeout=900,
+                json={
+                    "prompt": document + question_ids,
+                    "max_tokens": INFER_N,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+            assert reference.status_code == 200, reference.text
+            out["reference"] = reference.json()
+            before = completions_logged(log)
+            out["refused"] = [
+                infer(ids["mine"], n=17),
+                infer(ids["mine"], question="x" * 2000),
+                infer(ids["mine"], question=" word" * 100),
+                infer(ids["foreign"]),
+                infer("00000000-0000-4000-8000-000000000000"),
+            ]
+            out["refused_upstream"] = completions_logged(log) - before
+            cli = subprocess.run(
+                [*services.kvcdn_executable(), "infer", ids["mine"], "--question", QUESTION_1]
+                + ["--n", str(INFER_N), "--format", "json", "--api-url", server.url, "--api-key", key],
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            assert cli.returncode == 0, cli.stdout + cli.stderr
+            out["cli"] = json.loads(cli.stdout)
+            out["answered_upstream"] = completions_logged(log) - before
+            out["engine_log"] = log.read_text()
+        out["server_log"] = "".join(server.log)
+    return out
+
+
+def test_hosted_infer_on_the_engine_is_token_exact_with_the_engine_alone(hosted_infer):
+    reference = hosted_infer["reference"]
+    assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # vLLM computed every token
+    answer = hosted_infer["cli"]
+    assert answer["tokens"] == reference["choices"][0]["token_ids"] and answer["token_count"] == INFER_N
+    # the connector loaded the artifact's whole blocks through the grant; vLLM computed the rest
+    assert answer["reused_tokens"] == block_aligned(hosted_infer["document"]) > 256
+    assert "loaded" in hosted_infer["engine_log"] and "of 'doc'" in hosted_infer["engine_log"]
+    assert hosted_infer["answered_upstream"] == 1
+
+
+def test_hosted_infer_on_the_engine_is_token_exact_with_local_continue(hosted_infer):
+    assert hosted_infer["cli"]["tokens"] == hosted_infer["local"]
+
+
+def test_limits_and_foreign_artifacts_are_refused_before_the_engine(hosted_infer):
+    too_many, too_long, too_many_question_tokens, foreign, missing = hosted_infer["refused"]
+    assert (too_many.status_code, too_many.json()["error"]) == (422, "too_many_tokens")
+    assert (too_long.status_code, too_long.json()["error"]) == (413, "question_too_long")
+    assert (too_many_question_tokens.status_code, too_many_question_tokens.json()["error"]) == (
+        413,
+        "question_too_long",
+    )
+    assert "tokens" in too_many_question_tokens.json()["message"]
+    # another tenant's private artifact: the same 404 as an id that does not exist
+    assert foreign.status_code == missing.status_code == 404 and foreign.json() == missing.json()
+    assert hosted_infer["refused_upstream"] == 0
+
+
+def test_an_engine_that_is_down_is_a_502_not_a_500(hosted_infer):
+    down = hosted_infer["down"]
+    assert down.status_code == 502, down.text
+    assert down.json()["error"] == "engine_unavailable" and "\n" not in down.json()["message"]
+    assert "Traceback" not in hosted_infer["server_log"] and "Traceback" not in hosted_infer["engine_log"]

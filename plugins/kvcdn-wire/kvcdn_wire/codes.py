@@ -57,6 +57,7 @@ class ErrorCode(str, Enum):
     # the server's own dependencies
     DATABASE_UNAVAILABLE = "database_unavailable"
     STORAGE_ERROR = "storage_error"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
     INTERNAL_ERROR = "internal_error"
 
     def __str__(self) -> str:

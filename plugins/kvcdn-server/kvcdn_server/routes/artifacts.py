@@ -103,12 +103,7 @@ def artifact_chunks(identity: MaybeAuth, artifact_id: str, s: Svc):
     record = chunks.parse_record(json.loads(row.record))
     ttl = s.config.download_ttl
     expires = int(s.store.clock()) + ttl
-    objects = []
-    for digest, size in sorted(chunks.objects_of(record).items()):
-        url = None if s.store.local else s.storage.presigned_url("GET", chunks.object_key(digest), ttl)
-        objects.append(
-            {"digest": digest, "size_bytes": size, "url": url or s.signed_chunk_url("get", digest, size, expires)}
-        )
+    objects = _signed_objects(s, record, ttl)
     return {
         "artifact_id": artifact_id,
         "record": record.to_dict(),
@@ -117,6 +112,18 @@ def artifact_chunks(identity: MaybeAuth, artifact_id: str, s: Svc):
         "size_bytes": row.size_bytes,
         "expires_at": now_iso(expires),
     }
+
+
+def _signed_objects(s: Services, record, ttl: int) -> list[dict]:
+    """``{digest, size_bytes, url}`` of each distinct object of ``record``: a GET URL signed for ``ttl`` s."""
+    expires = int(s.store.clock()) + ttl
+    objects = []
+    for digest, size in sorted(chunks.objects_of(record).items()):
+        url = None if s.store.local else s.storage.presigned_url("GET", chunks.object_key(digest), ttl)
+        objects.append(
+            {"digest": digest, "size_bytes": size, "url": url or s.signed_chunk_url("get", digest, size, expires)}
+        )
+    return objects
 
 
 @router.post(wire.CONFIRM_UPLOAD, response_model=ArtifactRecord, response_model_exclude_unset=True)
@@ -182,6 +189,8 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
     s.inference.slots.check(identity.tenant)
     ids = [artifact_id, *(body.compose or [])]
     rows = [_ready(s, identity, one) for one in ids]
+    if s.remote is not None and body.compose is None and rows[0].record is not None:
+        return _infer_remote(identity, artifact_id, rows[0], body, request, s)
     composing = None
     if body.compose is not None:
         # the sum of the headers' token counts (read at confirm), before any artifact or model loads
@@ -219,6 +228,38 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
             **{k: c[k] for k in ("offsets", "recompute", "rule", "recomputed_tokens")},
         }
     return answer
+
+
+def _infer_remote(identity: Identity, artifact_id: str, row, body: InferRequest, request: Request, s: Services):
+    """One chunked artifact, answered by the vLLM server of ``--infer-engine``: the grant it gets
+    is this artifact's record and a signed URL per object, valid for the request's timeout and a
+    minute, so the engine reads this artifact and nothing else of the tenant's."""
+    assert s.remote is not None
+    ttl = int(s.config.infer_timeout) + 60
+
+    def grant() -> dict:
+        record = chunks.parse_record(json.loads(row.record))
+        return {"record": record.to_dict(), "urls": {o["digest"]: o["url"] for o in _signed_objects(s, record, ttl)}}
+
+    result = s.remote.run(
+        identity.tenant,
+        artifact_id,
+        json.loads(row.manifest) if row.manifest else {},
+        _fetch(s, artifact_id),
+        grant,
+        body.question,
+        body.n,
+        disconnected=lambda: from_thread.run(request.is_disconnected),
+    )
+    return {
+        "artifact_id": artifact_id,
+        "tokens": result.tokens,
+        "token_count": len(result.tokens),
+        "text": result.text,
+        "model": result.model,
+        "reused_tokens": result.reused_tokens,
+        "question_tokens": result.question_tokens,
+    }
 
 
 def _ready(s: Services, identity: Identity, artifact_id: str):
