@@ -64,6 +64,8 @@ _EXPORTS = {
     "resolve_model_dir": "kvcdn_core.model.files",
     "fingerprint": "kvcdn_core.model.files",
     "fingerprint_differences": "kvcdn_core.model.files",
+    "read_config": "kvcdn_core.model.files",
+    "architecture_of": "kvcdn_core.model.files",
     "TINY_DECODER": "kvcdn_core.model.tiny",
     "TINY_MLA": "kvcdn_core.model.tiny",
     "TINY_DEEPSEEK_MOE": "kvcdn_core.model.tiny",
@@ -164,6 +166,8 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
         resolve_model_dir as resolve_model_dir,
         fingerprint as fingerprint,
         fingerprint_differences as fingerprint_differences,
+        read_config as read_config,
+        architecture_of as architecture_of,
     )
     from kvcdn_core.model.tiny import (
         TINY_DECODER as TINY_DECODER,

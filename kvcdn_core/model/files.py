@@ -82,6 +82,7 @@ def hub_failure(exc: Exception, ref: str, revision: str | None) -> str:
 
 
 def read_config(model_dir: Path) -> dict:
+    """A model folder's ``config.json``; a missing or broken one is a one-line error."""
     try:
         return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -89,6 +90,7 @@ def read_config(model_dir: Path) -> dict:
 
 
 def architecture_of(config: dict) -> str:
+    """The architecture kvcdn dispatches on: the first entry of the config's ``architectures``."""
     archs = config.get("architectures") or []
     if not archs:
         raise KvcdnError("config.json names no architectures; kvcdn dispatches on that field")

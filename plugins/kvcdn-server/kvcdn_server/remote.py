@@ -148,8 +148,7 @@ class RemoteEngine:
             if found is None:
                 from transformers import AutoTokenizer
 
-                from kvcdn_core import adapter_for, resolve_model_dir
-                from kvcdn_core.model.files import architecture_of, read_config
+                from kvcdn_core import adapter_for, architecture_of, read_config, resolve_model_dir
 
                 model_dir = resolve_model_dir(model_ref, None, weights=False)
                 config = read_config(model_dir)
