@@ -212,15 +212,7 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
         disconnected=lambda: from_thread.run(request.is_disconnected),
         composing=composing,
     )
-    answer = {
-        "artifact_id": artifact_id,
-        "tokens": result.tokens,
-        "token_count": len(result.tokens),
-        "text": result.text,
-        "model": result.model,
-        "reused_tokens": result.reused_tokens,
-        "question_tokens": result.question_tokens,
-    }
+    answer = _answer(artifact_id, result)
     if result.composition is not None:
         c = result.composition
         answer["composition"] = {
@@ -251,6 +243,11 @@ def _infer_remote(identity: Identity, artifact_id: str, row, body: InferRequest,
         body.n,
         disconnected=lambda: from_thread.run(request.is_disconnected),
     )
+    return _answer(artifact_id, result)
+
+
+def _answer(artifact_id: str, result) -> dict:
+    """The infer answer's body, the same whichever engine computed it."""
     return {
         "artifact_id": artifact_id,
         "tokens": result.tokens,
