@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 
 from kvcdn_server.errors import ApiError
-from kvcdn_server.inference import InferenceEngine, InferResult, _Lru
+from kvcdn_server.inference import InferenceEngine, InferResult
+from kvcdn_server.lru import Lru
 from kvcdn_wire import ErrorCode
 
 #: token ids of artifacts kept (an artifact id's bytes never change), in bytes at 8 per token
@@ -39,8 +40,8 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         self.local = local
         self._client = httpx.Client(transport=transport, timeout=httpx.Timeout(local.timeout, connect=10.0))
-        self._tokenizers = _Lru(1 << 62, local.limits.max_models)
-        self._token_ids = _Lru(TOKEN_IDS_BUDGET)
+        self._tokenizers = Lru(1 << 62, local.limits.max_models)
+        self._token_ids = Lru(TOKEN_IDS_BUDGET)
         self._lock = threading.Lock()
 
     def run(
