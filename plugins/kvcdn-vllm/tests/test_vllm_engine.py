@@ -547,20 +547,26 @@ def require_hosted_client() -> None:
         pytest.skip(message)
 
 
-@pytest.fixture(scope="module")
-def hosted_fleet(tmp_path_factory):
+def smollm2_document(tmp_path_factory, name: str) -> tuple[Path, Path, list[int]]:
+    """A fresh directory holding ``doc.kv`` (kvcdn's SmolLM2 artifact of the sample text twice,
+    made in the vLLM environment), SmolLM2's folder, and the artifact's token ids."""
     from kvcdn_core import artifact
     from kvcdn_core.model.tiny import SAMPLE_TEXT
+
+    require_hosted_client()
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
+    made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
+    return tmp, Path(made.stdout.strip().splitlines()[-1]), artifact.read_token_ids(tmp / "doc.kv")
+
+
+@pytest.fixture(scope="module")
+def hosted_fleet(tmp_path_factory):
     from kvcdn_core.store.record import ArtifactRecord
     from tests.support import services
     from tests.support.hosted import mint_key
 
-    require_hosted_client()
-    tmp = tmp_path_factory.mktemp("hosted-fleet")
-    (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
-    made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
-    smol = Path(made.stdout.strip().splitlines()[-1])
-    document = artifact.read_token_ids(tmp / "doc.kv")
+    tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-fleet")
     prompt = document + encode(smol, QUESTION_2, False)
     with services.kvcdn_server(tmp / "home") as server, pytest.MonkeyPatch.context() as env:
         for name in ("KVCDN_ADMIN_SECRET", "KVCDN_ISSUER_URL"):
@@ -626,15 +632,11 @@ SHARE_BUCKET = "kvcdn-vllm-share"
 
 @pytest.fixture(scope="module")
 def hosted_share(tmp_path_factory):
-    from kvcdn_core.model.tiny import SAMPLE_TEXT
     from tests.support import services
     from tests.support.hosted import mint_key
 
-    require_hosted_client()
-    tmp = tmp_path_factory.mktemp("hosted-share")
-    smol = run_vllm_python(["-m", "kvcdn_core.testing.smollm2"], timeout=1200).stdout.strip().splitlines()[-1]
-    document = encode(Path(smol), SAMPLE_TEXT * 2, True)
-    prompts = [document + encode(Path(smol), q, False) for q in (QUESTION_1, QUESTION_2)]
+    tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-share")
+    prompts = [document + encode(smol, q, False) for q in (QUESTION_1, QUESTION_2)]
     secret = "share-admin-" + "1" * 32
     shared = {
         "KVCDN_API_KEY_SEED": "share-seed-" + "0" * 32,
@@ -667,13 +669,13 @@ def hosted_share(tmp_path_factory):
 
             def run(server, tier: str, save: bool, prompt: list[int]) -> dict:
                 c = connector(server, tier, save)
-                return {"model": smol, "connector": c, "prompts": [prompt], "max_tokens": MAX_TOKENS}
+                return {"model": str(smol), "connector": c, "prompts": [prompt], "max_tokens": MAX_TOKENS}
 
             first, log_a = drive_logged(
                 tmp,
                 "reference-and-a",
                 [
-                    {"model": smol, "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
+                    {"model": str(smol), "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
                     run(single, "tier-a1", True, prompts[0]),
                     run(r1, "tier-a2", True, prompts[0]),
                 ],
@@ -803,17 +805,10 @@ def completions_logged(log: Path) -> int:
 def hosted_infer(tmp_path_factory):
     import httpx
 
-    from kvcdn_core import artifact
-    from kvcdn_core.model.tiny import SAMPLE_TEXT
     from tests.support import services
     from tests.support.hosted import mint_key
 
-    require_hosted_client()
-    tmp = tmp_path_factory.mktemp("hosted-infer")
-    (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
-    made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
-    smol = Path(made.stdout.strip().splitlines()[-1])
-    document = artifact.read_token_ids(tmp / "doc.kv")
+    tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-infer")
     question_ids = encode(smol, QUESTION_1, False)
     local = run_vllm_python(
         ["-m", "kvcdn_core", "continue", "--kv-path", str(tmp / "doc.kv"), "--question", QUESTION_1]
