@@ -932,6 +932,7 @@ def hosted_outage(tmp_path_factory):
     import httpx
 
     from tests.support import services
+    from tests.support.budget import budget
     from tests.support.hosted import mint_key
 
     tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-outage")
@@ -962,7 +963,7 @@ def hosted_outage(tmp_path_factory):
             backend.close()
             out["up"] = complete()
             server.process.terminate()  # the service stops; its database and blobs stay
-            server.process.wait(60)
+            server.process.wait(budget(60))
             out["down"] = [complete(), complete()]
             with services.kvcdn_server(tmp / "home", port=port):  # back where the engine expects it
                 out["back"] = complete()
