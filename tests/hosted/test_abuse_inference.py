@@ -276,9 +276,9 @@ def test_a_quantization_block_that_trips_the_loader_is_422_not_500(serve, qwen3_
 
 
 def test_the_lru_keeps_within_its_budget_and_keeps_the_newest():
-    from kvcdn_server.inference import _Lru
+    from kvcdn_server.lru import Lru
 
-    lru = _Lru(budget=100, max_items=3)
+    lru = Lru(budget=100, max_items=3)
     for key, cost in (("a", 40), ("b", 40), ("c", 10)):
         lru.put(key, key, cost)
     assert lru.get("a") == "a"  # a is now the most recently used

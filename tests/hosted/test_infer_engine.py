@@ -7,6 +7,9 @@ what it was sent and refuses it, so each test sees exactly which requests reache
   before any request reaches the engine, with the codes the in-process engine gives;
 - what reaches it: the artifact's token ids then the question's, ``n`` tokens exactly, and a grant
   holding this artifact's record and one working signed URL per object of it, nothing else;
+- an artifact computed in another dtype than the server's (the engine's) is the in-process
+  engine's ``422 dtype_mismatch`` before the engine is asked; a quantized one, which the engine's
+  connector cannot load, is answered by the in-process engine, as without the option;
 - an engine that refuses is a 502 ``engine_unavailable``, one that is down too, never a 500;
 - a client that leaves while the engine still computes the prompt closes the engine's request.
 """
@@ -132,6 +135,55 @@ def test_the_engine_gets_the_prompt_and_a_grant_for_this_artifact_only(engine_se
     for digest, url in grant["urls"].items():  # each URL reads its object, with no credential
         got = httpx.get(url)
         assert got.status_code == 200 and digest_of(got.content) == digest
+
+
+def upload_chunked(server, key: str, path, monkeypatch) -> str:
+    from kvcdn_hosted.storage import HostedStorage
+
+    monkeypatch.delenv("KVCDN_ISSUER_URL", raising=False)
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    monkeypatch.setenv("KVCDN_API_KEY", key)
+    backend = HostedStorage.from_uri("kvcdn+" + server.url)
+    try:
+        return backend.upload_chunked(path, path.stem).artifact_id
+    finally:
+        backend.close()
+
+
+def test_an_artifact_in_another_dtype_is_refused_before_the_engine(engine_setup, qwen3_dir, tmp_path, monkeypatch):
+    """Before, the engine was asked, its connector skipped the record and vLLM recomputed it all."""
+    from kvcdn_core import runtime
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
+
+    server, recorder, keys, _ = engine_setup
+    session = runtime.load_session(str(qwen3_dir), device="cpu", dtype="bfloat16")
+    runtime.generate(session, SAMPLE_TEXT, tmp_path / "bf16.kv", chunk=100, progress=False)
+    artifact_id = upload_chunked(server, keys["mine"], tmp_path / "bf16.kv", monkeypatch)
+    before = len(recorder.bodies)
+    reply = infer(server, keys["mine"], artifact_id)
+    assert (reply.status_code, reply.json()["error"]) == (422, "dtype_mismatch"), reply.text
+    assert reply.json()["message"] == "the artifact was computed in bfloat16; this server computes in float32"
+    assert len(recorder.bodies) == before
+
+
+def test_a_quantized_artifact_is_answered_by_the_in_process_engine(
+    engine_setup, qwen3_artifact, tmp_path, cli, monkeypatch
+):
+    """The engine's connector loads unquantized records only; the in-process engine dequantizes."""
+    server, recorder, keys, _ = engine_setup
+    quantized = tmp_path / "int8.kv"
+    assert cli("quant", "--kv-path", qwen3_artifact, "--scheme", "int8", "-o", quantized).exit_code == 0
+    artifact_id = upload_chunked(server, keys["mine"], quantized, monkeypatch)
+    before = len(recorder.bodies)
+    reply = infer(server, keys["mine"], artifact_id)
+    assert reply.status_code == 200, reply.text
+    local = cli(
+        *("continue", "--kv-path", quantized, "--question", QUESTION, "--n", "4"),
+        *("--device", "cpu", "--dtype", "float32", "--format", "json", "-q"),
+    )
+    assert local.exit_code == 0, local.output
+    assert reply.json()["tokens"] == json.loads(local.stdout)["token_ids"]
+    assert len(recorder.bodies) == before
 
 
 def test_an_engine_that_is_down_is_a_502(tmp_path, qwen3_dir, qwen3_artifact, monkeypatch):

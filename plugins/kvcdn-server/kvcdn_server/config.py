@@ -423,7 +423,7 @@ SETTINGS: tuple[settings.Setting, ...] = (
     ),
     settings.Setting(
         "infer_dtype",
-        "The compute dtype of inference (`auto`: float32 on CPU, bfloat16 on CUDA); artifacts computed in another are refused.",
+        "The compute dtype of inference (`auto`: float32 on CPU, bfloat16 on CUDA), the `--infer-engine` server's too; artifacts computed in another are refused.",
         settings.choice(*INFER_DTYPES),
         "auto",
         env="KVCDN_INFER_DTYPE",

@@ -49,6 +49,7 @@ from typing import Any
 
 from kvcdn_core import KvcdnError
 from kvcdn_server.errors import ApiError
+from kvcdn_server.lru import Lru
 from kvcdn_server.turns import TurnCancelled, Turns
 from kvcdn_wire import ErrorCode
 
@@ -191,41 +192,6 @@ class Slots:
             return self._held[tenant] if tenant is not None else sum(self._held.values())
 
 
-class _Lru:
-    """A small thread-safe LRU with a budget in bytes (and optionally a number of items)."""
-
-    def __init__(self, budget: int, max_items: int | None = None):
-        self.budget, self.max_items = budget, max_items
-        self.items: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        with self.lock:
-            if key in self.items:
-                self.items.move_to_end(key)
-                return self.items[key][0]
-        return None
-
-    def put(self, key, value, cost: int) -> None:
-        """Keep ``value``, evicting the least recently used until the rest fits beside it.
-
-        The newest item stays even when it alone is over the budget (a model the operator allowed
-        must be usable); callers refuse what must not be held at all (see ``artifact_too_large``).
-        """
-        with self.lock:
-            self.items[key] = (value, cost)
-            self.items.move_to_end(key)
-            while len(self.items) > 1 and (
-                sum(c for _, c in self.items.values()) > self.budget
-                or (self.max_items is not None and len(self.items) > self.max_items)
-            ):
-                self.items.popitem(last=False)
-
-    def resident_bytes(self) -> int:
-        with self.lock:
-            return sum(c for _, c in self.items.values())
-
-
 class Cancelled(Exception):
     """The request was cancelled (timeout or disconnect); raised between decode steps."""
 
@@ -322,8 +288,8 @@ class InferenceEngine:
         self.slots = Slots(limits.slots, limits.tenant_slots)
         self.turns = Turns()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=limits.slots, thread_name_prefix="kvcdn-infer")
-        self.models = _Lru(limits.model_bytes, limits.max_models)
-        self.artifacts = _Lru(limits.cache_bytes)
+        self.models = Lru(limits.model_bytes, limits.max_models)
+        self.artifacts = Lru(limits.cache_bytes)
         # Striped: a fixed number of locks however many keys pass through (two keys may share one).
         # Artifacts and models have separate stripes, always taken artifact first, then model: one
         # shared pool would let a thread holding an artifact stripe wait on itself (or on a thread

@@ -1,12 +1,17 @@
 """``infer`` answered by a vLLM OpenAI-compatible server (``--infer-engine URL``) whose kvcdn
 connector loads the artifact's KV from this server's chunks.
 
-This server keeps what only it may do: it authenticates and authorizes the caller (the route's
-404), checks the limits (``n``, the question's bytes, the artifact's context tokens from its
-header, then the question's tokens with the model's own tokenizer: no model weights load here),
-admits the request (the same slots and fair share as the in-process engine), and times it out or
-cancels it. Then it sends the engine one streamed completion of the artifact's token ids followed
-by the question's, with ``kv_transfer_params.kvcdn_grant``: the artifact's chunk record and a
+This server keeps what only it may do: it authenticates and authorizes the caller (the route's 404),
+checks the limits (``n``, the question's bytes, the artifact's context tokens from its header, then
+the question's tokens with the model's own tokenizer: no model weights load here), admits the
+request (the same slots and fair share as the in-process engine), and times it out or cancels it. It
+also decides what the engine can load: the connector loads a record of its own chain root only (the
+model's fingerprint, the engine's compute dtype, unquantized; anything else it recomputes). The
+engine runs in this server's compute dtype, so an artifact computed in another is refused here with
+the in-process engine's ``422 dtype_mismatch``; any other root (a quantized artifact, another chunk
+size) is answered by the in-process engine, exactly as without the option, as an artifact stored
+whole is. Then it sends the engine one streamed completion of the artifact's token ids followed by
+the question's, with ``kv_transfer_params.kvcdn_grant``: the artifact's chunk record and a
 short-lived signed GET URL per object. The connector loads exactly those chunks through those URLs
 and does no lookup of its own for the request, so the engine needs no credential of any tenant
 (docs/vllm.md, "The hosted infer"). Closing the stream (timeout, client gone) makes vLLM abort the
@@ -16,6 +21,7 @@ request: the engine stops within one decoded token.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import socket
 import threading
@@ -25,7 +31,8 @@ from typing import Any
 import httpx
 
 from kvcdn_server.errors import ApiError
-from kvcdn_server.inference import InferenceEngine, InferResult, _Lru
+from kvcdn_server.inference import InferenceEngine, InferResult
+from kvcdn_server.lru import Lru
 from kvcdn_wire import ErrorCode
 
 #: token ids of artifacts kept (an artifact id's bytes never change), in bytes at 8 per token
@@ -39,9 +46,37 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         self.local = local
         self._client = httpx.Client(transport=transport, timeout=httpx.Timeout(local.timeout, connect=10.0))
-        self._tokenizers = _Lru(1 << 62, local.limits.max_models)
-        self._token_ids = _Lru(TOKEN_IDS_BUDGET)
+        self._models = Lru(1 << 62, local.limits.max_models)
+        self._token_ids = Lru(TOKEN_IDS_BUDGET)
         self._lock = threading.Lock()
+
+    @functools.cached_property
+    def dtype(self) -> str:
+        """The compute dtype the engine must run: this server's (``--infer-dtype``, ``auto`` resolved
+        as the in-process engine resolves it)."""
+        from kvcdn_core import runtime
+
+        device = self.local.limits.device
+        return runtime.resolve_dtype(
+            self.local.limits.dtype, runtime.resolve_device("auto") if device == "auto" else device
+        )
+
+    def loads(self, manifest: dict, root: str) -> bool:
+        """Whether the engine loads the chunked artifact of ``manifest`` and chain ``root``; a 4xx
+        here when the in-process engine would refuse it too, before any engine is asked (the
+        limits, the model, the dtype); False when only the in-process engine can load it."""
+        from kvcdn_core.store import keys
+
+        self.local.check_context(int(manifest.get("tokens") or 0))
+        model_ref = self.local.policy.resolve(manifest.get("model_id"))
+        if manifest.get("dtype") != self.dtype:
+            raise ApiError(
+                422,
+                ErrorCode.DTYPE_MISMATCH,
+                f"the artifact was computed in {manifest.get('dtype')}; this server computes in {self.dtype}",
+            )
+        *_, fingerprint = self._model(model_ref)
+        return root == keys.root_key(fingerprint, keys.representation(self.dtype, None))
 
     def run(
         self,
@@ -68,7 +103,7 @@ class RemoteEngine:
     def _infer(self, artifact_id, model_id, model_ref, fetch_path, grant, question, n, cancel) -> InferResult | None:
         if cancel.is_set():
             return None
-        adapter, tokenizer = self._tokenizer(model_ref)
+        adapter, tokenizer, _ = self._model(model_ref)
         question_ids = adapter.encode_continuation(tokenizer, question)
         if len(question_ids) > self.local.limits.max_question_tokens:
             raise ApiError(
@@ -141,19 +176,24 @@ class RemoteEngine:
             return None, 0
         return tokens, cached
 
-    def _tokenizer(self, model_ref: str):
-        """The adapter and tokenizer of an allowed model (config and tokenizer files, no weights)."""
+    def _model(self, model_ref: str):
+        """The adapter, tokenizer and fingerprint of an allowed model (config and tokenizer files,
+        no weights)."""
         with self._lock:
-            found = self._tokenizers.get(model_ref)
+            found = self._models.get(model_ref)
             if found is None:
                 from transformers import AutoTokenizer
 
-                from kvcdn_core import adapter_for, architecture_of, read_config, resolve_model_dir
+                from kvcdn_core import adapter_for, architecture_of, fingerprint, read_config, resolve_model_dir
 
                 model_dir = resolve_model_dir(model_ref, None, weights=False)
                 config = read_config(model_dir)
-                found = (adapter_for(architecture_of(config), config)(), AutoTokenizer.from_pretrained(model_dir))
-                self._tokenizers.put(model_ref, found, 1)
+                found = (
+                    adapter_for(architecture_of(config), config)(),
+                    AutoTokenizer.from_pretrained(model_dir),
+                    fingerprint(model_dir, weights=False),
+                )
+                self._models.put(model_ref, found, 1)
             return found
 
     def _context_ids(self, artifact_id: str, fetch_path: Callable) -> list[int]:

@@ -547,20 +547,26 @@ def require_hosted_client() -> None:
         pytest.skip(message)
 
 
-@pytest.fixture(scope="module")
-def hosted_fleet(tmp_path_factory):
+def smollm2_document(tmp_path_factory, name: str) -> tuple[Path, Path, list[int]]:
+    """A fresh directory holding ``doc.kv`` (kvcdn's SmolLM2 artifact of the sample text twice,
+    made in the vLLM environment), SmolLM2's folder, and the artifact's token ids."""
     from kvcdn_core import artifact
     from kvcdn_core.model.tiny import SAMPLE_TEXT
+
+    require_hosted_client()
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
+    made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
+    return tmp, Path(made.stdout.strip().splitlines()[-1]), artifact.read_token_ids(tmp / "doc.kv")
+
+
+@pytest.fixture(scope="module")
+def hosted_fleet(tmp_path_factory):
     from kvcdn_core.store.record import ArtifactRecord
     from tests.support import services
     from tests.support.hosted import mint_key
 
-    require_hosted_client()
-    tmp = tmp_path_factory.mktemp("hosted-fleet")
-    (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
-    made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
-    smol = Path(made.stdout.strip().splitlines()[-1])
-    document = artifact.read_token_ids(tmp / "doc.kv")
+    tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-fleet")
     prompt = document + encode(smol, QUESTION_2, False)
     with services.kvcdn_server(tmp / "home") as server, pytest.MonkeyPatch.context() as env:
         for name in ("KVCDN_ADMIN_SECRET", "KVCDN_ISSUER_URL"):
@@ -626,15 +632,11 @@ SHARE_BUCKET = "kvcdn-vllm-share"
 
 @pytest.fixture(scope="module")
 def hosted_share(tmp_path_factory):
-    from kvcdn_core.model.tiny import SAMPLE_TEXT
     from tests.support import services
     from tests.support.hosted import mint_key
 
-    require_hosted_client()
-    tmp = tmp_path_factory.mktemp("hosted-share")
-    smol = run_vllm_python(["-m", "kvcdn_core.testing.smollm2"], timeout=1200).stdout.strip().splitlines()[-1]
-    document = encode(Path(smol), SAMPLE_TEXT * 2, True)
-    prompts = [document + encode(Path(smol), q, False) for q in (QUESTION_1, QUESTION_2)]
+    tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-share")
+    prompts = [document + encode(smol, q, False) for q in (QUESTION_1, QUESTION_2)]
     secret = "share-admin-" + "1" * 32
     shared = {
         "KVCDN_API_KEY_SEED": "share-seed-" + "0" * 32,
@@ -667,13 +669,13 @@ def hosted_share(tmp_path_factory):
 
             def run(server, tier: str, save: bool, prompt: list[int]) -> dict:
                 c = connector(server, tier, save)
-                return {"model": smol, "connector": c, "prompts": [prompt], "max_tokens": MAX_TOKENS}
+                return {"model": str(smol), "connector": c, "prompts": [prompt], "max_tokens": MAX_TOKENS}
 
             first, log_a = drive_logged(
                 tmp,
                 "reference-and-a",
                 [
-                    {"model": smol, "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
+                    {"model": str(smol), "connector": None, "prompts": prompts, "max_tokens": MAX_TOKENS},
                     run(single, "tier-a1", True, prompts[0]),
                     run(r1, "tier-a2", True, prompts[0]),
                 ],
@@ -803,17 +805,10 @@ def completions_logged(log: Path) -> int:
 def hosted_infer(tmp_path_factory):
     import httpx
 
-    from kvcdn_core import artifact
-    from kvcdn_core.model.tiny import SAMPLE_TEXT
     from tests.support import services
     from tests.support.hosted import mint_key
 
-    require_hosted_client()
-    tmp = tmp_path_factory.mktemp("hosted-infer")
-    (tmp / "doc.txt").write_text(SAMPLE_TEXT * 2)
-    made = run_vllm_python(["-c", GENERATE_SMOLLM2, str(tmp / "doc.txt"), str(tmp / "doc.kv")], timeout=1200)
-    smol = Path(made.stdout.strip().splitlines()[-1])
-    document = artifact.read_token_ids(tmp / "doc.kv")
+    tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-infer")
     question_ids = encode(smol, QUESTION_1, False)
     local = run_vllm_python(
         ["-m", "kvcdn_core", "continue", "--kv-path", str(tmp / "doc.kv"), "--question", QUESTION_1]
@@ -923,3 +918,70 @@ def test_an_engine_that_is_down_is_a_502_not_a_500(hosted_infer):
     assert down.status_code == 502, down.text
     assert down.json()["error"] == "engine_unavailable" and "\n" not in down.json()["message"]
     assert "Traceback" not in hosted_infer["server_log"] and "Traceback" not in hosted_infer["engine_log"]
+
+
+# 7. The hosted service stops mid-run: one `kvcdn vllm-serve --store kvcdn+<service>` holding the
+#    org's key answers a prompt sharing an uploaded artifact's document while the service is up,
+#    twice while it is stopped (a miss each: recomputed, token-exact, one warning line for both),
+#    and once more after it is started again on the same port (loaded again). Reference: the same
+#    engine before the upload, when the store held nothing. One engine start.
+
+
+@pytest.fixture(scope="module")
+def hosted_outage(tmp_path_factory):
+    import httpx
+
+    from tests.support import services
+    from tests.support.budget import budget
+    from tests.support.hosted import mint_key
+
+    tmp, smol, document = smollm2_document(tmp_path_factory, "hosted-outage")
+    prompt = document + encode(smol, QUESTION_2, False)
+    port, engine_port = services.free_port(), free_port()
+
+    def complete() -> dict:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+        reply = httpx.post(f"http://127.0.0.1:{engine_port}/v1/completions", json=body, timeout=900)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    out: dict = {"document": len(document)}
+    with services.kvcdn_server(tmp / "home", port=port) as server, pytest.MonkeyPatch.context() as env:
+        for name in ("KVCDN_ADMIN_SECRET", "KVCDN_ISSUER_URL"):
+            env.delenv(name, raising=False)
+        env.setenv("KVCDN_TELEMETRY", "0")
+        env.setenv("KVCDN_API_KEY", mint_key(server.url, server.admin_secret(), "outage"))
+        engine_args = ["--model", str(smol), "--store", "kvcdn+" + server.url, "--tier-directory", str(tmp / "tier")]
+        engine_args += ["--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
+        engine_args += ["--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
+        with vllm_server(tmp, engine_port, engine_args, vllm_env()) as log:
+            out["reference"] = complete()
+            from kvcdn_hosted.storage import HostedStorage
+
+            backend = HostedStorage.from_uri("kvcdn+" + server.url)
+            backend.upload_chunked(tmp / "doc.kv", "doc")
+            backend.close()
+            out["up"] = complete()
+            server.process.terminate()  # the service stops; its database and blobs stay
+            server.process.wait(budget(60))
+            out["down"] = [complete(), complete()]
+            with services.kvcdn_server(tmp / "home", port=port):  # back where the engine expects it
+                out["back"] = complete()
+            out["log"] = log.read_text()
+    return out
+
+
+def cached_tokens(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_service_stopped_mid_run_costs_recompute_and_one_line_then_loads_resume(hosted_outage):
+    reference, up, down, back = (hosted_outage[k] for k in ("reference", "up", "down", "back"))
+    assert cached_tokens(reference) == 0  # nothing stored yet: vLLM computed every token
+    for served in (up, *down, back):
+        assert served["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+    assert cached_tokens(up) == cached_tokens(back) == block_aligned(hosted_outage["document"]) > 256
+    assert [cached_tokens(r) for r in down] == [0, 0]  # misses: vLLM recomputed the prompt
+    log = hosted_outage["log"]
+    lines = [line for line in log.splitlines() if "prefix lookup in the store failed" in line]
+    assert len(lines) == 1 and "Traceback" not in log

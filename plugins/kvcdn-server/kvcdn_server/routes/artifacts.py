@@ -190,7 +190,9 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
     ids = [artifact_id, *(body.compose or [])]
     rows = [_ready(s, identity, one) for one in ids]
     if s.remote is not None and body.compose is None and rows[0].record is not None:
-        return _infer_remote(identity, artifact_id, rows[0], body, request, s)
+        answer = _infer_remote(identity, artifact_id, rows[0], body, request, s)
+        if answer is not None:
+            return answer
     composing = None
     if body.compose is not None:
         # the sum of the headers' token counts (read at confirm), before any artifact or model loads
@@ -225,18 +227,22 @@ def _infer(identity: Identity, artifact_id: str, body: InferRequest, request: Re
 def _infer_remote(identity: Identity, artifact_id: str, row, body: InferRequest, request: Request, s: Services):
     """One chunked artifact, answered by the vLLM server of ``--infer-engine``: the grant it gets
     is this artifact's record and a signed URL per object, valid for the request's timeout and a
-    minute, so the engine reads this artifact and nothing else of the tenant's."""
+    minute, so the engine reads this artifact and nothing else of the tenant's. None when the
+    engine cannot load the artifact's representation: the in-process engine answers."""
     assert s.remote is not None
     ttl = int(s.config.infer_timeout) + 60
+    record = chunks.parse_record(json.loads(row.record))
+    manifest = json.loads(row.manifest) if row.manifest else {}
+    if not s.remote.loads(manifest, record.root):
+        return None
 
     def grant() -> dict:
-        record = chunks.parse_record(json.loads(row.record))
         return {"record": record.to_dict(), "urls": {o["digest"]: o["url"] for o in _signed_objects(s, record, ttl)}}
 
     result = s.remote.run(
         identity.tenant,
         artifact_id,
-        json.loads(row.manifest) if row.manifest else {},
+        manifest,
         _fetch(s, artifact_id),
         grant,
         body.question,
