@@ -3,7 +3,9 @@ with one prefix lookup and builds the chunk that starts inside that artifact's p
 its stored pieces, as core's chunk store does. Against a real ``kvcdn serve`` (SQLite; the quota rule
 also on PostgreSQL): a 20-turn conversation saved at every turn keeps its history once, every turn
 downloads byte-identical, a collection between turns deletes nothing a ready artifact references,
-and a piece is reused only from artifacts the caller may read."""
+and a piece is reused only from artifacts the caller may read. In-process (SQLite and PostgreSQL):
+the quota rule charges a piece once, the collector keeps a piece a ready artifact references, and a
+confirm reads every piece back and refuses a damaged one or pieces that do not tile their chunk."""
 
 from __future__ import annotations
 
@@ -181,3 +183,119 @@ def test_a_piece_is_reused_only_from_an_artifact_the_caller_may_read(tmp_path, c
         assert (tmp_path / "got.kv").read_bytes() == (tmp_path / "t1.kv").read_bytes()
         beta.storage.close()
         acme.storage.close()
+
+
+# -- the server's side, in-process (16-token chunks, the reuse given directly) -----------------------
+
+
+@pytest.fixture
+def app_on(monkeypatch, tmp_path):
+    """The app on local storage and the given database, an API key for each of two orgs."""
+    from fastapi.testclient import TestClient
+
+    from kvcdn_server.apikeys import derive_key
+    from kvcdn_server.app import create_app
+    from kvcdn_server.config import load_config
+    from tests.support.clock import ManualClock
+
+    monkeypatch.setenv("KVCDN_API_KEY_ORGS", "acme,beta")
+    monkeypatch.setenv("KVCDN_INFER_DEVICE", "cpu")
+    made = []
+
+    def make(database_url: str):
+        config = load_config(storage=str(tmp_path / "objects"), database_url=database_url)
+        app = create_app(config, clock=ManualClock())
+        client = TestClient(app)
+        made.append(client)
+        return app, client, {org: derive_key(config.api_key_seed, org) for org in ("acme", "beta")}
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def pieced_upload(client, key, path, name, on, prefix):
+    """A chunked upload of ``path`` whose plan may build on ``on``'s pieces (its first ``prefix`` tokens)."""
+    from kvcdn_core.store.chunkstore import prefix_parts
+    from kvcdn_hosted import chunked
+    from tests.hosted.test_chunked import CHUNK
+    from tests.support.hosted import bearer
+
+    reuse = lambda cutter, _ids: prefix_parts(cutter, on, prefix)  # noqa: E731
+    return chunked.upload(client, "", bearer(key), path, name, chunk_tokens=CHUNK, reuse=reuse)
+
+
+PER_TOKEN = 2 * 2 * 2 * 8 * 4  # write_kv: layers x (key, value) x heads x width x float32 bytes
+
+
+def test_pieces_are_charged_once_and_outlive_the_artifact_that_stored_them(app_on, tmp_path, database_url):
+    """The quota rule counts a piece once per tenant, however many artifacts reference it; the
+    collector keeps a piece while any ready artifact references it (SQLite and PostgreSQL)."""
+    from tests.hosted.test_chunked import chunk_files, down, rule_bytes, store_of, tenant_of, up, write_kv
+    from tests.support.hosted import API, bearer
+
+    app, client, keys = app_on(database_url)
+    store, key = store_of(app), keys["acme"]
+    t0 = write_kv(tmp_path / "t0.kv", 40)  # 16-token chunks: 16 + 16 + 8
+    t1 = write_kv(tmp_path / "t1.kv", 56)  # the same rows, then 16 more: 16 + 16 + (8 + 8) + 8
+    first = up(client, key, t0, "t0")
+    second = pieced_upload(client, key, t1, "t1", first.record, 40)
+    chunk = second.record.chunks[2]
+    assert [p.tokens for p in chunk.pieces] == [8, 8] and chunk.pieces[0].digest == first.record.chunks[2].digest
+    assert second.bytes_moved == 16 * PER_TOKEN + 56 * 8  # its own rows and its tail, nothing else
+    tenant = tenant_of(client, key)
+    # each row once, and both tails
+    assert (
+        store.reserved(tenant) == (2, 56 * PER_TOKEN + (40 + 56) * 8) and rule_bytes(app, tenant) == 56 * 256 + 96 * 8
+    )
+    assert client.delete(f"{API}/artifacts/{first.artifact_id}", headers=bearer(key)).status_code == 204
+    before = chunk_files(tmp_path)
+    store.collect()
+    assert before - chunk_files(tmp_path) == {first.record.tail.digest}  # its piece is t1's now
+    down(client, key, second.artifact_id, tmp_path / "got.kv")
+    assert (tmp_path / "got.kv").read_bytes() == t1.read_bytes()
+    assert store.reserved(tenant) == (1, rule_bytes(app, tenant)) == (1, 56 * PER_TOKEN + 56 * 8)
+    assert client.delete(f"{API}/artifacts/{second.artifact_id}", headers=bearer(key)).status_code == 204
+    store.collect()
+    assert chunk_files(tmp_path) == set() and store.reserved(tenant) == (0, 0)
+
+
+def test_a_confirm_reads_every_piece_back_and_refuses_a_damaged_one(app_on, tmp_path):
+    from kvcdn_core import artifact
+    from kvcdn_core.store import pack
+    from kvcdn_core.store.chunkstore import prefix_parts
+    from kvcdn_hosted.chunked import _sha256
+    from tests.hosted.test_chunked import CHUNK, up, write_kv
+    from tests.support.hosted import API, bearer
+
+    app, client, keys = app_on(f"sqlite:///{tmp_path / 'state.db'}")
+    auth = bearer(keys["acme"])
+    first = up(client, keys["acme"], write_kv(tmp_path / "t0.kv", 40), "t0")
+    t1 = write_kv(tmp_path / "t1.kv", 56)
+    header = artifact.read_header(t1)
+    cutter = pack.Cutter(header, artifact.read_token_ids(t1, header), CHUNK)
+    plan = cutter.plan(prefix_parts(cutter, first.record, 40), lambda _d: False)
+    record = pack.record_for("t1", t1, header, cutter, plan).to_dict()
+
+    def begin(record):
+        body = {"name": "t1", "sha256": _sha256(t1), "record": record}
+        return client.post(f"{API}/artifacts/chunked-upload", json=body, headers=auth)
+
+    # pieces that do not tile their chunk: one line, 422
+    bad = {**record, "chunks": [dict(c) for c in record["chunks"]]}
+    bad["chunks"][2]["pieces"] = [dict(p) for p in bad["chunks"][2]["pieces"]]
+    bad["chunks"][2]["pieces"][1]["tokens"] = 7
+    r = begin(bad)
+    assert r.status_code == 422 and r.json()["error"] == "invalid_record" and "\n" not in r.json()["message"]
+    # the piece t0 stored is damaged at rest before t1's confirm: the confirm reads it back, refuses
+    grant = begin(record).json()
+    piece = plan.chunks[2].pieces[0].digest
+    assert piece not in {m["digest"] for m in grant["missing"]}  # the tenant holds it: not sent
+    blobs = {b.digest: b for b in plan.blobs}
+    for item in grant["missing"]:
+        assert client.put(item["url"], content=blobs[item["digest"]].gather()).status_code == 200
+    stored = tmp_path / "objects" / "chunks" / piece
+    stored.write_bytes(b"\0" * stored.stat().st_size)
+    r = client.post(f"{API}/artifacts/{grant['artifact_id']}/confirm-upload", headers=auth)
+    assert r.status_code == 422 and r.json()["error"] == "digest_mismatch", r.text
+    assert piece in r.json()["message"] and "\n" not in r.json()["message"]
