@@ -11,9 +11,11 @@ another was prefilled *on that artifact's loaded cache*, so the bytes of a share
 (b) Chat: a 20-turn conversation (turns of 100-300 tokens), every turn saved as an artifact after
     continuing from the previous turn's. Stored bytes against the final conversation's own `.kv`
     size and against 20 whole files, with and without chunk pieces (a turn's chunk built on the
-    previous turn's stored partial chunk, which is a token-prefix of it).
+    previous turn's stored partial chunk, which is a token-prefix of it), and on the hosted service:
+    every turn put to a fresh ``kvcdn serve`` (SQLite, local storage) through ``kvcdn store put
+    --store kvcdn://``'s code, its bytes read from the server's chunk objects and records.
 
-    OMP_NUM_THREADS=1 python benchmarks/store_bench.py [--rag 50] [--turns 20] [--seed 0]
+    OMP_NUM_THREADS=1 python benchmarks/store_bench.py [--rag 50] [--turns 20] [--seed 0] [--no-hosted]
 """
 
 from __future__ import annotations
@@ -138,7 +140,36 @@ def rag(session, work: Path, n: int, rng: random.Random) -> None:
     )
 
 
-def chat(session, work: Path, turns: int, rng: random.Random) -> None:
+def hosted_chat(paths: list[Path], work: Path):
+    """Every turn put to a fresh ``kvcdn serve`` through the hosted chunk store; its records and the
+    bytes it keeps (chunk objects on disk, records in its database)."""
+    import os
+    import sqlite3
+
+    from kvcdn_hosted.storage import HostedStorage
+    from tests.support import services
+    from tests.support.hosted import mint_key
+
+    home = work / "server-home"
+    env = {"KVCDN_TELEMETRY": "0", "KVCDN_QUOTA_STORAGE_BYTES": str(1 << 40), "KVCDN_QUOTA_ARTIFACTS": "10000"}
+    for name in ("KVCDN_ADMIN_SECRET", "KVCDN_ISSUER_URL"):
+        os.environ.pop(name, None)
+    with services.kvcdn_server(home, env=env) as server:
+        os.environ["KVCDN_API_KEY"] = mint_key(server.url, server.admin_secret(), "chat")
+        hosted = HostedStorage.from_uri("kvcdn+" + server.url)
+        store = hosted.chunk_store()
+        reports = [store.put(p, p.stem) for p in paths]
+        records = [store.record(p.stem) for p in paths]
+        hosted.close()
+        chunk_bytes = sum(f.stat().st_size for f in (server.data_dir / "objects" / "chunks").iterdir())
+        with sqlite3.connect(server.data_dir / "kvcdn.db") as db:
+            rows = db.execute("SELECT record FROM artifacts WHERE status = 'ready'").fetchall()
+        record_bytes = sum(len(r[0].encode()) for r in rows)
+    stored = {"chunk_bytes": chunk_bytes, "record_bytes": record_bytes, "stored": chunk_bytes + record_bytes}
+    return stored, records, reports
+
+
+def chat(session, work: Path, turns: int, rng: random.Random, hosted: bool = True) -> None:
     from kvcdn_core.builtin.local_storage import LocalStorage
     from kvcdn_core.store.chunkstore import ChunkStore
 
@@ -159,11 +190,15 @@ def chat(session, work: Path, turns: int, rng: random.Random) -> None:
         f"    {'layout':<22} {'stored':>12} {'/ final':>8} {'final':>10} {'others':>10} {'tails':>10} {'records':>10}"
     )
     print(f"    {'today: whole files':<22} {mb(today):>12} {today / final:>7.2f}x")
-    for label, pieces in (("256-token chunks", False), ("256, with pieces", True)):
-        store = ChunkStore(LocalStorage(work / f"store-chat-{pieces}"), pieces=pieces)
-        reports = [store.put(p, p.stem) for p in paths]
-        b = store_bytes(store)
-        records = [store.record(p.stem) for p in paths]
+    layouts = [("256-token chunks", False), ("256, with pieces", True)] + ([("hosted service", None)] if hosted else [])
+    for label, pieces in layouts:
+        if pieces is None:
+            b, records, reports = hosted_chat(paths, work)
+        else:
+            store = ChunkStore(LocalStorage(work / f"store-chat-{pieces}"), pieces=pieces)
+            reports = [store.put(p, p.stem) for p in paths]
+            b = store_bytes(store)
+            records = [store.record(p.stem) for p in paths]
         tails = sum(r.tail.bytes for r in records if r.tail)
         objects = {p.digest: p.bytes for r in records for c in r.chunks for p in c.parts}
         mine = {p.digest for c in records[-1].chunks for p in c.parts}
@@ -172,8 +207,9 @@ def chat(session, work: Path, turns: int, rng: random.Random) -> None:
             f"    {label:<22} {mb(b['stored']):>12} {b['stored'] / final:>7.2f}x {mb(b['chunk_bytes'] - tails - others):>10} "
             f"{mb(others):>10} {mb(tails):>10} {mb(b['record_bytes']):>10}"
         )
-    pieced = sum(r.chunks_pieced for r in reports)
-    print(f"    with pieces, the {turns} records hold {pieced} chunk(s) made of pieces")
+        pieced = sum(r.chunks_pieced for r in reports)
+        if pieces is not False:
+            print(f"      ({label}: the {turns} records hold {pieced} chunk(s) made of pieces)")
     print(f"    final conversation's own .kv: {mb(final)}; goal: stored <= 1.3x of it")
 
 
@@ -182,6 +218,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rag", type=int, default=50, help="artifacts sharing the 2,048-token prefix")
     parser.add_argument("--turns", type=int, default=20, help="turns of the conversation")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-hosted", dest="hosted", action="store_false", help="leave out the hosted service's row of (b)"
+    )
     args = parser.parse_args(argv)
     from kvcdn_core import runtime
 
@@ -191,7 +230,7 @@ def main(argv=None) -> int:
         model = build_model(work / "model")
         session = runtime.load_session(str(model), device="cpu", dtype="float32")
         rag(session, work, args.rag, rng)
-        chat(session, work, args.turns, rng)
+        chat(session, work, args.turns, rng, args.hosted)
     return 0
 
 

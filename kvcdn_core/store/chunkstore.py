@@ -305,10 +305,7 @@ class ChunkStore:
             other = self.record(hits[0].name) if hits else None
         except KvcdnError:
             return {}
-        if other is None or other.root != cutter.root or other.chunk_tokens != cutter.chunk_tokens:
-            return {}
-        prefix = hits[0].prefix_tokens
-        return {i: c.parts for i, c in enumerate(other.chunks) if i * other.chunk_tokens < prefix}
+        return prefix_parts(cutter, other, hits[0].prefix_tokens if hits else 0)
 
     def _old_record(self, name: str) -> tuple[ArtifactRecord, list[int]] | None:
         try:
@@ -563,6 +560,16 @@ def listed(records: list[ArtifactRecord]) -> list[Listed]:
         )
         for r in records
     ]
+
+
+def prefix_parts(cutter, other: ArtifactRecord | None, prefix: int) -> dict[int, tuple[PieceRef, ...]]:
+    """The candidates :meth:`pack.Cutter.plan` takes from ``other``, a stored artifact whose first
+    ``prefix`` tokens are the file's: the parts (pieces, or itself whole) of each of its chunks that
+    starts inside that prefix. None when ``other`` is missing or cut on another chain (root or chunk
+    size). The hosted client uses it too (:mod:`kvcdn_hosted.chunked`)."""
+    if other is None or other.root != cutter.root or other.chunk_tokens != cutter.chunk_tokens:
+        return {}
+    return {i: c.parts for i, c in enumerate(other.chunks) if i * other.chunk_tokens < prefix}
 
 
 def chunk_rows(record: ArtifactRecord, others: list[ArtifactRecord]) -> list[dict[str, Any]]:

@@ -44,10 +44,12 @@ def test_store_put_get_ls_inspect_rm_against_a_real_server(tmp_path, monkeypatch
 
         one = kv("store", "put", first, "--name", "doc")
         assert (one["chunks"], one["chunks_new"], one["chunks_shared"], one["bytes_saved"]) == (3, 3, 0, 0)
-        two = kv("store", "put", second, "--name", "conv")  # only the chunks the server lacks move
-        assert (two["chunks"], two["chunks_new"], two["chunks_shared"]) == (4, 2, 2)
-        assert two["bytes_saved"] == 512 * PER_TOKEN
-        assert two["bytes_moved"] == (900 - 512) * PER_TOKEN + 900 * 8  # its own chunks and its tail
+        # only what the server lacks moves: conv's chunk 2 (tokens 512-768) is built on doc's stored
+        # partial chunk (tokens 512-600) as its first piece, so only tokens 600-900 and the tail move
+        two = kv("store", "put", second, "--name", "conv")
+        assert (two["chunks"], two["chunks_new"], two["chunks_shared"], two["chunks_pieced"]) == (4, 2, 2, 1)
+        assert two["bytes_saved"] == 600 * PER_TOKEN
+        assert two["bytes_moved"] == (900 - 600) * PER_TOKEN + 900 * 8  # its own rows and its tail
         assert "exists in the store" in refused("store", "put", first, "--name", "doc")
         again = kv("store", "put", first, "--name", "doc", "--force")  # everything already there
         assert again["bytes_moved"] == 0 and again["chunks_new"] == 0
@@ -57,11 +59,18 @@ def test_store_put_get_ls_inspect_rm_against_a_real_server(tmp_path, monkeypatch
         assert got["bytes_fetched"] > 0 and got["file_bytes"] == second.stat().st_size
         listed = {r["name"]: r for r in kv("store", "ls")}
         assert sorted(listed) == ["conv", "doc"]
-        assert (listed["doc"]["chunks"], listed["doc"]["shared_chunks"], listed["doc"]["tokens"]) == (3, 2, 600)
-        assert (listed["conv"]["chunks"], listed["conv"]["shared_chunks"], listed["conv"]["tokens"]) == (4, 2, 900)
-        shown = kv("store", "inspect", "conv")
-        assert shown["name"] == "conv" and shown["shared_chunks"] == 2
-        assert [r["shared_with"] for r in shown["chunks"] if r["chunk"] is not None] == [1, 1, 0, 0]
+        assert (listed["doc"]["chunks"], listed["doc"]["shared_chunks"], listed["doc"]["tokens"]) == (3, 3, 600)
+        assert (listed["conv"]["chunks"], listed["conv"]["shared_chunks"], listed["conv"]["tokens"]) == (4, 3, 900)
+        shown = kv("store", "inspect", "conv")  # chunk 2 shows as its two pieces, the first doc's
+        assert shown["name"] == "conv" and shown["shared_chunks"] == 3
+        rows = [(r["chunk"], r["tokens"], r["shared_with"]) for r in shown["chunks"] if r["chunk"] is not None]
+        assert rows == [
+            (0, [0, 256], 1),
+            (1, [256, 512], 1),
+            (2, [512, 600], 1),
+            (2, [600, 768], 0),
+            (3, [768, 900], 0),
+        ]
 
         # the server checks and collects its own chunks: refused in one line that says why
         assert "hosted service" in refused("store", "check")

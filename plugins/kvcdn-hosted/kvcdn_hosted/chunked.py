@@ -2,7 +2,10 @@
 
 The upload cuts the `.kv` file as core's chunk store does (:mod:`kvcdn_core.store.pack`), sends
 the record, PUTs only the objects the server answers missing for this tenant, and confirms; the
-server rebuilds and checks the file. The download reads the record and rebuilds the file from one
+server rebuilds and checks the file. Given a ``reuse`` function (:func:`stored_prefix`: one prefix
+lookup and one record read), a chunk that starts inside the partial last chunk of the caller's best
+matching artifact is built on that chunk's stored pieces, as core's ``ChunkStore.put`` does, so a
+conversation saved at every turn keeps each turn's history once. The download reads the record and rebuilds the file from one
 GET per object, each checked against its BLAKE3 digest as it arrives, then the file's sha256.
 
 ``http`` is an :class:`httpx.Client` (or anything with its ``post``/``put``/``get``); ``base`` and
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +71,12 @@ def upload(
     visibility: str = "private",
     chunk_tokens: int | None = None,
     replace: bool = False,
+    reuse: Callable[[Any, list[int]], dict[int, tuple[Any, ...]]] | None = None,
 ) -> ChunkedReport:
     """Upload the `.kv` file at ``path`` by chunks as ``name``; the report of what moved.
 
-    ``replace``: the confirm also deletes the caller's other artifacts of this name."""
+    ``replace``: the confirm also deletes the caller's other artifacts of this name. ``reuse(cutter,
+    token_ids)``: the stored pieces the plan may build on (:func:`stored_prefix`); none without it."""
     from kvcdn_core import artifact
     from kvcdn_core.store import keys, pack
     from kvcdn_core.store.record import NAME
@@ -80,7 +86,9 @@ def upload(
     ids = artifact.read_token_ids(path, header)
     cutter = pack.Cutter(header, ids, chunk_tokens or keys.CHUNK_TOKENS)
     cutter.check_digests()
-    plan = cutter.plan({}, lambda _digest: False)
+    # the server says which objects it holds only once it has the record: a chunk whose pieces
+    # match is built on them even when its whole bytes are stored too (both are exact)
+    plan = cutter.plan(reuse(cutter, ids) if reuse else {}, lambda _digest: False)
     stem = pack.file_stem(path)
     record = pack.record_for(stem if NAME.fullmatch(stem) else "artifact", path, header, cutter, plan)
     body = {"name": name, "sha256": _sha256(path), "visibility": visibility, "record": record.to_dict()}
@@ -98,6 +106,32 @@ def upload(
     total = sum(b.size for b in plan.blobs)
     sent = frozenset(item["digest"] for item in grant["missing"])
     return ChunkedReport(artifact_id, header.file_size, grant["objects"], moved, total - moved, record, sent)
+
+
+def stored_prefix(storage, cutter, ids: list[int]) -> dict[int, tuple[Any, ...]]:
+    """The pieces a new upload may build on: the parts of each chunk of the caller's artifact that
+    shares the longest prefix with ``ids`` (one ``/prefix/lookup``, which answers only artifacts the
+    caller may read, then that artifact's record), for each chunk that starts inside the prefix
+    (:func:`kvcdn_core.store.chunkstore.prefix_parts`; :meth:`pack.Cutter.plan` checks their digests
+    against the file's rows). ``storage`` is a :class:`kvcdn_hosted.storage.HostedStorage`.
+
+    Only on the service's chain (its lookup's chunk size); a failed lookup or record read, or a hit
+    uploaded whole, only means no reuse: the chunks are sent whole, as they would be without it."""
+    import kvcdn_wire as wire
+    from kvcdn_core.store import chunkstore, keys
+
+    if not cutter.chain or cutter.chunk_tokens != keys.CHUNK_TOKENS:
+        return {}
+    query = ids[: wire.MAX_LOOKUP_KEYS * keys.CHUNK_TOKENS]  # a longer file reuses within that
+    try:
+        hits = storage.prefix_lookup(cutter.root, query, 0, 4)
+        best = max(hits, key=lambda h: h.prefix_tokens, default=None)
+        if best is None or not best.ref:
+            return {}
+        found = storage.hit_chunks(best)
+    except KvcdnError:
+        return {}
+    return chunkstore.prefix_parts(cutter, found[0] if found else None, best.prefix_tokens)
 
 
 def download(http, base: str, headers: dict[str, str], artifact_id: str, target: Path) -> ChunkedReport:

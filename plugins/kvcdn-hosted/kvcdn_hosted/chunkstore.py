@@ -63,7 +63,8 @@ class HostedChunkStore:
 
     def put(self, path: str | os.PathLike[str], name: str | None = None, force: bool = False) -> PutReport:
         """Upload the `.kv` file by chunks as ``name`` (default: its stem), sending only the chunks
-        the server does not hold for the caller; ``force`` replaces the caller's artifact of that name."""
+        the server does not hold for the caller, a chunk built on the stored pieces of the caller's
+        best matching artifact where they match; ``force`` replaces the caller's artifact of that name."""
         from kvcdn_core.store import pack
 
         path = Path(path)
@@ -74,8 +75,17 @@ class HostedChunkStore:
         record = report.record
         new = sum(1 for c in record.chunks if any(p.digest in report.moved for p in c.parts))
         chunks = len(record.chunks)
+        pieced = sum(1 for c in record.chunks if c.pieces)
         return PutReport(
-            name, record.token_count, record.size, chunks, new, chunks - new, 0, report.bytes_moved, report.bytes_saved
+            name,
+            record.token_count,
+            record.size,
+            chunks,
+            new,
+            chunks - new,
+            pieced,
+            report.bytes_moved,
+            report.bytes_saved,
         )
 
     def get(self, name: str, target: str | os.PathLike[str]) -> GetReport:

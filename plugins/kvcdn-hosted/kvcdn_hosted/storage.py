@@ -21,6 +21,7 @@ As a :class:`~kvcdn_core.StorageBackend`, a key is an artifact's *name* in the c
 
 from __future__ import annotations
 
+import functools
 import threading
 import unicodedata
 from pathlib import Path
@@ -247,7 +248,9 @@ class HostedStorage(StorageBackend):
         self, source: Path, name: str, visibility: Literal["private", "public"] = "private", replace: bool = False
     ):
         """Upload a ``.kv`` file by its chunks, sending only those the server does not hold for
-        this tenant (:mod:`kvcdn_hosted.chunked`); the report of bytes moved and saved.
+        this tenant (:mod:`kvcdn_hosted.chunked`), a chunk that starts inside the partial last
+        chunk of the caller's best matching artifact built on its stored pieces
+        (:func:`kvcdn_hosted.chunked.stored_prefix`); the report of bytes moved and saved.
 
         ``replace``: the confirm also deletes the caller's other artifacts of this name."""
         from kvcdn_hosted import chunked
@@ -255,7 +258,14 @@ class HostedStorage(StorageBackend):
         self.client.require_credential("upload")
         base = self.client.api_url.rstrip("/")
         return chunked.upload(
-            self.client.http, base, self.client.headers(), Path(source), name, visibility, replace=replace
+            self.client.http,
+            base,
+            self.client.headers(),
+            Path(source),
+            name,
+            visibility,
+            replace=replace,
+            reuse=functools.partial(chunked.stored_prefix, self),
         )
 
     def chunk_record(self, artifact_id: str):

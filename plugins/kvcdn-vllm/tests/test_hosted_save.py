@@ -94,6 +94,33 @@ def test_saves_upload_only_new_chunks_and_a_refused_save_is_one_line(tmp_path, c
         finder.backend.close()
 
 
+def test_saves_of_a_conversation_build_each_turn_on_the_stored_pieces_of_the_last(tmp_path, client_env):
+    """Every turn of a conversation saved as the connector saves it: each turn's first new chunk is
+    built on the previous turn's stored partial chunk, so the service holds every row once (only the
+    final turn's objects and every turn's tail), and every turn comes back byte-identical."""
+    import random
+
+    rng = random.Random(0)
+    with services.kvcdn_server(tmp_path / "home", env=SERVER_ENV) as server:
+        client_env.setenv("KVCDN_API_KEY", mint_key(server.url, SECRET, "chat"))
+        saves = Saves(server.url)
+        paths, tensors, tokens = [], None, 0
+        for t in range(6):
+            tokens += rng.randint(100, 300)
+            paths.append(tmp_path / f"turn{t}.kv")
+            tensors = kinds(paths[-1], tokens, 10 + t, prefix_of=tensors)
+            saves.save(f"turn{t}", paths[-1])
+        assert saves.warnings == [] and all(r.chunks_pieced >= 1 for r in saves.reports[1:])
+        store = open_chunk_store(saves.backend)
+        records = [store.record(f"turn{t}") for t in range(6)]
+        kept = {p.name for p in (tmp_path / "home" / "kvcdn" / "server" / "objects" / "chunks").iterdir()}
+        assert kept == set(records[-1].digests) | {r.tail.digest for r in records}
+        for t, path in enumerate(paths):
+            store.get(f"turn{t}", tmp_path / "got.kv")
+            assert (tmp_path / "got.kv").read_bytes() == path.read_bytes()
+        saves.close()
+
+
 def test_a_service_down_at_start_and_mid_run_is_one_warning_line_per_outage(tmp_path, client_env):
     from kvcdn_server.apikeys import derive_key
 
