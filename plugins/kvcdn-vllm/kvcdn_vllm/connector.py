@@ -45,6 +45,7 @@ from kvcdn_core import KvcdnError, artifact, layer_tensor_name
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm import lookup as chunks
 from kvcdn_vllm.catalog import Catalog, Hit, ModelShape, check_fits
+from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
 
@@ -150,14 +151,16 @@ class KvcdnConnector(KVConnectorBase_V1):
             assert self.settings.source is not None
             self._source = Source(self.settings.source, create=self.settings.save, warn=_warn)
         parallel = vllm_config.parallel_config
-        self._can_save = (
-            self.settings.save and parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1
-        )
+        # under tensor parallelism the first TP rank saves what every rank gathered (kvcdn_vllm.parallel)
+        self._can_save = self.settings.save and parallel.pipeline_parallel_size == 1
         if self.settings.save and not self._can_save:
             _warn(
-                "save is on but tensor or pipeline parallelism splits the cache across workers; "
+                "save is on but pipeline parallelism splits the layers across workers; "
                 "prompts are not saved (loading works)"
             )
+        self._heads_gather: HeadGather | None = None
+        if self._can_save and role == KVConnectorRole.WORKER and parallel.tensor_parallel_size > 1:
+            self._heads_gather = HeadGather.of_engine(self._shape.num_kv_heads)
         # scheduler side
         if self._store is None:
             self._catalog = Catalog(self._source.directory, self._fingerprint, self._shape, _warn)
@@ -187,7 +190,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             s = self.settings
             directory = _Path(s.tier_directory).expanduser() if s.tier_directory else None
             self._tier = ChunkTier(self._store.fetch, s.tier_memory_bytes, s.tier_disk_bytes, directory, _warn)
-            if self._can_save:
+            if self._can_save and (self._heads_gather is None or self._heads_gather.first):
                 from kvcdn_core import open_storage
                 from kvcdn_core.store.chunkstore import open_chunk_store
                 from kvcdn_vllm.saver import SaveQueue
@@ -364,7 +367,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 by_geometry[key] = _layout_for(layer, kv, backend, heads, head_size)
             self._layouts[name] = by_geometry[key]
             self._caches[name] = kv
-            self._heads = _head_selection(total, heads, tp, rank)
+            self._heads = head_selection(total, heads, tp, rank)
         if not self._layouts:
             raise paged.LayoutError("kvcdn connector: the engine registered no attention layer caches")
         some = next(iter(self._layouts.values()))
@@ -518,11 +521,29 @@ class KvcdnConnector(KVConnectorBase_V1):
             return
         from kvcdn_vllm.writer import artifact_name, write_prompt_artifact
 
+        prompts = {job.req_id: self._gathered.pop(job.req_id, {}) for job in meta.saves}
+        counts = {req_id: len(layers) for req_id, layers in prompts.items()}
+        if self._heads_gather is not None:  # every TP rank's heads, assembled on the first rank
+            began = time.perf_counter()
+            prompts = self._heads_gather.whole(prompts, self._shape.num_layers)
+            if not self._heads_gather.first:
+                return
+            logger.info(
+                "kvcdn: gathered %d prompts' heads from %d tensor-parallel workers in %.1f ms",
+                len(prompts),
+                len(self._heads_gather.ranks),
+                (time.perf_counter() - began) * 1000,
+            )
         for job in meta.saves:
-            layers = self._gathered.pop(job.req_id, {})
-            if len(layers) != self._shape.num_layers:
-                _warn(f"not saving request {job.req_id}: {len(layers)} of {self._shape.num_layers} layers gathered")
+            if counts[job.req_id] != self._shape.num_layers:
+                _warn(
+                    f"not saving request {job.req_id}: {counts[job.req_id]} of {self._shape.num_layers} layers gathered"
+                )
                 continue
+            if job.req_id not in prompts:
+                _warn(f"not saving request {job.req_id}: another tensor-parallel worker did not gather its layers")
+                continue
+            layers = prompts[job.req_id]
             if self._saver is not None:  # a chunk store: the queue's thread writes and puts it
                 write = functools.partial(
                     write_prompt_artifact,
@@ -632,13 +653,3 @@ def _layout_for(layer: Any, kv: torch.Tensor, backend: str, heads: int, head_siz
 
         return paged.probe_layout(kv, heads, head_size, write)
     return paged.strided_layout(kv, head_size)
-
-
-def _head_selection(total: int, local: int, tp: int, rank: int) -> slice:
-    """The artifact's KV heads this worker holds under tensor parallelism (replicated when tp > heads)."""
-    if tp == 1 or local == total:
-        return slice(None)
-    if total >= tp:
-        return slice(rank * local, (rank + 1) * local)
-    per_head = tp // total
-    return slice(rank // per_head, rank // per_head + 1)

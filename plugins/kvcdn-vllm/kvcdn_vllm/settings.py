@@ -67,8 +67,9 @@ SETTINGS: tuple[settings.Setting, ...] = (
         "save",
         "`true`: write each prompt that no artifact holds yet as an artifact in `source` (`vllm-<hash of its "
         "token ids>.kv`), in the step that computes its last prompt token; with `store`, put it into the store "
-        "(as `vllm-<hash>`, only the chunks the store lacks, in the background). Saving needs the whole cache "
-        "in one worker: it is off (with one warning) under tensor or pipeline parallelism.",
+        "(as `vllm-<hash>`, only the chunks the store lacks, in the background). Under tensor parallelism the "
+        "first worker saves every worker's heads, the artifact one worker alone would save; under pipeline "
+        "parallelism saving is off (with one warning).",
         settings.boolean,
         False,
         flag="--save",

@@ -2,15 +2,17 @@
 
 Run with the vLLM environment's Python: ``python vllm_driver.py SPEC.json OUT.json``. SPEC holds
 ``runs``, each ``{"model", "connector": null | kv_connector_extra_config, "prompts": [[ids]],
-"max_tokens", "max_model_len"}``; OUT gets, per run, per prompt: the greedy token ids,
-``num_cached_tokens`` and the connector's ``kv_transfer_params``. Engines are float32, eager, with
-vLLM's own prefix cache off, so any cached token was loaded by the connector.
+"max_tokens", "max_model_len"}``, and ``"tensor_parallel_size"`` or ``"pipeline_parallel_size"``
+when not 1; OUT gets, per run, per prompt: the greedy token ids, ``num_cached_tokens`` and the
+connector's ``kv_transfer_params``. Engines are float32, eager, with vLLM's own prefix cache off,
+so any cached token was loaded by the connector.
 
 Engines run inside this process (no engine-core or worker subprocess, on one thread, as vLLM's CPU
 binding gives a 2-core machine): each spawned process re-imports vLLM and torch, which took about
-three quarters of an engine's start. The connector's scheduler and worker halves still talk only
-through vLLM's connector metadata; ``kvcdn vllm-serve`` in the tests keeps vLLM's default process
-split, so that path is proven too.
+three quarters of an engine's start. An engine with tensor or pipeline parallelism runs its workers
+in processes of their own (vLLM's ``mp`` executor), each bound to one core. The connector's
+scheduler and worker halves still talk only through vLLM's connector metadata; ``kvcdn vllm-serve``
+in the tests keeps vLLM's default process split, so that path is proven too.
 """
 
 import gc
@@ -18,6 +20,9 @@ import json
 import os
 import sys
 import time
+
+#: this machine's cores, read before any engine binds this process's threads
+CORES = sorted(os.sched_getaffinity(0))
 
 
 def run_engine(run: dict) -> list[dict]:
@@ -33,6 +38,11 @@ def run_engine(run: dict) -> list[dict]:
             kv_connector_extra_config=run["connector"],
             kv_load_failure_policy="recompute",
         )
+    tp, pp = run.get("tensor_parallel_size", 1), run.get("pipeline_parallel_size", 1)
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    if tp * pp > 1:
+        # vLLM's CPU workers bind to NUMA nodes unless told which cores; a small machine has one node
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(CORES[i % len(CORES)]) for i in range(tp * pp))
     llm = LLM(
         model=run["model"],
         dtype="float32",
@@ -40,7 +50,9 @@ def run_engine(run: dict) -> list[dict]:
         enforce_eager=True,
         enable_prefix_caching=False,
         seed=0,
-        distributed_executor_backend="uni",
+        distributed_executor_backend="uni" if tp * pp == 1 else "mp",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         **kwargs,
     )
     try:
