@@ -351,7 +351,15 @@ def _best(conn, nodes: list[tuple[str, bytes]], limit: int) -> list[str]:
     return [r.artifact_id for r in conn.execute(sa.text(_union(arms)), params)] if arms else []
 
 
-def lookup(conn, tenant: str, root: str, keys: list[str], blocks: list[str], limit: int) -> dict[str, Any]:
+def lookup(
+    conn,
+    tenant: str,
+    root: str,
+    keys: list[str],
+    blocks: list[str],
+    limit: int,
+    steps: list[bytes] | None = None,
+) -> dict[str, Any]:
     """The longest match among the artifacts ``tenant`` may see (its own and published ones), in
     one request: ``keys`` are the chain keys of the query's full chunks, never its token ids, and
     ``blocks[i]`` the key of the first 16 tokens of its chunk ``i`` (after the root, then after each
@@ -369,6 +377,9 @@ def lookup(conn, tenant: str, root: str, keys: list[str], blocks: list[str], lim
     which the client finds the exact length, the longest among all the node's children. A
     whole-prefix artifact that does not end on a chunk boundary comes back with its ``end_key``
     (the key of all its tokens), which the client compares with the key of its own tokens there.
+
+    With ``steps`` (the query's 4-byte key prefixes per 16 tokens of each chunk, or ``[]``), the
+    answer also names in ``best`` the match :func:`best_match` ranks first (for the route's grant).
     """
     scopes = (tenant, PUBLIC)
     c = chainkeys.CHUNK_TOKENS
@@ -411,6 +422,10 @@ def lookup(conn, tenant: str, root: str, keys: list[str], blocks: list[str], lim
             match["next_chunk"] = chunks.setdefault(bytes(r.next_ids), len(chunks))
         matches.append(match)
     matches.sort(key=lambda m: (m["token_count"], m["name"], m["artifact_id"]))
+    best = None
+    if steps is not None:
+        query_steps = steps[depth] if depth < len(steps) else b""
+        best = best_match(matches, list(chunks), raw[depth], depth * c, query_steps)
     return {
         "root": root,
         "matched_chunks": depth,
@@ -418,4 +433,41 @@ def lookup(conn, tenant: str, root: str, keys: list[str], blocks: list[str], lim
         "complete": complete,
         "next_chunks": [base64.b64encode(b).decode() for b in chunks],
         "matches": matches,
+        "best": best,
     }
+
+
+def best_match(
+    matches: list[dict[str, Any]], next_chunks: list[bytes], node: bytes, at: int, query_steps: bytes
+) -> str | None:
+    """The id of the match a client's refinement (:func:`kvcdn_core.store.index.from_matches`) most
+    likely ranks first, without the query's tokens: each candidate's next chunk is ranked by how
+    many of its 16-token steps have the query's key prefixes (``query_steps``), then fewest tokens
+    and name, as the client ranks ties. A whole-prefix artifact counts only when it is exact (held
+    whole, found by its anchor); one ending inside a chunk needs the query's tokens to check. The
+    client checks what it gets: a wrong pick costs it one more request, never a wrong load."""
+    step = chainkeys.STEP_BYTES
+    shared: dict[int, int] = {}  # next chunk -> tokens of it whose steps the query shares
+
+    def extra(index: int) -> int:
+        if index not in shared:
+            mine = chainkeys.steps(node, np.frombuffer(next_chunks[index], dtype="<u4"))
+            n = 0
+            while n * step < min(len(mine), len(query_steps)) and (
+                mine[n * step : (n + 1) * step] == query_steps[n * step : (n + 1) * step]
+            ):
+                n += 1
+            shared[index] = n * chainkeys.BLOCK_TOKENS
+        return shared[index]
+
+    ranked = []
+    for m in matches:
+        if m["reuse"] == ANY_PREFIX:
+            tokens = m["matched_tokens"] + (extra(m["next_chunk"]) if "next_chunk" in m else 0)
+        elif m["exact"]:
+            tokens = m["token_count"]
+        else:
+            continue
+        if tokens > 0:
+            ranked.append((-tokens, m["token_count"], m["name"], m["artifact_id"]))
+    return min(ranked)[3] if ranked else None

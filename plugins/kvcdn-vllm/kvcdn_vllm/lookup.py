@@ -126,18 +126,20 @@ class IndexLookup:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._locations: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._grants: collections.OrderedDict[str, tuple[ArtifactRecord, dict[str, str], float]] = (
+        self._grants: collections.OrderedDict[str, tuple[ArtifactRecord | None, dict[str, str], float]] = (
             collections.OrderedDict()
         )
 
     def lookup(self, prompt_ids: list[int]) -> Match | None:
         try:
-            hits = self.backend.prefix_lookup(self.root, prompt_ids, 0, 1)
-            if not hits or hits[0].prefix_tokens == 0:
-                return None
+            hits, granted = self.backend.prefix_lookup_grant(self.root, prompt_ids, 1)
+            if not hits or hits[0].prefix_tokens < keys.BLOCK_TOKENS:
+                return None  # under one block: vLLM (16 or more tokens a block) would load nothing
             hit = hits[0]
+            if granted is not None and granted[0] == hit.ref:
+                self._keep(hit.ref, granted[1:])
             grant = self._grant(hit)
-            if grant is None:
+            if grant is None or grant[0] is None:
                 self._warn_once(f"skipping stored artifact '{hit.name}': it is stored whole, not by chunks")
                 return None
             record, locations, _ = grant
@@ -147,8 +149,9 @@ class IndexLookup:
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
 
-    def _grant(self, hit: Any) -> tuple[ArtifactRecord, dict[str, str], float] | None:
-        """The hit's record and URLs: kept ones while they hold, else asked for (and kept)."""
+    def _grant(self, hit: Any) -> tuple[ArtifactRecord | None, dict[str, str], float] | None:
+        """The hit's record and URLs: kept ones while they hold, else asked for (and kept). A
+        record of None: the artifact is stored whole."""
         now = self._clock()
         kept = self._grants.get(hit.ref)
         if kept is not None and kept[2] - GRANT_MARGIN_S > now:
@@ -156,11 +159,14 @@ class IndexLookup:
             return kept
         grant = self.backend.hit_chunks(hit)
         if grant is not None:
-            self._grants[hit.ref] = grant
-            self._grants.move_to_end(hit.ref)
-            while len(self._grants) > MAX_GRANTS:
-                self._grants.popitem(last=False)
+            self._keep(hit.ref, grant)
         return grant
+
+    def _keep(self, ref: str, grant: tuple[ArtifactRecord | None, dict[str, str], float]) -> None:
+        self._grants[ref] = grant
+        self._grants.move_to_end(ref)
+        while len(self._grants) > MAX_GRANTS:
+            self._grants.popitem(last=False)
 
     def locate(self, plan: ChunkPlan) -> None:
         with self._lock:
