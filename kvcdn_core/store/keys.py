@@ -113,3 +113,16 @@ def steps(parent: str | bytes, chunk_ids: Sequence[int] | np.ndarray, block_toke
         hasher.update(ids[start : start + block_tokens].tobytes())
         out.append(hasher.copy().digest()[:STEP_BYTES])
     return b"".join(out)
+
+
+def heads(parent: str | bytes, chunk_ids: Sequence[int] | np.ndarray, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
+    """The keys (raw 32 bytes) of a chunk's first 1, 2, ... ``block_tokens - 1`` ids after
+    ``parent`` (fewer when it holds fewer), as :func:`child_key` hashes them: the hosted index keys
+    the children of a node with many of them so, and a query sharing under ``block_tokens`` tokens
+    with all of them sends its own to find those sharing the most."""
+    ids = np.ascontiguousarray(np.asarray(chunk_ids, dtype="<i8")[: block_tokens - 1])
+    hasher, out = blake3.blake3(bytes.fromhex(parent) if isinstance(parent, str) else parent), []
+    for i in range(ids.size):
+        hasher.update(ids[i : i + 1].tobytes())
+        out.append(hasher.copy().digest())
+    return out

@@ -351,14 +351,20 @@ def test_a_longer_match_behind_more_than_limit_ties_is_found(hosted, tmp_path):
     assert [(h.name, h.prefix_tokens) for h in index.lookup(backend, root, query, 0, 3)] == [("large", C + 25)]
 
 
-def test_a_node_with_more_children_than_one_answer_holds(hosted):
+def test_a_node_with_more_children_than_one_answer_holds(hosted, caplog, monkeypatch):
     """40 artifacts go on past one chunk, each its own way (more children than an answer lists):
-    the query's next 16 tokens pick the one it shares them with, and the match is exact; a query
-    sharing fewer than 16 tokens with all of them gets an answer marked incomplete."""
+    the query's next 16 tokens pick the one it shares them with, and the match is exact. A query
+    sharing fewer than 16 tokens with all of them (5 with one, 2 with another) gets an answer
+    marked incomplete; the client asks again with the keys of its first 1 to 15 tokens there, and
+    finds the one sharing 5. When more than 32 share the query's next 16 tokens, the answer stays
+    incomplete: the client says so once in the log and in its hits."""
+    import threading
     import uuid
 
+    from kvcdn_hosted import storage
     from kvcdn_server import prefix
 
+    monkeypatch.setattr(storage, "_INCOMPLETE_SAID", threading.Event())  # said once per process
     base = ids_of(40, C)
     root = chainkeys.root_key({"architecture": "Qwen3ForCausalLM"}, chainkeys.representation("float32", None))
     arts = {f"a{i:02d}": base + ids_of(100 + i, 300) for i in range(prefix.MAX_CHILDREN + 8)}
@@ -374,6 +380,55 @@ def test_a_node_with_more_children_than_one_answer_holds(hosted):
         assert [(h.ref, h.prefix_tokens) for h in found] == [(ids_by_name[name], C + 40)], name
     answer = hosted.lookup("acme", query_body(root, base + [0] * 50))
     assert answer["matched_chunks"] == 1 and answer["complete"] is False
+    # 5 tokens shared with the child a first answer leaves out (the last by key), 2 with another:
+    # found through the head rows, in a second request
+    node = chainkeys.full_chain(root, base)[0]
+    last = max(arts, key=lambda name: chainkeys.first_block(node, arts[name][C : C + 16]))
+    other = "a07" if last != "a07" else "a08"
+    query = base + arts[last][C : C + 5] + [0] * 50
+    query[C + 5 : C + 7] = [50_001, 50_002]
+    assert arts[other][C : C + 2] != query[C : C + 2]
+    found = client.prefix_lookup(root, query, 0, 10)
+    assert [(h.ref, h.prefix_tokens, h.complete) for h in found] == [(ids_by_name[last], C + 5, True)]
+    assert "may be missed" not in caplog.text
+
+    # 40 more sharing a13's first 16 tokens after the chunk, then each its own way
+    more = {f"b{i:02d}": base + arts["a13"][C : C + 16] + ids_of(300 + i, 100) for i in range(prefix.MAX_CHILDREN + 8)}
+    with hosted.db.begin() as c:
+        for name, ids in more.items():
+            entry = prefix.entry_from_ids(root, "any_prefix", ids, {"id": "m"}, "float32", None)
+            prefix.index_artifact(c, str(uuid.uuid4()), "org:acme", name, entry)
+    found = client.prefix_lookup(root, base + arts["a13"][C : C + 16] + [0] * 50, 0, 10)
+    assert found and all(not h.complete and h.prefix_tokens == C + 16 for h in found)
+    assert caplog.text.count("may be missed") == 1
+    client.prefix_lookup(root, base + arts["a13"][C : C + 16] + [1] * 50, 0, 10)
+    assert caplog.text.count("may be missed") == 1  # once per process
+
+
+def test_head_rows_follow_a_node_growing_wide_and_its_children_leaving(hosted):
+    """A node's children get head rows once it has 17 (those before too), each new child then
+    gets its own, and a child's rows leave with its last artifact."""
+    import uuid
+
+    from kvcdn_server import prefix
+
+    base = ids_of(70, C)
+    root = chainkeys.root_key({"architecture": "Qwen3ForCausalLM"}, chainkeys.representation("float32", None))
+
+    def heads() -> int:
+        with hosted.db.connect() as c:
+            return c.execute(sa.select(sa.func.count()).select_from(prefix.prefix_heads)).scalar_one()
+
+    made = []
+    for i in range(prefix.HEADS_FROM + 2):
+        entry = prefix.entry_from_ids(root, "any_prefix", base + ids_of(400 + i, 40), {"id": "m"}, "float32", None)
+        made.append(str(uuid.uuid4()))
+        with hosted.db.begin() as c:
+            prefix.index_artifact(c, made[-1], "org:acme", f"h{i:02d}", entry)
+        assert heads() == (15 * (i + 1) if i + 1 >= prefix.HEADS_FROM else 0), i
+    with hosted.db.begin() as c:
+        prefix.drop_artifact(c, made[0])
+    assert heads() == 15 * (prefix.HEADS_FROM + 1)
 
 
 @pytest.mark.parametrize(

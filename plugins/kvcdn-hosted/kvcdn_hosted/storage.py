@@ -21,9 +21,12 @@ As a :class:`~kvcdn_core.StorageBackend`, a key is an artifact's *name* in the c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import threading
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from urllib.parse import urlparse
@@ -76,6 +79,19 @@ def _recency(record: ArtifactRecord) -> tuple[float, str]:
     """Orders artifacts of one name: the one confirmed last reads as the name's object (by the
     microsecond ``confirmed_at_unix``; then by id, so that ties are stable)."""
     return (record.confirmed_at_unix or 0.0, record.artifact_id)
+
+
+_INCOMPLETE_SAID = threading.Event()
+
+
+def _incomplete_once() -> None:
+    """Say once per process that a lookup's answer could not compare every candidate."""
+    if not _INCOMPLETE_SAID.is_set():
+        _INCOMPLETE_SAID.set()
+        logging.getLogger("kvcdn.hosted").warning(
+            "prefix lookup: more than 32 stored prefixes share the query's next 16 tokens; "
+            "a longer match among the others may be missed (hits say complete=False)"
+        )
 
 
 class HostedStorage(StorageBackend):
@@ -372,14 +388,20 @@ class HostedStorage(StorageBackend):
         with their token ids in the next chunk."""
         return self._ask(root, query_ids, start_tokens, limit, grant=False)[0]
 
-    def prefix_lookup_grant(self, root: str, query_ids, limit: int = 1) -> tuple[list[Any], Any]:
+    def prefix_lookup_grant(
+        self, root: str, query_ids, limit: int = 1, held: Callable[[list[str]], list[str]] | None = None
+    ) -> tuple[list[Any], Any]:
         """:meth:`prefix_lookup` that also asks for the best match's chunk grant in the same
-        request: the hits, and ``(artifact_id, record, URL per digest, expiry)`` of the match the
-        server ranked best (``record`` None: stored whole), or None. The caller checks the grant's
+        request: the hits, and the match the server ranked best as ``(artifact_id, grant)``, where
+        ``grant`` is ``(record, URL per digest, expiry)`` (``record`` None: stored whole), or None
+        when it is one of the ids ``held`` returned (called with the query's full-chunk keys: the
+        grants the caller keeps and may use again); or None for no match. The caller checks the
         artifact is the hit it wants."""
-        return self._ask(root, query_ids, 0, limit, grant=True)
+        return self._ask(root, query_ids, 0, limit, grant=True, held=held)
 
-    def _ask(self, root: str, query_ids, start_tokens: int, limit: int, grant: bool) -> tuple[list[Any], Any]:
+    def _ask(
+        self, root: str, query_ids, start_tokens: int, limit: int, grant: bool, held=None
+    ) -> tuple[list[Any], Any]:
         import base64
         from types import SimpleNamespace
 
@@ -406,16 +428,31 @@ class HostedStorage(StorageBackend):
         body = {"root": root, "keys": full, "blocks": blocks, "limit": min(max(limit, 1), wire.MAX_LOOKUP_LIMIT)}
         if grant:
             body.update(grant=True, steps=steps)
+            if held is not None:
+                body["held"] = held(full)[:16]
         answer = self._lookup(PrefixLookup, body)
+        depth = answer.matched_chunks
+        if not answer.complete and not grant and 0 <= depth <= len(full):
+            # a wide node's children, none sharing the next 16 tokens: ask again with the keys of
+            # the query's first 1 to 15 tokens there (a rare second request; the engine's lookup,
+            # which loads whole blocks of 16 or more, has no use for it)
+            chunk_heads = keys.heads(full[depth - 1] if depth else root, ids[depth * c : (depth + 1) * c])
+            if chunk_heads:
+                body.update(heads=[h.hex() for h in chunk_heads], heads_at=depth)
+                answer = self._lookup(PrefixLookup, body)
         try:
             matches = [SimpleNamespace(**m.model_dump(), next_tokens=answer.next_tokens(m)) for m in answer.matches]
             granted = None
             if answer.grant is not None:
                 g = answer.grant
-                granted = (g.artifact_id, *self._grant_of(g.record, g.objects, g.expires_at))
+                granted = (g.artifact_id, None if g.held else self._grant_of(g.record, g.objects, g.expires_at))
         except (IndexError, ValueError, TypeError, KeyError) as e:
             raise KvcdnError(f"prefix lookup: the server's answer does not parse ({e})") from None
-        return index.from_matches(matches, root, ids, start_tokens, limit), granted
+        hits = index.from_matches(matches, root, ids, start_tokens, limit)
+        if not answer.complete:
+            _incomplete_once()
+            hits = [dataclasses.replace(h, complete=False) for h in hits]
+        return hits, granted
 
     def _grant_of(self, record: dict | None, objects, expires_at: str) -> tuple[Any, dict[str, str], float]:
         """A chunk grant's record (None: stored whole), URL per digest, and expiry (Unix seconds)."""

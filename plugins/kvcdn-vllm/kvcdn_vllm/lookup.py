@@ -101,6 +101,8 @@ MAX_LOCATIONS = 65_536
 #: it stops using one (a worker fetches within a step or two of the lookup)
 MAX_GRANTS = 1024
 GRANT_MARGIN_S = 60.0
+#: kept grants a lookup names as held, so the answer need not carry them again
+MAX_HELD = 4
 
 
 class IndexLookup:
@@ -119,7 +121,7 @@ class IndexLookup:
         warn: Callable[[str], None],
         clock: Callable[[], float] = time.time,
     ):
-        self.backend = backend
+        self.backend: Any = backend  # a hosted backend: prefix_lookup_grant too
         self.root = root
         self._warn = warn
         self._clock = clock
@@ -129,25 +131,50 @@ class IndexLookup:
         self._grants: collections.OrderedDict[str, tuple[ArtifactRecord | None, dict[str, str], float]] = (
             collections.OrderedDict()
         )
+        #: a query's chain key -> the artifact a lookup through it found (whose grant may be kept)
+        self._found: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def lookup(self, prompt_ids: list[int]) -> Match | None:
         try:
-            hits, granted = self.backend.prefix_lookup_grant(self.root, prompt_ids, 1)
+            query_keys: list[str] = []
+            hits, granted = self.backend.prefix_lookup_grant(
+                self.root, prompt_ids, 1, lambda full: self._held(full, query_keys)
+            )
             if not hits or hits[0].prefix_tokens < keys.BLOCK_TOKENS:
                 return None  # under one block: vLLM (16 or more tokens a block) would load nothing
             hit = hits[0]
-            if granted is not None and granted[0] == hit.ref:
-                self._keep(hit.ref, granted[1:])
+            if granted is not None and granted[0] == hit.ref and granted[1] is not None:
+                self._keep(hit.ref, granted[1])
             grant = self._grant(hit)
-            if grant is None or grant[0] is None:
+            record, locations, _ = grant if grant is not None else (None, {}, 0.0)
+            if record is None:
                 self._warn_once(f"skipping stored artifact '{hit.name}': it is stored whole, not by chunks")
                 return None
-            record, locations, _ = grant
+            depth = min(hit.prefix_tokens // keys.CHUNK_TOKENS, len(query_keys))
+            if depth:
+                self._found[query_keys[depth - 1]] = hit.ref
+                self._found.move_to_end(query_keys[depth - 1])
+                while len(self._found) > MAX_GRANTS:
+                    self._found.popitem(last=False)
             return Match(hit.name, hit.prefix_tokens, record, locations)
         except Exception as exc:  # an unreachable or refusing service is a miss, never a failed request
             detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
+
+    def _held(self, full: list[str], query_keys: list[str]) -> list[str]:
+        """The kept grants the lookup of a query with full-chunk keys ``full`` likely ends on: the
+        artifacts earlier lookups found through its deepest keys (their grants still valid)."""
+        query_keys[:] = full
+        now, held = self._clock(), []
+        for key in reversed(full):
+            ref = self._found.get(key)
+            kept = self._grants.get(ref) if ref else None
+            if ref and ref not in held and kept is not None and kept[2] - GRANT_MARGIN_S > now:
+                held.append(ref)
+                if len(held) == MAX_HELD:
+                    break
+        return held
 
     def _grant(self, hit: Any) -> tuple[ArtifactRecord | None, dict[str, str], float] | None:
         """The hit's record and URLs: kept ones while they hold, else asked for (and kept). A

@@ -91,9 +91,15 @@ def test_lookup_and_fetch_move_only_the_planned_chunks(served, monkeypatch):
     traffic = Traffic(finder.backend)
     match = finder.lookup(prompt)
     assert match is not None and (match.name, match.prefix_tokens) == ("doc", 600)
-    calls = [(m, p) for m, p, _ in traffic.take()]
+    seen = traffic.take()
     # one request: the index (chain keys), its answer carrying the hit's chunk record and URLs
-    assert calls == [("POST", f"{API}/prefix/lookup")]
+    assert [(m, p) for m, p, _ in seen] == [("POST", f"{API}/prefix/lookup")]
+    # again: the lookup names the grant it holds, and the answer names it back without the record
+    again = finder.lookup(prompt)
+    assert again is not None and (again.record, again.locations) == (match.record, match.locations)
+    seen_again = traffic.take()
+    assert [(m, p) for m, p, _ in seen_again] == [("POST", f"{API}/prefix/lookup")]
+    assert seen_again[0][2] < seen[0][2] - len(match.record.to_json())
 
     plan = lookup.plan(match.record, 128, 512, match.locations)
     assert [(p.start, p.tokens) for p in plan.parts] == [(0, 256), (256, 256)]

@@ -130,7 +130,9 @@ class InferRequest(Strict):
 
 
 #: base64 of up to 16 four-byte key prefixes (:func:`kvcdn_core.store.keys.steps`)
-LookupSteps = Annotated[str, StringConstraints(pattern=r"^(?:[A-Za-z0-9+/]{4}){0,21}(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")]
+LookupSteps = Annotated[
+    str, StringConstraints(pattern=r"^(?:[A-Za-z0-9+/]{4}){0,21}(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")
+]
 
 
 class LookupRequest(Strict):
@@ -152,6 +154,13 @@ class LookupRequest(Strict):
     #: tokens (at most 16 such keys): they let the server rank the candidates to 16 tokens, so the
     #: grant is the match the client's refinement picks
     steps: list[LookupSteps] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS + 1)
+    #: artifact ids whose grants the client holds: when the best match is one, the answer names it
+    #: (``held``) without its record and URLs
+    held: list[Annotated[str, StringConstraints(max_length=36)]] = Field(default_factory=list, max_length=16)
+    #: after an answer with ``complete: false``: the keys of the query's first 1 to 15 tokens after
+    #: its first ``heads_at`` chunks (``matched_chunks``), to refine among a wide node's children
+    heads: list[ChainKey] = Field(default_factory=list, max_length=15)
+    heads_at: int = Field(default=0, ge=0, le=MAX_LOOKUP_KEYS)
 
     @field_validator("steps")
     @classmethod

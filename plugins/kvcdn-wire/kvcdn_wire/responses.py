@@ -267,12 +267,15 @@ class PrefixMatch(Answer):
 
 class LookupGrant(Answer):
     """The best match's chunk grant in a lookup's answer (asked with ``grant``): as
-    :class:`ChunksGrant`; ``record`` is None (and ``objects`` empty) for an artifact stored whole."""
+    :class:`ChunksGrant`; ``record`` is None (and ``objects`` empty) for an artifact stored whole,
+    or one the client said it holds (``held``)."""
 
     artifact_id: str
     record: dict[str, Any] | None
     objects: list[ObjectUrl]
     expires_at: str
+    #: the client named it in ``held``: no record, no URLs, no expiry sent
+    held: bool = False
 
 
 class PrefixLookup(Answer):
