@@ -356,7 +356,8 @@ def test_a_node_with_more_children_than_one_answer_holds(hosted, caplog, monkeyp
     the query's next 16 tokens pick the one it shares them with, and the match is exact. A query
     sharing fewer than 16 tokens with all of them (5 with one, 2 with another) gets an answer
     marked incomplete; the client asks again with the keys of its first 1 to 15 tokens there, and
-    finds the one sharing 5. When more than 32 share the query's next 16 tokens, the answer stays
+    finds the one sharing 5 (asked with a grant, as the engine asks, it does not ask again, and
+    says nothing). When more than 32 share the query's next 16 tokens, the answer stays
     incomplete: the client says so once in the log and in its hits."""
     import threading
     import uuid
@@ -390,6 +391,10 @@ def test_a_node_with_more_children_than_one_answer_holds(hosted, caplog, monkeyp
     assert arts[other][C : C + 2] != query[C : C + 2]
     found = client.prefix_lookup(root, query, 0, 10)
     assert [(h.ref, h.prefix_tokens, h.complete) for h in found] == [(ids_by_name[last], C + 5, True)]
+    # asked with a grant (the engine's lookup: no second request), the same answer is no miss worth
+    # a line: a match under 16 more tokens is less than one of its blocks
+    hits, _ = client.prefix_lookup_grant(root, base + [0] * 50, 1)
+    assert [(h.prefix_tokens, h.complete) for h in hits] == [(C, True)]
     assert "may be missed" not in caplog.text
 
     # 40 more sharing a13's first 16 tokens after the chunk, then each its own way

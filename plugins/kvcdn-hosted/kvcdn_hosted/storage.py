@@ -89,8 +89,8 @@ def _incomplete_once() -> None:
     if not _INCOMPLETE_SAID.is_set():
         _INCOMPLETE_SAID.set()
         logging.getLogger("kvcdn.hosted").warning(
-            "prefix lookup: more than 32 stored prefixes share the query's next 16 tokens; "
-            "a longer match among the others may be missed (hits say complete=False)"
+            "prefix lookup: more stored prefixes go on past the match than one answer compares; "
+            "a longer match among them may be missed (hits say complete=False)"
         )
 
 
@@ -449,7 +449,10 @@ class HostedStorage(StorageBackend):
         except (IndexError, ValueError, TypeError, KeyError) as e:
             raise KvcdnError(f"prefix lookup: the server's answer does not parse ({e})") from None
         hits = index.from_matches(matches, root, ids, start_tokens, limit)
-        if not answer.complete:
+        # still incomplete: more than 32 children share the next 16 tokens (or, asked with a grant,
+        # with no second request: none does, and a match under 16 more tokens is of no use there)
+        shared = any(h.prefix_tokens >= answer.matched_chunks * c + keys.BLOCK_TOKENS for h in hits)
+        if not answer.complete and (shared or not grant):
             _incomplete_once()
             hits = [dataclasses.replace(h, complete=False) for h in hits]
         return hits, granted
