@@ -5,9 +5,9 @@ prefix with a prompt. The one here, :class:`StoreLookup`, asks the store's own p
 (:func:`kvcdn_core.store.index.lookup`: a trie over chain keys, read incrementally, never the
 store's listing or its chunks) and then reads the hit's record (one small object). A backend
 that declares the ``prefix_lookup`` capability (the hosted service) answers lookups itself:
-:class:`IndexLookup` sends it the prompt's chain keys, reads the hit's record from the artifact's
-chunks route, and its workers fetch each missing chunk through the signed URL that route gave (the
-URLs travel in the load plan). :func:`open_lookup` picks one by the declaration. Workers fetch
+:class:`IndexLookup` sends it the prompt's chain keys in one request whose answer carries the
+hit's chunk grant (record and signed URLs), and its workers fetch each missing chunk through those
+URLs (they travel in the load plan). :func:`open_lookup` picks one by the declaration. Workers fetch
 chunks by digest through a :class:`ChunkSource`. No torch here.
 """
 
@@ -107,12 +107,15 @@ MAX_HELD = 4
 
 class IndexLookup:
     """:class:`PrefixLookup` and :class:`ChunkSource` on a backend that answers prefix lookups itself
-    (it declares ``prefix_lookup``: the hosted service). Per request: the backend's lookup (chain
-    keys, never token ids or a listing), then one request for the hit's chunk record and a URL per
-    object; that answer is kept per artifact id until shortly before its URLs expire (an artifact
-    id's record never changes), so a prefix the fleet asks for again costs only the index's
-    requests. An artifact stored whole (uploaded without ``--chunked``) is skipped with one line per
-    artifact: a whole-file download per request is what this path exists to avoid."""
+    (it declares ``prefix_lookup``: the hosted service). Per request, one request: the prompt's
+    chain keys (never token ids or a listing), asking for the best match's chunk grant (its record
+    and a URL per object) in the answer. A grant is kept per artifact id until shortly before its
+    URLs expire (an artifact id's record never changes), and a lookup names the kept grants it
+    likely ends on (``held``), so the answer need not carry them again. Only when the server granted
+    another artifact than the refinement picks, and none is kept for it, the hit's chunks route is
+    asked (a second request). An artifact stored whole (uploaded without ``--chunked``) is skipped
+    with one line per artifact: a whole-file download per request is what this path exists to
+    avoid."""
 
     def __init__(
         self,
