@@ -412,7 +412,7 @@ def test_a_node_with_more_children_than_one_answer_holds(hosted, caplog, monkeyp
 
 def test_head_rows_follow_a_node_growing_wide_and_its_children_leaving(hosted):
     """A node's children get head rows once it has 17 (those before too), each new child then
-    gets its own, and a child's rows leave with its last artifact."""
+    gets its own, and a child's rows leave with its last artifact (not before)."""
     import uuid
 
     from kvcdn_server import prefix
@@ -434,6 +434,18 @@ def test_head_rows_follow_a_node_growing_wide_and_its_children_leaving(hosted):
     with hosted.db.begin() as c:
         prefix.drop_artifact(c, made[0])
     assert heads() == 15 * (prefix.HEADS_FROM + 1)
+    # a child two artifacts pass through keeps its rows until the second leaves
+    entry = prefix.entry_from_ids(root, "any_prefix", base + ids_of(401, 40), {"id": "m"}, "float32", None)
+    copy = str(uuid.uuid4())
+    with hosted.db.begin() as c:
+        prefix.index_artifact(c, copy, "org:acme", "h01-copy", entry)
+    assert heads() == 15 * (prefix.HEADS_FROM + 1)
+    with hosted.db.begin() as c:
+        prefix.drop_artifact(c, made[1])
+    assert heads() == 15 * (prefix.HEADS_FROM + 1)
+    with hosted.db.begin() as c:
+        prefix.drop_artifact(c, copy)
+    assert heads() == 15 * prefix.HEADS_FROM
 
 
 @pytest.mark.parametrize(

@@ -326,22 +326,40 @@ def _drop_edges(conn, scope: str, edges: list[tuple[bytes, bytes, bytes]]) -> No
 
 
 def _drop_heads(conn, scope: str, entry: Entry) -> None:
-    """Delete the head rows of ``entry``'s edges that are gone (after :func:`_drop_edges`)."""
+    """Delete the head rows of ``entry``'s edges that are gone (after :func:`_drop_edges`): first
+    which of its edges have any (their one-token head), then only theirs."""
     e, h = prefix_children.c, prefix_heads.c
+    firsts = {}
+    for i, (p, _b, k) in enumerate(entry.edges):
+        ids = _edge_ids(entry, i)
+        if ids.size:
+            firsts[(chainkeys.heads(p, ids[:1])[0], k)] = i
+    if not firsts:
+        return
+    has = conn.execute(
+        sa.select(h.head_key, h.child_key).where(h.scope == scope, h.head_key.in_([f for f, _ in firsts]))
+    ).all()
+    edges = sorted(
+        {
+            firsts[(bytes(r.head_key), bytes(r.child_key))]
+            for r in has
+            if (bytes(r.head_key), bytes(r.child_key)) in firsts
+        }
+    )
+    if not edges:
+        return
     edge = sa.exists().where(
         e.scope == sa.bindparam("s"),
         e.parent_key == sa.bindparam("p"),
         e.block_key == sa.bindparam("b"),
         e.child_key == sa.bindparam("k"),
     )
-    params = [
-        {"s": scope, "p": p, "b": b, "k": k, "h": head}
-        for i, (p, b, k) in enumerate(entry.edges)
-        for head in heads_of(p, _edge_ids(entry, i))
-    ]
-    if params:
-        where = sa.and_(h.scope == sa.bindparam("s"), h.head_key == sa.bindparam("h"), h.child_key == sa.bindparam("k"))
-        conn.execute(prefix_heads.delete().where(where, ~edge), params)
+    params = []
+    for i in edges:
+        p, b, k = entry.edges[i]
+        params += [{"s": scope, "p": p, "b": b, "k": k, "h": head} for head in heads_of(p, _edge_ids(entry, i))]
+    where = sa.and_(h.scope == sa.bindparam("s"), h.head_key == sa.bindparam("h"), h.child_key == sa.bindparam("k"))
+    conn.execute(prefix_heads.delete().where(where, ~edge), params)
 
 
 def _upsert(conn):
