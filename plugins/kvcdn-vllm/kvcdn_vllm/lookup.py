@@ -140,9 +140,11 @@ class IndexLookup:
     def lookup(self, prompt_ids: list[int]) -> Match | None:
         try:
             query_keys: list[str] = []
-            hits, granted = self.backend.prefix_lookup_grant(
-                self.root, prompt_ids, 1, lambda full: self._held(full, query_keys)
-            )
+            ask = getattr(self.backend, "prefix_lookup_grant", None)  # a backend without it: two requests
+            if ask is not None:
+                hits, granted = ask(self.root, prompt_ids, 1, lambda full: self._held(full, query_keys))
+            else:
+                hits, granted = self.backend.prefix_lookup(self.root, prompt_ids, 0, 1), None
             if not hits or hits[0].prefix_tokens < keys.BLOCK_TOKENS:
                 return None  # under one block: vLLM (16 or more tokens a block) would load nothing
             hit = hits[0]

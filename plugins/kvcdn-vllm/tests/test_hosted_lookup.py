@@ -205,3 +205,28 @@ def test_the_server_ranks_by_the_query_steps_and_grants_the_longer_match(served,
     assert match is not None and (match.name, match.prefix_tokens) == ("l40", 296)
     assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup")]
     assert WARNINGS == []
+
+
+def test_a_backend_without_the_grant_in_its_lookup_costs_two_requests(served, monkeypatch):
+    """A backend that answers prefix lookups but cannot put the grant in the answer (a third-party
+    one written before it could): the lookup, then the hit's chunks route, as before."""
+    server, keys, tmp = served
+    opened = as_org(monkeypatch, server, keys["acme"])
+
+    class Plain:
+        def prefix_lookup(self, *args):
+            return opened.backend.prefix_lookup(*args)
+
+        def hit_chunks(self, hit):
+            return opened.backend.hit_chunks(hit)
+
+    finder = lookup.IndexLookup(Plain(), ROOT, WARNINGS.append)  # type: ignore[arg-type]
+    tensors, doc_id = upload(opened, tmp, "plain", 600, seed=11)
+    traffic = Traffic(opened.backend)
+    match = finder.lookup(tensors[artifact.TOKEN_IDS].tolist()[:520] + [5, 6])
+    assert match is not None and (match.name, match.prefix_tokens) == ("plain", 520)
+    assert [(m, p) for m, p, _ in traffic.take()] == [
+        ("POST", f"{API}/prefix/lookup"),
+        ("POST", f"{API}/artifacts/{doc_id}/chunks"),
+    ]
+    assert WARNINGS == []
