@@ -589,7 +589,7 @@ def lookup(
     best = None
     if steps is not None:
         query_steps = steps[depth] if depth < len(steps) else b""
-        best = best_match(matches, list(chunks), raw[depth], depth * c, query_steps)
+        best = best_match(matches, list(chunks), raw[depth], query_steps)
     return {
         "root": root,
         "matched_chunks": depth,
@@ -601,9 +601,7 @@ def lookup(
     }
 
 
-def best_match(
-    matches: list[dict[str, Any]], next_chunks: list[bytes], node: bytes, at: int, query_steps: bytes
-) -> str | None:
+def best_match(matches: list[dict[str, Any]], next_chunks: list[bytes], node: bytes, query_steps: bytes) -> str | None:
     """The id of the match a client's refinement (:func:`kvcdn_core.store.index.from_matches`) most
     likely ranks first, without the query's tokens: each candidate's next chunk is ranked by how
     many of its 16-token steps have the query's key prefixes (``query_steps``), then fewest tokens
