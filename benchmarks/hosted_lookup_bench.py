@@ -6,7 +6,8 @@ and variants of each sharing a prefix of every length). The rows are inserted di
 :func:`kvcdn_server.prefix.index_artifacts` (what a confirm calls for one artifact), 500 artifacts
 to a transaction, not through uploads: 10,000 real uploads take hours here. Then 200 queries (a
 random artifact's prefix of random length, then 200 new tokens) through the hosted client's own lookup (:meth:`HostedStorage.prefix_lookup`: one
-request of chain keys, refined to the token), timed end to end: p50 and p99.
+request of chain keys, a second only when the answer was incomplete, refined to the token), timed
+end to end: p50 and p99.
 "Index bytes per artifact" is the database's growth from the index rows, divided by ``n``.
 
     OMP_NUM_THREADS=1 python benchmarks/hosted_lookup_bench.py --sizes 1000,10000,100000

@@ -82,6 +82,8 @@ class Hit:
     quantization: str | None = None
     #: where a remote index found it (the hosted artifact id), for fetching it
     ref: str | None = None
+    #: False when the remote index could not compare every candidate (a longer match may exist)
+    complete: bool = True
 
     def sort_key(self) -> tuple:
         """The order of :func:`kvcdn_core.search.rank`: usable, prefix, usable fraction, unquantized, name."""

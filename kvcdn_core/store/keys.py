@@ -95,3 +95,34 @@ def first_block(parent: str, chunk_ids: Sequence[int] | np.ndarray, block_tokens
     """The key of a chunk's first ``block_tokens`` ids after ``parent`` (None when it holds fewer)."""
     ids = np.asarray(chunk_ids, dtype=np.int64)
     return child_key(parent, ids[:block_tokens]) if ids.size >= block_tokens else None
+
+
+#: Bytes of a key kept in a lookup's ``steps``: enough to rank a handful of candidates (a wrong
+#: rank only costs the client a second request; it checks the match itself).
+STEP_BYTES = 4
+
+
+def steps(parent: str | bytes, chunk_ids: Sequence[int] | np.ndarray, block_tokens: int = BLOCK_TOKENS) -> bytes:
+    """The first :data:`STEP_BYTES` bytes of the key of a chunk's first ``block_tokens``, then
+    ``2 * block_tokens``, ... ids after ``parent`` (as :func:`child_key` hashes them), one after
+    another: a hosted lookup's server compares them with its candidates' to rank them to the block."""
+    ids = np.ascontiguousarray(np.asarray(chunk_ids, dtype="<i8"))
+    hasher = blake3.blake3(bytes.fromhex(parent) if isinstance(parent, str) else parent)
+    out = []
+    for start in range(0, ids.size - ids.size % block_tokens, block_tokens):
+        hasher.update(ids[start : start + block_tokens].tobytes())
+        out.append(hasher.copy().digest()[:STEP_BYTES])
+    return b"".join(out)
+
+
+def heads(parent: str | bytes, chunk_ids: Sequence[int] | np.ndarray, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
+    """The keys (raw 32 bytes) of a chunk's first 1, 2, ... ``block_tokens - 1`` ids after
+    ``parent`` (fewer when it holds fewer), as :func:`child_key` hashes them: the hosted index keys
+    the children of a node with many of them so, and a query sharing under ``block_tokens`` tokens
+    with all of them sends its own to find those sharing the most."""
+    ids = np.ascontiguousarray(np.asarray(chunk_ids, dtype="<i8")[: block_tokens - 1])
+    hasher, out = blake3.blake3(bytes.fromhex(parent) if isinstance(parent, str) else parent), []
+    for i in range(ids.size):
+        hasher.update(ids[i : i + 1].tobytes())
+        out.append(hasher.copy().digest())
+    return out

@@ -54,13 +54,20 @@ def root_of(path: Path) -> str:
     return root(manifest_of(artifact.read_header(path)))
 
 
-def query_body(root: str, ids, limit: int = 10) -> dict:
+def query_body(root: str, ids, limit: int = 10, grant: bool = False) -> dict:
     """What a client sends: the keys of the query's full chunks, and of each chunk's first 16 tokens
-    (never its token ids)."""
+    (never its token ids); with ``grant``, each chunk's steps too."""
+    import base64
+
     ids = np.asarray(ids, dtype=np.int64)
     full = chainkeys.full_chain(root, ids)
-    blocks = [chainkeys.first_block(p, ids[i * C : (i + 1) * C]) for i, p in enumerate([root, *full])]
-    return {"root": root, "keys": full, "blocks": [b for b in blocks if b], "limit": limit}
+    parents = [root, *full]
+    blocks = [chainkeys.first_block(p, ids[i * C : (i + 1) * C]) for i, p in enumerate(parents)]
+    body = {"root": root, "keys": full, "blocks": [b for b in blocks if b], "limit": limit}
+    if grant:
+        steps = [chainkeys.steps(p, ids[i * C : (i + 1) * C]) for i, p in enumerate(parents)]
+        body.update(grant=True, steps=[base64.b64encode(x).decode() for x in steps if x])
+    return body
 
 
 @pytest.fixture
@@ -190,6 +197,7 @@ def test_the_index_follows_confirm_replace_and_delete(hosted, tmp_path):
         "complete": True,
         "next_chunks": [],
         "matches": [],
+        "grant": None,
     }
     assert hosted.roots("acme") == []
 
@@ -204,9 +212,39 @@ def test_a_foreign_private_key_answers_exactly_as_an_unknown_one(hosted, tmp_pat
     miss = hosted.raw_lookup("acme", query_body(root, unknown))
     assert mine.status_code == miss.status_code == 200
     assert mine.content == miss.content  # byte for byte: the same answer as a key nobody holds
+    mine = hosted.raw_lookup("acme", query_body(root, secret, grant=True))
+    miss = hosted.raw_lookup("acme", query_body(root, unknown, grant=True))
+    assert mine.status_code == miss.status_code == 200
+    assert mine.content == miss.content and mine.json()["grant"] is None  # a grant only for what it may read
     assert hosted.roots("acme") == []  # nor does the root of a foreign private artifact show
-    # its owner finds it
+    # its owner finds it, and gets its grant (stored whole: no record, no objects)
     assert hosted.lookup("beta", query_body(root, secret))["matches"][0]["name"] == "secret"
+    grant = hosted.lookup("beta", query_body(root, secret, grant=True))["grant"]
+    assert grant["record"] is None and grant["objects"] == [] and grant["artifact_id"] != ""
+
+
+def test_the_grant_is_the_best_match_only_and_only_when_asked(hosted, tmp_path):
+    """Three artifacts share the query's first chunk; in its second, "near" shares 20 tokens, "far"
+    40 and has the most tokens, "short" shares none and has the fewest. Asked with ``grant``, the
+    answer carries the grant of "far" alone, which the query's 16-token steps rank first (by token
+    count alone it would be "short", then "near"); not asked, it carries none. A published artifact
+    of another org is granted the same way."""
+    base = ids_of(60, C + 40)
+    arts = {"short": base[:C] + ids_of(61, 10), "near": base[: C + 20] + ids_of(62, 100), "far": base + ids_of(63, 300)}
+    made = {}
+    for name, ids in arts.items():
+        path = write_kv(tmp_path / f"{name}.kv", ids)
+        made[name] = hosted.upload("beta", path, name, visibility="public")
+    root = root_of(path)
+    query = base + ids_of(64, 30)
+    answer = hosted.lookup("acme", query_body(root, query, grant=True))
+    assert answer["grant"]["artifact_id"] == made["far"] and len(answer["matches"]) == 3
+    assert hosted.lookup("acme", query_body(root, query))["grant"] is None
+    # without the steps, ranked by token count: the grant may then not be the client's pick
+    unranked = {**query_body(root, query, grant=True), "steps": []}
+    assert hosted.lookup("acme", unranked)["grant"]["artifact_id"] == made["short"]
+    hits = client_of(hosted, "acme").prefix_lookup(root, query, 0, 1)
+    assert [(h.ref, h.prefix_tokens) for h in hits] == [(made["far"], C + 40)]
 
 
 def test_published_artifacts_are_found_by_everyone(hosted, tmp_path):
@@ -313,14 +351,21 @@ def test_a_longer_match_behind_more_than_limit_ties_is_found(hosted, tmp_path):
     assert [(h.name, h.prefix_tokens) for h in index.lookup(backend, root, query, 0, 3)] == [("large", C + 25)]
 
 
-def test_a_node_with_more_children_than_one_answer_holds(hosted):
+def test_a_node_with_more_children_than_one_answer_holds(hosted, caplog, monkeypatch):
     """40 artifacts go on past one chunk, each its own way (more children than an answer lists):
-    the query's next 16 tokens pick the one it shares them with, and the match is exact; a query
-    sharing fewer than 16 tokens with all of them gets an answer marked incomplete."""
+    the query's next 16 tokens pick the one it shares them with, and the match is exact. A query
+    sharing fewer than 16 tokens with all of them (5 with one, 2 with another) gets an answer
+    marked incomplete; the client asks again with the keys of its first 1 to 15 tokens there, and
+    finds the one sharing 5 (asked with a grant, as the engine asks, it does not ask again, and
+    says nothing). When more than 32 share the query's next 16 tokens, the answer stays
+    incomplete: the client says so once in the log and in its hits."""
+    import threading
     import uuid
 
+    from kvcdn_hosted import storage
     from kvcdn_server import prefix
 
+    monkeypatch.setattr(storage, "_INCOMPLETE_SAID", threading.Event())  # said once per process
     base = ids_of(40, C)
     root = chainkeys.root_key({"architecture": "Qwen3ForCausalLM"}, chainkeys.representation("float32", None))
     arts = {f"a{i:02d}": base + ids_of(100 + i, 300) for i in range(prefix.MAX_CHILDREN + 8)}
@@ -336,6 +381,71 @@ def test_a_node_with_more_children_than_one_answer_holds(hosted):
         assert [(h.ref, h.prefix_tokens) for h in found] == [(ids_by_name[name], C + 40)], name
     answer = hosted.lookup("acme", query_body(root, base + [0] * 50))
     assert answer["matched_chunks"] == 1 and answer["complete"] is False
+    # 5 tokens shared with the child a first answer leaves out (the last by key), 2 with another:
+    # found through the head rows, in a second request
+    node = chainkeys.full_chain(root, base)[0]
+    last = max(arts, key=lambda name: chainkeys.first_block(node, arts[name][C : C + 16]))
+    other = "a07" if last != "a07" else "a08"
+    query = base + arts[last][C : C + 5] + [0] * 50
+    query[C + 5 : C + 7] = [50_001, 50_002]
+    assert arts[other][C : C + 2] != query[C : C + 2]
+    found = client.prefix_lookup(root, query, 0, 10)
+    assert [(h.ref, h.prefix_tokens, h.complete) for h in found] == [(ids_by_name[last], C + 5, True)]
+    # asked with a grant (the engine's lookup: no second request), the same answer is no miss worth
+    # a line: a match under 16 more tokens is less than one of its blocks
+    hits, _ = client.prefix_lookup_grant(root, base + [0] * 50, 1)
+    assert [(h.prefix_tokens, h.complete) for h in hits] == [(C, True)]
+    assert "may be missed" not in caplog.text
+
+    # 40 more sharing a13's first 16 tokens after the chunk, then each its own way
+    more = {f"b{i:02d}": base + arts["a13"][C : C + 16] + ids_of(300 + i, 100) for i in range(prefix.MAX_CHILDREN + 8)}
+    with hosted.db.begin() as c:
+        for name, ids in more.items():
+            entry = prefix.entry_from_ids(root, "any_prefix", ids, {"id": "m"}, "float32", None)
+            prefix.index_artifact(c, str(uuid.uuid4()), "org:acme", name, entry)
+    found = client.prefix_lookup(root, base + arts["a13"][C : C + 16] + [0] * 50, 0, 10)
+    assert found and all(not h.complete and h.prefix_tokens == C + 16 for h in found)
+    assert caplog.text.count("may be missed") == 1
+    client.prefix_lookup(root, base + arts["a13"][C : C + 16] + [1] * 50, 0, 10)
+    assert caplog.text.count("may be missed") == 1  # once per process
+
+
+def test_head_rows_follow_a_node_growing_wide_and_its_children_leaving(hosted):
+    """A node's children get head rows once it has 17 (those before too), each new child then
+    gets its own, and a child's rows leave with its last artifact (not before)."""
+    import uuid
+
+    from kvcdn_server import prefix
+
+    base = ids_of(70, C)
+    root = chainkeys.root_key({"architecture": "Qwen3ForCausalLM"}, chainkeys.representation("float32", None))
+
+    def heads() -> int:
+        with hosted.db.connect() as c:
+            return c.execute(sa.select(sa.func.count()).select_from(prefix.prefix_heads)).scalar_one()
+
+    made = []
+    for i in range(prefix.HEADS_FROM + 2):
+        entry = prefix.entry_from_ids(root, "any_prefix", base + ids_of(400 + i, 40), {"id": "m"}, "float32", None)
+        made.append(str(uuid.uuid4()))
+        with hosted.db.begin() as c:
+            prefix.index_artifact(c, made[-1], "org:acme", f"h{i:02d}", entry)
+        assert heads() == (15 * (i + 1) if i + 1 >= prefix.HEADS_FROM else 0), i
+    with hosted.db.begin() as c:
+        prefix.drop_artifact(c, made[0])
+    assert heads() == 15 * (prefix.HEADS_FROM + 1)
+    # a child two artifacts pass through keeps its rows until the second leaves
+    entry = prefix.entry_from_ids(root, "any_prefix", base + ids_of(401, 40), {"id": "m"}, "float32", None)
+    copy = str(uuid.uuid4())
+    with hosted.db.begin() as c:
+        prefix.index_artifact(c, copy, "org:acme", "h01-copy", entry)
+    assert heads() == 15 * (prefix.HEADS_FROM + 1)
+    with hosted.db.begin() as c:
+        prefix.drop_artifact(c, made[1])
+    assert heads() == 15 * (prefix.HEADS_FROM + 1)
+    with hosted.db.begin() as c:
+        prefix.drop_artifact(c, copy)
+    assert heads() == 15 * prefix.HEADS_FROM
 
 
 @pytest.mark.parametrize(
@@ -350,6 +460,10 @@ def test_a_node_with_more_children_than_one_answer_holds(hosted):
         {"root": "ab" * 32, "blocks": ["ab"]},
         {"root": "ab" * 32, "limit": 0},
         {"root": "ab" * 32, "tokens": [1, 2, 3]},
+        {"root": "ab" * 32, "grant": True, "steps": ["abc="]},
+        {"root": "ab" * 32, "grant": True, "steps": ["AAAA" * 23]},
+        {"root": "ab" * 32, "grant": True, "steps": ["not base64!"]},
+        {"root": "ab" * 32, "grant": True, "steps": ["AAAAAA=="] * 514},
     ],
 )
 def test_bad_lookups_are_refused_in_one_line(hosted, body):
@@ -359,11 +473,16 @@ def test_bad_lookups_are_refused_in_one_line(hosted, body):
 
 
 def test_the_longest_query_fits_one_request(hosted):
-    """512 full-chunk keys and 513 block keys (a 131,072-token query) are over the 64 KiB of other
-    JSON bodies: the lookup route takes them; one key more is refused in one line."""
+    """512 full-chunk keys, 513 block keys and 513 chunks' steps (a 131,072-token query asking for
+    a grant) are over the 64 KiB of other JSON bodies: the lookup route takes them; one key more is
+    refused in one line."""
+    import base64
+
     rng = np.random.default_rng(50)
     keys = [rng.bytes(32).hex() for _ in range(1025)]
-    body = {"root": keys[0], "keys": keys[:512], "blocks": keys[512:], "limit": 50}
+    steps = base64.b64encode(rng.bytes(64)).decode()  # 16 four-byte key prefixes per chunk
+    body = {"root": keys[0], "keys": keys[:512], "blocks": keys[512:], "limit": 50, "grant": True}
+    body["steps"] = [steps] * 513
     r = hosted.raw_lookup("acme", body)
     assert r.status_code == 200 and r.json()["matched_chunks"] == 0, r.text
     r = hosted.raw_lookup("acme", {**body, "keys": keys[:513]})

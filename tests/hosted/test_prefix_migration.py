@@ -1,6 +1,7 @@
-"""The prefix index's upgrade (prefix_0002: raw-byte keys, no block rows, the chunk tree's edges):
-an artifact indexed at prefix_0001 (hex keys, a row per 16-token block) is found after the server
-upgrades, on SQLite and PostgreSQL; and the downgrade rebuilds the old rows."""
+"""The prefix index's upgrades (prefix_0002: raw-byte keys, no block rows, the chunk tree's edges;
+prefix_0003: head rows of wide nodes): an artifact indexed at prefix_0001 (hex keys, a row per
+16-token block) is found after the server upgrades, on SQLite and PostgreSQL; the downgrade
+rebuilds the old rows; a wide node indexed before prefix_0003 gets its head rows."""
 
 from __future__ import annotations
 
@@ -126,3 +127,34 @@ def test_ready_artifacts_the_index_lacks_are_indexed(database_url, request, tmp_
     assert server.rows(kept) == 1 + 4 and server.rows(deleted) == 0
     found = client_of(server, "acme").prefix_lookup(root, doc[:500] + [1], 0, 10)
     assert [(h.ref, h.prefix_tokens) for h in found] == [(kept, 500)]
+
+
+def test_a_wide_node_indexed_at_prefix_0002_gets_its_head_rows(database_url, request, monkeypatch):
+    """prefix_0003 writes the head rows of the children of every node that has 17 or more in a
+    scope (here 40 artifacts going each its own way after one chunk, more than an answer lists),
+    so a query sharing under 16 tokens with them is answered completely after the upgrade."""
+    from kvcdn_server import db, prefix
+
+    engine = sa.create_engine(db.database_url(database_url))
+    alembic(engine, "upgrade", "prefix_0002")
+    root = chainkeys.root_key(FP, chainkeys.representation("bfloat16", None))
+    base = ids_of(80, C)
+    arts = {f"w{i:02d}": base + ids_of(500 + i, 40) for i in range(40)}
+    made = {}
+    with monkeypatch.context() as m, engine.begin() as c:
+        m.setattr(prefix, "_add_heads", lambda conn, entries: None)  # as prefix_0002's confirm did
+        for name, ids in arts.items():
+            made[name] = str(uuid.uuid4())
+            entry = prefix.entry_from_ids(root, "any_prefix", ids, dict(FP, id="old"), "bfloat16", None)
+            prefix.index_artifact(c, made[name], "org:acme", name, entry)
+    engine.dispose()
+
+    server = request.getfixturevalue("hosted")  # the server starts: it upgrades the database
+    assert count(server.db, "SELECT count(*) FROM prefix_heads") == 15 * 40
+    query = base + arts["w11"][C : C + 6] + [50_001] * 30
+    found = client_of(server, "acme").prefix_lookup(root, query, 0, 10)
+    assert [(h.ref, h.prefix_tokens, h.complete) for h in found] == [(made["w11"], C + 6, True)]
+    alembic(server.db, "downgrade", "prefix_0002")
+    assert "prefix_heads" not in sa.inspect(server.db).get_table_names()
+    alembic(server.db, "upgrade", "head")
+    assert count(server.db, "SELECT count(*) FROM prefix_heads") == 15 * 40

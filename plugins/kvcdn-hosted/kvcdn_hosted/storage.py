@@ -21,9 +21,12 @@ As a :class:`~kvcdn_core.StorageBackend`, a key is an artifact's *name* in the c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import threading
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from urllib.parse import urlparse
@@ -76,6 +79,19 @@ def _recency(record: ArtifactRecord) -> tuple[float, str]:
     """Orders artifacts of one name: the one confirmed last reads as the name's object (by the
     microsecond ``confirmed_at_unix``; then by id, so that ties are stable)."""
     return (record.confirmed_at_unix or 0.0, record.artifact_id)
+
+
+_INCOMPLETE_SAID = threading.Event()
+
+
+def _incomplete_once() -> None:
+    """Say once per process that a lookup's answer could not compare every candidate."""
+    if not _INCOMPLETE_SAID.is_set():
+        _INCOMPLETE_SAID.set()
+        logging.getLogger("kvcdn.hosted").warning(
+            "prefix lookup: more stored prefixes go on past the match than one answer compares; "
+            "a longer match among them may be missed (hits say complete=False)"
+        )
 
 
 class HostedStorage(StorageBackend):
@@ -370,6 +386,23 @@ class HostedStorage(StorageBackend):
         refined to the token here (:func:`kvcdn_core.store.index.from_matches`), in one request:
         the server finds how many whole chunks match and sends back the candidates that go on,
         with their token ids in the next chunk."""
+        return self._ask(root, query_ids, start_tokens, limit, grant=False)[0]
+
+    def prefix_lookup_grant(
+        self, root: str, query_ids, limit: int = 1, held: Callable[[list[str]], list[str]] | None = None
+    ) -> tuple[list[Any], Any]:
+        """:meth:`prefix_lookup` that also asks for the best match's chunk grant in the same
+        request: the hits, and the match the server ranked best as ``(artifact_id, grant)``, where
+        ``grant`` is ``(record, URL per digest, expiry)`` (``record`` None: stored whole), or None
+        when it is one of the ids ``held`` returned (called with the query's full-chunk keys: the
+        grants the caller keeps and may use again); or None for no match. The caller checks the
+        artifact is the hit it wants."""
+        return self._ask(root, query_ids, 0, limit, grant=True, held=held)
+
+    def _ask(
+        self, root: str, query_ids, start_tokens: int, limit: int, grant: bool, held=None
+    ) -> tuple[list[Any], Any]:
+        import base64
         from types import SimpleNamespace
 
         import numpy as np
@@ -383,19 +416,61 @@ class HostedStorage(StorageBackend):
             raise KvcdnError(
                 f"lookup: the query has {len(full)} chunks; the server looks up at most {wire.MAX_LOOKUP_KEYS}"
             )
-        c, blocks = keys.CHUNK_TOKENS, []
+        c, blocks, steps = keys.CHUNK_TOKENS, [], []
         for i, parent in enumerate([root, *full]):
-            block = keys.first_block(parent, ids[i * c : (i + 1) * c])
+            chunk = ids[i * c : (i + 1) * c]
+            block = keys.first_block(parent, chunk)
             if block is None:
                 break
             blocks.append(block)
+            if grant:
+                steps.append(base64.b64encode(keys.steps(parent, chunk)).decode())
         body = {"root": root, "keys": full, "blocks": blocks, "limit": min(max(limit, 1), wire.MAX_LOOKUP_LIMIT)}
+        if grant:
+            body.update(grant=True, steps=steps)
+            if held is not None:
+                body["held"] = held(full)[:16]
         answer = self._lookup(PrefixLookup, body)
+        depth = answer.matched_chunks
+        if not answer.complete and not grant and 0 <= depth <= len(full):
+            # a wide node's children, none sharing the next 16 tokens: ask again with the keys of
+            # the query's first 1 to 15 tokens there (a rare second request; the engine's lookup,
+            # which loads whole blocks of 16 or more, has no use for it)
+            chunk_heads = keys.heads(full[depth - 1] if depth else root, ids[depth * c : (depth + 1) * c])
+            if chunk_heads:
+                body.update(heads=[h.hex() for h in chunk_heads], heads_at=depth)
+                answer = self._lookup(PrefixLookup, body)
         try:
             matches = [SimpleNamespace(**m.model_dump(), next_tokens=answer.next_tokens(m)) for m in answer.matches]
-        except (IndexError, ValueError, TypeError) as e:
+            granted = None
+            if answer.grant is not None:
+                g = answer.grant
+                granted = (g.artifact_id, None if g.held else self._grant_of(g.record, g.objects, g.expires_at))
+        except (IndexError, ValueError, TypeError, KeyError) as e:
             raise KvcdnError(f"prefix lookup: the server's answer does not parse ({e})") from None
-        return index.from_matches(matches, root, ids, start_tokens, limit)
+        hits = index.from_matches(matches, root, ids, start_tokens, limit)
+        # still incomplete: more than 32 children share the next 16 tokens (or, asked with a grant,
+        # with no second request: none does, and a match under 16 more tokens is of no use there)
+        shared = any(h.prefix_tokens >= answer.matched_chunks * c + keys.BLOCK_TOKENS for h in hits)
+        if not answer.complete and (shared or not grant):
+            _incomplete_once()
+            hits = [dataclasses.replace(h, complete=False) for h in hits]
+        return hits, granted
+
+    def _grant_of(self, record: dict | None, objects, expires_at: str) -> tuple[Any, dict[str, str], float]:
+        """A chunk grant's record (None: stored whole), URL per digest, and expiry (Unix seconds)."""
+        import datetime as dt
+        import json
+
+        from kvcdn_core.store.record import ArtifactRecord as ChunkRecord
+
+        parsed = None if record is None else ChunkRecord.from_json(json.dumps(record).encode(), "a chunk grant")
+        expires = dt.datetime.strptime(expires_at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+        urls = {}
+        for o in objects:
+            digest, url = (o["digest"], o["url"]) if isinstance(o, dict) else (o.digest, o.url)
+            urls[digest] = self.client.url(url)
+        return parsed, urls, expires.timestamp()
 
     def _lookup(self, model, body: dict[str, Any]):
         return self.client.read(model, "POST", wire.PREFIX_LOOKUP, what="prefix lookup", json=body, idempotent=True)
@@ -407,10 +482,6 @@ class HostedStorage(StorageBackend):
     def hit_chunks(self, hit: Any) -> tuple[Any, dict[str, str], float] | None:
         """A hit's chunk record, a signed GET URL per object and when they expire (one request to the
         artifact's chunks route); None for an artifact uploaded whole (the route answers 422 for it)."""
-        import datetime as dt
-        import json
-
-        from kvcdn_core.store.record import ArtifactRecord as ChunkRecord
         from kvcdn_hosted.client import raise_for_response
 
         route = wire.path(wire.ARTIFACT_CHUNKS, artifact_id=_id(hit.ref))
@@ -420,9 +491,7 @@ class HostedStorage(StorageBackend):
                 return None
             raise_for_response(response, "artifact chunks")
         grant = response.json()
-        record = ChunkRecord.from_json(json.dumps(grant["record"]).encode(), f"artifact {hit.ref}")
-        expires = dt.datetime.strptime(grant["expires_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-        return record, {o["digest"]: self.client.url(o["url"]) for o in grant["objects"]}, expires.timestamp()
+        return self._grant_of(grant["record"], grant["objects"], grant["expires_at"])
 
     def read_chunk(self, location: str) -> bytes | None:
         """One object through its signed URL (the URL carries its own credential)."""

@@ -5,9 +5,9 @@ prefix with a prompt. The one here, :class:`StoreLookup`, asks the store's own p
 (:func:`kvcdn_core.store.index.lookup`: a trie over chain keys, read incrementally, never the
 store's listing or its chunks) and then reads the hit's record (one small object). A backend
 that declares the ``prefix_lookup`` capability (the hosted service) answers lookups itself:
-:class:`IndexLookup` sends it the prompt's chain keys, reads the hit's record from the artifact's
-chunks route, and its workers fetch each missing chunk through the signed URL that route gave (the
-URLs travel in the load plan). :func:`open_lookup` picks one by the declaration. Workers fetch
+:class:`IndexLookup` sends it the prompt's chain keys in one request whose answer carries the
+hit's chunk grant (record and signed URLs), and its workers fetch each missing chunk through those
+URLs (they travel in the load plan). :func:`open_lookup` picks one by the declaration. Workers fetch
 chunks by digest through a :class:`ChunkSource`. No torch here.
 """
 
@@ -101,16 +101,21 @@ MAX_LOCATIONS = 65_536
 #: it stops using one (a worker fetches within a step or two of the lookup)
 MAX_GRANTS = 1024
 GRANT_MARGIN_S = 60.0
+#: kept grants a lookup names as held, so the answer need not carry them again
+MAX_HELD = 4
 
 
 class IndexLookup:
     """:class:`PrefixLookup` and :class:`ChunkSource` on a backend that answers prefix lookups itself
-    (it declares ``prefix_lookup``: the hosted service). Per request: the backend's lookup (chain
-    keys, never token ids or a listing), then one request for the hit's chunk record and a URL per
-    object; that answer is kept per artifact id until shortly before its URLs expire (an artifact
-    id's record never changes), so a prefix the fleet asks for again costs only the index's
-    requests. An artifact stored whole (uploaded without ``--chunked``) is skipped with one line per
-    artifact: a whole-file download per request is what this path exists to avoid."""
+    (it declares ``prefix_lookup``: the hosted service). Per request, one request: the prompt's
+    chain keys (never token ids or a listing), asking for the best match's chunk grant (its record
+    and a URL per object) in the answer. A grant is kept per artifact id until shortly before its
+    URLs expire (an artifact id's record never changes), and a lookup names the kept grants it
+    likely ends on (``held``), so the answer need not carry them again. Only when the server granted
+    another artifact than the refinement picks, and none is kept for it, the hit's chunks route is
+    asked (a second request). An artifact stored whole (uploaded without ``--chunked``) is skipped
+    with one line per artifact: a whole-file download per request is what this path exists to
+    avoid."""
 
     def __init__(
         self,
@@ -119,36 +124,66 @@ class IndexLookup:
         warn: Callable[[str], None],
         clock: Callable[[], float] = time.time,
     ):
-        self.backend = backend
+        self.backend: Any = backend  # a hosted backend: prefix_lookup_grant too
         self.root = root
         self._warn = warn
         self._clock = clock
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._locations: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._grants: collections.OrderedDict[str, tuple[ArtifactRecord, dict[str, str], float]] = (
+        self._grants: collections.OrderedDict[str, tuple[ArtifactRecord | None, dict[str, str], float]] = (
             collections.OrderedDict()
         )
+        #: a query's chain key -> the artifact a lookup through it found (whose grant may be kept)
+        self._found: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def lookup(self, prompt_ids: list[int]) -> Match | None:
         try:
-            hits = self.backend.prefix_lookup(self.root, prompt_ids, 0, 1)
-            if not hits or hits[0].prefix_tokens == 0:
-                return None
+            query_keys: list[str] = []
+            ask = getattr(self.backend, "prefix_lookup_grant", None)  # a backend without it: two requests
+            if ask is not None:
+                hits, granted = ask(self.root, prompt_ids, 1, lambda full: self._held(full, query_keys))
+            else:
+                hits, granted = self.backend.prefix_lookup(self.root, prompt_ids, 0, 1), None
+            if not hits or hits[0].prefix_tokens < keys.BLOCK_TOKENS:
+                return None  # under one block: vLLM (16 or more tokens a block) would load nothing
             hit = hits[0]
+            if granted is not None and granted[0] == hit.ref and granted[1] is not None:
+                self._keep(hit.ref, granted[1])
             grant = self._grant(hit)
-            if grant is None:
+            record, locations, _ = grant if grant is not None else (None, {}, 0.0)
+            if record is None:
                 self._warn_once(f"skipping stored artifact '{hit.name}': it is stored whole, not by chunks")
                 return None
-            record, locations, _ = grant
+            depth = min(hit.prefix_tokens // keys.CHUNK_TOKENS, len(query_keys))
+            if depth:
+                self._found[query_keys[depth - 1]] = hit.ref
+                self._found.move_to_end(query_keys[depth - 1])
+                while len(self._found) > MAX_GRANTS:
+                    self._found.popitem(last=False)
             return Match(hit.name, hit.prefix_tokens, record, locations)
         except Exception as exc:  # an unreachable or refusing service is a miss, never a failed request
             detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
 
-    def _grant(self, hit: Any) -> tuple[ArtifactRecord, dict[str, str], float] | None:
-        """The hit's record and URLs: kept ones while they hold, else asked for (and kept)."""
+    def _held(self, full: list[str], query_keys: list[str]) -> list[str]:
+        """The kept grants the lookup of a query with full-chunk keys ``full`` likely ends on: the
+        artifacts earlier lookups found through its deepest keys (their grants still valid)."""
+        query_keys[:] = full
+        now, held = self._clock(), []
+        for key in reversed(full):
+            ref = self._found.get(key)
+            kept = self._grants.get(ref) if ref else None
+            if ref and ref not in held and kept is not None and kept[2] - GRANT_MARGIN_S > now:
+                held.append(ref)
+                if len(held) == MAX_HELD:
+                    break
+        return held
+
+    def _grant(self, hit: Any) -> tuple[ArtifactRecord | None, dict[str, str], float] | None:
+        """The hit's record and URLs: kept ones while they hold, else asked for (and kept). A
+        record of None: the artifact is stored whole."""
         now = self._clock()
         kept = self._grants.get(hit.ref)
         if kept is not None and kept[2] - GRANT_MARGIN_S > now:
@@ -156,11 +191,14 @@ class IndexLookup:
             return kept
         grant = self.backend.hit_chunks(hit)
         if grant is not None:
-            self._grants[hit.ref] = grant
-            self._grants.move_to_end(hit.ref)
-            while len(self._grants) > MAX_GRANTS:
-                self._grants.popitem(last=False)
+            self._keep(hit.ref, grant)
         return grant
+
+    def _keep(self, ref: str, grant: tuple[ArtifactRecord | None, dict[str, str], float]) -> None:
+        self._grants[ref] = grant
+        self._grants.move_to_end(ref)
+        while len(self._grants) > MAX_GRANTS:
+            self._grants.popitem(last=False)
 
     def locate(self, plan: ChunkPlan) -> None:
         with self._lock:

@@ -1,6 +1,7 @@
 """The connector's lookup and chunk fetch against a real ``kvcdn serve`` (SQLite, local storage):
-the backend is chosen by its declared ``prefix_lookup``; a lookup is one request to the index plus
-one for the hit's chunk record (none when a recent lookup already had it); a worker fetches exactly
+the backend is chosen by its declared ``prefix_lookup``; a lookup is one request to the index, whose
+answer carries the hit's chunk grant (one more, to the chunks route, only when the server ranked
+another match first and no kept grant serves); a worker fetches exactly
 the planned chunks it lacks, nothing else; a foreign private artifact is not found; an artifact
 stored whole is skipped with one line."""
 
@@ -73,6 +74,13 @@ def upload(finder, tmp, name: str, tokens: int, seed: int, chunked: bool = True,
     return tensors, artifact_id
 
 
+def put(finder, tmp, name: str, prefix, tokens: int, seed: int) -> str:
+    """Upload by chunks an artifact of ``tokens`` tokens that starts with the token ids ``prefix``."""
+    path = tmp / f"{name}.kv"
+    write_kinds(path, ["full_attention"] * 3, tokens, seed=seed, prefix_of={artifact.TOKEN_IDS: prefix})
+    return finder.backend.upload_chunked(path, name).artifact_id
+
+
 def test_lookup_and_fetch_move_only_the_planned_chunks(served, monkeypatch):
     server, keys, tmp = served
     finder = as_org(monkeypatch, server, keys["acme"])
@@ -83,9 +91,15 @@ def test_lookup_and_fetch_move_only_the_planned_chunks(served, monkeypatch):
     traffic = Traffic(finder.backend)
     match = finder.lookup(prompt)
     assert match is not None and (match.name, match.prefix_tokens) == ("doc", 600)
-    calls = [(m, p) for m, p, _ in traffic.take()]
-    # the index (one request of chain keys), then the hit's chunk record
-    assert calls == [("POST", f"{API}/prefix/lookup"), ("POST", f"{API}/artifacts/{doc_id}/chunks")]
+    seen = traffic.take()
+    # one request: the index (chain keys), its answer carrying the hit's chunk record and URLs
+    assert [(m, p) for m, p, _ in seen] == [("POST", f"{API}/prefix/lookup")]
+    # again: the lookup names the grant it holds, and the answer names it back without the record
+    again = finder.lookup(prompt)
+    assert again is not None and (again.record, again.locations) == (match.record, match.locations)
+    seen_again = traffic.take()
+    assert [(m, p) for m, p, _ in seen_again] == [("POST", f"{API}/prefix/lookup")]
+    assert seen_again[0][2] < seen[0][2] - len(match.record.to_json())
 
     plan = lookup.plan(match.record, 128, 512, match.locations)
     assert [(p.start, p.tokens) for p in plan.parts] == [(0, 256), (256, 256)]
@@ -144,7 +158,12 @@ def test_an_unreachable_service_is_a_miss_with_one_line(monkeypatch):
     assert len(WARNINGS) == 1 and WARNINGS[0].startswith("prefix lookup in the store failed: ")
 
 
-def test_a_prefix_asked_again_costs_only_the_index_until_its_urls_near_expiry(served, monkeypatch):
+def test_a_grant_the_client_would_not_pick_costs_one_more_request_then_is_kept(served, monkeypatch):
+    """Two artifacts share the query's first chunk and the first 16 tokens of its second; the
+    shorter shares 20 tokens of it, the longer 30. To 16 tokens they tie, so the server grants the
+    shorter (fewest tokens first), and the client, whose refinement to the token picks the longer,
+    asks the chunks route for it: two requests. The same prompt again: its grant is kept, one
+    request, until its URLs near expiry (an injected clock)."""
     import time
 
     from tests.support.clock import ManualClock
@@ -153,17 +172,61 @@ def test_a_prefix_asked_again_costs_only_the_index_until_its_urls_near_expiry(se
     opened = as_org(monkeypatch, server, keys["acme"])
     clock = ManualClock(time.time())
     finder = lookup.IndexLookup(opened.backend, ROOT, WARNINGS.append, clock=clock)
-    tensors, doc_id = upload(finder, tmp, "again", 600, seed=4)
-    prompt = tensors[artifact.TOKEN_IDS].tolist()[:520] + [5, 6]
+    ids = write_kinds(tmp / "tie.kv", ["full_attention"], 256 + 30, seed=5)[artifact.TOKEN_IDS]
+    put(finder, tmp, "short", ids[:276], 256 + 100, seed=6)
+    long_id = put(finder, tmp, "long", ids[:286], 256 + 200, seed=7)
+    prompt = ids[:286].tolist() + [3] * 20
     traffic = Traffic(finder.backend)
-    chunks_route = ("POST", f"{API}/artifacts/{doc_id}/chunks")
+    chunks_route = ("POST", f"{API}/artifacts/{long_id}/chunks")
 
     first = finder.lookup(prompt)
-    assert first is not None and chunks_route in [(m, p) for m, p, _ in traffic.take()]
+    assert first is not None and (first.name, first.prefix_tokens) == ("long", 286)
+    assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup"), chunks_route]
     again = finder.lookup(prompt)
     assert again is not None and again.record == first.record and again.locations == first.locations
-    assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup")]  # no chunks request
-    # the server's URLs last its download TTL (an hour by default): near their expiry, asked for again
+    assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup")]
     clock.advance(3600 - lookup.GRANT_MARGIN_S + 1)
     assert finder.lookup(prompt) is not None
-    assert chunks_route in [(m, p) for m, p, _ in traffic.take()]
+    assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup"), chunks_route]
+    assert WARNINGS == []
+
+
+def test_the_server_ranks_by_the_query_steps_and_grants_the_longer_match(served, monkeypatch):
+    """The longer of two artifacts shares 40 tokens of the query's second chunk (two 16-token
+    steps), the shorter 20 (one): the server's grant is the longer one, though it has more tokens,
+    so the lookup is one request."""
+    server, keys, tmp = served
+    finder = as_org(monkeypatch, server, keys["acme"])
+    ids = write_kinds(tmp / "step.kv", ["full_attention"], 256 + 40, seed=8)[artifact.TOKEN_IDS]
+    put(finder, tmp, "s20", ids[:276], 256 + 100, seed=9)
+    put(finder, tmp, "l40", ids[:296], 256 + 200, seed=10)
+    traffic = Traffic(finder.backend)
+    match = finder.lookup(ids[:296].tolist() + [6] * 10)
+    assert match is not None and (match.name, match.prefix_tokens) == ("l40", 296)
+    assert [(m, p) for m, p, _ in traffic.take()] == [("POST", f"{API}/prefix/lookup")]
+    assert WARNINGS == []
+
+
+def test_a_backend_without_the_grant_in_its_lookup_costs_two_requests(served, monkeypatch):
+    """A backend that answers prefix lookups but cannot put the grant in the answer (a third-party
+    one written before it could): the lookup, then the hit's chunks route, as before."""
+    server, keys, tmp = served
+    opened = as_org(monkeypatch, server, keys["acme"])
+
+    class Plain:
+        def prefix_lookup(self, *args):
+            return opened.backend.prefix_lookup(*args)
+
+        def hit_chunks(self, hit):
+            return opened.backend.hit_chunks(hit)
+
+    finder = lookup.IndexLookup(Plain(), ROOT, WARNINGS.append)  # type: ignore[arg-type]
+    tensors, doc_id = upload(opened, tmp, "plain", 600, seed=11)
+    traffic = Traffic(opened.backend)
+    match = finder.lookup(tensors[artifact.TOKEN_IDS].tolist()[:520] + [5, 6])
+    assert match is not None and (match.name, match.prefix_tokens) == ("plain", 520)
+    assert [(m, p) for m, p, _ in traffic.take()] == [
+        ("POST", f"{API}/prefix/lookup"),
+        ("POST", f"{API}/artifacts/{doc_id}/chunks"),
+    ]
+    assert WARNINGS == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from kvcdn_wire.routes import (
     MAX_COMPOSE_ARTIFACTS,
@@ -129,6 +129,12 @@ class InferRequest(Strict):
         return self
 
 
+#: base64 of up to 16 four-byte key prefixes (:func:`kvcdn_core.store.keys.steps`)
+LookupSteps = Annotated[
+    str, StringConstraints(pattern=r"^(?:[A-Za-z0-9+/]{4}){0,21}(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")
+]
+
+
 class LookupRequest(Strict):
     """``POST /prefix/lookup``: a query as chain keys under one root, never its token ids.
 
@@ -142,6 +148,35 @@ class LookupRequest(Strict):
     keys: list[ChainKey] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS)
     blocks: list[ChainKey] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS + 1)
     limit: int = Field(default=10, ge=1, le=MAX_LOOKUP_LIMIT)
+    #: ask for the best match's chunk grant (record and signed GET URLs) in the answer
+    grant: bool = False
+    #: per chunk, as ``blocks``: base64 of the first 4 bytes of the key of its first 16, 32, ...
+    #: tokens (at most 16 such keys): they let the server rank the candidates to 16 tokens, so the
+    #: grant is the match the client's refinement picks
+    steps: list[LookupSteps] = Field(default_factory=list, max_length=MAX_LOOKUP_KEYS + 1)
+    #: artifact ids whose grants the client holds: when the best match is one, the answer names it
+    #: (``held``) without its record and URLs
+    held: list[Annotated[str, StringConstraints(max_length=36)]] = Field(default_factory=list, max_length=16)
+    #: after an answer with ``complete: false``: the keys of the query's first 1 to 15 tokens after
+    #: its first ``heads_at`` chunks (``matched_chunks``), to refine among a wide node's children
+    heads: list[ChainKey] = Field(default_factory=list, max_length=15)
+    heads_at: int = Field(default=0, ge=0, le=MAX_LOOKUP_KEYS)
+
+    @field_validator("steps")
+    @classmethod
+    def _whole_steps(cls, steps: list[str]) -> list[str]:
+        import base64
+
+        for one in steps:
+            if len(base64.b64decode(one)) % 4:
+                raise ValueError("each steps entry holds whole 4-byte key prefixes")
+        return steps
+
+    def step_bytes(self) -> list[bytes]:
+        """``steps`` decoded: per chunk, its 4-byte key prefixes one after another."""
+        import base64
+
+        return [base64.b64decode(one) for one in self.steps]
 
 
 class OrgRequest(Strict):

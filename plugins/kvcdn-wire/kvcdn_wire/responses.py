@@ -265,6 +265,19 @@ class PrefixMatch(Answer):
     next_chunk: int | None = None
 
 
+class LookupGrant(Answer):
+    """The best match's chunk grant in a lookup's answer (asked with ``grant``): as
+    :class:`ChunksGrant`; ``record`` is None (and ``objects`` empty) for an artifact stored whole,
+    or one the client said it holds (``held``)."""
+
+    artifact_id: str
+    record: dict[str, Any] | None
+    objects: list[ObjectUrl]
+    expires_at: str
+    #: the client named it in ``held``: no record, no URLs, no expiry sent
+    held: bool = False
+
+
 class PrefixLookup(Answer):
     """``POST /prefix/lookup``: the longest matches among the caller's and published artifacts."""
 
@@ -277,6 +290,8 @@ class PrefixLookup(Answer):
     #: the distinct next chunks of the matches, each its token ids as little-endian uint32, base64
     next_chunks: list[str]
     matches: list[PrefixMatch]
+    #: asked with ``grant``: the chunk grant of the match the server ranks best (None: no match)
+    grant: LookupGrant | None = None
 
     def next_tokens(self, match: PrefixMatch) -> list[int] | None:
         """A match's token ids in the chunk after its ``matched_tokens`` (None when it ends there)."""
@@ -318,6 +333,7 @@ __all__ = [
     "Identity",
     "InferAnswer",
     "InferComposition",
+    "LookupGrant",
     "KeyVerification",
     "Limits",
     "ManifestSummary",

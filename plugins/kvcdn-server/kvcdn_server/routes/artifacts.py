@@ -95,23 +95,29 @@ def chunked_upload(identity: Auth, body: ChunkedUploadRequest, s: Svc):
 @router.post(wire.ARTIFACT_CHUNKS, response_model=ChunksGrant)
 def artifact_chunks(identity: MaybeAuth, artifact_id: str, s: Svc):
     """A ready chunked artifact's record and a signed GET URL per distinct object."""
+    grant = chunks_grant(s, identity, artifact_id)
+    if grant is None:
+        raise not_found()
+    return grant
+
+
+def chunks_grant(s: Services, identity: Identity | None, artifact_id: str, whole_ok: bool = False) -> dict | None:
+    """What the chunks route answers for a ready artifact the caller may read (its own or a public
+    one), also carried by a prefix lookup's answer; None when it is not ready. An artifact stored
+    whole is refused, or with ``whole_ok`` granted with no record and no objects."""
     row = s.store.readable(identity.tenant if identity else None, artifact_id)
     if row.status != "ready":
-        raise not_found()
-    if row.record is None:
-        raise validation("this artifact is stored whole: download it with download-url")
-    record = chunks.parse_record(json.loads(row.record))
+        return None
     ttl = s.config.download_ttl
     expires = int(s.store.clock()) + ttl
+    grant = {"artifact_id": artifact_id, "sha256": row.sha256, "size_bytes": row.size_bytes}
+    if row.record is None:
+        if not whole_ok:
+            raise validation("this artifact is stored whole: download it with download-url")
+        return {**grant, "record": None, "objects": [], "expires_at": now_iso(expires)}
+    record = chunks.parse_record(json.loads(row.record))
     objects = _signed_objects(s, record, ttl)
-    return {
-        "artifact_id": artifact_id,
-        "record": record.to_dict(),
-        "objects": objects,
-        "sha256": row.sha256,
-        "size_bytes": row.size_bytes,
-        "expires_at": now_iso(expires),
-    }
+    return {**grant, "record": record.to_dict(), "objects": objects, "expires_at": now_iso(expires)}
 
 
 def _signed_objects(s: Services, record, ttl: int) -> list[dict]:
