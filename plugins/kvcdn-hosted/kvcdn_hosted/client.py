@@ -31,7 +31,15 @@ IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 ATTEMPTS = 4
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 8.0
+#: how long one request of a caller that cannot wait (the engine's scheduler, :meth:`request`
+#: with ``attempts=1``) waits for the service, in seconds: a miss there only costs recompute
+IMPATIENT_TIMEOUT_S = 2.0
 LOGIN_HINT = "log in with `kvcdn login` or set an API key with `kvcdn api-key set KEY` (or KVCDN_API_KEY)"
+
+
+class ServiceTimeout(KvcdnError, TimeoutError):
+    """The service did not answer in time (on the last attempt): a ``TimeoutError`` too, so a
+    caller that backs off from a slow service needs nothing of this module to tell it apart."""
 
 
 @dataclasses.dataclass
@@ -223,7 +231,8 @@ class HostedClient:
                 if attempt + 1 < attempts and (idempotent or unsent):
                     time.sleep(backoff_delay(attempt))
                     continue
-                raise KvcdnError(f"{what}: cannot reach {self.api_url} ({type(exc).__name__}: {exc})") from None
+                error = ServiceTimeout if isinstance(exc, httpx.TimeoutException) else KvcdnError
+                raise error(f"{what}: cannot reach {self.api_url} ({type(exc).__name__}: {exc})") from None
             retry = TRANSIENT_STATUSES if idempotent else UNPROCESSED_STATUSES
             if (response.status_code in retry or _not_done(response)) and attempt + 1 < attempts:
                 time.sleep(backoff_delay(attempt, response.headers.get("Retry-After")))

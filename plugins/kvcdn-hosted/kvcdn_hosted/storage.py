@@ -389,18 +389,25 @@ class HostedStorage(StorageBackend):
         return self._ask(root, query_ids, start_tokens, limit, grant=False)[0]
 
     def prefix_lookup_grant(
-        self, root: str, query_ids, limit: int = 1, held: Callable[[list[str]], list[str]] | None = None
+        self,
+        root: str,
+        query_ids,
+        limit: int = 1,
+        held: Callable[[list[str]], list[str]] | None = None,
+        impatient: bool = False,
     ) -> tuple[list[Any], Any]:
         """:meth:`prefix_lookup` that also asks for the best match's chunk grant in the same
         request: the hits, and the match the server ranked best as ``(artifact_id, grant)``, where
         ``grant`` is ``(record, URL per digest, expiry)`` (``record`` None: stored whole), or None
         when it is one of the ids ``held`` returned (called with the query's full-chunk keys: the
         grants the caller keeps and may use again); or None for no match. The caller checks the
-        artifact is the hit it wants."""
-        return self._ask(root, query_ids, 0, limit, grant=True, held=held)
+        artifact is the hit it wants. ``impatient``: one attempt, waiting at most
+        ``IMPATIENT_TIMEOUT_S`` (a caller for whom a miss is cheaper than a wait: the engine's
+        scheduler); a timeout raises :class:`~kvcdn_hosted.client.ServiceTimeout`."""
+        return self._ask(root, query_ids, 0, limit, grant=True, held=held, impatient=impatient)
 
     def _ask(
-        self, root: str, query_ids, start_tokens: int, limit: int, grant: bool, held=None
+        self, root: str, query_ids, start_tokens: int, limit: int, grant: bool, held=None, impatient: bool = False
     ) -> tuple[list[Any], Any]:
         import base64
         from types import SimpleNamespace
@@ -408,6 +415,7 @@ class HostedStorage(StorageBackend):
         import numpy as np
 
         from kvcdn_core.store import index, keys
+        from kvcdn_hosted import client as client_module
         from kvcdn_wire.responses import PrefixLookup
 
         ids = np.asarray(query_ids, dtype=np.int64)
@@ -430,7 +438,10 @@ class HostedStorage(StorageBackend):
             body.update(grant=True, steps=steps)
             if held is not None:
                 body["held"] = held(full)[:16]
-        answer = self._lookup(PrefixLookup, body)
+        # impatient: one attempt, a short wait (kept out of the call otherwise, so the plain lookup
+        # is the two-argument call a test may stand in for)
+        patience = {"attempts": 1, "timeout": client_module.IMPATIENT_TIMEOUT_S} if impatient else {}
+        answer = self._lookup(PrefixLookup, body, **patience)
         depth = answer.matched_chunks
         if not answer.complete and not grant and 0 <= depth <= len(full):
             # a wide node's children, none sharing the next 16 tokens: ask again with the keys of
@@ -472,8 +483,10 @@ class HostedStorage(StorageBackend):
             urls[digest] = self.client.url(url)
         return parsed, urls, expires.timestamp()
 
-    def _lookup(self, model, body: dict[str, Any]):
-        return self.client.read(model, "POST", wire.PREFIX_LOOKUP, what="prefix lookup", json=body, idempotent=True)
+    def _lookup(self, model, body: dict[str, Any], **patience):
+        return self.client.read(
+            model, "POST", wire.PREFIX_LOOKUP, what="prefix lookup", json=body, idempotent=True, **patience
+        )
 
     def fetch_hit(self, hit: Any, target: Path) -> None:
         """The artifact a lookup found, by its id (not its name: a public one is another tenant's)."""

@@ -100,6 +100,11 @@ MAX_LOCATIONS = 65_536
 #: chunk grants (record and URLs) a hosted scheduler keeps, and how long before their URLs expire
 #: it stops using one (a worker fetches within a step or two of the lookup)
 MAX_GRANTS = 1024
+#: after a lookup that timed out, the scheduler asks the store again only after a pause, doubled at
+#: each timeout in a row up to the last figure (seconds): a service that drops packets must not
+#: hold every new request's scheduling step for a timeout
+QUIET_FIRST_S = 1.0
+QUIET_MAX_S = 30.0
 GRANT_MARGIN_S = 60.0
 #: kept grants a lookup names as held, so the answer need not carry them again
 MAX_HELD = 4
@@ -136,15 +141,23 @@ class IndexLookup:
         )
         #: a query's chain key -> the artifact a lookup through it found (whose grant may be kept)
         self._found: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._quiet_until = 0.0  # no lookup before this time (the service timed out)
+        self._quiet_s = 0.0
 
     def lookup(self, prompt_ids: list[int]) -> Match | None:
+        """The prompt's match, or None. It runs on the scheduler's step, so it waits little: one
+        attempt, a short timeout, and after a timeout no lookup for a pause (a miss only costs
+        recompute; a refused connection fails at once and pauses nothing)."""
+        if self._clock() < self._quiet_until:
+            return None
         try:
             query_keys: list[str] = []
             ask = getattr(self.backend, "prefix_lookup_grant", None)  # a backend without it: two requests
             if ask is not None:
-                hits, granted = ask(self.root, prompt_ids, 1, lambda full: self._held(full, query_keys))
+                hits, granted = ask(self.root, prompt_ids, 1, lambda full: self._held(full, query_keys), impatient=True)
             else:
                 hits, granted = self.backend.prefix_lookup(self.root, prompt_ids, 0, 1), None
+            self._quiet_s = 0.0
             if not hits or hits[0].prefix_tokens < keys.BLOCK_TOKENS:
                 return None  # under one block: vLLM (16 or more tokens a block) would load nothing
             hit = hits[0]
@@ -164,6 +177,10 @@ class IndexLookup:
             return Match(hit.name, hit.prefix_tokens, record, locations)
         except Exception as exc:  # an unreachable or refusing service is a miss, never a failed request
             detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            if isinstance(exc, TimeoutError):
+                self._quiet_s = min(max(2 * self._quiet_s, QUIET_FIRST_S), QUIET_MAX_S)
+                self._quiet_until = self._clock() + self._quiet_s
+                detail += f"; lookups pause after each timeout, {QUIET_FIRST_S:g} s doubling up to {QUIET_MAX_S:g} s"
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
 

@@ -151,11 +151,58 @@ def test_an_artifact_stored_whole_is_skipped_with_one_line(served, monkeypatch):
 
 
 def test_an_unreachable_service_is_a_miss_with_one_line(monkeypatch):
-    monkeypatch.setenv("KVCDN_API_KEY", "kvcdn_unused")
+    monkeypatch.setenv("KVCDN_API_KEY", "kv_" + "0" * 64)
     monkeypatch.setenv("KVCDN_TELEMETRY", "0")
     finder = lookup.open_lookup(f"kvcdn+http://127.0.0.1:{services.free_port()}", ROOT, WARNINGS.append)
     assert finder.lookup([1, 2, 3] * 200) is None and finder.lookup([1, 2, 3] * 200) is None
     assert len(WARNINGS) == 1 and WARNINGS[0].startswith("prefix lookup in the store failed: ")
+
+
+def test_a_refused_lookup_is_one_attempt_with_no_backoff(monkeypatch):
+    """The lookup runs on the scheduler's step: a service that refuses connections costs one
+    attempt and no backoff wait (the hosted client's default is four attempts with backoff)."""
+    from kvcdn_hosted import client
+
+    waits: list[float] = []
+    monkeypatch.setattr(client.time, "sleep", waits.append)
+    monkeypatch.setenv("KVCDN_API_KEY", "kv_" + "0" * 64)
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    finder = lookup.open_lookup(f"kvcdn+http://127.0.0.1:{services.free_port()}", ROOT, WARNINGS.append)
+    assert finder.lookup([1, 2, 3] * 200) is None and finder.lookup([1, 2, 3] * 200) is None
+    assert waits == [] and len(WARNINGS) == 1
+
+
+def test_a_service_that_does_not_answer_pauses_lookups_doubling(monkeypatch):
+    """A service that takes connections and never answers: the lookup times out once, then the
+    scheduler asks nothing until the pause (1 s, then 2 s: an injected clock) has passed."""
+    import socket
+    import threading
+
+    from kvcdn_hosted import client
+
+    monkeypatch.setattr(client, "IMPATIENT_TIMEOUT_S", 0.3)
+    monkeypatch.setenv("KVCDN_API_KEY", "kv_" + "0" * 64)
+    monkeypatch.setenv("KVCDN_TELEMETRY", "0")
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(silent.accept()[0]) for _ in range(8)], daemon=True).start()
+    now = [0.0]
+    backend = lookup.open_lookup(f"kvcdn+http://127.0.0.1:{silent.getsockname()[1]}", ROOT, WARNINGS.append).backend
+    finder = lookup.IndexLookup(backend, ROOT, WARNINGS.append, clock=lambda: now[0])
+    prompt = [1, 2, 3] * 200
+    try:
+        seen = []
+        for t in (0.0, 0.5, 1.5, 3.0, 3.6):
+            now[0] = t
+            assert finder.lookup(prompt) is None
+            seen.append(len(held))
+        # asked at 0 (pause to 1), skipped at 0.5, asked at 1.5 (pause to 3.5), skipped at 3.0, asked at 3.6
+        assert seen == [1, 1, 2, 2, 3]
+        assert len(WARNINGS) == 1 and "lookups pause after each timeout" in WARNINGS[0]
+    finally:
+        silent.close()
+        for s in held:
+            s.close()
 
 
 def test_a_grant_the_client_would_not_pick_costs_one_more_request_then_is_kept(served, monkeypatch):
