@@ -149,40 +149,46 @@ class Cutter:
         return b"".join(self.data[base + a : base + b].tobytes() for a, b in spans)
 
     def plan(self, candidates: dict[int, tuple[PieceRef, ...]], present: Callable[[str], bool]) -> Plan:
-        """Each chunk whole, or as stored pieces plus the rest, and the tail.
+        """Each chunk whole, or as stored pieces plus the rest, and the tail; every byte read and
+        hashed once.
 
         ``candidates[i]`` are the pieces of a stored chunk whose tokens start where chunk ``i``
-        does (a shorter artifact of the same chain: its last, partial chunk). When chunk ``i``'s
-        whole bytes are not ``present`` in the store, the longest run of leading candidates whose
-        bytes are this file's rows for their tokens (their digests are compared: exact) is
-        referenced, and only the rest becomes a new piece. Nothing matches: the chunk is whole.
+        does (a shorter artifact of the same chain: its last, partial chunk). The longest run of
+        leading candidates whose bytes are this file's rows for their tokens (their digests are
+        compared: exact) is referenced, and only the rest becomes a new piece; the chunk's whole
+        digest is then never computed. Nothing matches: the chunk is whole. ``present`` is not
+        asked: the put looks for each object after it has written its pending marker.
         """
         chunks: list[ChunkRef] = []
         blobs: list[Blob] = []
+
+        def blob(data: bytes, chunk: int | None, gather: Callable[[], bytes]) -> Blob:
+            return Blob(digest_of(data), len(data), chunk, gather)
+
         for i, key in enumerate(self.chain):
             t0, t1 = self.bounds[i]
-            data = self.chunk(i)
-            whole = Blob(digest_of(data), len(data), i, functools.partial(self.chunk, i))
-            del data
-            pieces = self._reused(t0, t1, candidates.get(i, ()), whole, present)
-            if pieces:
-                chunks.append(ChunkRef(key, None, t1 - t0, whole.size, tuple(p for p, _ in pieces)))
-                blobs += [blob for _, blob in pieces]
-            else:
-                chunks.append(ChunkRef(key, whole.digest, t1 - t0, whole.size))
-                blobs.append(whole)
+            pieces = self._reused(t0, t1, candidates.get(i, ()), i, blob)
+            if len(pieces) > 1:
+                chunks.append(ChunkRef(key, None, t1 - t0, sum(b.size for _, b in pieces), tuple(p for p, _ in pieces)))
+                blobs += [b for _, b in pieces]
+                continue
+            # one stored piece that is the whole chunk: its bytes are the chunk's, already hashed
+            whole = pieces[0][1] if pieces else blob(self.chunk(i), i, functools.partial(self.chunk, i))
+            chunks.append(ChunkRef(key, whole.digest, t1 - t0, whole.size))
+            blobs.append(whole)
         tail = None
         if self.tail:
-            data = self.tail_bytes()
-            tail = TailRef(digest_of(data), len(data))
-            blobs.append(Blob(tail.digest, tail.bytes, None, self.tail_bytes))
+            tail_blob = blob(self.tail_bytes(), None, self.tail_bytes)
+            tail = TailRef(tail_blob.digest, tail_blob.size)
+            blobs.append(tail_blob)
         return Plan(chunks, tail, blobs)
 
     def _reused(
-        self, t0: int, t1: int, candidates: tuple[PieceRef, ...], whole: Blob, present: Callable[[str], bool]
+        self, t0: int, t1: int, candidates: tuple[PieceRef, ...], chunk: int, blob: Callable[..., Blob]
     ) -> list[tuple[PieceRef, Blob]]:
-        """Chunk ``[t0, t1)`` as stored pieces and a new rest, or ``[]`` (store it whole)."""
-        if not candidates or (len(candidates) == 1 and candidates[0].tokens >= t1 - t0) or present(whole.digest):
+        """Chunk ``[t0, t1)`` as stored pieces and a new rest, or ``[]`` (store it whole); a single
+        piece when one stored piece is the whole chunk."""
+        if not candidates or (len(candidates) == 1 and candidates[0].tokens >= t1 - t0):
             return []
         found: list[tuple[PieceRef, Blob]] = []
         start = t0
@@ -190,19 +196,19 @@ class Cutter:
             end = start + piece.tokens
             if end > t1:
                 break
-            data = self.rows(start, end)
-            if digest_of(data) != piece.digest:
+            got = blob(self.rows(start, end), chunk, functools.partial(self.rows, start, end))
+            if got.digest != piece.digest:
+                if start == t0 and end == t1:  # not that piece, but these are the chunk's bytes
+                    return [(PieceRef(got.digest, end - start, got.size), got)]
                 break
-            blob = Blob(piece.digest, len(data), whole.chunk, functools.partial(self.rows, start, end))
-            found.append((PieceRef(piece.digest, piece.tokens, len(data)), blob))
+            found.append((PieceRef(piece.digest, piece.tokens, got.size), got))
             start = end
         if not found:
             return []
         if start < t1:
-            data = self.rows(start, t1)
-            rest = Blob(digest_of(data), len(data), whole.chunk, functools.partial(self.rows, start, t1))
+            rest = blob(self.rows(start, t1), chunk, functools.partial(self.rows, start, t1))
             found.append((PieceRef(rest.digest, t1 - start, rest.size), rest))
-        return found if len(found) > 1 else []
+        return found
 
 
 def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, plan: Plan) -> ArtifactRecord:
