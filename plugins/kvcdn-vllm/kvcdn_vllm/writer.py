@@ -32,8 +32,14 @@ def write_prompt_artifact(
     fingerprint: dict,
     prompt_ids: list[int],
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    context: bool = True,
 ) -> Path:
-    """Write ``layers`` (index → keys, values ``[kv_heads, tokens, head_size]``) as an artifact."""
+    """Write ``layers`` (index → keys, values ``[kv_heads, tokens, head_size]``) as an artifact.
+
+    ``context``: keep the prompt's text in the manifest for ``kvcdn search`` (the prompt decoded
+    and encoded again to check it, which costs CPU). A save into a chunk store goes without: the
+    store finds it by its token ids (the prefix index), and each record stays small.
+    """
     from kvcdn_core import runtime
 
     mc = vllm_config.model_config
@@ -55,7 +61,7 @@ def write_prompt_artifact(
         fingerprint,
         str(dtype).removeprefix("torch."),
         entries,
-        _context(model_dir, prompt_ids),
+        _context(model_dir, prompt_ids) if context else None,
     )
     manifest["producer"] = {"engine": "vllm", "version": _vllm_version()}
     return artifact.write_artifact(Path(directory) / artifact_name(prompt_ids), manifest, tensors)

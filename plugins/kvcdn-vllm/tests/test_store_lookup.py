@@ -91,6 +91,35 @@ def test_saves_put_only_new_chunks_in_the_background(store, tmp_path):
     assert warnings == []
 
 
+def test_a_save_is_hashed_once_by_its_writer_and_once_by_the_put_and_comes_back_bitwise(store, tmp_path, monkeypatch):
+    """The queue's thread wrote the file and hashed its tensors a moment ago: core's put cuts it
+    without checking it against its manifest again, and the store gives back the same bytes."""
+    from kvcdn_core.store import pack
+
+    first, _ = put(store, tmp_path, "turn1", 300, seed=1)
+    checks = []
+    check = pack.Cutter.check_digests
+    monkeypatch.setattr(pack.Cutter, "check_digests", lambda self: checks.append(1) or check(self))
+    written = {}
+
+    def write(directory):
+        path = directory / "turn2.kv"
+        write_kinds(path, ["full_attention"] * 3, 450, seed=2, prefix_of=first)
+        written["bytes"] = path.read_bytes()
+        return path
+
+    saver = SaveQueue(store, 1, print)
+    assert saver.submit("turn2", write)
+    saver.join()
+    saver.close()
+    assert saver.saved == 1 and checks == []
+    store.get("turn2", tmp_path / "back.kv")
+    assert (tmp_path / "back.kv").read_bytes() == written["bytes"]
+    assert store.record("turn2").chunks[1].pieces  # turn 1's partial chunk, then the new rest
+    store.put(tmp_path / "turn1.kv", "turn1-again", force=True)  # a file from elsewhere: checked
+    assert checks == [1]
+
+
 def test_a_full_queue_skips_and_a_failed_save_is_one_line(store, tmp_path):
     warnings: list[str] = []
     saver = SaveQueue(store, 1, warnings.append)
