@@ -178,6 +178,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._artifact_cache: tuple[tuple, dict[str, torch.Tensor]] | None = None
         self._failed_blocks: set[int] = set()
         self._gathered: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._save_slots: dict[str, Callable[[str, torch.Tensor], paged.TokenSlots]] = {}
         self._tier = None
         self._saver = None
         self._step_figures: dict[str, dict[str, int]] = {}
@@ -506,10 +507,12 @@ class KvcdnConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvcdnMetadata) or not meta.saves or layer_name not in self._layouts:
             return
         for job in meta.saves:
+            # the token slots of one layout serve every layer of the step: computed once, not per layer
+            slots = self._save_slots.get(job.req_id)
+            if slots is None:
+                slots = self._save_slots[job.req_id] = self._slots(job.block_ids, len(job.prompt_ids))
             try:
-                keys, values = paged.gather(
-                    kv_layer, self._slots(job.block_ids, len(job.prompt_ids))(layer_name, kv_layer)
-                )
+                keys, values = paged.gather(kv_layer, slots(layer_name, kv_layer))
             except paged.LayoutError as exc:
                 _warn(f"not saving request {job.req_id}: {exc}")
                 continue
@@ -521,6 +524,8 @@ class KvcdnConnector(KVConnectorBase_V1):
             return
         from kvcdn_vllm.writer import artifact_name, write_prompt_artifact
 
+        for job in meta.saves:
+            self._save_slots.pop(job.req_id, None)
         prompts = {job.req_id: self._gathered.pop(job.req_id, {}) for job in meta.saves}
         counts = {req_id: len(layers) for req_id, layers in prompts.items()}
         if self._heads_gather is not None:  # every TP rank's heads, assembled on the first rank
