@@ -150,14 +150,15 @@ class Cutter:
 
     def plan(self, candidates: dict[int, tuple[PieceRef, ...]], present: Callable[[str], bool]) -> Plan:
         """Each chunk whole, or as stored pieces plus the rest, and the tail; every byte read and
-        hashed once.
+        hashed once, a chunk with a rest piece twice.
 
         ``candidates[i]`` are the pieces of a stored chunk whose tokens start where chunk ``i``
         does (a shorter artifact of the same chain: its last, partial chunk). The longest run of
         leading candidates whose bytes are this file's rows for their tokens (their digests are
-        compared: exact) is referenced, and only the rest becomes a new piece; the chunk's whole
-        digest is then never computed. Nothing matches: the chunk is whole. ``present`` is not
-        asked: the put looks for each object after it has written its pending marker.
+        compared: exact) is referenced, and only the rest becomes a new piece. Nothing matches: the
+        chunk is whole. The chunk's whole digest is computed only for a chunk with a rest piece (a
+        turn's last chunk, about once a put): when the store holds those whole bytes already (under
+        another artifact, or left by a deleted one), the chunk references them and stores no rest.
         """
         chunks: list[ChunkRef] = []
         blobs: list[Blob] = []
@@ -167,13 +168,19 @@ class Cutter:
 
         for i, key in enumerate(self.chain):
             t0, t1 = self.bounds[i]
-            pieces = self._reused(t0, t1, candidates.get(i, ()), i, blob)
+            pieces, rest = self._reused(t0, t1, candidates.get(i, ()), i, blob)
+            whole = None
+            if rest:  # a piece of new bytes, unless the store holds the whole chunk already
+                whole = blob(self.chunk(i), i, functools.partial(self.chunk, i))
+                if present(whole.digest):
+                    pieces = []
             if len(pieces) > 1:
                 chunks.append(ChunkRef(key, None, t1 - t0, sum(b.size for _, b in pieces), tuple(p for p, _ in pieces)))
                 blobs += [b for _, b in pieces]
                 continue
             # one stored piece that is the whole chunk: its bytes are the chunk's, already hashed
-            whole = pieces[0][1] if pieces else blob(self.chunk(i), i, functools.partial(self.chunk, i))
+            if whole is None:
+                whole = pieces[0][1] if pieces else blob(self.chunk(i), i, functools.partial(self.chunk, i))
             chunks.append(ChunkRef(key, whole.digest, t1 - t0, whole.size))
             blobs.append(whole)
         tail = None
@@ -185,11 +192,12 @@ class Cutter:
 
     def _reused(
         self, t0: int, t1: int, candidates: tuple[PieceRef, ...], chunk: int, blob: Callable[..., Blob]
-    ) -> list[tuple[PieceRef, Blob]]:
-        """Chunk ``[t0, t1)`` as stored pieces and a new rest, or ``[]`` (store it whole); a single
-        piece when one stored piece is the whole chunk."""
+    ) -> tuple[list[tuple[PieceRef, Blob]], bool]:
+        """Chunk ``[t0, t1)`` as stored pieces and a rest, or ``[]`` (store it whole); a single
+        piece when one stored piece is the whole chunk. True when the last piece is the rest (not
+        a stored candidate)."""
         if not candidates or (len(candidates) == 1 and candidates[0].tokens >= t1 - t0):
-            return []
+            return [], False
         found: list[tuple[PieceRef, Blob]] = []
         start = t0
         for piece in candidates:
@@ -199,16 +207,16 @@ class Cutter:
             got = blob(self.rows(start, end), chunk, functools.partial(self.rows, start, end))
             if got.digest != piece.digest:
                 if start == t0 and end == t1:  # not that piece, but these are the chunk's bytes
-                    return [(PieceRef(got.digest, end - start, got.size), got)]
+                    return [(PieceRef(got.digest, end - start, got.size), got)], False
                 break
             found.append((PieceRef(piece.digest, piece.tokens, got.size), got))
             start = end
         if not found:
-            return []
-        if start < t1:
-            rest = blob(self.rows(start, t1), chunk, functools.partial(self.rows, start, t1))
-            found.append((PieceRef(rest.digest, t1 - start, rest.size), rest))
-        return found
+            return [], False
+        if start == t1:
+            return found, False
+        rest = blob(self.rows(start, t1), chunk, functools.partial(self.rows, start, t1))
+        return found + [(PieceRef(rest.digest, t1 - start, rest.size), rest)], True
 
 
 def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, plan: Plan) -> ArtifactRecord:
