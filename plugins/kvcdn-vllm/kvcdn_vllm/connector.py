@@ -557,7 +557,6 @@ class KvcdnConnector(KVConnectorBase_V1):
                     fingerprint=self._fingerprint,
                     prompt_ids=job.prompt_ids,
                     layers=layers,
-                    context=False,
                 )
                 self._saver.submit(artifact_name(job.prompt_ids).removesuffix(".kv"), write)
                 continue
