@@ -13,13 +13,15 @@ the same layout (every chunked tensor's rows for those tokens, in file order). A
 reference a stored shorter chunk that is a token-prefix of its own (the last, partial chunk of an
 earlier turn of a conversation) and store only the rest; the stored bytes are compared by digest.
 
-numpy views over a memory map of the file: one chunk's bytes are gathered at a time. No torch.
+numpy views over a memory map of the file (:func:`mapped`): one chunk's bytes are gathered at a time.
+No torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -38,6 +40,18 @@ from kvcdn_core.store.record import MODEL_KEYS, VERSION, ArtifactRecord, ChunkRe
 
 def digest_of(data: bytes | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
+
+
+def mapped(path: str | os.PathLike[str]) -> np.ndarray:
+    """A file's bytes as a read-only array over a memory map: never read whole into memory.
+
+    A plain array over :mod:`mmap`, not ``np.memmap``: every slice of an ``np.memmap`` runs Python
+    code to make another ``np.memmap``, and a put slices every tensor of every chunk (a
+    2,048-token save gathered its rows several times faster this way).
+    """
+    with open(path, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(view, dtype=np.uint8)
 
 
 def chunked_names(header: artifact.Header) -> list[str]:
@@ -105,7 +119,7 @@ class Cutter:
         self.chunk_tokens = chunk_tokens
         self.chunked = chunked_names(header)
         self.tail = tail_names(header, self.chunked)
-        self.data = np.memmap(header.path, dtype=np.uint8, mode="r")
+        self.data = mapped(header.path)
         self.root = root_of(manifest_of(header), chunk_tokens)
         tokens = header.token_count
         self.chain = keys.chain(self.root, token_ids, chunk_tokens) if self.chunked and tokens else []
