@@ -46,8 +46,8 @@ def mapped(path: str | os.PathLike[str]) -> np.ndarray:
     """A file's bytes as a read-only array over a memory map: never read whole into memory.
 
     A plain array over :mod:`mmap`, not ``np.memmap``: every slice of an ``np.memmap`` runs Python
-    code to make another ``np.memmap``, and a put slices every tensor of every chunk (a
-    2,048-token save gathered its rows several times faster this way).
+    code to make another ``np.memmap``, and a put slices every tensor of every chunk (on a thread
+    that shares Python's lock with a vLLM engine, that Python work is what costs).
     """
     with open(path, "rb") as fh:
         view = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
