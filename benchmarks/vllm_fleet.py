@@ -36,7 +36,8 @@ The scheduler's lookup is also timed outside the engines: ``--lookups`` lookups 
 through the connector's own lookup object, p50 and p99; and the link's speed, as the prefix's
 chunks fetched once through that object's own source. ``--profile`` runs the kvcdn requests,
 the last saved turn and the save thread under cProfile and prints where their time goes (the timings then include
-the profiler's overhead: use it for shares, not for the table).
+the profiler's overhead: use it for shares, not for the table). ``--conversation-only`` runs only figure 3
+(the conversation without a connector, then with ``save`` on): no stores, no server, about 2 minutes.
 """
 
 from __future__ import annotations
@@ -314,6 +315,39 @@ def serve_conversation(llm, prompts: list[list[int]], lines: Lines, profile: str
     }
 
 
+def save_conversation(args, model: str, turns: list[list[int]], warm: list[int], work: Path, lines: Lines) -> dict:
+    """Figure 3's second half: the conversation through an engine with ``save`` on into a new local
+    directory store, then what that store holds."""
+    from kvcdn_core.builtin.local_storage import LocalStorage
+    from kvcdn_core.store.chunkstore import ChunkStore
+
+    saving = work / "saving"
+    save_profile = saver_profile() if args.profile else None
+    tier = {"tier_directory": str(work / "tier-saving"), "tier_memory_bytes": 1 << 30}
+    llm = engine(model, kvcdn({**tier, "store": str(saving), "save": True}), prefix_caching=True, in_process=True)
+    ttft(llm, warm, 1)
+    served = serve_conversation(llm, turns, lines, "conversation_save_last_turn" if args.profile else None)
+    lines.take()
+    close(llm)
+    summary = [line for line in lines.take() if "summary" in line]
+    if save_profile is not None:
+        keep_saver_profile(save_profile)
+    store = ChunkStore(LocalStorage(saving))
+    records = [store.record(n) for n in store.names()]
+    final = max(records, key=lambda r: r.token_count)
+    return {
+        "conversation_save": served,
+        "conversation_store": {
+            "final_tokens": len(turns[-1]),
+            "saved_artifacts": len(records),
+            "largest_saved_tokens": final.token_count,
+            "final_own_bytes": final.size,  # the saved `.kv` file's bytes
+            "stored_bytes": dir_bytes(saving),
+            "summary": summary,
+        },
+    }
+
+
 def build_stores(args, work: Path, real: Path, model_info: dict, server) -> dict:
     """The hosted service and the local directory, each with the synthetic artifacts and the real one."""
     from kvcdn_core.builtin.local_storage import LocalStorage
@@ -362,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the kvcdn requests, the last saved turn and the save thread"
     )
+    parser.add_argument(
+        "--conversation-only",
+        action="store_true",
+        help="only figure 3: the conversation without a connector, then with save on (no stores, no server)",
+    )
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--json", default=None, help="also write the JSON results here")
     args = parser.parse_args(argv)
@@ -376,8 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     from kvcdn_vllm import lookup
 
     from kvcdn_core import artifact, runtime
-    from kvcdn_core.builtin.local_storage import LocalStorage
-    from kvcdn_core.store.chunkstore import ChunkStore
     from kvcdn_core.testing.smollm2 import smollm2_dir
     from tests.support import services
     from tests.support.hosted import mint_key
@@ -405,6 +442,20 @@ def main(argv: list[str] | None = None) -> int:
         assert prompt[: len(document) + 1] != stored_ids[: len(document) + 1]
         warm = session.adapter.encode_context(session.tokenizer, WARM_UP)
         turns = conversation(session, args.turns, args.turn_tokens)
+        if args.conversation_only:
+            del session
+            llm = engine(model, None, prefix_caching=True, in_process=True)
+            ttft(llm, warm, 1)
+            results["conversation_no_connector"] = serve_conversation(
+                llm, turns, lines, prof("conversation_no_connector_last_turn")
+            )
+            close(llm)
+            results.update(save_conversation(args, model, turns, warm, work, lines))
+            results["load_average_end"] = os.getloadavg()
+            results["profiles"] = PROFILES
+            results["wall_s"] = time.perf_counter() - began
+            report_conversation(results, args)
+            return 0
         real = work / "document.kv"
         runtime.save_cache(session, runtime.prefill(session, stored_ids, progress=False)[0], stored_ids, "", real)
         del session
@@ -481,27 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         results["example_connector"] = {"storing_request_s": store_times[0], "bytes_written": written, "loads": loads}
 
         # 6. the conversation with save on (prefix cache on, as a serving engine runs)
-        saving = work / "saving"
-        save_profile = saver_profile() if args.profile else None
-        llm = engine(model, tiered("tier-saving", store=str(saving), save=True), prefix_caching=True, in_process=True)
-        ttft(llm, warm, 1)
-        results["conversation_save"] = serve_conversation(llm, turns, lines, prof("conversation_save_last_turn"))
-        lines.take()
-        close(llm)
-        summary = [line for line in lines.take() if "summary" in line]
-        if save_profile is not None:
-            keep_saver_profile(save_profile)
-        store = ChunkStore(LocalStorage(saving))
-        records = [store.record(n) for n in store.names()]
-        final = max(records, key=lambda r: r.token_count)
-        results["conversation_store"] = {
-            "final_tokens": len(turns[-1]),
-            "saved_artifacts": len(records),
-            "largest_saved_tokens": final.token_count,
-            "final_own_bytes": final.size,  # the saved `.kv` file's bytes
-            "stored_bytes": dir_bytes(saving),
-            "summary": summary,
-        }
+        results.update(save_conversation(args, model, turns, warm, work, lines))
         results["hosted_prefix_chunk_bytes"] = prefix_chunk_bytes(hosted_record, len(document))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -549,6 +580,39 @@ def goals(r: dict) -> dict:
         "save on TTFT within 10% of off": abs(out["save_ttft_change"]) <= 0.10,
     }
     return out
+
+
+def report_conversation(r: dict, args) -> None:
+    """``--conversation-only``: figure 3's figures (stored bytes and the TTFT with save on against off)."""
+    st, on, off = r["conversation_store"], r["conversation_save"], r["conversation_no_connector"]
+    r["goals"] = {
+        "stored_ratio": st["stored_bytes"] / st["final_own_bytes"],
+        "save_ttft_change": on["median_later_s"] / off["median_later_s"] - 1,
+    }
+    text = json.dumps(r, indent=2, default=str)
+    if args.json:
+        Path(args.json).write_text(text)
+    if args.format == "json":
+        print(text)
+        return
+    g = r["goals"]
+    print(
+        f"conversation, {len(on['ttft_s'])} turns, final {st['final_tokens']} tokens, prefix cache on; "
+        f"{r['threads']} thread(s), load {r['load_average_start'][0]:.1f} -> {r['load_average_end'][0]:.1f}"
+    )
+    print(
+        f"TTFT of turns 2-{len(on['ttft_s'])}, median: no connector {off['median_later_s']:.3f} s, "
+        f"save on {on['median_later_s']:.3f} s ({g['save_ttft_change']:+.1%}); "
+        f"mean {off['mean_later_s']:.3f} / {on['mean_later_s']:.3f} s"
+    )
+    print(
+        f"stored {st['stored_bytes']:,} bytes / the final conversation's own {st['final_own_bytes']:,} = "
+        f"{g['stored_ratio']:.3f} ({st['saved_artifacts']} artifacts saved)"
+    )
+    for line in st["summary"]:
+        print(line)
+    for name, text in r["profiles"].items():
+        print(f"--- profile: {name}\n{text}")
 
 
 def report(r: dict, args) -> None:

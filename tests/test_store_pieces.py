@@ -223,3 +223,69 @@ def test_a_turn_put_again_after_later_turns_stores_nothing_new(tmp_path):
     assert same(store, "t1-again", tmp_path / "t1.kv", tmp_path) and same(
         store, "t2-copy", tmp_path / "t2.kv", tmp_path
     )
+
+
+def test_a_put_reads_and_hashes_each_byte_once_and_only_new_objects_again(tmp_path, monkeypatch):
+    """A turn sharing the previous turn's chunks: cutting it reads and hashes every byte once, and
+    the one chunk with a new rest piece once more whole (is it stored already?); the upload reads
+    and hashes only the objects the store lacks, and ``verified`` skips the manifest check's pass
+    over every byte."""
+    from kvcdn_core.artifact import digests
+    from kvcdn_core.store import pack
+
+    store = ChunkStore(LocalStorage(tmp_path / "store"))
+    t1 = write_kinds(tmp_path / "t1.kv", KINDS, 600, seed=1)
+    write_kinds(tmp_path / "t2.kv", KINDS, 700, seed=2, prefix_of=t1)
+    store.put(tmp_path / "t1.kv", "t1")
+    hashed, gathered, checked = [0], [0], [0]
+    digest_of, rows, hexdigest = pack.digest_of, pack.Cutter.rows, digests.hexdigest
+
+    def count_hash(data):
+        hashed[0] += len(data)
+        return digest_of(data)
+
+    def count_rows(self, t0, t1):
+        data = rows(self, t0, t1)
+        gathered[0] += len(data)
+        return data
+
+    def count_check(algorithm, data, threads=1):
+        checked[0] += memoryview(data).nbytes
+        return hexdigest(algorithm, data, threads)
+
+    monkeypatch.setattr(pack, "digest_of", count_hash)
+    monkeypatch.setattr(pack.Cutter, "rows", count_rows)
+    monkeypatch.setattr(digests, "hexdigest", count_check)
+    for name, verified in (("t2", False), ("t2-verified", True)):
+        hashed[0] = gathered[0] = checked[0] = 0
+        report = store.put(tmp_path / "t2.kv", name, verified=verified)
+        record = store.record(name)
+        chunked = sum(c.bytes for c in record.chunks)
+        new = report.bytes_moved - len(record.to_json())  # the objects uploaded (the record aside)
+        assert record.chunks[2].pieces  # tokens 512-700: t1's piece (512-600), then the new rest
+        rest = record.chunks[2].pieces[-1].bytes
+        # t2: its rest piece and tail are new; t2 again: nothing is
+        assert new == (rest + record.tail.bytes if name == "t2" else 0)
+        whole = record.chunks[2].bytes if name == "t2" else 0  # t2 again: its pieces cover the chunk
+        assert gathered[0] == chunked + (rest if new else 0) + whole
+        assert hashed[0] == record.stored_bytes + new + whole
+        assert checked[0] == (0 if verified else record.stored_bytes)  # the data region is the tensors
+        assert same(store, name, tmp_path / "t2.kv", tmp_path)
+
+
+def test_a_chunk_the_store_holds_whole_is_not_stored_again_as_pieces(tmp_path):
+    """Pieces save bytes only: when a turn's chunk could be t1's piece plus a new rest, but the
+    store holds the chunk's whole bytes already (here left by a deleted artifact, not yet
+    collected), the chunk references the whole object and the put writes no new chunk bytes."""
+    store = ChunkStore(LocalStorage(tmp_path / "store"))
+    t1 = write_kinds(tmp_path / "t1.kv", KINDS, 300, seed=1)
+    write_kinds(tmp_path / "t2.kv", KINDS, 400, seed=2, prefix_of=t1)
+    store.put(tmp_path / "t2.kv", "t2")
+    whole = store.record("t2").chunks[1]
+    store.delete("t2")
+    store.put(tmp_path / "t1.kv", "t1")
+    objects = {o.key for o in store.backend.list(CHUNKS)}
+    report = store.put(tmp_path / "t2.kv", "t2-again")
+    assert {o.key for o in store.backend.list(CHUNKS)} == objects  # no rest piece written
+    assert report.chunks_pieced == 0 and store.record("t2-again").chunks[1] == whole
+    assert same(store, "t2-again", tmp_path / "t2.kv", tmp_path)

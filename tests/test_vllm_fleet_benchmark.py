@@ -141,3 +141,15 @@ def test_a_request_that_loaded_nothing_does_not_meet_the_fetch_goal(fleet):
     g = fleet.goals(results(run(0.2)))  # fetched 0 bytes because nothing was loaded: no ratio of 0
     assert g["fetch_ratio"] == math.inf
     assert g["met"]["fetch <= 1.1x prefix chunk bytes"] is False
+
+
+def test_the_conversation_only_report_prints_its_ratios(fleet, capsys):
+    on = {"ttft_s": [2.0, 1.1, 1.1], "median_later_s": 1.1, "mean_later_s": 1.1}
+    off = {"ttft_s": [2.0, 1.0, 1.0], "median_later_s": 1.0, "mean_later_s": 1.0}
+    store = {"stored_bytes": 125, "final_own_bytes": 100, "final_tokens": 300, "saved_artifacts": 2, "summary": []}
+    r = {"conversation_save": on, "conversation_no_connector": off, "conversation_store": store}
+    r.update({"threads": 1, "load_average_start": (7.0, 0, 0), "load_average_end": (8.0, 0, 0), "profiles": {}})
+    fleet.report_conversation(r, type("Args", (), {"json": None, "format": "table"})())
+    assert r["goals"] == {"stored_ratio": pytest.approx(1.25), "save_ttft_change": pytest.approx(0.1)}
+    out = capsys.readouterr().out
+    assert "save on 1.100 s (+10.0%)" in out and "= 1.250" in out and "load 7.0 -> 8.0" in out

@@ -230,8 +230,17 @@ class ChunkStore:
 
     # -- put ---------------------------------------------------------------------------------------
 
-    def put(self, path: str | os.PathLike[str], name: str | None = None, force: bool = False) -> PutReport:
-        """Store the `.kv` file at ``path`` as ``name`` (default: the file's stem)."""
+    def put(
+        self, path: str | os.PathLike[str], name: str | None = None, force: bool = False, verified: bool = False
+    ) -> PutReport:
+        """Store the `.kv` file at ``path`` as ``name`` (default: the file's stem).
+
+        Cutting the file reads and hashes each byte once (:meth:`pack.Cutter.plan`); only the
+        chunks the store lacks are read and hashed again, as they are uploaded. Before that, the
+        file's tensors are checked against its manifest's digests, unless ``verified``: the caller
+        wrote the file itself, from tensors it has just hashed (the vLLM connector's saves), and a
+        second pass over every byte would prove nothing new.
+        """
         from kvcdn_core import artifact
         from kvcdn_core.store import keys, pack
 
@@ -242,7 +251,8 @@ class ChunkStore:
         header = artifact.read_header(path)
         ids = artifact.read_token_ids(path, header)
         cutter = pack.Cutter(header, ids, self.chunk_tokens or keys.CHUNK_TOKENS)
-        cutter.check_digests()  # a store keeps only what the file's manifest promises
+        if not verified:
+            cutter.check_digests()  # a store keeps only what the file's manifest promises
 
         def present(digest: str) -> bool:
             return self.backend.exists(chunk_key(digest))

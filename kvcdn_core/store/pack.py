@@ -13,13 +13,15 @@ the same layout (every chunked tensor's rows for those tokens, in file order). A
 reference a stored shorter chunk that is a token-prefix of its own (the last, partial chunk of an
 earlier turn of a conversation) and store only the rest; the stored bytes are compared by digest.
 
-numpy views over a memory map of the file: one chunk's bytes are gathered at a time. No torch.
+numpy views over a memory map of the file (:func:`mapped`): one chunk's bytes are gathered at a time.
+No torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -38,6 +40,18 @@ from kvcdn_core.store.record import MODEL_KEYS, VERSION, ArtifactRecord, ChunkRe
 
 def digest_of(data: bytes | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
+
+
+def mapped(path: str | os.PathLike[str]) -> np.ndarray:
+    """A file's bytes as a read-only array over a memory map: never read whole into memory.
+
+    A plain array over :mod:`mmap`, not ``np.memmap``: every slice of an ``np.memmap`` runs Python
+    code to make another ``np.memmap``, and a put slices every tensor of every chunk (on a thread
+    that shares Python's lock with a vLLM engine, that Python work is what costs).
+    """
+    with open(path, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(view, dtype=np.uint8)
 
 
 def chunked_names(header: artifact.Header) -> list[str]:
@@ -105,7 +119,7 @@ class Cutter:
         self.chunk_tokens = chunk_tokens
         self.chunked = chunked_names(header)
         self.tail = tail_names(header, self.chunked)
-        self.data = np.memmap(header.path, dtype=np.uint8, mode="r")
+        self.data = mapped(header.path)
         self.root = root_of(manifest_of(header), chunk_tokens)
         tokens = header.token_count
         self.chain = keys.chain(self.root, token_ids, chunk_tokens) if self.chunked and tokens else []
@@ -149,60 +163,74 @@ class Cutter:
         return b"".join(self.data[base + a : base + b].tobytes() for a, b in spans)
 
     def plan(self, candidates: dict[int, tuple[PieceRef, ...]], present: Callable[[str], bool]) -> Plan:
-        """Each chunk whole, or as stored pieces plus the rest, and the tail.
+        """Each chunk whole, or as stored pieces plus the rest, and the tail; every byte read and
+        hashed once, a chunk with a rest piece twice.
 
         ``candidates[i]`` are the pieces of a stored chunk whose tokens start where chunk ``i``
-        does (a shorter artifact of the same chain: its last, partial chunk). When chunk ``i``'s
-        whole bytes are not ``present`` in the store, the longest run of leading candidates whose
-        bytes are this file's rows for their tokens (their digests are compared: exact) is
-        referenced, and only the rest becomes a new piece. Nothing matches: the chunk is whole.
+        does (a shorter artifact of the same chain: its last, partial chunk). The longest run of
+        leading candidates whose bytes are this file's rows for their tokens (their digests are
+        compared: exact) is referenced, and only the rest becomes a new piece. Nothing matches: the
+        chunk is whole. The chunk's whole digest is computed only for a chunk with a rest piece (a
+        turn's last chunk, about once a put): when the store holds those whole bytes already (under
+        another artifact, or left by a deleted one), the chunk references them and stores no rest.
         """
         chunks: list[ChunkRef] = []
         blobs: list[Blob] = []
+
+        def blob(data: bytes, chunk: int | None, gather: Callable[[], bytes]) -> Blob:
+            return Blob(digest_of(data), len(data), chunk, gather)
+
         for i, key in enumerate(self.chain):
             t0, t1 = self.bounds[i]
-            data = self.chunk(i)
-            whole = Blob(digest_of(data), len(data), i, functools.partial(self.chunk, i))
-            del data
-            pieces = self._reused(t0, t1, candidates.get(i, ()), whole, present)
-            if pieces:
-                chunks.append(ChunkRef(key, None, t1 - t0, whole.size, tuple(p for p, _ in pieces)))
-                blobs += [blob for _, blob in pieces]
-            else:
-                chunks.append(ChunkRef(key, whole.digest, t1 - t0, whole.size))
-                blobs.append(whole)
+            pieces, rest = self._reused(t0, t1, candidates.get(i, ()), i, blob)
+            whole = None
+            if rest:  # a piece of new bytes, unless the store holds the whole chunk already
+                whole = blob(self.chunk(i), i, functools.partial(self.chunk, i))
+                if present(whole.digest):
+                    pieces = []
+            if len(pieces) > 1:
+                chunks.append(ChunkRef(key, None, t1 - t0, sum(b.size for _, b in pieces), tuple(p for p, _ in pieces)))
+                blobs += [b for _, b in pieces]
+                continue
+            # one stored piece that is the whole chunk: its bytes are the chunk's, already hashed
+            if whole is None:
+                whole = pieces[0][1] if pieces else blob(self.chunk(i), i, functools.partial(self.chunk, i))
+            chunks.append(ChunkRef(key, whole.digest, t1 - t0, whole.size))
+            blobs.append(whole)
         tail = None
         if self.tail:
-            data = self.tail_bytes()
-            tail = TailRef(digest_of(data), len(data))
-            blobs.append(Blob(tail.digest, tail.bytes, None, self.tail_bytes))
+            tail_blob = blob(self.tail_bytes(), None, self.tail_bytes)
+            tail = TailRef(tail_blob.digest, tail_blob.size)
+            blobs.append(tail_blob)
         return Plan(chunks, tail, blobs)
 
     def _reused(
-        self, t0: int, t1: int, candidates: tuple[PieceRef, ...], whole: Blob, present: Callable[[str], bool]
-    ) -> list[tuple[PieceRef, Blob]]:
-        """Chunk ``[t0, t1)`` as stored pieces and a new rest, or ``[]`` (store it whole)."""
-        if not candidates or (len(candidates) == 1 and candidates[0].tokens >= t1 - t0) or present(whole.digest):
-            return []
+        self, t0: int, t1: int, candidates: tuple[PieceRef, ...], chunk: int, blob: Callable[..., Blob]
+    ) -> tuple[list[tuple[PieceRef, Blob]], bool]:
+        """Chunk ``[t0, t1)`` as stored pieces and a rest, or ``[]`` (store it whole); a single
+        piece when one stored piece is the whole chunk. True when the last piece is the rest (not
+        a stored candidate)."""
+        if not candidates or (len(candidates) == 1 and candidates[0].tokens >= t1 - t0):
+            return [], False
         found: list[tuple[PieceRef, Blob]] = []
         start = t0
         for piece in candidates:
             end = start + piece.tokens
             if end > t1:
                 break
-            data = self.rows(start, end)
-            if digest_of(data) != piece.digest:
+            got = blob(self.rows(start, end), chunk, functools.partial(self.rows, start, end))
+            if got.digest != piece.digest:
+                if start == t0 and end == t1:  # not that piece, but these are the chunk's bytes
+                    return [(PieceRef(got.digest, end - start, got.size), got)], False
                 break
-            blob = Blob(piece.digest, len(data), whole.chunk, functools.partial(self.rows, start, end))
-            found.append((PieceRef(piece.digest, piece.tokens, len(data)), blob))
+            found.append((PieceRef(piece.digest, piece.tokens, got.size), got))
             start = end
         if not found:
-            return []
-        if start < t1:
-            data = self.rows(start, t1)
-            rest = Blob(digest_of(data), len(data), whole.chunk, functools.partial(self.rows, start, t1))
-            found.append((PieceRef(rest.digest, t1 - start, rest.size), rest))
-        return found if len(found) > 1 else []
+            return [], False
+        if start == t1:
+            return found, False
+        rest = blob(self.rows(start, t1), chunk, functools.partial(self.rows, start, t1))
+        return found + [(PieceRef(rest.digest, t1 - start, rest.size), rest)], True
 
 
 def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, plan: Plan) -> ArtifactRecord:

@@ -24,7 +24,6 @@ queue whose thread puts only the chunks the store lacks (:mod:`kvcdn_vllm.saver`
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from collections.abc import Callable
@@ -80,15 +79,22 @@ class LoadJob:
     prompt_ids: list[int]
     block_ids: list[int] = dataclasses.field(default_factory=list)
     chunks: chunks.ChunkPlan | None = None  # from a chunk store: the parts holding [0, end)
+    keep: bool = False  # the request is to be saved: keep the loaded rows for its save
 
 
 @dataclasses.dataclass
 class SaveJob:
-    """Gather the request's whole prompt from its blocks and write it as an artifact."""
+    """Gather the request's prompt from its blocks and write it as an artifact.
+
+    ``loaded``: tokens ``[start, end)`` the connector loaded into the blocks from the store's
+    chunks (their rows are those bytes, bit for bit): the worker takes them from the rows it
+    kept at the load instead of copying them out of the blocks again.
+    """
 
     req_id: str
     prompt_ids: list[int]
     block_ids: list[int]
+    loaded: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -117,6 +123,27 @@ class _Pending:
     """A request's prompt on the scheduler side, until its save job is issued."""
 
     prompt_ids: list[int]
+    loaded: tuple[int, int] | None = None  # tokens the connector loads for it from a chunk store
+
+
+@dataclasses.dataclass
+class _Kept:
+    """Worker side: the rows a load copied into a request's blocks from the store's chunks, each
+    layer's ``(keys, values)`` for tokens ``[start, end)``, kept for the request's save."""
+
+    start: int
+    end: int
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass
+class _SaveRows:
+    """Worker side, one save job in its step: the token ranges copied out of the blocks (token
+    slots computed once for every layer) and the kept rows that fill the gap between them."""
+
+    ranges: list[tuple[int, int]]
+    slots: list[Callable[[str, torch.Tensor], paged.TokenSlots]]
+    kept: _Kept | None
 
 
 def model_facts(vllm_config: VllmConfig) -> tuple[Path, dict, ModelShape]:
@@ -177,7 +204,9 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._heads: slice | torch.Tensor = slice(None)
         self._artifact_cache: tuple[tuple, dict[str, torch.Tensor]] | None = None
         self._failed_blocks: set[int] = set()
-        self._gathered: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._gathered: dict[str, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._save_rows: dict[str, _SaveRows | None] = {}
+        self._kept: dict[str, _Kept] = {}
         self._tier = None
         self._saver = None
         self._step_figures: dict[str, dict[str, int]] = {}
@@ -276,6 +305,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         req_id = request.request_id
         hit = self._hits.pop(req_id, None)
         prompt = list(request.prompt_token_ids or [])
+        loaded = None
         if num_external_tokens > 0 and hit is not None:
             start = hit.tokens - num_external_tokens
             plan = (
@@ -285,6 +315,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             )
             self._loads[req_id] = LoadJob(req_id, hit.path, start, hit.tokens, prompt[: hit.tokens], chunks=plan)
             self._loaded[req_id] = (num_external_tokens, hit.path)
+            loaded = (start, hit.tokens) if plan is not None else None
         stored = self._stored_prefix.pop(req_id, 0)
         if (
             self._can_save
@@ -295,6 +326,11 @@ class KvcdnConnector(KVConnectorBase_V1):
             and not (stored >= len(prompt) if self._store is not None else self._catalog.holds(prompt))
         ):
             self._pending_saves[req_id] = _Pending(prompt)
+        pending = self._pending_saves.get(req_id)
+        if pending is not None:  # (again, for a preempted request resumed): what this admission loads
+            pending.loaded = loaded
+            if loaded is not None:
+                self._loads[req_id].keep = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcdnMetadata:
         meta = KvcdnMetadata()
@@ -320,7 +356,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             return
         del self._pending_saves[req_id]
         blocks = list(self._kv_cache_manager.get_block_ids(req_id)[0])
-        meta.saves.append(SaveJob(req_id, pending.prompt_ids, blocks))
+        meta.saves.append(SaveJob(req_id, pending.prompt_ids, blocks, pending.loaded))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -392,9 +428,11 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def _load_all(self, meta: KvcdnMetadata) -> None:
         for job in meta.loads:
+            self._kept.pop(job.req_id, None)
             try:
                 self._load(job)
             except (KvcdnError, paged.LayoutError, OSError, KeyError, RuntimeError, ValueError) as exc:
+                self._kept.pop(job.req_id, None)
                 detail = str(exc).removeprefix(f"{job.path}: ")
                 _warn(f"skipping {job.path} for request {job.req_id}: {detail}; vLLM recomputes those tokens")
                 first = job.start // self._block_size
@@ -440,11 +478,16 @@ class KvcdnConnector(KVConnectorBase_V1):
                 self._totals[key] = self._totals.get(key, 0) + value
         tensors = chunks.slices(plan, got, job.start, job.end)
         slots = self._slots(job.block_ids, job.end, job.start)
+        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, kv in self._caches.items():
             index = _layer_index(name)
             keys = tensors[layer_tensor_name(index, "key")][self._heads]
             values = tensors[layer_tensor_name(index, "value")][self._heads]
             paged.scatter(kv, slots(name, kv), keys, values)
+            if job.keep:  # this worker's heads (all of them, without tensor parallelism)
+                layers[index] = (keys, values)
+        if job.keep:
+            self._kept[job.req_id] = _Kept(job.start, job.end, layers)
         logger.info(
             "kvcdn: request %s loaded %d tokens of '%s' (chunks: %d memory, %d disk, %d remote; %d bytes fetched)",
             job.req_id,
@@ -506,14 +549,38 @@ class KvcdnConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvcdnMetadata) or not meta.saves or layer_name not in self._layouts:
             return
         for job in meta.saves:
+            if job.req_id not in self._save_rows:
+                self._save_rows[job.req_id] = self._rows_to_copy(job, kv_layer)
+            rows = self._save_rows[job.req_id]
+            if rows is None:
+                continue
             try:
-                keys, values = paged.gather(
-                    kv_layer, self._slots(job.block_ids, len(job.prompt_ids))(layer_name, kv_layer)
-                )
+                parts = [paged.gather(kv_layer, slots(layer_name, kv_layer)) for slots in rows.slots]
             except paged.LayoutError as exc:
                 _warn(f"not saving request {job.req_id}: {exc}")
+                self._save_rows[job.req_id] = None
                 continue
-            self._gathered.setdefault(job.req_id, {})[_layer_index(layer_name)] = (keys.cpu(), values.cpu())
+            self._gathered.setdefault(job.req_id, {})[_layer_index(layer_name)] = [(k.cpu(), v.cpu()) for k, v in parts]
+
+    def _rows_to_copy(self, job: SaveJob, kv_layer: torch.Tensor) -> _SaveRows | None:
+        """What a save copies out of the blocks: the whole prompt, or, when the connector loaded
+        tokens ``[start, end)`` of it from the store, only ``[0, start)`` (vLLM's own cache) and
+        ``[end, n)`` (computed): the loaded rows are the chunks' bytes, kept at the load. None (one
+        line, no save) when the load failed: its blocks were not written."""
+        n = len(job.prompt_ids)
+        whole = _SaveRows([(0, n)], [self._slots(job.block_ids, n)], None)
+        kept = self._kept.pop(job.req_id, None)
+        if job.loaded is None:
+            return whole
+        if kept is None or (kept.start, kept.end) != job.loaded:
+            _warn(f"not saving request {job.req_id}: the prefix it was to load from the store is not in its blocks")
+            return None
+        if self._heads_gather is not None or any(k.dtype != kv_layer.dtype for k, _ in kept.layers.values()):
+            # under tensor parallelism the ranks' heads are gathered whole; and a cache of another
+            # dtype converted the loaded rows: copy what the blocks hold
+            return whole
+        ranges = [r for r in ((0, kept.start), (kept.end, n)) if r[1] > r[0]]
+        return _SaveRows(ranges, [self._slots(job.block_ids, b, a) for a, b in ranges], kept)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
@@ -521,40 +588,73 @@ class KvcdnConnector(KVConnectorBase_V1):
             return
         from kvcdn_vllm.writer import artifact_name, write_prompt_artifact
 
-        prompts = {job.req_id: self._gathered.pop(job.req_id, {}) for job in meta.saves}
+        # no entry: no layer of this worker gathered it (then "0 of N layers" below)
+        rows_of = {job.req_id: self._save_rows.pop(job.req_id, _SaveRows([], [], None)) for job in meta.saves}
+        # a prompt with no rows to save (its load failed) has no layers: under tensor parallelism
+        # the gather then skips it on every rank
+        prompts = {
+            req_id: self._gathered.pop(req_id, {}) if rows is not None else {} for req_id, rows in rows_of.items()
+        }
         counts = {req_id: len(layers) for req_id, layers in prompts.items()}
+        whole: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
         if self._heads_gather is not None:  # every TP rank's heads, assembled on the first rank
             began = time.perf_counter()
-            prompts = self._heads_gather.whole(prompts, self._shape.num_layers)
+            joined = {
+                req_id: _joined(layers, rows) if rows is not None else {}
+                for (req_id, layers), rows in zip(prompts.items(), rows_of.values())
+            }
+            whole = self._heads_gather.whole(joined, self._shape.num_layers)
             if not self._heads_gather.first:
                 return
             logger.info(
                 "kvcdn: gathered %d prompts' heads from %d tensor-parallel workers in %.1f ms",
-                len(prompts),
+                len(whole),
                 len(self._heads_gather.ranks),
                 (time.perf_counter() - began) * 1000,
             )
         for job in meta.saves:
+            rows = rows_of[job.req_id]
+            if rows is None:  # said so in save_kv_layer
+                continue
             if counts[job.req_id] != self._shape.num_layers:
                 _warn(
                     f"not saving request {job.req_id}: {counts[job.req_id]} of {self._shape.num_layers} layers gathered"
                 )
                 continue
-            if job.req_id not in prompts:
+            if whole is not None and job.req_id not in whole:
                 _warn(f"not saving request {job.req_id}: another tensor-parallel worker did not gather its layers")
                 continue
-            layers = prompts[job.req_id]
-            if self._saver is not None:  # a chunk store: the queue's thread writes and puts it
-                write = functools.partial(
-                    write_prompt_artifact,
-                    vllm_config=self._vllm_config,
-                    model_dir=self._model_dir,
-                    fingerprint=self._fingerprint,
-                    prompt_ids=job.prompt_ids,
-                    layers=layers,
-                )
+            copied = sum(b - a for a, b in rows.ranges)
+            logger.info(
+                "kvcdn: request %s: saving %d prompt tokens, %d copied from its blocks, %d from the chunks it loaded",
+                job.req_id,
+                len(job.prompt_ids),
+                copied,
+                len(job.prompt_ids) - copied,
+            )
+
+            def layers_of(
+                req_id: str = job.req_id,
+                gathered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = prompts[job.req_id],
+                rows: _SaveRows = rows,
+            ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+                return whole[req_id] if whole is not None else _joined(gathered, rows)
+
+            if self._saver is not None:  # a chunk store: the queue's thread joins, writes and puts it
+
+                def write(directory: Path, job: SaveJob = job, layers_of: Callable = layers_of) -> Path:
+                    return write_prompt_artifact(
+                        directory,
+                        self._vllm_config,
+                        self._model_dir,
+                        self._fingerprint,
+                        job.prompt_ids,
+                        layers_of(),
+                    )
+
                 self._saver.submit(artifact_name(job.prompt_ids).removesuffix(".kv"), write)
                 continue
+            layers = layers_of()
             try:
                 path = write_prompt_artifact(
                     self._source.directory,
@@ -568,6 +668,12 @@ class KvcdnConnector(KVConnectorBase_V1):
                 logger.info("kvcdn: saved %d prompt tokens to %s", len(job.prompt_ids), path)
             except (KvcdnError, OSError) as exc:
                 _warn(f"not saving request {job.req_id}: {exc}")
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Drop the rows kept for the save of a request that finished without it."""
+        for req_id in finished_req_ids:
+            self._kept.pop(req_id, None)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -611,6 +717,26 @@ class _StoreHit:
     path: str
     tokens: int
     match: chunks.Match
+
+
+def _joined(
+    gathered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], rows: _SaveRows
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's whole prompt: the ranges copied from the blocks and the kept loaded rows, in
+    token order (run on the save thread: the forward step does not pay for the copy)."""
+    layers = {}
+    for index, parts in gathered.items():
+        pieces = list(zip(rows.ranges, parts))
+        if rows.kept is not None:
+            pieces.append(((rows.kept.start, rows.kept.end), rows.kept.layers[index]))
+        pieces.sort(key=lambda piece: piece[0][0])
+        if len(pieces) == 1:
+            layers[index] = pieces[0][1]
+        else:
+            keys = torch.cat([k for _, (k, _v) in pieces], dim=1)
+            values = torch.cat([v for _, (_k, v) in pieces], dim=1)
+            layers[index] = (keys, values)
+    return layers
 
 
 def _grant_of(request: Request) -> dict | None:

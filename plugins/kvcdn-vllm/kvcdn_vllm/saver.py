@@ -2,9 +2,13 @@
 
 The forward step only hands over a prompt's gathered keys and values (already copied to CPU). The
 thread writes them as an artifact in a scratch directory (:mod:`kvcdn_vllm.writer`, the same file
-any kvcdn tool reads) and puts it into the store with core's :meth:`ChunkStore.put`, which cuts it
-into chunks and uploads only those the store lacks. Back pressure: when ``capacity`` saves wait
-already, a new one is skipped with one warning line (the forward never waits for the store).
+any kvcdn tool reads, each tensor hashed once for its manifest) and puts it into the store with
+core's :meth:`ChunkStore.put`, which cuts it into chunks (hashing each byte once more) and uploads
+only those the store lacks. That put skips its own check of the file against its manifest
+(``verified``): this thread wrote the file a moment ago, in its own scratch directory.
+
+Back pressure: when ``capacity`` saves wait already, a new one is skipped with one warning line
+(the forward never waits for the store).
 A save that fails (store unreachable, refusing, over quota, disk full) fails no request: the first
 failure of a run is one warning line, the saves that fail after it are only counted (a store that
 is down does not flood the log), and the first save that works again says so in one line.
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from kvcdn_core.store.chunkstore import PutReport
+from kvcdn_core.store.chunkstore import ChunkStore, PutReport
 
 #: ``write(directory) -> path``: writes one prompt's artifact into ``directory``.
 Write = Callable[[Path], Path]
@@ -47,6 +51,8 @@ class SaveQueue:
         info: Callable[[str], None] | None = None,
     ):
         self.store = store
+        #: core's put can skip the manifest pass over a file this thread has just written
+        self._verified = {"verified": True} if isinstance(store, ChunkStore) else {}
         self._warn = warn
         self._done = done
         self._info = info
@@ -81,7 +87,7 @@ class SaveQueue:
         try:
             with tempfile.TemporaryDirectory(prefix="kvcdn-save-") as scratch:
                 path = write(Path(scratch))
-                report = self.store.put(path, name, force=True)
+                report = self.store.put(path, name, force=True, **self._verified)
         except Exception as exc:  # a store that fails must not stop the engine: one line, go on
             self.failed += 1
             self._failing += 1

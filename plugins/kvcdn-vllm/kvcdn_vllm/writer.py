@@ -10,6 +10,7 @@ and core's writer adds the per-tensor sha256 and writes atomically. So ``kvcdn i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -72,13 +73,28 @@ def _family(fingerprint: dict) -> str | None:
 
 
 def _context(model_dir: Path, prompt_ids: list[int]) -> str | None:
-    """The prompt as text, kept only when it encodes back to exactly these ids (search relies on it)."""
+    """The prompt as text, kept only when it encodes back to exactly these ids (search relies on it).
+
+    Decoding and encoding a 2,048-token prompt takes milliseconds; loading the tokenizer takes a
+    quarter of a second, so it is loaded once per model, not once per save.
+    """
+    tok = _tokenizer(Path(model_dir))
+    if tok is None:
+        return None
+    try:
+        text = tok.decode(prompt_ids)
+        return text if tok(text)["input_ids"] == list(prompt_ids) else None
+    except Exception:  # ids the tokenizer cannot decode
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: Path) -> Any:
+    """The model's plain tokenizer (:class:`kvcdn_core.search.QueryTokenizer`), or None without one."""
     from kvcdn_core import search
 
     try:
-        tok = search.QueryTokenizer(model_dir)
-        text = tok.decode(prompt_ids)
-        return text if tok(text)["input_ids"] == list(prompt_ids) else None
+        return search.QueryTokenizer(model_dir)
     except Exception:  # no tokenizer.json, or one the plain library cannot build
         return None
 

@@ -4,6 +4,7 @@ queue (only new chunks put, back pressure, and a run of failures as one warning 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -91,6 +92,35 @@ def test_saves_put_only_new_chunks_in_the_background(store, tmp_path):
     assert warnings == []
 
 
+def test_a_save_is_hashed_once_by_its_writer_and_once_by_the_put_and_comes_back_bitwise(store, tmp_path, monkeypatch):
+    """The queue's thread wrote the file and hashed its tensors a moment ago: core's put cuts it
+    without checking it against its manifest again, and the store gives back the same bytes."""
+    from kvcdn_core.store import pack
+
+    first, _ = put(store, tmp_path, "turn1", 300, seed=1)
+    checks = []
+    check = pack.Cutter.check_digests
+    monkeypatch.setattr(pack.Cutter, "check_digests", lambda self: checks.append(1) or check(self))
+    written = {}
+
+    def write(directory):
+        path = directory / "turn2.kv"
+        write_kinds(path, ["full_attention"] * 3, 450, seed=2, prefix_of=first)
+        written["bytes"] = path.read_bytes()
+        return path
+
+    saver = SaveQueue(store, 1, print)
+    assert saver.submit("turn2", write)
+    saver.join()
+    saver.close()
+    assert saver.saved == 1 and checks == []
+    store.get("turn2", tmp_path / "back.kv")
+    assert (tmp_path / "back.kv").read_bytes() == written["bytes"]
+    assert store.record("turn2").chunks[1].pieces  # turn 1's partial chunk, then the new rest
+    store.put(tmp_path / "turn1.kv", "turn1-again", force=True)  # a file from elsewhere: checked
+    assert checks == [1]
+
+
 def test_a_full_queue_skips_and_a_failed_save_is_one_line(store, tmp_path):
     warnings: list[str] = []
     saver = SaveQueue(store, 1, warnings.append)
@@ -158,3 +188,45 @@ def test_on_s3_a_lookup_lists_only_the_index_and_fetches_only_the_planned_chunks
     chunks = [key for key in read if key.startswith("chunks/")]
     assert chunks == [f"chunks/{p.digest[:2]}/{p.digest}" for p in plan.parts] and len(chunks) == 2
     assert [key for key in read if key.startswith("artifacts/")] == ["artifacts/doc.json"]
+
+
+def test_a_connector_save_keeps_its_text_and_search_finds_it_in_the_store(store, tmp_path, monkeypatch):
+    """A save into a chunk store keeps the prompt's text in its manifest (``kvcdn inspect`` shows it,
+    a directory search checks its tokenizer against it), ``kvcdn search --store`` finds it from that
+    text, and the tokenizer behind the text is loaded once per model, not once per save."""
+    from types import SimpleNamespace
+
+    from kvcdn_vllm import writer
+
+    from kvcdn_core import fingerprint, search
+    from kvcdn_core.search.store import search_store
+    from kvcdn_core.testing.smollm2 import smollm2_dir
+
+    model_dir = smollm2_dir()
+    loads = []
+    tokenizer = search.QueryTokenizer
+    monkeypatch.setattr(search, "QueryTokenizer", lambda d: loads.append(d) or tokenizer(d))
+    writer._tokenizer.cache_clear()
+    text = "The keeper wrote down every ship that passed the lighthouse, and the weather it brought."
+    ids = tokenizer(model_dir)(text)["input_ids"]
+    config = SimpleNamespace(model_config=SimpleNamespace(model=str(model_dir), revision=None))
+    gen = torch.Generator().manual_seed(5)
+    saver = SaveQueue(store, 2, print)
+    for n in (len(ids) - 4, len(ids)):  # an earlier turn, then the whole text
+        layers = {i: (torch.randn(3, n, 64, generator=gen), torch.randn(3, n, 64, generator=gen)) for i in range(2)}
+        write = functools.partial(
+            writer.write_prompt_artifact,
+            vllm_config=config,
+            model_dir=model_dir,
+            fingerprint=fingerprint(model_dir, weights=False),
+            prompt_ids=ids[:n],
+            layers=layers,
+        )
+        assert saver.submit(f"turn{n}", write)
+    saver.join()
+    saver.close()
+    assert saver.saved == 2 and len(loads) == 1
+    manifest = store.record(f"turn{len(ids)}").parsed_header().manifest
+    assert manifest["context"] == text
+    found = search_store(str(store.backend.root), text, model_ref=str(model_dir))
+    assert [(h.name, h.prefix_tokens) for h in found.hits[:1]] == [(f"turn{len(ids)}", len(ids))]
