@@ -694,6 +694,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         saver, self._saver = self._saver, None
         if saver is not None:
             saver.close()
+        if self._tier is not None:
+            self._tier.close()  # the queued disk copies, so that the next start finds them
         if self._tier is not None and (self._totals or saver is not None):
             t = self._totals
             logger.info(
