@@ -237,3 +237,18 @@ def test_the_disk_writer_runs_jobs_in_order_and_survives_a_failing_one():
     writer.submit(lambda: done.append(3))  # a job after close starts the thread again
     writer.close()
     assert done == [1, 2, 3]
+
+
+def test_loads_on_several_threads_and_the_writer_keep_the_budgets(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = Store(12)
+    t = ChunkTier(store.fetch, 300, 500, tmp_path / "tier", print)
+    order = [d for _ in range(5) for d in store.digests]
+    with ThreadPoolExecutor(2) as pool:  # as the connector's fetch threads ask it
+        got = list(pool.map(lambda d: t.get(d, 100)[0], order))
+    t.close()
+    assert got == [store.chunks[d] for d in order]
+    files = [p for p in (tmp_path / "tier").rglob("*") if p.is_file()]
+    assert t.memory_used <= 300 and t.disk_used == 100 * len(files) <= 500
+    assert all(store.chunks[p.name] == p.read_bytes() and t.on_disk(p.name) for p in files)
