@@ -27,8 +27,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +56,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-#: threads that take a load's chunks from the tier (and the store) while the worker copies earlier ones
-FETCH_THREADS = 2
 
 logger = init_logger("vllm.kvcdn_vllm")  # under vLLM's logger, so its handler and format apply
 
@@ -214,7 +209,6 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._save_rows: dict[str, _SaveRows | None] = {}
         self._kept: dict[str, _Kept] = {}
         self._tier = None
-        self._fetch_pool: ThreadPoolExecutor | None = None
         self._saver = None
         self._step_figures: dict[str, dict[str, int]] = {}
         self._totals: dict[str, int] = {}
@@ -474,22 +468,18 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def _load_chunks(self, job: LoadJob, plan: chunks.ChunkPlan) -> None:
         """Copy tokens ``[start, end)`` from the planned chunks, taken through the local tier (the
-        tier checked each chunk's digest where it entered: no second hash here). The parts are
-        asked of the tier at once, on the fetch threads, and each is copied into the blocks
-        straight from its bytes as soon as it is there, while the next ones are still coming."""
+        tier checked each chunk's digest where it entered: no second hash here). Each part is
+        copied into the blocks straight from its bytes as soon as the tier hands it over."""
         assert self._tier is not None and self._store is not None
         self._store.locate(plan)
         digests = [p.digest for p in plan.parts]
         figures = {"matched_tokens": job.end, "chunks_memory": 0, "chunks_disk": 0, "chunks_remote": 0}
         figures["bytes_fetched"] = 0
-        if self._fetch_pool is None:
-            self._fetch_pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvcdn-fetch")
         self._tier.pin(digests)
-        pending = [self._fetch_pool.submit(self._tier.get, p.digest, p.bytes) for p in plan.parts]
         got = []
         try:
-            for part, future in zip(plan.parts, pending):
-                data, where = future.result()
+            for part in plan.parts:
+                data, where = self._tier.get(part.digest, part.bytes)
                 figures[f"chunks_{where}"] += 1
                 if where == "remote":
                     figures["bytes_fetched"] += len(data)
@@ -498,9 +488,6 @@ class KvcdnConnector(KVConnectorBase_V1):
                 else:
                     self._copy_part(job, plan, part, data)
         finally:
-            for future in pending:  # a failed part: the ones not started are not fetched
-                future.cancel()
-            futures.wait(pending)
             self._tier.unpin(digests)
             self._step_figures[job.req_id] = figures
             for key, value in figures.items():
@@ -741,8 +728,6 @@ class KvcdnConnector(KVConnectorBase_V1):
         saver, self._saver = self._saver, None
         if saver is not None:
             saver.close()
-        if self._fetch_pool is not None:
-            self._fetch_pool.shutdown()
         if self._tier is not None:
             self._tier.close()  # the queued disk copies, so that the next start finds them
         if self._tier is not None and (self._totals or saver is not None):
