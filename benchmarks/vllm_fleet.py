@@ -133,19 +133,10 @@ def lookup_ms(lines: list[str]) -> list[float]:
     return [float(m.group(1)) for line in lines if (m := re.search(r"store lookup ([0-9.]+) ms", line))]
 
 
-LOADED = re.compile(r"loaded (\d+) tokens .*\(chunks: (\d+) memory, (\d+) disk, (\d+) remote; (\d+) bytes fetched\)")
-
-
-def load_figures(lines: list[str]) -> dict:
-    """The worker's per-request line, summed: a request that finishes in the step that loads it
-    (``max_tokens=1``) ends before its figures reach ``kv_transfer_params``, so the log is read."""
+def load_figures(params: dict) -> dict:
+    """The connector's per-request figures, from the request's ``kv_transfer_params``."""
     keys = ("loaded_tokens", "chunks_memory", "chunks_disk", "chunks_remote", "bytes_fetched")
-    total = dict.fromkeys(keys, 0)
-    for line in lines:
-        if m := LOADED.search(line):
-            for key, value in zip(keys, m.groups()):
-                total[key] += int(value)
-    return total
+    return {key: int(params.get(f"kvcdn_{key}", 0)) for key in keys}
 
 
 def kvcdn_command(given: str | None) -> list[str]:
@@ -232,7 +223,7 @@ def timed(llm, prompt: list[int], reps: int, traffic: Traffic, lines: Lines, pro
                 "http_responses": traffic.responses,
                 "http_by_route": dict(traffic.by_route),
                 "lookup_ms": lookup_ms(got),
-                "load": load_figures(got),
+                "load": load_figures(params),
             }
         )
     return out

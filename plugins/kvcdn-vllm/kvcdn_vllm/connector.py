@@ -194,6 +194,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._hits: dict[str, Any] = {}
         self._stored_prefix: dict[str, int] = {}  # request → tokens the store holds (chunk store)
         self._figures: dict[str, dict[str, int]] = {}
+        self._unfilled: dict[str, dict[str, Any]] = {}  # finished in their load step: figures to come
         self._loads: dict[str, LoadJob] = {}
         self._loaded: dict[str, tuple[int, str]] = {}
         self._pending_saves: dict[str, _Pending] = {}
@@ -371,14 +372,25 @@ class KvcdnConnector(KVConnectorBase_V1):
         params: dict[str, Any] = {"kvcdn_loaded_tokens": loaded[0], "kvcdn_artifact": loaded[1]}
         if figures:
             params.update({f"kvcdn_{k}": v for k, v in figures.items()})
+        elif self._store is not None:
+            self._unfilled[req_id] = params
         return False, params
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Keep each loaded request's figures for its ``kv_transfer_params``. A request that ends in
+        the step that loads it (``max_tokens=1``) has already had :meth:`request_finished`: vLLM
+        calls that, then this with the same step's worker output, in one ``update_from_output``,
+        and sends the request's output only after both; so its figures go into the params dict it
+        was given, in place."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvcdnWorkerMeta):
             for req_id, figures in meta.figures.items():
-                if req_id in self._loaded:
+                params = self._unfilled.pop(req_id, None)
+                if params is not None:
+                    params.update({f"kvcdn_{k}": v for k, v in figures.items()})
+                elif req_id in self._loaded:
                     self._figures[req_id] = figures
+        self._unfilled.clear()  # their figures came with this step's output, or never will (a failed load)
 
     # ==== worker side =============================================================================
 
@@ -456,38 +468,32 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def _load_chunks(self, job: LoadJob, plan: chunks.ChunkPlan) -> None:
         """Copy tokens ``[start, end)`` from the planned chunks, taken through the local tier (the
-        tier checked each chunk's digest where it entered: no second hash here)."""
+        tier checked each chunk's digest where it entered: no second hash here). Each part is
+        copied into the blocks straight from its bytes as soon as the tier hands it over."""
         assert self._tier is not None and self._store is not None
         self._store.locate(plan)
         digests = [p.digest for p in plan.parts]
         figures = {"matched_tokens": job.end, "chunks_memory": 0, "chunks_disk": 0, "chunks_remote": 0}
         figures["bytes_fetched"] = 0
         self._tier.pin(digests)
+        got = []
         try:
-            got = []
             for part in plan.parts:
                 data, where = self._tier.get(part.digest, part.bytes)
                 figures[f"chunks_{where}"] += 1
                 if where == "remote":
                     figures["bytes_fetched"] += len(data)
-                got.append((part, data))
+                if job.keep:
+                    got.append((part, data))
+                else:
+                    self._copy_part(job, plan, part, data)
         finally:
             self._tier.unpin(digests)
             self._step_figures[job.req_id] = figures
             for key, value in figures.items():
                 self._totals[key] = self._totals.get(key, 0) + value
-        tensors = chunks.slices(plan, got, job.start, job.end)
-        slots = self._slots(job.block_ids, job.end, job.start)
-        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name, kv in self._caches.items():
-            index = _layer_index(name)
-            keys = tensors[layer_tensor_name(index, "key")][self._heads]
-            values = tensors[layer_tensor_name(index, "value")][self._heads]
-            paged.scatter(kv, slots(name, kv), keys, values)
-            if job.keep:  # this worker's heads (all of them, without tensor parallelism)
-                layers[index] = (keys, values)
-        if job.keep:
-            self._kept[job.req_id] = _Kept(job.start, job.end, layers)
+        if job.keep:  # the request is to be saved: its loaded rows are kept whole for the save
+            self._kept[job.req_id] = self._copy_kept(job, plan, got)
         logger.info(
             "kvcdn: request %s loaded %d tokens of '%s' (chunks: %d memory, %d disk, %d remote; %d bytes fetched)",
             job.req_id,
@@ -498,6 +504,34 @@ class KvcdnConnector(KVConnectorBase_V1):
             figures["chunks_remote"],
             figures["bytes_fetched"],
         )
+
+    def _copy_part(self, job: LoadJob, plan: chunks.ChunkPlan, part: chunks.Part, data: bytes) -> None:
+        """Scatter the part's share of tokens ``[start, end)`` into the request's blocks, every layer,
+        from views of its bytes (no copy of the whole prefix first)."""
+        start, end = max(job.start, part.start), min(job.end, part.start + part.tokens)
+        if start >= end:
+            return
+        views = _part_views(plan, part, data, start, end)
+        slots = self._slots(job.block_ids, end, start)
+        for name, kv in self._caches.items():
+            index = _layer_index(name)
+            keys = views[layer_tensor_name(index, "key")][self._heads]
+            values = views[layer_tensor_name(index, "value")][self._heads]
+            paged.scatter(kv, slots(name, kv), keys, values)
+
+    def _copy_kept(self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, bytes]]) -> _Kept:
+        """Copy tokens ``[start, end)`` into the blocks through one tensor per layer, kept for the
+        request's save (this worker's heads: all of them, without tensor parallelism)."""
+        tensors = chunks.slices(plan, got, job.start, job.end)
+        slots = self._slots(job.block_ids, job.end, job.start)
+        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, kv in self._caches.items():
+            index = _layer_index(name)
+            keys = tensors[layer_tensor_name(index, "key")][self._heads]
+            values = tensors[layer_tensor_name(index, "value")][self._heads]
+            paged.scatter(kv, slots(name, kv), keys, values)
+            layers[index] = (keys, values)
+        return _Kept(job.start, job.end, layers)
 
     def build_connector_worker_meta(self) -> KvcdnWorkerMeta | None:
         if not self._step_figures:
@@ -694,6 +728,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         saver, self._saver = self._saver, None
         if saver is not None:
             saver.close()
+        if self._tier is not None:
+            self._tier.close()  # the queued disk copies, so that the next start finds them
         if self._tier is not None and (self._totals or saver is not None):
             t = self._totals
             logger.info(
@@ -737,6 +773,25 @@ def _joined(
             values = torch.cat([v for _, (_k, v) in pieces], dim=1)
             layers[index] = (keys, values)
     return layers
+
+
+def _part_views(
+    plan: chunks.ChunkPlan, part: chunks.Part, data: bytes, start: int, end: int
+) -> dict[str, torch.Tensor]:
+    """Each chunked tensor's tokens ``[start, end)`` (within ``part``) as ``[outer, tokens, last]``
+    views of the part's bytes."""
+    import warnings
+
+    lo, hi = start - part.start, end - part.start
+    views, offset = {}, 0
+    with warnings.catch_warnings():  # read-only bytes: the views are only read (copied into the blocks)
+        warnings.simplefilter("ignore", UserWarning)
+        for t in plan.tensors:
+            count = t.outer * part.tokens * t.last
+            view = torch.frombuffer(data, dtype=getattr(torch, t.dtype), count=count, offset=offset)
+            views[t.name] = view.view(t.outer, part.tokens, t.last)[:, lo:hi]
+            offset += count * view.element_size()
+    return views
 
 
 def _grant_of(request: Request) -> dict | None:

@@ -10,16 +10,28 @@ Both levels evict the least recently used chunk first, and never a pinned one: a
 chunks of its load plan until they are in its blocks, so a fetch for the same or another request
 cannot evict them halfway (a level may then sit over its budget until they are unpinned). A disk
 that cannot take a chunk (full, read-only) costs one warning line; the chunk is still served.
+
+A chunk fetched from the store is served from memory at once; its disk copy is written by one
+background thread (:class:`DiskWriter`), so the load never waits for the disk. Until its file is
+in place the chunk is served from the bytes waiting to be written. Back pressure: at most
+``write_queue_bytes`` of copies wait; past that a copy is not made (one warning line per run, the
+rest counted in ``disk_dropped``) and the chunk lives in memory only. A copy is written under a
+temporary name and renamed into place, so a half-written file is never taken for a chunk; it is
+not fsynced: a file an earlier run left is hashed the first time it is read anyway, so one torn by
+a crash is dropped and fetched again. :meth:`ChunkTier.close` waits for the queued copies.
 No torch here.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
 from kvcdn_core import ArtifactError
 from kvcdn_core.store.pack import checked
@@ -28,12 +40,58 @@ from kvcdn_core.store.record import HEX64
 #: Where a chunk came from, as the per-request figures count them.
 MEMORY, DISK, REMOTE = "memory", "disk", "remote"
 
+#: bytes of disk copies that may wait for the writer; past it a fetched chunk gets no disk copy
+WRITE_QUEUE_BYTES = 1 << 30
+
+
+class Writer(Protocol):
+    """Runs the tier's disk writes off the load path (each job handles its own errors)."""
+
+    def submit(self, job: Callable[[], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DiskWriter:
+    """One daemon thread running submitted jobs in order; started by the first job."""
+
+    def __init__(self, warn: Callable[[str], None], name: str = "kvcdn-tier-write"):
+        self._warn = warn
+        self._name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception as exc:  # a bug must not stop the writer: later copies still go
+                self._warn(f"writing the local tier failed: {exc!r}")
+
+    def close(self) -> None:
+        """Run the queued jobs, then stop the thread (a later job starts a new one)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._jobs.put(None)
+        if thread is not None:
+            thread.join()
+
 
 class ChunkTier:
     """``get(digest, size)`` → the chunk's checked bytes and where they came from.
 
     ``fetch(digest)`` returns the chunk's bytes from the store, or None when the store lacks it.
-    ``directory`` None (or ``disk_bytes`` 0) keeps no disk level.
+    ``directory`` None (or ``disk_bytes`` 0) keeps no disk level. ``writer`` runs the disk writes
+    (default: a :class:`DiskWriter` thread).
     """
 
     def __init__(
@@ -43,6 +101,8 @@ class ChunkTier:
         disk_bytes: int,
         directory: Path | None,
         warn: Callable[[str], None],
+        writer: Writer | None = None,
+        write_queue_bytes: int = WRITE_QUEUE_BYTES,
     ):
         self._fetch = fetch
         self.memory_bytes = memory_bytes
@@ -57,8 +117,17 @@ class ChunkTier:
         self._verified: set[str] = set()  # disk files this process wrote or checked
         self._pins: collections.Counter[str] = collections.Counter()
         self._disk_warned = False
+        self._writer = writer if writer is not None else DiskWriter(warn)
+        self.write_queue_bytes = write_queue_bytes
+        self._waiting: dict[str, bytes] = {}  # chunks whose disk copy is queued, not yet in place
+        self._waiting_bytes = 0
+        self.disk_dropped = 0  # copies not made because the queue was full
         if self.disk_bytes > 0 and self.directory is not None:
             self._scan()
+
+    def close(self) -> None:
+        """Wait for the queued disk copies (an engine's shutdown: the next start finds them)."""
+        self._writer.close()
 
     # -- pins --------------------------------------------------------------------------------------
 
@@ -81,6 +150,10 @@ class ChunkTier:
             if data is not None and len(data) == size:
                 self._memory.move_to_end(digest)
                 return data, MEMORY
+            data = self._waiting.get(digest)  # checked when fetched; its file is not written yet
+        if data is not None and len(data) == size:
+            self._keep_in_memory(digest, data)
+            return data, MEMORY
         data = self._from_disk(digest, size)
         if data is not None:
             self._keep_in_memory(digest, data)
@@ -92,7 +165,7 @@ class ChunkTier:
             raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
         data = checked(fetched, digest, size, "the store")
         self._keep_in_memory(digest, data)
-        self._keep_on_disk(digest, data)
+        self._queue_disk_copy(digest, data)
         return data, REMOTE
 
     def _path(self, digest: str) -> Path:
@@ -140,9 +213,38 @@ class ChunkTier:
                     break
                 self._memory_used -= len(self._memory.pop(victim))
 
-    def _keep_on_disk(self, digest: str, data: bytes) -> None:
+    def _queue_disk_copy(self, digest: str, data: bytes) -> None:
+        """Hand the chunk to the writer, unless it is on disk or queued already, or the queue is full."""
         if len(data) > self.disk_bytes:
             return
+        with self._lock:
+            if digest in self._disk or digest in self._waiting:
+                return
+            queued = self._waiting_bytes + len(data) <= self.write_queue_bytes
+            if queued:
+                self._waiting[digest] = data
+                self._waiting_bytes += len(data)
+            else:
+                self.disk_dropped += 1
+            first_drop = not queued and self.disk_dropped == 1
+        if queued:
+            self._writer.submit(functools.partial(self._keep_on_disk, digest, data))
+        elif first_drop:
+            self._warn(
+                f"the local tier's disk writes fall behind ({self.write_queue_bytes} bytes waiting); "
+                "chunks fetched meanwhile are kept in memory only (counted, not logged again)"
+            )
+
+    def _keep_on_disk(self, digest: str, data: bytes) -> None:
+        """The writer's job: the file under a temporary name, renamed into place, then counted."""
+        try:
+            self._write_file(digest, data)
+        finally:
+            with self._lock:
+                if self._waiting.pop(digest, None) is not None:
+                    self._waiting_bytes -= len(data)
+
+    def _write_file(self, digest: str, data: bytes) -> None:
         path = self._path(digest)
         tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:

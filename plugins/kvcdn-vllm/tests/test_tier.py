@@ -1,6 +1,7 @@
 """The connector's local tier without vLLM: byte budgets per level, least recently used first, pins
 that eviction respects, a digest checked once where a chunk enters, a corrupted file dropped and
-fetched again, and what survives a restart."""
+fetched again, what survives a restart, and disk copies written off the load path (a writer the
+test runs by hand, so no test waits on a thread's timing)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 import blake3
 import pytest
-from kvcdn_vllm.tier import DISK, MEMORY, REMOTE, ChunkTier
+from kvcdn_vllm.tier import DISK, MEMORY, REMOTE, ChunkTier, DiskWriter
 
 from kvcdn_core.errors import ArtifactError
 
@@ -32,8 +33,32 @@ class Store:
         return list(self.chunks)
 
 
-def tier(store, tmp_path, memory=250, disk=450, warnings=None):
-    return ChunkTier(store.fetch, memory, disk, tmp_path / "tier", (warnings if warnings is not None else []).append)
+class Manual:
+    """The tier's disk writer, run by the test: jobs wait until :meth:`run`."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+    def run(self):
+        while self.jobs:
+            self.jobs.pop(0)()
+
+    close = run
+
+
+class Inline(Manual):
+    """Every disk copy written as it is queued (the level tests below need no other timing)."""
+
+    def submit(self, job):
+        job()
+
+
+def tier(store, tmp_path, memory=250, disk=450, warnings=None, writer=None, **more):
+    log = (warnings if warnings is not None else []).append
+    return ChunkTier(store.fetch, memory, disk, tmp_path / "tier", log, writer or Inline(), **more)
 
 
 def test_levels_keep_to_their_budgets_least_recently_used_first(tmp_path):
@@ -121,8 +146,109 @@ def test_a_disk_that_cannot_take_chunks_costs_one_line(tmp_path):
     blocked = tmp_path / "tier"
     blocked.write_bytes(b"")  # a file where the directory should be: every write fails
     warnings: list[str] = []
-    t = ChunkTier(store.fetch, 1000, 1000, blocked, warnings.append)
+    t = ChunkTier(store.fetch, 1000, 1000, blocked, warnings.append, Inline())
     for x in store.digests:
         assert t.get(x, 100)[1] == REMOTE
     assert len(warnings) == 1 and "cannot keep chunks" in warnings[0]
     assert os.path.isfile(blocked)
+
+
+def test_a_fetched_chunk_is_served_before_its_disk_copy_is_written(tmp_path):
+    store = Store(1)
+    (a,) = store.digests
+    writer = Manual()
+    t = tier(store, tmp_path, memory=0, writer=writer)  # no memory level: only the queued bytes hold it
+    path = tmp_path / "tier" / a[:2] / a
+    assert t.get(a, 100) == (store.chunks[a], REMOTE)  # the writer has not run: the load did not wait
+    assert not t.on_disk(a) and not path.exists()
+    assert t.get(a, 100) == (store.chunks[a], MEMORY)  # the bytes waiting for the writer, not a new fetch
+    writer.run()
+    assert t.on_disk(a) and path.read_bytes() == store.chunks[a]
+    assert t.get(a, 100) == (store.chunks[a], DISK)
+    assert store.fetched == [a]
+    assert [p.name for p in path.parent.iterdir()] == [a]  # no temporary file left
+
+
+def test_a_full_write_queue_drops_the_disk_copy_never_the_load(tmp_path):
+    store = Store(5)
+    a, b, c, d, e = store.digests
+    writer, warnings = Manual(), []
+    t = tier(store, tmp_path, memory=1000, disk=1000, warnings=warnings, writer=writer, write_queue_bytes=250)
+    assert [t.get(x, 100)[1] for x in (a, b, c, d)] == [REMOTE] * 4  # none waited for the disk
+    assert t.disk_dropped == 2
+    assert len(warnings) == 1 and "fall behind" in warnings[0]
+    writer.run()
+    assert [t.on_disk(x) for x in (a, b, c, d)] == [True, True, False, False]
+    assert t.get(c, 100)[1] == MEMORY  # a dropped copy: the chunk is still served from memory
+    t.get(e, 100)  # the queue has room again
+    writer.run()
+    assert t.on_disk(e) and len(warnings) == 1
+
+
+def test_the_writer_evicts_least_recent_but_never_a_pinned_chunk(tmp_path):
+    store = Store(3)
+    a, b, c = store.digests
+    writer = Manual()
+    t = tier(store, tmp_path, memory=0, disk=200, writer=writer)
+    t.get(a, 100)
+    t.get(b, 100)
+    writer.run()
+    t.pin([a])  # a request in flight holds a, the least recently used
+    t.get(c, 100)
+    writer.run()  # c's copy takes b's place, not a's
+    assert (t.on_disk(a), t.on_disk(b), t.on_disk(c)) == (True, False, True)
+    assert t.disk_used == 200
+
+
+def test_the_writer_thread_leaves_every_chunk_for_a_restart(tmp_path):
+    store = Store(4)
+    warnings: list[str] = []
+    first = ChunkTier(store.fetch, 0, 1000, tmp_path / "tier", warnings.append)
+    assert [first.get(x, 100)[1] for x in store.digests] == [REMOTE] * 4
+    first.close()  # an engine's shutdown: waits for the queued copies
+    assert all(first.on_disk(x) for x in store.digests)
+    assert not list((tmp_path / "tier").rglob(".*.tmp"))
+    second = ChunkTier(store.fetch, 0, 1000, tmp_path / "tier", warnings.append)
+    assert [second.get(x, 100) for x in store.digests] == [(store.chunks[x], DISK) for x in store.digests]
+    assert store.fetched == store.digests and warnings == []
+
+
+def test_a_half_written_file_is_never_taken_for_a_chunk(tmp_path):
+    store = Store(1)
+    (a,) = store.digests
+    folder = tmp_path / "tier" / a[:2]
+    folder.mkdir(parents=True)
+    (folder / f".{a}.4242.1.tmp").write_bytes(store.chunks[a][:50])  # a writer killed mid-copy
+    t = tier(store, tmp_path)
+    assert not t.on_disk(a)
+    assert t.get(a, 100) == (store.chunks[a], REMOTE)
+
+
+def test_the_disk_writer_runs_jobs_in_order_and_survives_a_failing_one():
+    warnings: list[str] = []
+    done: list[int] = []
+    writer = DiskWriter(warnings.append)
+    writer.submit(lambda: done.append(1))
+    writer.submit(lambda: 1 / 0)
+    writer.submit(lambda: done.append(2))
+    writer.close()
+    assert done == [1, 2]
+    assert len(warnings) == 1 and "ZeroDivisionError" in warnings[0]
+    writer.submit(lambda: done.append(3))  # a job after close starts the thread again
+    writer.close()
+    assert done == [1, 2, 3]
+
+
+def test_loads_on_several_threads_and_the_writer_keep_the_budgets(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = Store(12)
+    t = ChunkTier(store.fetch, 300, 500, tmp_path / "tier", print)
+    order = [d for _ in range(5) for d in store.digests]
+    with ThreadPoolExecutor(2) as pool:  # as the connector's fetch threads ask it
+        got = list(pool.map(lambda d: t.get(d, 100)[0], order))
+    t.close()
+    assert got == [store.chunks[d] for d in order]
+    files = [p for p in (tmp_path / "tier").rglob("*") if p.is_file()]
+    assert t.memory_used <= 300 and t.disk_used == 100 * len(files) <= 500
+    assert all(store.chunks[p.name] == p.read_bytes() and t.on_disk(p.name) for p in files)

@@ -419,7 +419,8 @@ def test_core_and_families_work_on_the_transformers_vllm_pins(family):
 #    in the background (the queue is drained when the engine shuts down).
 # 2. A second process, engine B, on the same store with its own empty tier: prompt 2 finds prompt 1's
 #    artifact in the store's index and loads the shared document's chunks from the store, token-exact
-#    against vLLM alone; the same prompt again takes them from B's memory tier. vLLM's own prefix
+#    against vLLM alone; the same prompt again takes them from B's memory tier, and once more with
+#    max_tokens=1 (a request that ends in its load step still reports its figures). vLLM's own prefix
 #    cache is off, so every cached token was loaded by the connector.
 
 
@@ -450,7 +451,14 @@ def fleet(tmp_path_factory):
     second = drive(
         tmp,
         "b",
-        [{"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]] * 2, "max_tokens": 8}],
+        [
+            {
+                "model": smol,
+                "connector": connector("tier-b", False),
+                "prompts": [prompts[1]] * 3,
+                "max_tokens": [8, 8, 1],
+            }
+        ],
     )
     # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted; then an engine
     # with an empty tier finds chunk 1 deleted from the store after the lookup found its record.
@@ -500,6 +508,17 @@ def test_a_second_request_takes_the_chunks_from_the_memory_tier(fleet):
     params = again["kv_transfer_params"]
     assert params["kvcdn_chunks_memory"] == first["kv_transfer_params"]["kvcdn_chunks_remote"]
     assert params["kvcdn_chunks_remote"] == params["kvcdn_bytes_fetched"] == 0
+
+
+def test_a_request_that_ends_in_its_load_step_carries_its_figures(fleet):
+    # max_tokens=1: vLLM finishes the request before the worker's figures of that step reach the
+    # scheduler; they must still be in its kv_transfer_params
+    last, first = fleet["b"][2], fleet["b"][0]
+    assert last["ids"] == fleet["reference"][1]["ids"][:1]
+    params, before = last["kv_transfer_params"], first["kv_transfer_params"]
+    assert params["kvcdn_matched_tokens"] == before["kvcdn_matched_tokens"] == params["kvcdn_loaded_tokens"]
+    assert params["kvcdn_chunks_memory"] == before["kvcdn_chunks_remote"] > 0
+    assert params["kvcdn_chunks_disk"] == params["kvcdn_chunks_remote"] == params["kvcdn_bytes_fetched"] == 0
 
 
 def test_a_corrupted_chunk_in_the_tier_is_dropped_and_fetched_again(fleet):

@@ -2,10 +2,11 @@
 
 Run with the vLLM environment's Python: ``python vllm_driver.py SPEC.json OUT.json``. SPEC holds
 ``runs``, each ``{"model", "connector": null | kv_connector_extra_config, "prompts": [[ids]],
-"max_tokens", "max_model_len"}``, and ``"tensor_parallel_size"`` or ``"pipeline_parallel_size"``
-when not 1; OUT gets, per run, per prompt: the greedy token ids, ``num_cached_tokens`` and the
-connector's ``kv_transfer_params``. Engines are float32, eager, with vLLM's own prefix cache off,
-so any cached token was loaded by the connector.
+"max_tokens" (one for every prompt, or a list: one per prompt), "max_model_len"}``, and
+``"tensor_parallel_size"`` or ``"pipeline_parallel_size"`` when not 1; OUT gets, per run, per
+prompt: the greedy token ids, ``num_cached_tokens`` and the connector's ``kv_transfer_params``.
+Engines are float32, eager, with vLLM's own prefix cache off, so any cached token was loaded by the
+connector.
 
 Engines run inside this process (no engine-core or worker subprocess, on one thread, as vLLM's CPU
 binding gives a 2-core machine): each spawned process re-imports vLLM and torch, which took about
@@ -56,9 +57,12 @@ def run_engine(run: dict) -> list[dict]:
         **kwargs,
     )
     try:
-        params = SamplingParams(max_tokens=run.get("max_tokens", 8), temperature=0.0)
+        max_tokens = run.get("max_tokens", 8)
+        if isinstance(max_tokens, int):
+            max_tokens = [max_tokens] * len(run["prompts"])
         results = []
-        for ids in run["prompts"]:  # one at a time: each request's load is its own step
+        for ids, most in zip(run["prompts"], max_tokens):  # one at a time: each request's load is its own step
+            params = SamplingParams(max_tokens=most, temperature=0.0)
             started = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             results.append(
