@@ -573,6 +573,16 @@ def goals(r: dict) -> dict:
     return out
 
 
+def dumped(r: dict, args) -> bool:
+    """Write the figures to ``--json`` if asked; True when ``--format json`` printed them instead of a report."""
+    text = json.dumps(r, indent=2, default=str)
+    if args.json:
+        Path(args.json).write_text(text)
+    if args.format == "json":
+        print(text)
+    return args.format == "json"
+
+
 def report_conversation(r: dict, args) -> None:
     """``--conversation-only``: figure 3's figures (stored bytes and the TTFT with save on against off)."""
     st, on, off = r["conversation_store"], r["conversation_save"], r["conversation_no_connector"]
@@ -580,11 +590,7 @@ def report_conversation(r: dict, args) -> None:
         "stored_ratio": st["stored_bytes"] / st["final_own_bytes"],
         "save_ttft_change": on["median_later_s"] / off["median_later_s"] - 1,
     }
-    text = json.dumps(r, indent=2, default=str)
-    if args.json:
-        Path(args.json).write_text(text)
-    if args.format == "json":
-        print(text)
+    if dumped(r, args):
         return
     g = r["goals"]
     print(
@@ -608,11 +614,7 @@ def report_conversation(r: dict, args) -> None:
 
 def report(r: dict, args) -> None:
     r["goals"] = goals(r)
-    text = json.dumps(r, indent=2, default=str)
-    if args.json:
-        Path(args.json).write_text(text)
-    if args.format == "json":
-        print(text)
+    if dumped(r, args):
         return
     apc, g = median_ttft(r["apc_hit"]), r["goals"]
 

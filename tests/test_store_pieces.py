@@ -5,7 +5,6 @@ differ is stored whole; every turn still comes back byte-identical, through gc, 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -14,22 +13,10 @@ from kvcdn_core import artifact
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.errors import ArtifactError
 from kvcdn_core.store.chunkstore import ARTIFACTS, CHUNKS, PENDING, ChunkStore, chunk_key
-from tests.support.storefiles import churn, write_kinds
+from tests.support.storefiles import churn, conversation, write_kinds
 
 #: 8 full-attention layers: 1 KiB of cache per token, so the cache, not the token ids, dominates
 KINDS = ["full_attention"] * 8
-
-
-def conversation(tmp_path, turns: int, seed: int = 0) -> list:
-    """``turns`` artifacts, each continuing the previous one's tensors bitwise with 100-300 new tokens."""
-    rng = random.Random(seed)
-    paths, tensors, tokens = [], None, 0
-    for t in range(turns):
-        tokens += rng.randint(100, 300)
-        path = tmp_path / f"turn{t:02d}.kv"
-        tensors = write_kinds(path, KINDS, tokens, seed=100 + t, prefix_of=tensors)
-        paths.append(path)
-    return paths
 
 
 def stored(store) -> int:

@@ -74,22 +74,32 @@ def test_traffic_counts_every_response_body_by_route(fleet, monkeypatch):
         server.server_close()
 
 
-def test_load_figures_read_the_connectors_per_request_line(fleet):
+def test_load_figures_read_the_requests_kv_transfer_params(fleet):
+    params = {
+        "kvcdn_matched_tokens": 512,
+        "kvcdn_loaded_tokens": 512,
+        "kvcdn_chunks_memory": 1,
+        "kvcdn_chunks_disk": 0,
+        "kvcdn_chunks_remote": 2,
+        "kvcdn_bytes_fetched": 23_592_960,
+    }
+    assert fleet.load_figures(params) == {
+        "loaded_tokens": 512,
+        "chunks_memory": 1,
+        "chunks_disk": 0,
+        "chunks_remote": 2,
+        "bytes_fetched": 23_592_960,
+    }
+    assert fleet.load_figures({})["loaded_tokens"] == 0  # a request the connector loaded nothing for
+
+
+def test_lookup_times_read_the_connectors_per_request_line(fleet):
     lines = [
         "kvcdn: request 1-a8bf7ef8: store lookup 45.3 ms, 512 tokens matched",
         "kvcdn: request 1-a8bf7ef8 loaded 512 tokens of 'document' (chunks: 0 memory, 0 disk, 2 remote; "
         "23592960 bytes fetched)",
-        "kvcdn: request 2-b2 loaded 128 tokens of 'other' (chunks: 1 memory, 1 disk, 0 remote; 0 bytes fetched)",
     ]
-    assert fleet.load_figures(lines) == {
-        "loaded_tokens": 640,
-        "chunks_memory": 1,
-        "chunks_disk": 1,
-        "chunks_remote": 2,
-        "bytes_fetched": 23_592_960,
-    }
     assert fleet.lookup_ms(lines) == [45.3]
-    assert fleet.load_figures(["kvcdn: request 3 store lookup 1.0 ms, 0 tokens matched"])["loaded_tokens"] == 0
 
 
 def run(ttft: float, fetched: int = 0, loaded: int = 0, http: int = 0) -> dict:

@@ -9,7 +9,6 @@ confirm reads every piece back and refuses a damaged one or pieces that do not t
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
@@ -21,22 +20,10 @@ from kvcdn_core.store.chunkstore import open_chunk_store
 from tests.hosted.test_store import FAST_GC, db, objects, serve
 from tests.support.budget import budget
 from tests.support.hosted import mint_key
-from tests.support.storefiles import write_kinds
+from tests.support.storefiles import conversation, write_kinds
 
 #: 8 full-attention layers: 1 KiB of cache per token, so the cache, not the token ids, dominates
 KINDS = ["full_attention"] * 8
-
-
-def conversation(tmp_path: Path, turns: int, seed: int = 0) -> list[Path]:
-    """``turns`` artifacts, each continuing the previous one's tensors bitwise with 100-300 new tokens."""
-    rng = random.Random(seed)
-    paths, tensors, tokens = [], None, 0
-    for t in range(turns):
-        tokens += rng.randint(100, 300)
-        path = tmp_path / f"turn{t:02d}.kv"
-        tensors = write_kinds(path, KINDS, tokens, seed=100 + t, prefix_of=tensors)
-        paths.append(path)
-    return paths
 
 
 @pytest.fixture(scope="module")

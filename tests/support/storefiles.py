@@ -8,6 +8,7 @@ cached prefix has.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from kvcdn_core import artifact
@@ -121,3 +122,20 @@ def churn(backend, paths: dict, deleted: set, rounds: int = 3, collectors: int =
     for t in threads:
         t.join()
     return errors
+
+
+#: 8 full-attention layers: 1 KiB of cache per token, so the cache, not the token ids, dominates
+CONVERSATION_KINDS = ["full_attention"] * 8
+
+
+def conversation(tmp_path: Path, turns: int, seed: int = 0) -> list[Path]:
+    """``turns`` artifacts, each continuing the previous one's tensors bitwise with 100-300 new tokens."""
+    rng = random.Random(seed)
+    paths: list[Path] = []
+    tensors, tokens = None, 0
+    for t in range(turns):
+        tokens += rng.randint(100, 300)
+        path = tmp_path / f"turn{t:02d}.kv"
+        tensors = write_kinds(path, CONVERSATION_KINDS, tokens, seed=100 + t, prefix_of=tensors)
+        paths.append(path)
+    return paths

@@ -104,8 +104,9 @@ def encode(model_dir: Path, text: str, start: bool) -> list[int]:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=start).ids
 
 
-def tiny_qwen(tmp: Path) -> Path:
-    """A tiny trained Qwen2 (head size 64, which vLLM's CPU attention supports)."""
+def tiny_qwen(tmp: Path, kv_heads: int = 1) -> Path:
+    """A tiny trained Qwen2 (head size 64, which vLLM's CPU attention supports) with ``kv_heads``
+    KV heads (two: one per worker under tensor parallelism)."""
     from kvcdn_model_qwen import QwenAdapter
 
     from kvcdn_core.model.tiny import build_tiny_model, teach_tiny_model
@@ -117,7 +118,7 @@ def tiny_qwen(tmp: Path) -> Path:
                 intermediate_size=256,
                 num_hidden_layers=2,
                 num_attention_heads=2,
-                num_key_value_heads=1,
+                num_key_value_heads=kv_heads,
                 max_position_embeddings=4096,
                 tie_word_embeddings=False,
             )

@@ -26,7 +26,7 @@ import torch
 
 if str(Path(__file__).parent) not in sys.path:  # the engine tests' helpers, whatever the import mode
     sys.path.insert(0, str(Path(__file__).parent))
-from test_vllm_engine import drive_logged, encode  # noqa: E402
+from test_vllm_engine import drive_logged, encode, tiny_qwen  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -35,37 +35,13 @@ QUESTION_Q = " Question: how many volumes did the ledger grow to?"
 BLOCK = 128
 
 
-def tiny_qwen_two_kv_heads(tmp: Path) -> Path:
-    """A tiny trained Qwen2 with two KV heads of size 64 (vLLM's CPU attention supports 64)."""
-    from kvcdn_model_qwen import QwenAdapter
-
-    from kvcdn_core.model.tiny import build_tiny_model, teach_tiny_model
-
-    class TwoHeadQwen(QwenAdapter):
-        validation_configs = {
-            "Qwen2ForCausalLM": dict(
-                hidden_size=128,
-                intermediate_size=256,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                max_position_embeddings=4096,
-                tie_word_embeddings=False,
-            )
-        }
-
-    raw = build_tiny_model(TwoHeadQwen, "Qwen2ForCausalLM", tmp / "qwen-raw")
-    teach_tiny_model(raw, tmp / "qwen", steps=60)
-    return tmp / "qwen"
-
-
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
     from kvcdn_core import artifact, runtime
     from kvcdn_core.model.tiny import SAMPLE_TEXT
 
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    qwen = tiny_qwen_two_kv_heads(tmp)
+    qwen = tiny_qwen(tmp, kv_heads=2)
     with_kvcdn, tp1_saves = tmp / "with-kvcdn", tmp / "tp1-saves"
     with_kvcdn.mkdir()
     tp1_saves.mkdir()
