@@ -14,7 +14,7 @@ that cannot take a chunk (full, read-only) costs one warning line; the chunk is 
 A chunk fetched from the store is served from memory at once; its disk copy is written by one
 background thread (:class:`DiskWriter`), so the load never waits for the disk. Until its file is
 in place the chunk is served from the bytes waiting to be written. Back pressure: at most
-``write_queue_bytes`` of copies wait; past that a copy is not made (one warning line per run, the
+``write_queue_bytes`` of copies wait (the ``tier_write_queue_bytes`` setting); past that a copy is not made (one warning line per run, the
 rest counted in ``disk_dropped``) and the chunk lives in memory only. A copy is written under a
 temporary name and renamed into place, so a half-written file is never taken for a chunk; it is
 not fsynced: a file an earlier run left is hashed the first time it is read anyway, so one torn by
@@ -40,7 +40,8 @@ from kvcdn_core.store.record import HEX64
 #: Where a chunk came from, as the per-request figures count them.
 MEMORY, DISK, REMOTE = "memory", "disk", "remote"
 
-#: bytes of disk copies that may wait for the writer; past it a fetched chunk gets no disk copy
+#: bytes of disk copies that may wait for the writer by default; past it a fetched chunk gets no
+#: disk copy (``tier_write_queue_bytes`` in :mod:`kvcdn_vllm.settings` sets it per engine)
 WRITE_QUEUE_BYTES = 1 << 30
 
 
