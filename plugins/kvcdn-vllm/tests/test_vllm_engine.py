@@ -462,7 +462,8 @@ def fleet(tmp_path_factory):
         ],
     )
     # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted; then an engine
-    # with an empty tier finds chunk 1 deleted from the store after the lookup found its record.
+    # with an empty tier and `save` on finds chunk 1 deleted from the store after the lookup found its
+    # record (its failed load also skips its save).
     digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
     flip_byte(tmp / "tier-b" / digests[0][:2] / digests[0], 1000)
     (store / chunk_key(digests[1])).unlink()
@@ -471,7 +472,7 @@ def fleet(tmp_path_factory):
         "faults",
         [
             {"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]], "max_tokens": 8},
-            {"model": smol, "connector": connector("tier-c", False), "prompts": [prompts[1]], "max_tokens": 8},
+            {"model": smol, "connector": connector("tier-c", True), "prompts": [prompts[1]], "max_tokens": 8},
         ],
     )
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
@@ -484,6 +485,8 @@ def fleet(tmp_path_factory):
         "faults": [run[0] for run in third],
         "log": log,
         "digests": digests,
+        "after_faults": ChunkStore(LocalStorage(store)).names(),
+        "missing_chunk": store / chunk_key(digests[1]),
     }
 
 
@@ -537,6 +540,21 @@ def test_a_chunk_deleted_from_the_store_costs_recompute_and_one_line(fleet):
     lines = [line for line in fleet["log"].splitlines() if f"chunk {fleet['digests'][1]} is missing" in line]
     assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
     assert "Traceback" not in fleet["log"]
+
+
+def test_a_request_whose_load_failed_is_not_saved(fleet):
+    # the engine of the deleted chunk has `save` on: the blocks its save would copy were never
+    # written, and vLLM recomputes them in a later step, after the step that computed the prompt's
+    # last token (where the save is taken); so the request is served by recompute and nothing of it
+    # is saved, with one line besides the load's
+    fresh = fleet["faults"][1]
+    assert fresh["ids"] == fleet["reference"][1]["ids"]
+    skipped = [line for line in fleet["log"].splitlines() if "not saving request" in line]
+    assert len(skipped) == 1
+    assert "the prefix it was to load from the store is not in its blocks" in skipped[0]
+    assert fleet["after_faults"] == fleet["names"]  # no artifact of prompt 2
+    assert not fleet["missing_chunk"].exists()  # and no chunk put back by a save
+    assert not [line for line in fleet["log"].splitlines() if "kvcdn: saved " in line or ": saving " in line]
 
 
 # 3b. A save that loaded its prefix from the store copies only the rest out of vLLM's blocks: in one
