@@ -461,9 +461,10 @@ def fleet(tmp_path_factory):
             }
         ],
     )
-    # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted; then an engine
-    # with an empty tier and `save` on finds chunk 1 deleted from the store after the lookup found its
-    # record (its failed load also skips its save).
+    # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted, and a disk
+    # write queue of one byte (the chunk fetched again gets no disk copy); then an engine with an empty
+    # tier and `save` on finds chunk 1 deleted from the store after the lookup found its record (its
+    # failed load also skips its save).
     digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
     flip_byte(tmp / "tier-b" / digests[0][:2] / digests[0], 1000)
     (store / chunk_key(digests[1])).unlink()
@@ -471,7 +472,12 @@ def fleet(tmp_path_factory):
         tmp,
         "faults",
         [
-            {"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]], "max_tokens": 8},
+            {
+                "model": smol,
+                "connector": {**connector("tier-b", False), "tier_write_queue_bytes": 1},
+                "prompts": [prompts[1]],
+                "max_tokens": 8,
+            },
             {"model": smol, "connector": connector("tier-c", True), "prompts": [prompts[1]], "max_tokens": 8},
         ],
     )
@@ -487,6 +493,7 @@ def fleet(tmp_path_factory):
         "digests": digests,
         "after_faults": ChunkStore(LocalStorage(store)).names(),
         "missing_chunk": store / chunk_key(digests[1]),
+        "tier_b": tmp / "tier-b",
     }
 
 
@@ -532,6 +539,16 @@ def test_a_corrupted_chunk_in_the_tier_is_dropped_and_fetched_again(fleet):
     assert (params["kvcdn_chunks_disk"], params["kvcdn_chunks_remote"]) == (1, 1)  # chunk 1 from disk, 0 again
     lines = [line for line in fleet["log"].splitlines() if "is corrupted" in line]
     assert len(lines) == 1 and fleet["digests"][0] in lines[0] and "fetching it again" in lines[0]
+
+
+def test_the_tier_write_queue_setting_reaches_the_engines_tier(fleet):
+    # the restarted engine's tier_write_queue_bytes is 1: chunk 0, fetched again, gets no disk copy
+    # (served from memory all the same, above), with one line; chunk 1's file stays
+    first, second = fleet["digests"][:2]
+    lines = [line for line in fleet["log"].splitlines() if "disk writes fall behind" in line]
+    assert len(lines) == 1 and "(1 bytes waiting)" in lines[0]
+    assert not (fleet["tier_b"] / first[:2] / first).exists()
+    assert (fleet["tier_b"] / second[:2] / second).exists()
 
 
 def test_a_chunk_deleted_from_the_store_costs_recompute_and_one_line(fleet):
