@@ -219,7 +219,14 @@ class KvcdnConnector(KVConnectorBase_V1):
 
             s = self.settings
             directory = _Path(s.tier_directory).expanduser() if s.tier_directory else None
-            self._tier = ChunkTier(self._store.fetch, s.tier_memory_bytes, s.tier_disk_bytes, directory, _warn)
+            self._tier = ChunkTier(
+                self._store.fetch,
+                s.tier_memory_bytes,
+                s.tier_disk_bytes,
+                directory,
+                _warn,
+                write_queue_bytes=s.tier_write_queue_bytes,
+            )
             if self._can_save and (self._heads_gather is None or self._heads_gather.first):
                 from kvcdn_core import open_storage
                 from kvcdn_core.store.chunkstore import open_chunk_store

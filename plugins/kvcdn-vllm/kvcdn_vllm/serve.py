@@ -75,6 +75,12 @@ def server_command(
 @click.option("--tier-memory-bytes", type=click.IntRange(0), default=None, help="With --store: memory tier budget.")
 @click.option("--tier-disk-bytes", type=click.IntRange(0), default=None, help="With --store: disk tier budget.")
 @click.option("--tier-directory", default=None, help="With --store: the disk tier's directory.")
+@click.option(
+    "--tier-write-queue-bytes",
+    type=click.IntRange(1),
+    default=None,
+    help="With --store: bytes of fetched chunks waiting for their disk copy at most.",
+)
 @click.option("--save-queue", type=click.IntRange(1), default=None, help="With --store --save: saves waiting at most.")
 @click.option("--save", is_flag=True, help="Also write prompts' caches back to --source as artifacts.")
 @click.option(
@@ -95,6 +101,7 @@ def command(
     tier_memory_bytes: int | None,
     tier_disk_bytes: int | None,
     tier_directory: str | None,
+    tier_write_queue_bytes: int | None,
     save_queue: int | None,
     save: bool,
     min_tokens: int | None,
@@ -118,6 +125,7 @@ def command(
         "tier_memory_bytes": tier_memory_bytes,
         "tier_disk_bytes": tier_disk_bytes,
         "tier_directory": tier_directory,
+        "tier_write_queue_bytes": tier_write_queue_bytes,
         "save_queue": save_queue,
     }
     if store:

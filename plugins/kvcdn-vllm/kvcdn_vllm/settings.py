@@ -56,6 +56,16 @@ SETTINGS: tuple[settings.Setting, ...] = (
         default_doc="`$XDG_CACHE_HOME/kvcdn/vllm-tier/`",
     ),
     settings.Setting(
+        "tier_write_queue_bytes",
+        "With `store`: bytes of fetched chunks waiting for their disk copy at most (one background thread "
+        "writes them, so a load never waits for the disk); a chunk fetched while the queue is full stays in "
+        "memory only, with one warning line per run.",
+        settings.integer(1),
+        1 << 30,
+        flag="--tier-write-queue-bytes",
+        default_doc="1073741824 (1 GiB)",
+    ),
+    settings.Setting(
         "save_queue",
         "With `store` and `save`: prompts waiting to be put into the store at most; when it is full, a new "
         "save is skipped with one warning line (the forward pass never waits for the store).",
@@ -100,6 +110,7 @@ class Settings:
     tier_disk_bytes: int = 0
     tier_directory: str | None = None
     save_queue: int = 4
+    tier_write_queue_bytes: int = 1 << 30
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None, block_size: int) -> Settings:
@@ -127,6 +138,7 @@ class Settings:
             values["tier_disk_bytes"],
             values["tier_directory"] or str(cache_home() / "vllm-tier"),
             values["save_queue"],
+            values["tier_write_queue_bytes"],
         )
 
 

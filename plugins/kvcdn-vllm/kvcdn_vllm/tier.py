@@ -14,12 +14,13 @@ that cannot take a chunk (full, read-only) costs one warning line; the chunk is 
 A chunk fetched from the store is served from memory at once; its disk copy is written by one
 background thread (:class:`DiskWriter`), so the load never waits for the disk. Until its file is
 in place the chunk is served from the bytes waiting to be written. Back pressure: at most
-``write_queue_bytes`` of copies wait; past that a copy is not made (one warning line per run, the
+``write_queue_bytes`` of copies wait (the ``tier_write_queue_bytes`` setting); past that a copy is not made (one warning line per run, the
 rest counted in ``disk_dropped``) and the chunk lives in memory only. A copy is written under a
 temporary name and renamed into place, so a half-written file is never taken for a chunk; it is
 not fsynced: a file an earlier run left is hashed the first time it is read anyway, so one torn by
 a crash is dropped and fetched again. :meth:`ChunkTier.close` waits for the queued copies.
-No torch here.
+The temporary name carries the writer's process id; at start the tier removes the temporary files
+that killed writers left (:func:`sweep_temp_files`). No torch here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import collections
 import functools
 import os
 import queue
+import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -40,8 +43,66 @@ from kvcdn_core.store.record import HEX64
 #: Where a chunk came from, as the per-request figures count them.
 MEMORY, DISK, REMOTE = "memory", "disk", "remote"
 
-#: bytes of disk copies that may wait for the writer; past it a fetched chunk gets no disk copy
+#: bytes of disk copies that may wait for the writer by default; past it a fetched chunk gets no
+#: disk copy (``tier_write_queue_bytes`` in :mod:`kvcdn_vllm.settings` sets it per engine)
 WRITE_QUEUE_BYTES = 1 << 30
+
+
+#: a disk copy's temporary name (:meth:`ChunkTier._write_file`): digest, writer's pid, thread id
+TEMP_NAME = re.compile(r"\.([0-9a-f]{64})\.([0-9]+)\.([0-9]+)\.tmp")
+#: a temporary file whose writer's pid is gone is swept once it is this old (a writer in another pid
+#: namespace sharing the directory may look gone while it writes, and a copy takes milliseconds)
+TEMP_DEAD_WRITER_S = 60.0
+#: a temporary file this old is swept whatever its pid says (the pid may belong to a new process)
+TEMP_MAX_AGE_S = 3600.0
+
+
+def sweep_temp_files(directory: Path, now: float) -> int:
+    """Remove the disk copies' temporary files that killed writers left under ``directory`` (only
+    the tier's own name pattern, one level down, as the copies are written), never one a running
+    writer may still be writing; the number removed. They count against no budget and are never read,
+    so without this they would stay forever."""
+    removed = 0
+    try:
+        folders = [sub for sub in directory.glob("??") if sub.is_dir()]
+    except OSError:
+        return 0
+    for sub in folders:
+        try:
+            names = [p for p in sub.iterdir() if p.name.startswith(".")]
+        except OSError:
+            continue
+        for path in names:
+            match = TEMP_NAME.fullmatch(path.name)
+            if match is None or not match.group(1).startswith(sub.name):
+                continue
+            try:
+                age = now - path.stat().st_mtime
+            except OSError:
+                continue
+            stale = age > TEMP_MAX_AGE_S or (age > TEMP_DEAD_WRITER_S and not _alive(int(match.group(2))))
+            if stale:
+                try:
+                    path.unlink()
+                    removed += 1
+                except OSError:  # gone meanwhile (another engine swept it), or not ours to remove
+                    pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of that id runs on this machine (signal 0 checks without sending)."""
+    if pid <= 0:  # 0 and negatives name process groups, not a writer
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
 
 
 class Writer(Protocol):
@@ -122,6 +183,7 @@ class ChunkTier:
         self._waiting: dict[str, bytes] = {}  # chunks whose disk copy is queued, not yet in place
         self._waiting_bytes = 0
         self.disk_dropped = 0  # copies not made because the queue was full
+        self.temp_swept = 0  # temporary files of killed writers removed at start
         if self.disk_bytes > 0 and self.directory is not None:
             self._scan()
 
@@ -287,8 +349,10 @@ class ChunkTier:
             pass
 
     def _scan(self) -> None:
-        """The chunks an earlier run left, oldest use first (unchecked until read); then the budget."""
+        """The chunks an earlier run left, oldest use first (unchecked until read); then the budget.
+        Temporary files of killed writers are removed first."""
         assert self.directory is not None
+        self.temp_swept = sweep_temp_files(self.directory, time.time())
         found = []
         for sub in self.directory.glob("??"):
             for path in sub.iterdir() if sub.is_dir() else ():

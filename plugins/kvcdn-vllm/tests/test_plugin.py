@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from kvcdn_vllm.settings import Settings
+from kvcdn_vllm.tier import WRITE_QUEUE_BYTES
 
 
 def kvcdn(*args, **kwargs):
@@ -66,6 +67,8 @@ def test_vllm_serve_with_a_chunk_store_passes_its_keys(tmp_path):
         "1048576",
         "--save-queue",
         "2",
+        "--tier-write-queue-bytes",
+        "65536",
         "--save",
         "--format",
         "json",
@@ -74,7 +77,13 @@ def test_vllm_serve_with_a_chunk_store_passes_its_keys(tmp_path):
     assert done.returncode == 0, done.stderr
     argv = json.loads(done.stdout)["argv"]
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-    assert config == {"store": str(tmp_path), "tier_memory_bytes": 1048576, "save_queue": 2, "save": True}
+    assert config == {
+        "store": str(tmp_path),
+        "tier_memory_bytes": 1048576,
+        "tier_write_queue_bytes": 65536,
+        "save_queue": 2,
+        "save": True,
+    }
     Settings.parse(config, 16)  # what the command writes, the connector reads
     both = kvcdn("vllm-serve", "--model", "m", "--store", str(tmp_path), "--source", str(tmp_path), "--dry-run")
     assert both.returncode == 2 and "one of the two" in both.stderr and "Traceback" not in both.stderr
@@ -99,11 +108,17 @@ def test_settings_defaults_and_refusals():
         16 << 30,
     )
     assert tiered.tier_directory.endswith("vllm-tier") and tiered.save_queue == 4
+    assert tiered.tier_write_queue_bytes == WRITE_QUEUE_BYTES  # as before the key existed: 1 GiB
+    bounded = Settings.parse({"store": "s", "tier_write_queue_bytes": "65536"}, 16)
+    assert bounded.tier_write_queue_bytes == 65536
     for extra, message in (
         ({}, "needs 'source'"),
         ({"source": "d", "store": "s"}, "one of the two"),
         ({"store": "s", "tier_disk_bytes": -1}, "tier_disk_bytes"),
         ({"store": "s", "save_queue": 0}, "save_queue"),
+        ({"store": "s", "tier_write_queue_bytes": 0}, "'tier_write_queue_bytes' must be at least 1"),
+        ({"store": "s", "tier_write_queue_bytes": "1G"}, "'tier_write_queue_bytes' must be an integer"),
+        ({"store": "s", "tier_write_queue": 1}, "did you mean 'tier_write_queue_bytes'"),
         ({"source": "d", "save": 1}, "'save'"),
         ({"source": "d", "min_tokens": 0}, "min_tokens"),
         ({"source": "d", "sorce": "x"}, "unknown"),

@@ -1,15 +1,19 @@
 """The connector's local tier without vLLM: byte budgets per level, least recently used first, pins
 that eviction respects, a digest checked once where a chunk enters, a corrupted file dropped and
-fetched again, what survives a restart, and disk copies written off the load path (a writer the
-test runs by hand, so no test waits on a thread's timing)."""
+fetched again, what survives a restart, disk copies written off the load path (a writer the
+test runs by hand, so no test waits on a thread's timing), and killed writers' temporary files swept
+at start."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import blake3
 import pytest
-from kvcdn_vllm.tier import DISK, MEMORY, REMOTE, ChunkTier, DiskWriter
+from kvcdn_vllm.tier import DISK, MEMORY, REMOTE, ChunkTier, DiskWriter, sweep_temp_files
 
 from kvcdn_core.errors import ArtifactError
 
@@ -252,3 +256,54 @@ def test_loads_on_several_threads_and_the_writer_keep_the_budgets(tmp_path):
     files = [p for p in (tmp_path / "tier").rglob("*") if p.is_file()]
     assert t.memory_used <= 300 and t.disk_used == 100 * len(files) <= 500
     assert all(store.chunks[p.name] == p.read_bytes() and t.on_disk(p.name) for p in files)
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def temp_file(folder, digest: str, pid: int, written: float):
+    """A writer's temporary file, named as :meth:`ChunkTier._write_file` names it, last written at ``written``."""
+    path = folder / f".{digest}.{pid}.140000000000.tmp"
+    path.write_bytes(b"x" * 50)
+    os.utime(path, (written, written))
+    return path
+
+
+def test_temp_files_of_a_killed_writer_are_swept_at_start(tmp_path):
+    store = Store(1)
+    (a,) = store.digests
+    folder = tmp_path / "tier" / a[:2]
+    folder.mkdir(parents=True)
+    (folder / a).write_bytes(store.chunks[a])  # a chunk an earlier run left
+    gone, now = dead_pid(), time.time()
+    killed = temp_file(folder, a, gone, now - 600)  # its writer died mid-copy
+    live = temp_file(folder, a, os.getppid(), now - 600)  # another engine's writer, still running
+    other = folder / f".{a}.tmp"  # not the tier's pattern
+    other.write_bytes(b"")
+    outside = tmp_path / "elsewhere" / a[:2]  # not the tier's directory
+    outside.mkdir(parents=True)
+    foreign = temp_file(outside, a, gone, now - 600)
+    warnings: list[str] = []
+    t = tier(store, tmp_path, warnings=warnings)
+    assert not killed.exists() and t.temp_swept == 1
+    assert live.exists() and other.exists() and foreign.exists()
+    assert t.on_disk(a) and t.disk_used == 100  # the budget counts chunks only, as before
+    assert t.get(a, 100) == (store.chunks[a], DISK) and warnings == []
+
+
+def test_which_temp_files_count_as_stale(tmp_path):
+    folder = tmp_path / "ab"
+    folder.mkdir()
+    a, b, c, d = ("ab" + str(i) * 62 for i in range(4))
+    gone, now = dead_pid(), 1_000_000.0
+    fresh = temp_file(folder, a, gone, now - 10)  # a writer in another pid namespace may own it
+    old = temp_file(folder, b, gone, now - 120)
+    reused = temp_file(folder, c, os.getpid(), now - 7200)  # pid alive again, but no copy takes an hour
+    mine = temp_file(folder, d, os.getpid(), now - 120)
+    assert sweep_temp_files(tmp_path, now) == 2
+    assert (fresh.exists(), old.exists(), reused.exists(), mine.exists()) == (True, False, False, True)
+    assert sweep_temp_files(tmp_path / "missing", now) == 0

@@ -461,8 +461,10 @@ def fleet(tmp_path_factory):
             }
         ],
     )
-    # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted; then an engine
-    # with an empty tier finds chunk 1 deleted from the store after the lookup found its record.
+    # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted, and a disk
+    # write queue of one byte (the chunk fetched again gets no disk copy); then an engine with an empty
+    # tier and `save` on finds chunk 1 deleted from the store after the lookup found its record (its
+    # failed load also skips its save).
     digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
     flip_byte(tmp / "tier-b" / digests[0][:2] / digests[0], 1000)
     (store / chunk_key(digests[1])).unlink()
@@ -470,8 +472,13 @@ def fleet(tmp_path_factory):
         tmp,
         "faults",
         [
-            {"model": smol, "connector": connector("tier-b", False), "prompts": [prompts[1]], "max_tokens": 8},
-            {"model": smol, "connector": connector("tier-c", False), "prompts": [prompts[1]], "max_tokens": 8},
+            {
+                "model": smol,
+                "connector": {**connector("tier-b", False), "tier_write_queue_bytes": 1},
+                "prompts": [prompts[1]],
+                "max_tokens": 8,
+            },
+            {"model": smol, "connector": connector("tier-c", True), "prompts": [prompts[1]], "max_tokens": 8},
         ],
     )
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
@@ -484,6 +491,9 @@ def fleet(tmp_path_factory):
         "faults": [run[0] for run in third],
         "log": log,
         "digests": digests,
+        "after_faults": ChunkStore(LocalStorage(store)).names(),
+        "missing_chunk": store / chunk_key(digests[1]),
+        "tier_b": tmp / "tier-b",
     }
 
 
@@ -531,12 +541,37 @@ def test_a_corrupted_chunk_in_the_tier_is_dropped_and_fetched_again(fleet):
     assert len(lines) == 1 and fleet["digests"][0] in lines[0] and "fetching it again" in lines[0]
 
 
+def test_the_tier_write_queue_setting_reaches_the_engines_tier(fleet):
+    # the restarted engine's tier_write_queue_bytes is 1: chunk 0, fetched again, gets no disk copy
+    # (served from memory all the same, above), with one line; chunk 1's file stays
+    first, second = fleet["digests"][:2]
+    lines = [line for line in fleet["log"].splitlines() if "disk writes fall behind" in line]
+    assert len(lines) == 1 and "(1 bytes waiting)" in lines[0]
+    assert not (fleet["tier_b"] / first[:2] / first).exists()
+    assert (fleet["tier_b"] / second[:2] / second).exists()
+
+
 def test_a_chunk_deleted_from_the_store_costs_recompute_and_one_line(fleet):
     fresh = fleet["faults"][1]
     assert fresh["ids"] == fleet["reference"][1]["ids"]  # vLLM recomputed the blocks: still token-exact
     lines = [line for line in fleet["log"].splitlines() if f"chunk {fleet['digests'][1]} is missing" in line]
     assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
     assert "Traceback" not in fleet["log"]
+
+
+def test_a_request_whose_load_failed_is_not_saved(fleet):
+    # the engine of the deleted chunk has `save` on: the blocks its save would copy were never
+    # written, and vLLM recomputes them in a later step, after the step that computed the prompt's
+    # last token (where the save is taken); so the request is served by recompute and nothing of it
+    # is saved, with one line besides the load's
+    fresh = fleet["faults"][1]
+    assert fresh["ids"] == fleet["reference"][1]["ids"]
+    skipped = [line for line in fleet["log"].splitlines() if "not saving request" in line]
+    assert len(skipped) == 1
+    assert "the prefix it was to load from the store is not in its blocks" in skipped[0]
+    assert fleet["after_faults"] == fleet["names"]  # no artifact of prompt 2
+    assert not fleet["missing_chunk"].exists()  # and no chunk put back by a save
+    assert not [line for line in fleet["log"].splitlines() if "kvcdn: saved " in line or ": saving " in line]
 
 
 # 3b. A save that loaded its prefix from the store copies only the rest out of vLLM's blocks: in one
