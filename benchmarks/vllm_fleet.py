@@ -34,8 +34,8 @@ measurement pays the engine's first forward pass. TTFT is the wall time of one r
 
 The scheduler's lookup is also timed outside the engines: ``--lookups`` lookups of the prompt
 through the connector's own lookup object, p50 and p99; and the link's speed, as the prefix's
-chunks fetched once through that object's own source. ``--profile`` runs the kvcdn requests,
-the last saved turn and the save thread under cProfile and prints where their time goes (the timings then include
+chunks fetched once through that object's own source. ``--profile`` runs the kvcdn requests
+and the last saved turn under cProfile (saves run in a process of their own) and prints where their time goes (the timings then include
 the profiler's overhead: use it for shares, not for the table). ``--conversation-only`` runs only figure 3
 (the conversation without a connector, then with ``save`` on): no stores, no server, about 2 minutes.
 """
@@ -174,36 +174,6 @@ def profiled(name: str | None, call):
     return result
 
 
-def saver_profile():
-    """A cProfile of the connector's save thread (``kvcdn-save``), enabled from inside that thread as
-    it starts (cProfile sees only the thread that enables it); :func:`keep_saver_profile` ends it."""
-    import cProfile
-    import threading
-
-    profile = cProfile.Profile()
-
-    def hook(*_):
-        sys.setprofile(None)
-        if threading.current_thread().name == "kvcdn-save":
-            profile.enable()
-
-    threading.setprofile(hook)
-    return profile
-
-
-def keep_saver_profile(profile) -> None:
-    import io
-    import pstats
-    import threading
-
-    threading.setprofile(None)
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats("tottime").print_stats(14)
-    stats.sort_stats("cumulative").print_stats("kvcdn", 14)
-    PROFILES["save_thread_all_turns"] = text.getvalue()
-
-
 def timed(llm, prompt: list[int], reps: int, traffic: Traffic, lines: Lines, profile: str | None = None) -> list[dict]:
     """``reps`` requests of ``prompt``, each with its TTFT, connector figures, HTTP bytes and lookups;
     the first under cProfile when ``profile`` names it."""
@@ -313,7 +283,6 @@ def save_conversation(args, model: str, turns: list[list[int]], warm: list[int],
     from kvcdn_core.store.chunkstore import ChunkStore
 
     saving = work / "saving"
-    save_profile = saver_profile() if args.profile else None
     tier = {"tier_directory": str(work / "tier-saving"), "tier_memory_bytes": 1 << 30}
     llm = engine(model, kvcdn({**tier, "store": str(saving), "save": True}), prefix_caching=True, in_process=True)
     ttft(llm, warm, 1)
@@ -321,8 +290,6 @@ def save_conversation(args, model: str, turns: list[list[int]], warm: list[int],
     lines.take()
     close(llm)
     summary = [line for line in lines.take() if "summary" in line]
-    if save_profile is not None:
-        keep_saver_profile(save_profile)
     store = ChunkStore(LocalStorage(saving))
     records = [store.record(n) for n in store.names()]
     final = max(records, key=lambda r: r.token_count)
@@ -384,9 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-tokens", type=int, default=100, help="tokens per turn (message and reply)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 1))
     parser.add_argument("--kvcdn", default=None, help="command that runs kvcdn with the server (default: found)")
-    parser.add_argument(
-        "--profile", action="store_true", help="cProfile the kvcdn requests, the last saved turn and the save thread"
-    )
+    parser.add_argument("--profile", action="store_true", help="cProfile the kvcdn requests and the last saved turn")
     parser.add_argument(
         "--conversation-only",
         action="store_true",

@@ -139,3 +139,17 @@ def conversation(tmp_path: Path, turns: int, seed: int = 0) -> list[Path]:
         tensors = write_kinds(path, CONVERSATION_KINDS, tokens, seed=100 + t, prefix_of=tensors)
         paths.append(path)
     return paths
+
+
+def layer_pieces(tensors: dict, cuts: tuple[int, ...] = ()) -> dict:
+    """The full-attention layers of ``tensors`` (as :func:`write_kinds` returns them) as the vLLM
+    connector hands a prompt to its save queue: layer index → ``(keys, values)`` pieces, each
+    ``[kv_heads, tokens, head_size]``, cut at the token positions ``cuts``."""
+    pieces = {}
+    i = 0
+    while f"layers.{i}.key" in tensors:
+        keys, values = tensors[f"layers.{i}.key"][0], tensors[f"layers.{i}.value"][0]
+        edges = [0, *cuts, keys.shape[1]]
+        pieces[i] = [(keys[:, a:b], values[:, a:b]) for a, b in zip(edges, edges[1:])]
+        i += 1
+    return pieces

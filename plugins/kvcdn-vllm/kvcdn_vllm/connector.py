@@ -47,6 +47,7 @@ from kvcdn_vllm.catalog import Catalog, Hit, ModelShape, check_fits
 from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
+from kvcdn_vllm.writer import SavedModel, artifact_name, write_prompt_artifact
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvcdn_vllm.saver import Handover
 
 logger = init_logger("vllm.kvcdn_vllm")  # under vLLM's logger, so its handler and format apply
 
@@ -144,6 +147,16 @@ class _SaveRows:
     ranges: list[tuple[int, int]]
     slots: list[Callable[[str, torch.Tensor], paged.TokenSlots]]
     kept: _Kept | None
+    #: the save queue's shared memory the layers are gathered straight into (none under tensor
+    #: parallelism, whose first worker hands over what every worker gathered)
+    handover: Handover | None = None
+
+    def in_token_order(self) -> list[tuple[int, int | None]]:
+        """``(start, i)`` of each piece in token order: ``i`` the range's index, None the kept rows."""
+        pieces: list[tuple[int, int | None]] = [(a, i) for i, (a, _b) in enumerate(self.ranges)]
+        if self.kept is not None:
+            pieces.append((self.kept.start, None))
+        return sorted(pieces, key=lambda piece: piece[0])
 
 
 def model_facts(vllm_config: VllmConfig) -> tuple[Path, dict, ModelShape]:
@@ -228,16 +241,13 @@ class KvcdnConnector(KVConnectorBase_V1):
                 write_queue_bytes=s.tier_write_queue_bytes,
             )
             if self._can_save and (self._heads_gather is None or self._heads_gather.first):
-                from kvcdn_core import open_storage
-                from kvcdn_core.store.chunkstore import open_chunk_store
-                from kvcdn_vllm.saver import SaveQueue
+                from kvcdn_vllm.saver import SaveQueue, SaveTarget
 
-                # the store's own chunk store when its backend keeps chunks itself (the hosted
-                # service), else core's on its bytes; a backend of its own, so that saves never
-                # wait on the tier's fetches
+                # a process of its own opens the store and puts the saves (kvcdn_vllm.saver), so
+                # that saving never holds the forward's Python lock nor waits on the tier's fetches
                 assert s.store is not None
-                store = open_chunk_store(open_storage(s.store))
-                self._saver = SaveQueue(store, s.save_queue, _warn, self._saved, _info)
+                model = SavedModel.of_engine(vllm_config, self._model_dir, self._fingerprint)
+                self._saver = SaveQueue(SaveTarget(s.store, model), s.save_queue, _warn, self._saved, _info)
 
     # ==== scheduler side ==========================================================================
 
@@ -589,6 +599,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvcdnMetadata) or not meta.saves or layer_name not in self._layouts:
             return
+        index = _layer_index(layer_name)
         for job in meta.saves:
             if job.req_id not in self._save_rows:
                 self._save_rows[job.req_id] = self._rows_to_copy(job, kv_layer)
@@ -596,12 +607,29 @@ class KvcdnConnector(KVConnectorBase_V1):
             if rows is None:
                 continue
             try:
-                parts = [paged.gather(kv_layer, slots(layer_name, kv_layer)) for slots in rows.slots]
-            except paged.LayoutError as exc:
+                if rows.handover is not None:  # straight into the save queue's shared memory
+                    for _start, i in rows.in_token_order():
+                        if i is None:
+                            assert rows.kept is not None
+                            rows.handover.copy(index, *rows.kept.layers[index])
+                        else:
+                            slots = rows.slots[i](layer_name, kv_layer)
+                            keys, values = rows.handover.room(index, slots.shape, kv_layer.dtype)
+                            paged.gather_into(kv_layer, slots, keys, values)
+                    parts = []
+                else:
+                    parts = [paged.gather(kv_layer, slots(layer_name, kv_layer)) for slots in rows.slots]
+            except (paged.LayoutError, ValueError) as exc:
                 _warn(f"not saving request {job.req_id}: {exc}")
+                self._drop_save(rows)
                 self._save_rows[job.req_id] = None
                 continue
-            self._gathered.setdefault(job.req_id, {})[_layer_index(layer_name)] = [(k.cpu(), v.cpu()) for k, v in parts]
+            self._gathered.setdefault(job.req_id, {})[index] = [(k.cpu(), v.cpu()) for k, v in parts]
+
+    def _drop_save(self, rows: _SaveRows | None) -> None:
+        """A save given up after its shared memory was set aside: the memory goes back."""
+        if rows is not None and rows.handover is not None and self._saver is not None:
+            self._saver.drop(rows.handover)
 
     def _rows_to_copy(self, job: SaveJob, kv_layer: torch.Tensor) -> _SaveRows | None:
         """What a save copies out of the blocks: the whole prompt, or, when the connector loaded
@@ -612,23 +640,29 @@ class KvcdnConnector(KVConnectorBase_V1):
         whole = _SaveRows([(0, n)], [self._slots(job.block_ids, n)], None)
         kept = self._kept.pop(job.req_id, None)
         if job.loaded is None:
-            return whole
-        if kept is None or (kept.start, kept.end) != job.loaded:
+            rows = whole
+        elif kept is None or (kept.start, kept.end) != job.loaded:
             _warn(f"not saving request {job.req_id}: the prefix it was to load from the store is not in its blocks")
             return None
-        if self._heads_gather is not None or any(k.dtype != kv_layer.dtype for k, _ in kept.layers.values()):
+        elif self._heads_gather is not None or any(k.dtype != kv_layer.dtype for k, _ in kept.layers.values()):
             # under tensor parallelism the ranks' heads are gathered whole; and a cache of another
             # dtype converted the loaded rows: copy what the blocks hold
-            return whole
-        ranges = [r for r in ((0, kept.start), (kept.end, n)) if r[1] > r[0]]
-        return _SaveRows(ranges, [self._slots(job.block_ids, b, a) for a, b in ranges], kept)
+            rows = whole
+        else:
+            ranges = [r for r in ((0, kept.start), (kept.end, n)) if r[1] > r[0]]
+            rows = _SaveRows(ranges, [self._slots(job.block_ids, b, a) for a, b in ranges], kept)
+        if self._saver is not None and self._heads_gather is None:
+            shape = self._shape
+            size = 2 * shape.num_layers * n * shape.num_kv_heads * shape.head_size * kv_layer.dtype.itemsize
+            rows.handover = self._saver.hand_over(artifact_name(job.prompt_ids).removesuffix(".kv"), size)
+            if rows.handover is None:  # the queue is full (said so)
+                return None
+        return rows
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KvcdnMetadata) or not meta.saves:
             return
-        from kvcdn_vllm.writer import artifact_name, write_prompt_artifact
-
         # no entry: no layer of this worker gathered it (then "0 of N layers" below)
         rows_of = {job.req_id: self._save_rows.pop(job.req_id, _SaveRows([], [], None)) for job in meta.saves}
         # a prompt with no rows to save (its load failed) has no layers: under tensor parallelism
@@ -661,6 +695,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 _warn(
                     f"not saving request {job.req_id}: {counts[job.req_id]} of {self._shape.num_layers} layers gathered"
                 )
+                self._drop_save(rows)
                 continue
             if whole is not None and job.req_id not in whole:
                 _warn(f"not saving request {job.req_id}: another tensor-parallel worker did not gather its layers")
@@ -674,37 +709,18 @@ class KvcdnConnector(KVConnectorBase_V1):
                 len(job.prompt_ids) - copied,
             )
 
-            def layers_of(
-                req_id: str = job.req_id,
-                gathered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = prompts[job.req_id],
-                rows: _SaveRows = rows,
-            ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-                return whole[req_id] if whole is not None else _joined(gathered, rows)
-
-            if self._saver is not None:  # a chunk store: the queue's thread joins, writes and puts it
-
-                def write(directory: Path, job: SaveJob = job, layers_of: Callable = layers_of) -> Path:
-                    return write_prompt_artifact(
-                        directory,
-                        self._vllm_config,
-                        self._model_dir,
-                        self._fingerprint,
-                        job.prompt_ids,
-                        layers_of(),
-                    )
-
-                self._saver.submit(artifact_name(job.prompt_ids).removesuffix(".kv"), write)
+            if self._saver is not None:  # a chunk store: the save process writes and puts it
+                if whole is not None:  # every worker's heads, copied in here
+                    heads = {index: [pair] for index, pair in whole[job.req_id].items()}
+                    self._saver.save(artifact_name(job.prompt_ids).removesuffix(".kv"), job.prompt_ids, heads)
+                else:  # gathered straight into its shared memory
+                    assert rows.handover is not None
+                    self._saver.submit(rows.handover, job.prompt_ids)
                 continue
-            layers = layers_of()
+            layers = whole[job.req_id] if whole is not None else _joined(prompts[job.req_id], rows)
             try:
-                path = write_prompt_artifact(
-                    self._source.directory,
-                    self._vllm_config,
-                    self._model_dir,
-                    self._fingerprint,
-                    job.prompt_ids,
-                    layers,
-                )
+                model = SavedModel.of_engine(self._vllm_config, self._model_dir, self._fingerprint)
+                path = write_prompt_artifact(self._source.directory, model, job.prompt_ids, layers)
                 self._source.publish(path)
                 logger.info("kvcdn: saved %d prompt tokens to %s", len(job.prompt_ids), path)
             except (KvcdnError, OSError) as exc:
@@ -766,19 +782,14 @@ def _joined(
     gathered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], rows: _SaveRows
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's whole prompt: the ranges copied from the blocks and the kept loaded rows, in
-    token order (run on the save thread: the forward step does not pay for the copy)."""
+    token order (without the save queue: a source directory, and tensor parallelism's gather)."""
     layers = {}
     for index, parts in gathered.items():
-        pieces = list(zip(rows.ranges, parts))
-        if rows.kept is not None:
-            pieces.append(((rows.kept.start, rows.kept.end), rows.kept.layers[index]))
-        pieces.sort(key=lambda piece: piece[0][0])
+        pieces = [parts[i] if i is not None else rows.kept.layers[index] for _start, i in rows.in_token_order()]  # type: ignore[union-attr]
         if len(pieces) == 1:
-            layers[index] = pieces[0][1]
+            layers[index] = pieces[0]
         else:
-            keys = torch.cat([k for _, (k, _v) in pieces], dim=1)
-            values = torch.cat([v for _, (_k, v) in pieces], dim=1)
-            layers[index] = (keys, values)
+            layers[index] = (torch.cat([k for k, _ in pieces], dim=1), torch.cat([v for _, v in pieces], dim=1))
     return layers
 
 

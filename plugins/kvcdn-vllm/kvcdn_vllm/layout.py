@@ -214,3 +214,16 @@ def gather(kv_cache: torch.Tensor, slots: TokenSlots) -> tuple[torch.Tensor, tor
     """Read the slots back: ``(keys, values)``, each ``[num_kv_heads, tokens, head_size]``."""
     flat = _flat(kv_cache)
     return flat.index_select(0, slots.key).view(slots.shape), flat.index_select(0, slots.value).view(slots.shape)
+
+
+def gather_into(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """:func:`gather` written into ``keys`` and ``values`` (contiguous, of ``slots.shape``): on a
+    cache in host memory, straight from the blocks, with no tensor allocated between."""
+    flat = _flat(kv_cache)
+    for out, index in ((keys, slots.key), (values, slots.value)):
+        if out.shape != slots.shape or not out.is_contiguous():
+            raise LayoutError(f"cannot gather {tuple(slots.shape)} into a tensor of {tuple(out.shape)}")
+        if flat.device == out.device and flat.dtype == out.dtype:
+            torch.index_select(flat, 0, index, out=out.view(-1))
+        else:
+            out.copy_(flat.index_select(0, index).view(slots.shape))

@@ -10,6 +10,7 @@ and core's writer adds the per-tensor sha256 and writes atomically. So ``kvcdn i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from pathlib import Path
@@ -26,18 +27,32 @@ def artifact_name(prompt_ids: list[int]) -> str:
     return f"vllm-{digest[:20]}.kv"
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedModel:
+    """What a saved artifact's manifest says of the engine's model (plain data: the save process
+    gets it once, and never imports vLLM)."""
+
+    model: str  # vLLM's model id
+    revision: str | None
+    model_dir: str  # its files: the tokenizer behind the artifact's prompt text
+    fingerprint: dict[str, Any]
+    vllm_version: str | None
+
+    @classmethod
+    def of_engine(cls, vllm_config: Any, model_dir: Path, fingerprint: dict[str, Any]) -> SavedModel:
+        mc = vllm_config.model_config
+        return cls(mc.model, mc.revision, str(model_dir), fingerprint, _vllm_version())
+
+
 def write_prompt_artifact(
     directory: Path,
-    vllm_config: Any,
-    model_dir: Path,
-    fingerprint: dict,
+    model: SavedModel,
     prompt_ids: list[int],
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
 ) -> Path:
     """Write ``layers`` (index → keys, values ``[kv_heads, tokens, head_size]``) as an artifact."""
     from kvcdn_core import runtime
 
-    mc = vllm_config.model_config
     tensors: dict[str, torch.Tensor] = {}
     entries = []
     dtype = None
@@ -50,15 +65,15 @@ def write_prompt_artifact(
         entries.append(LayerEntry(index, artifact.FULL_ATTENTION, names))
     tensors[artifact.TOKEN_IDS] = torch.tensor(prompt_ids, dtype=torch.long)
     manifest = runtime.model_manifest(
-        mc.model,
-        mc.revision,
-        _family(fingerprint),
-        fingerprint,
+        model.model,
+        model.revision,
+        _family(model.fingerprint),
+        model.fingerprint,
         str(dtype).removeprefix("torch."),
         entries,
-        _context(model_dir, prompt_ids),
+        _context(Path(model.model_dir), prompt_ids),
     )
-    manifest["producer"] = {"engine": "vllm", "version": _vllm_version()}
+    manifest["producer"] = {"engine": "vllm", "version": model.vllm_version}
     return artifact.write_artifact(Path(directory) / artifact_name(prompt_ids), manifest, tensors)
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from kvcdn_vllm import lookup
-from kvcdn_vllm.saver import SaveQueue
+from kvcdn_vllm.saver import SaveQueue, SaveTarget
+from kvcdn_vllm.writer import SavedModel
 
 from kvcdn_core import artifact, open_storage
 from kvcdn_core.store.chunkstore import open_chunk_store
 from tests.support import services
 from tests.support.hosted import mint_key
-from tests.support.storefiles import write_kinds
+from tests.support.storefiles import layer_pieces, write_kinds
 
 FINGERPRINT = {"architecture": "Qwen3ForCausalLM", "config_sha256": "c" * 64, "tokenizer_sha256": None}
 ROOT = lookup.engine_root(FINGERPRINT, "float32")
@@ -44,17 +46,14 @@ class Saves:
         self.infos: list[str] = []
         self.reports: list = []
         self.backend = open_storage("kvcdn+" + url)
-        store = open_chunk_store(self.backend)
         done = lambda name, report: self.reports.append(report)  # noqa: E731
-        self.queue = SaveQueue(store, capacity, self.warnings.append, done, self.infos.append)
+        target = SaveTarget("kvcdn+" + url, SavedModel("example/tiny", None, "no-model", FINGERPRINT, None))
+        self.queue = SaveQueue(target, capacity, self.warnings.append, done, self.infos.append)
 
     def save(self, name: str, path: Path) -> None:
-        """Queue one save of the artifact at ``path`` and wait for the thread to finish it."""
-
-        def write(directory: Path) -> Path:
-            return path
-
-        assert self.queue.submit(name, write)
+        """Hand over the layers of the artifact at ``path`` as the connector does, and wait for the save."""
+        tensors = artifact.load_tensors(artifact.read_header(path))
+        assert self.queue.save(name, tensors[artifact.TOKEN_IDS].tolist(), layer_pieces(tensors))
         self.queue.join()
 
     def close(self) -> None:
@@ -97,7 +96,7 @@ def test_saves_upload_only_new_chunks_and_a_refused_save_is_one_line(tmp_path, c
 def test_saves_of_a_conversation_build_each_turn_on_the_stored_pieces_of_the_last(tmp_path, client_env):
     """Every turn of a conversation saved as the connector saves it: each turn's first new chunk is
     built on the previous turn's stored partial chunk, so the service holds every row once (only the
-    final turn's objects and every turn's tail), and every turn comes back byte-identical."""
+    final turn's objects and every turn's tail), and every turn's tensors come back bitwise."""
     import random
 
     rng = random.Random(0)
@@ -117,7 +116,8 @@ def test_saves_of_a_conversation_build_each_turn_on_the_stored_pieces_of_the_las
         assert kept == set(records[-1].digests) | {r.tail.digest for r in records}
         for t, path in enumerate(paths):
             store.get(f"turn{t}", tmp_path / "got.kv")
-            assert (tmp_path / "got.kv").read_bytes() == path.read_bytes()
+            got, sent = (artifact.load_tensors(artifact.read_header(p)) for p in (tmp_path / "got.kv", path))
+            assert got.keys() == sent.keys() and all(torch.equal(got[n], sent[n]) for n in sent)
         saves.close()
 
 

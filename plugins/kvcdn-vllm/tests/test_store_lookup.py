@@ -4,20 +4,20 @@ queue (only new chunks put, back pressure, and a run of failures as one warning 
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import pytest
 import torch
-from kvcdn_vllm import lookup
+from kvcdn_vllm import lookup, saver
 from kvcdn_vllm.catalog import ModelShape, check_fits
-from kvcdn_vllm.saver import SaveQueue
+from kvcdn_vllm.saver import SaveQueue, SaveTarget
 from kvcdn_vllm.tier import REMOTE, ChunkTier
+from kvcdn_vllm.writer import SavedModel
 
 from kvcdn_core import artifact
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.store.chunkstore import ChunkStore
-from tests.support.storefiles import write_kinds
+from tests.support.storefiles import layer_pieces, write_kinds
 
 #: the model of tests.support.storefiles' artifacts, as an engine would fingerprint it
 FINGERPRINT = {"architecture": "Qwen3ForCausalLM", "config_sha256": "c" * 64, "tokenizer_sha256": None}
@@ -73,77 +73,122 @@ def test_another_model_or_dtype_finds_nothing_and_a_failing_store_is_a_miss(stor
     assert warnings == ["prefix lookup in the store failed: store unreachable"]  # one line, once
 
 
-def test_saves_put_only_new_chunks_in_the_background(store, tmp_path):
+def saves_to(store_dir, model_dir="no-model", fingerprint=FINGERPRINT) -> SaveTarget:
+    """Where a test's save queue puts: a local chunk store, an engine of ``fingerprint``."""
+    return SaveTarget(str(store_dir), SavedModel("example/tiny", None, str(model_dir), fingerprint, None))
+
+
+def test_saves_put_only_new_chunks_from_a_process_of_their_own(store, tmp_path):
+    """The queue hands a prompt's pieces over in shared memory; the save process joins them, writes
+    the artifact and puts only the chunks the store lacks; the store gives the tensors back bitwise."""
     first, _ = put(store, tmp_path, "turn1", 512, seed=1)
+    second = write_kinds(tmp_path / "turn2.kv", ["full_attention"] * 3, 700, seed=2, prefix_of=first)
     done = []
     warnings: list[str] = []
-    saver = SaveQueue(store, 2, warnings.append, lambda name, report: done.append(report))
-
-    def write(directory):
-        write_kinds(directory / "turn2.kv", ["full_attention"] * 3, 700, seed=2, prefix_of=first)
-        return directory / "turn2.kv"
-
-    assert saver.submit("turn2", write)
+    saver = SaveQueue(saves_to(store.backend.root), 2, warnings.append, lambda name, report: done.append(report))
+    assert saver.save("turn2", second[artifact.TOKEN_IDS].tolist(), layer_pieces(second, cuts=(100, 512)))
     saver.join()
     (report,) = done
     assert (report.chunks, report.chunks_new) == (3, 1)  # the two chunks of turn 1 were there
     assert lookup.StoreLookup(store, ROOT, print).lookup(first[artifact.TOKEN_IDS].tolist() + [1]).prefix_tokens == 512
+    store.get("turn2", tmp_path / "back.kv")
+    back = artifact.load_tensors(artifact.read_header(tmp_path / "back.kv"))
+    assert back.keys() == second.keys()
+    assert all(torch.equal(back[name], t) for name, t in second.items())
     saver.close()
-    assert warnings == []
+    assert warnings == [] and saver.saved == 1
 
 
-def test_a_save_is_hashed_once_by_its_writer_and_once_by_the_put_and_comes_back_bitwise(store, tmp_path, monkeypatch):
-    """The queue's thread wrote the file and hashed its tensors a moment ago: core's put cuts it
-    without checking it against its manifest again, and the store gives back the same bytes."""
+def test_the_save_process_puts_without_checking_the_file_it_has_just_written(store, tmp_path, monkeypatch):
+    """The save process hashed each tensor once as it wrote the file: its put cuts the file without
+    checking it against its manifest again (run here on a thread, so that the checks can be counted)."""
+    import os
+    import socket
+    from multiprocessing.connection import Connection
+    from multiprocessing.reduction import send_handle
+
     from kvcdn_core.store import pack
 
     first, _ = put(store, tmp_path, "turn1", 300, seed=1)
+    second = write_kinds(tmp_path / "turn2.kv", ["full_attention"] * 3, 450, seed=2, prefix_of=first)
     checks = []
     check = pack.Cutter.check_digests
     monkeypatch.setattr(pack.Cutter, "check_digests", lambda self: checks.append(1) or check(self))
-    written = {}
-
-    def write(directory):
-        path = directory / "turn2.kv"
-        write_kinds(path, ["full_attention"] * 3, 450, seed=2, prefix_of=first)
-        written["bytes"] = path.read_bytes()
-        return path
-
-    saver = SaveQueue(store, 1, print)
-    assert saver.submit("turn2", write)
-    saver.join()
-    saver.close()
-    assert saver.saved == 1 and checks == []
-    store.get("turn2", tmp_path / "back.kv")
-    assert (tmp_path / "back.kv").read_bytes() == written["bytes"]
-    assert store.record("turn2").chunks[1].pieces  # turn 1's partial chunk, then the new rest
+    ours, theirs = (Connection(s.detach()) for s in socket.socketpair())
+    process = threading.Thread(target=saver._serve, args=(theirs,))
+    process.start()
+    ours.send(saves_to(store.backend.root))
+    handover = saver.Handover(7, "turn2", saver.Arena(1 << 20))
+    for index, pieces in layer_pieces(second).items():
+        for keys, values in pieces:
+            handover.copy(index, keys, values)
+    ours.send(handover.job(second[artifact.TOKEN_IDS].tolist()))
+    send_handle(ours, handover.arena.fd, os.getpid())
+    seq, outcome, report = ours.recv()
+    ours.send(None)
+    process.join()
+    handover.arena.close()
+    assert (seq, outcome, report.chunks_pieced) == (7, "saved", 1)  # turn 1's partial chunk, then the new rest
+    assert checks == []
     store.put(tmp_path / "turn1.kv", "turn1-again", force=True)  # a file from elsewhere: checked
     assert checks == [1]
 
 
-def test_a_full_queue_skips_and_a_failed_save_is_one_line(store, tmp_path):
+def test_a_full_queue_skips_and_failed_saves_are_one_line(tmp_path):
+    """``capacity`` saves in flight: the next is skipped at once (the save process is stopped, so the
+    first cannot finish meanwhile). A store that cannot take saves (its path is a file) fails each
+    save; the first failure is one line, the rest are counted."""
+    import os
+    import signal
+
+    blocked = tmp_path / "a-file"
+    blocked.write_bytes(b"not a directory")
+    tensors = write_kinds(tmp_path / "p.kv", ["full_attention"] * 2, 40, seed=3)
+    ids, pieces = tensors[artifact.TOKEN_IDS].tolist(), layer_pieces(tensors)
     warnings: list[str] = []
-    saver = SaveQueue(store, 1, warnings.append)
-    gate, started = threading.Event(), threading.Event()
-
-    def blocked(directory):
-        started.set()
-        gate.wait()
-        raise OSError("No space left on device")
-
-    assert saver.submit("a", blocked)
-    started.wait()  # the thread took "a" and is busy with it
-    assert saver.submit("b", blocked)  # waits in the queue
-    assert not saver.submit("c", blocked)  # the queue is full: skipped, the caller never waits
-    gate.set()
+    saver = SaveQueue(saves_to(blocked), 1, warnings.append)
+    pid = saver._process.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert saver.save("a", ids, pieces)
+        assert not saver.save("b", ids, pieces)  # one in flight already: skipped, the caller never waits
+    finally:
+        os.kill(pid, signal.SIGCONT)
     saver.join()
-    assert warnings == [
-        "not saving c: 1 saves are already waiting for the store",
-        "not saving a: No space left on device (saves that fail after this one are counted, not logged, "
-        "until one works again)",
-    ]  # b failed too: counted, not logged
+    assert saver.save("c", ids, pieces)
+    saver.join()
+    assert len(warnings) == 2
+    assert warnings[0] == "not saving b: 1 saves are already waiting for the store"
+    assert warnings[1].startswith("not saving a: ") and warnings[1].endswith(
+        "(saves that fail after this one are counted, not logged, until one works again)"
+    )  # c failed too: counted, not logged
     assert (saver.saved, saver.skipped, saver.failed) == (0, 1, 2)
     saver.close()
+
+
+def test_a_killed_save_process_costs_what_it_held_and_the_next_save_starts_another(store, tmp_path):
+    import os
+    import signal
+
+    tensors = write_kinds(tmp_path / "p.kv", ["full_attention"] * 3, 300, seed=4)
+    ids, pieces = tensors[artifact.TOKEN_IDS].tolist(), layer_pieces(tensors)
+    warnings: list[str] = []
+    saver = SaveQueue(saves_to(store.backend.root), 2, warnings.append)
+    first = saver._process.proc.pid
+    os.kill(first, signal.SIGSTOP)  # it holds the save and cannot answer
+    assert saver.save("lost", ids, pieces)
+    os.kill(first, signal.SIGKILL)
+    saver.join()
+    assert warnings == [
+        "the save process stopped (exit code -9); 1 saves it held were not saved; the next save starts a new process"
+    ]
+    assert saver.save("kept", ids, pieces)
+    saver.join()
+    assert saver._process.proc.pid != first
+    assert (saver.saved, saver.failed) == (1, 1)
+    assert [r.name for r in store.listing()] == ["kept"]
+    saver.close()
+    assert saver._process is None
 
 
 def test_the_tier_reports_remote_then_memory(store, tmp_path):
@@ -194,8 +239,6 @@ def test_a_connector_save_keeps_its_text_and_search_finds_it_in_the_store(store,
     """A save into a chunk store keeps the prompt's text in its manifest (``kvcdn inspect`` shows it,
     a directory search checks its tokenizer against it), ``kvcdn search --store`` finds it from that
     text, and the tokenizer behind the text is loaded once per model, not once per save."""
-    from types import SimpleNamespace
-
     from kvcdn_vllm import writer
 
     from kvcdn_core import fingerprint, search
@@ -203,30 +246,25 @@ def test_a_connector_save_keeps_its_text_and_search_finds_it_in_the_store(store,
     from kvcdn_core.testing.smollm2 import smollm2_dir
 
     model_dir = smollm2_dir()
-    loads = []
-    tokenizer = search.QueryTokenizer
-    monkeypatch.setattr(search, "QueryTokenizer", lambda d: loads.append(d) or tokenizer(d))
-    writer._tokenizer.cache_clear()
     text = "The keeper wrote down every ship that passed the lighthouse, and the weather it brought."
-    ids = tokenizer(model_dir)(text)["input_ids"]
-    config = SimpleNamespace(model_config=SimpleNamespace(model=str(model_dir), revision=None))
+    ids = search.QueryTokenizer(model_dir)(text)["input_ids"]
+    model = saves_to(store.backend.root, model_dir, fingerprint(model_dir, weights=False))
     gen = torch.Generator().manual_seed(5)
-    saver = SaveQueue(store, 2, print)
+    saves = SaveQueue(model, 2, print)
     for n in (len(ids) - 4, len(ids)):  # an earlier turn, then the whole text
-        layers = {i: (torch.randn(3, n, 64, generator=gen), torch.randn(3, n, 64, generator=gen)) for i in range(2)}
-        write = functools.partial(
-            writer.write_prompt_artifact,
-            vllm_config=config,
-            model_dir=model_dir,
-            fingerprint=fingerprint(model_dir, weights=False),
-            prompt_ids=ids[:n],
-            layers=layers,
-        )
-        assert saver.submit(f"turn{n}", write)
-    saver.join()
-    saver.close()
-    assert saver.saved == 2 and len(loads) == 1
+        layers = {i: [(torch.randn(3, n, 64, generator=gen), torch.randn(3, n, 64, generator=gen))] for i in range(2)}
+        assert saves.save(f"turn{n}", ids[:n], layers)
+    saves.join()
+    saves.close()
+    assert saves.saved == 2
     manifest = store.record(f"turn{len(ids)}").parsed_header().manifest
     assert manifest["context"] == text
     found = search_store(str(store.backend.root), text, model_ref=str(model_dir))
     assert [(h.name, h.prefix_tokens) for h in found.hits[:1]] == [(f"turn{len(ids)}", len(ids))]
+    # the writer loads the tokenizer once per model (the save process writes many prompts)
+    loads = []
+    tokenizer = search.QueryTokenizer
+    monkeypatch.setattr(search, "QueryTokenizer", lambda d: loads.append(d) or tokenizer(d))
+    writer._tokenizer.cache_clear()
+    assert [writer._context(model_dir, ids[:n]) for n in (5, len(ids))] == [tokenizer(model_dir).decode(ids[:5]), text]
+    assert len(loads) == 1
