@@ -53,6 +53,44 @@ def test_padding_and_nesting_are_refused_by_the_limits_not_by_the_parser(tmp_pat
             artifact.read_header(path)
 
 
+def test_a_short_text_is_refused_for_depth_exactly_when_the_token_scan_would():
+    """A text too short to pass the token limit (every header of a real cache) is scanned for depth
+    by deleting its strings and summing its brackets, a few C-level passes in place of a Python loop
+    over every token (the largest part of parsing a header, which a lookup's grant does); it
+    refuses exactly the texts the token scan refuses: brackets inside strings, escaped quotes and
+    unclosed strings count the same, the depth just over the limit too."""
+    import random
+
+    def deepest(text: str) -> int:  # the token scan longer texts keep
+        depth = most = 0
+        for match in artifact._JSON_TOKEN.finditer(text):
+            char = match.group()
+            if char in "[{":
+                depth += 1
+                most = max(most, depth)
+            elif char in "]}":
+                depth -= 1
+        return most
+
+    rng = random.Random(0)
+    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', '"a[{"', '"]}\\""', "a", ",", ":", "1", " "]
+    texts = ['"' + "[" * 40 + '"', "[" * 33 + "]" * 33, "[" * 32 + "]" * 32, '"\\"' + "{" * 33, "]" * 5 + "[" * 33]
+    for _ in range(3000):
+        opens = rng.randrange(40, 60)
+        text = "".join(rng.choice(pieces) if rng.random() < 0.3 else "[{"[rng.randrange(2)] for _ in range(opens))
+        texts.append(text + "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 20))))
+    refused = 0
+    for text in texts:
+        try:
+            artifact._parse_json("t", text, "header")
+            deep = False
+        except ArtifactError as exc:
+            deep = "nests deeper than" in str(exc)
+        assert deep == (deepest(text) > artifact.MAX_JSON_DEPTH), text
+        refused += deep
+    assert 100 < refused < len(texts) - 100  # both sides of the limit were tried
+
+
 def test_a_tensor_that_does_not_hash_to_its_manifest_fails_check_file(tmp_path):
     data = bytearray(kvfiles.valid_bytes())
     data[-40] ^= 0xFF  # inside layers.0.value

@@ -166,6 +166,18 @@ class ArtifactRecord:
         _check_against_header(where, record)
         return record
 
+    @classmethod
+    def from_checked(cls, text: str, where: str = "record") -> ArtifactRecord:
+        """A record that :meth:`from_json` checked and :meth:`to_json` wrote where only this program
+        writes (the hosted server's own rows), read back: its fields are checked again, cheaply,
+        but not its header, which was parsed and matched against its chunk plan before it was kept
+        and is the costly part (a prefix lookup's grant reads one record per request)."""
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ArtifactError(f"{where}: corrupted: not valid JSON ({exc})") from None
+        return _from_value(where, value)
+
 
 def _count(value: Any) -> bool:
     return type(value) is int and value >= 0

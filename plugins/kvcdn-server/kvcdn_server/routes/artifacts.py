@@ -115,7 +115,7 @@ def chunks_grant(s: Services, identity: Identity | None, artifact_id: str, whole
         if not whole_ok:
             raise validation("this artifact is stored whole: download it with download-url")
         return {**grant, "record": None, "objects": [], "expires_at": now_iso(expires)}
-    record = chunks.parse_record(json.loads(row.record))
+    record = chunks.stored_record(row.record)
     objects = _signed_objects(s, record, ttl)
     return {**grant, "record": record.to_dict(), "objects": objects, "expires_at": now_iso(expires)}
 
@@ -237,7 +237,7 @@ def _infer_remote(identity: Identity, artifact_id: str, row, body: InferRequest,
     engine cannot load the artifact's representation: the in-process engine answers."""
     assert s.remote is not None
     ttl = int(s.config.infer_timeout) + 60
-    record = chunks.parse_record(json.loads(row.record))
+    record = chunks.stored_record(row.record)
     manifest = json.loads(row.manifest) if row.manifest else {}
     if not s.remote.loads(manifest, record.root):
         return None
