@@ -197,7 +197,8 @@ def test_a_chunked_artifact_enters_the_prefix_index_and_leaves_it_when_deleted(s
 def test_a_grant_sends_the_stored_record_without_parsing_its_header_again(server, tmp_path, monkeypatch):
     """The chunks route and a lookup's grant send the record the upload stored, read back from the
     artifact's row without parsing and matching its header again (that was checked once, when the
-    upload began): that parse was the largest part of a first-sight lookup's time on the server."""
+    upload began): that parse was the largest part of a first-sight lookup's time on the server.
+    The lookup reads the grant's row on its own connection, not a second one."""
     import json
 
     from kvcdn_core import artifact
@@ -222,11 +223,15 @@ def test_a_grant_sends_the_stored_record_without_parsing_its_header_again(server
     assert r.json()["record"] == json.loads(stored)
     assert [o["digest"] for o in r.json()["objects"]] == sorted(set(record.digests))
     ids = list(range(272)) + [9] * 30
+    connections: list[object] = []  # the grant's row is read on the lookup's own connection
+    count = connections.append
+    sa.event.listen(store_of(app).db, "engine_connect", count)
     r = client.post(f"{API}/prefix/lookup", headers=bearer(keys["acme"]), json=query_body(root, ids, grant=True))
+    sa.event.remove(store_of(app).db, "engine_connect", count)
     assert r.status_code == 200, r.text
     grant = r.json()["grant"]
     assert grant["artifact_id"] == report.artifact_id and grant["record"] == json.loads(stored)
-    assert parsed == []
+    assert parsed == [] and len(connections) == 1
 
 
 def test_a_second_artifact_uploads_only_its_new_chunks(server, tmp_path):

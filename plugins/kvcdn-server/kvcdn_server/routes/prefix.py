@@ -21,17 +21,18 @@ def lookup(identity: Auth, body: LookupRequest, s: Svc):
     heads = (body.heads_at, [bytes.fromhex(h) for h in body.heads]) if body.heads else None
     with s.store.reads.connect() as c:
         answer = prefix.lookup(c, identity.tenant, body.root, body.keys, body.blocks, body.limit, steps, heads)
-    best = answer.pop("best")
-    # the grant of a match the lookup just showed: an artifact the caller may read, so it reveals
-    # nothing the chunks route would not; one that vanished since is no grant (a miss to the client)
-    answer["grant"] = None
-    if best and best in body.held:  # the client holds its grant: name it, nothing to read or sign
-        answer["grant"] = {"artifact_id": best, "record": None, "objects": [], "expires_at": "", "held": True}
-    elif best:
-        try:
-            answer["grant"] = chunks_grant(s, identity, best, whole_ok=True)
-        except ApiError:  # deleted between the index's read and this one
-            pass
+        best = answer.pop("best")
+        # the grant of a match the lookup just showed: an artifact the caller may read, so it reveals
+        # nothing the chunks route would not; one that vanished since is no grant (a miss to the
+        # client). Its row is read on the lookup's connection: no second checkout.
+        answer["grant"] = None
+        if best and best in body.held:  # the client holds its grant: name it, nothing to read or sign
+            answer["grant"] = {"artifact_id": best, "record": None, "objects": [], "expires_at": "", "held": True}
+        elif best:
+            try:
+                answer["grant"] = chunks_grant(s, identity, best, whole_ok=True, conn=c)
+            except ApiError:  # deleted between the index's read and this one
+                pass
     return answer
 
 
