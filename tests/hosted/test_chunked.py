@@ -234,6 +234,28 @@ def test_a_grant_sends_the_stored_record_without_parsing_its_header_again(server
     assert parsed == [] and len(connections) == 1
 
 
+def test_a_lookup_hands_off_to_the_thread_pool_only_for_its_credential_and_its_queries(server, monkeypatch):
+    """Each hand-off to the thread pool costs a lookup, which the engine's scheduler waits on, two
+    thread switches: the app's services are a coroutine dependency (one attribute read) and the
+    answer is checked against its model on the event loop, so what runs in the pool is the API-key
+    check and the lookup's own work (its database reads and the grant), once each."""
+    import anyio.to_thread
+
+    app, client, keys = server
+    handed: list[object] = []
+    real = anyio.to_thread.run_sync
+
+    async def run_sync(func, *args, **kwargs):
+        handed.append(func)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
+    body = {"root": "ab" * 32, "keys": [], "blocks": [], "limit": 1, "grant": True, "steps": []}
+    r = client.post(f"{API}/prefix/lookup", headers=bearer(keys["acme"]), json=body)
+    assert r.status_code == 200 and r.json()["matches"] == [] and r.json()["grant"] is None, r.text
+    assert len(handed) == 2, handed
+
+
 def test_a_second_artifact_uploads_only_its_new_chunks(server, tmp_path):
     app, client, keys = server
     first = write_kv(tmp_path / "first.kv", 40)  # chunks [0,16) [16,32) [32,40)
