@@ -55,10 +55,12 @@ def test_padding_and_nesting_are_refused_by_the_limits_not_by_the_parser(tmp_pat
 
 def test_a_short_text_is_refused_for_depth_exactly_when_the_token_scan_would():
     """A text too short to pass the token limit (every header of a real cache) is scanned for depth
-    by deleting its strings and summing its brackets, a few C-level passes in place of a Python loop
-    over every token (the largest part of parsing a header, which a lookup's grant does); it
-    refuses exactly the texts the token scan refuses: brackets inside strings, escaped quotes and
-    unclosed strings count the same, the depth just over the limit too."""
+    by C-level passes (escapes dropped, split at quotes, brackets summed) in place of a Python loop
+    over every token, the largest part of parsing a header, which a lookup's grant does. For JSON
+    the parser accepts, it refuses exactly what the token scan refuses: brackets, escaped quotes and
+    backslashes inside strings, nesting just under and over the limit. Any other text the token
+    scan refuses is refused too (by the scan or by the parser), and nothing it refuses is parsed."""
+    import json
     import random
 
     def deepest(text: str) -> int:  # the token scan longer texts keep
@@ -72,23 +74,40 @@ def test_a_short_text_is_refused_for_depth_exactly_when_the_token_scan_would():
                 depth -= 1
         return most
 
-    rng = random.Random(0)
-    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', '"a[{"', '"]}\\""', "a", ",", ":", "1", " "]
-    texts = ['"' + "[" * 40 + '"', "[" * 33 + "]" * 33, "[" * 32 + "]" * 32, '"\\"' + "{" * 33, "]" * 5 + "[" * 33]
-    for _ in range(3000):
-        opens = rng.randrange(40, 60)
-        text = "".join(rng.choice(pieces) if rng.random() < 0.3 else "[{"[rng.randrange(2)] for _ in range(opens))
-        texts.append(text + "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 20))))
-    refused = 0
-    for text in texts:
+    def verdict(text: str) -> str:
         try:
             artifact._parse_json("t", text, "header")
-            deep = False
+            return "parsed"
         except ArtifactError as exc:
-            deep = "nests deeper than" in str(exc)
-        assert deep == (deepest(text) > artifact.MAX_JSON_DEPTH), text
-        refused += deep
-    assert 100 < refused < len(texts) - 100  # both sides of the limit were tried
+            return "deep" if "nests deeper than" in str(exc) else "refused"
+
+    rng = random.Random(0)
+    tricky = ["a", "[", "]}", "{", '"', "\\", '\\"', '"[{', "\\\\", "\u005c", "x y"]
+
+    def leaf() -> str:
+        return "".join(rng.choice(tricky) for _ in range(rng.randrange(4)))
+
+    def value(depth: int):  # one branch nests ``depth`` levels, the others are strings
+        if depth == 0:
+            return leaf()
+        if rng.random() < 0.5:
+            return [leaf(), value(depth - 1), leaf()][rng.randrange(2) :]
+        return {leaf() + "k": value(depth - 1), leaf(): leaf()}
+
+    valid = [json.dumps(value(rng.randrange(28, 38))) for _ in range(600)]
+    valid += [json.dumps(json.loads("[" * n + "]" * n)) for n in (31, 32, 33, 34)]
+    deep = 0
+    for text in valid:
+        expected = "deep" if deepest(text) > artifact.MAX_JSON_DEPTH else "parsed"
+        assert verdict(text) == expected, text
+        deep += expected == "deep"
+    assert 50 < deep < len(valid) - 50  # both sides of the limit were tried
+    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', '"a[{"', '"]}\\""', "a", ",", ":", "1", " "]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) if rng.random() < 0.3 else "[{"[rng.randrange(2)] for _ in range(50))
+        text += "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 20)))
+        if deepest(text) > artifact.MAX_JSON_DEPTH:
+            assert verdict(text) != "parsed", text
 
 
 def test_a_tensor_that_does_not_hash_to_its_manifest_fails_check_file(tmp_path):

@@ -268,9 +268,8 @@ def _check_token_ids(h: Header, piece: int = 1 << 20) -> None:
 # What the pre-parse scan counts: a whole JSON string (unrolled, so re matches it in one pass), or
 # a bracket. Numbers are not counted: the size cap bounds what they cost.
 _JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
-# What the short-text scan deletes: every whole string (as above) and every run of other
-# characters, and a quote that opens no whole string; the brackets outside strings are left.
-_NOT_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[^\[\]{}"]+|"', re.DOTALL)
+# What the short-text scan deletes from the text outside strings: all but the brackets.
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 # A \uD800-\uDFFF escape: only then can a parsed string hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -285,8 +284,7 @@ def _parse_json(path: Any, text: str, what: str) -> Any:
     ``Infinity`` (which other JSON readers refuse or read differently) are refused too.
     """
     if len(text) <= MAX_JSON_TOKENS:  # too short to pass the token limit: only the depth to check
-        brackets = _NOT_BRACKET.sub("", text)
-        if brackets and max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > MAX_JSON_DEPTH:
+        if _depth_outside_strings(text) > MAX_JSON_DEPTH:
             raise _fail(path, f"refused: the {what} nests deeper than {MAX_JSON_DEPTH} levels")
         return _loads(path, text, what)
     depth = tokens = 0
@@ -302,6 +300,17 @@ def _parse_json(path: Any, text: str, what: str) -> Any:
         elif char in "]}":
             depth -= 1
     return _loads(path, text, what)
+
+
+def _depth_outside_strings(text: str) -> int:
+    """The deepest nesting of brackets outside strings, by C-level passes over the text (the token
+    loop spent most of a header's parse). Exact for any text ``json.loads`` accepts: there, with the
+    escaped backslashes and then the escaped quotes dropped, every quote left opens or closes a
+    string, so the text outside strings is every other piece between quotes. Other text may be
+    misjudged, but the parser then refuses it (its own recursion guard stops a deep one)."""
+    plain = text.replace("\\\\", "").replace('\\"', "")
+    brackets = _NOT_BRACKET.sub("", "".join(plain.split('"')[::2]))
+    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
 
 
 def _loads(path: Any, text: str, what: str) -> Any:
