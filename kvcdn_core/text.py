@@ -38,6 +38,8 @@ _MARKS = ("Mn", "Mc", "Me")
 
 def text_problem(value: str) -> str | None:
     """Why ``value`` breaks the text rule (a phrase to follow "must"), or None when it keeps it."""
+    if value.isascii() and value.isprintable():  # the common case, at C speed: ASCII without controls
+        return None
     for ch in value:
         category = unicodedata.category(ch)
         if category in REFUSED_CATEGORIES:

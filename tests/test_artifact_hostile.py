@@ -53,6 +53,63 @@ def test_padding_and_nesting_are_refused_by_the_limits_not_by_the_parser(tmp_pat
             artifact.read_header(path)
 
 
+def test_a_short_text_is_refused_for_depth_exactly_when_the_token_scan_would():
+    """A text too short to pass the token limit (every header of a real cache) is scanned for depth
+    by C-level passes (escapes dropped, split at quotes, brackets summed) in place of a Python loop
+    over every token, the largest part of parsing a header, which a lookup's grant does. For JSON
+    the parser accepts, it refuses exactly what the token scan refuses: brackets, escaped quotes and
+    backslashes inside strings, nesting just under and over the limit. Any other text the token
+    scan refuses is refused too (by the scan or by the parser), and nothing it refuses is parsed."""
+    import json
+    import random
+
+    def deepest(text: str) -> int:  # the token scan longer texts keep
+        depth = most = 0
+        for match in artifact._JSON_TOKEN.finditer(text):
+            char = match.group()
+            if char in "[{":
+                depth += 1
+                most = max(most, depth)
+            elif char in "]}":
+                depth -= 1
+        return most
+
+    def verdict(text: str) -> str:
+        try:
+            artifact._parse_json("t", text, "header")
+            return "parsed"
+        except ArtifactError as exc:
+            return "deep" if "nests deeper than" in str(exc) else "refused"
+
+    rng = random.Random(0)
+    tricky = ["a", "[", "]}", "{", '"', "\\", '\\"', '"[{', "\\\\", "\u005c", "x y"]
+
+    def leaf() -> str:
+        return "".join(rng.choice(tricky) for _ in range(rng.randrange(4)))
+
+    def value(depth: int):  # one branch nests ``depth`` levels, the others are strings
+        if depth == 0:
+            return leaf()
+        if rng.random() < 0.5:
+            return [leaf(), value(depth - 1), leaf()][rng.randrange(2) :]
+        return {leaf() + "k": value(depth - 1), leaf(): leaf()}
+
+    valid = [json.dumps(value(rng.randrange(28, 38))) for _ in range(600)]
+    valid += [json.dumps(json.loads("[" * n + "]" * n)) for n in (31, 32, 33, 34)]
+    deep = 0
+    for text in valid:
+        expected = "deep" if deepest(text) > artifact.MAX_JSON_DEPTH else "parsed"
+        assert verdict(text) == expected, text
+        deep += expected == "deep"
+    assert 50 < deep < len(valid) - 50  # both sides of the limit were tried
+    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', '"a[{"', '"]}\\""', "a", ",", ":", "1", " "]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) if rng.random() < 0.3 else "[{"[rng.randrange(2)] for _ in range(50))
+        text += "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 20)))
+        if deepest(text) > artifact.MAX_JSON_DEPTH:
+            assert verdict(text) != "parsed", text
+
+
 def test_a_tensor_that_does_not_hash_to_its_manifest_fails_check_file(tmp_path):
     data = bytearray(kvfiles.valid_bytes())
     data[-40] ^= 0xFF  # inside layers.0.value

@@ -185,3 +185,27 @@ def test_pieced_refusals_name_the_problem(pieced, change, message):
     change(doc)
     with pytest.raises(ArtifactError, match=message):
         ArtifactRecord.from_json(json.dumps(doc).encode(), "record 'b'")
+
+
+def test_the_header_checked_on_parse_is_kept_and_a_stored_record_reads_back_without_it(valid, monkeypatch):
+    """:meth:`ArtifactRecord.from_json` keeps the header it parsed to check the record: the engine's
+    scheduler asks a grant's record for it twice per request, which parsed it twice more. A record
+    built otherwise parses it once, on first use. :meth:`ArtifactRecord.from_checked` reads back
+    what :meth:`ArtifactRecord.to_json` wrote (the hosted server's own rows) without the header
+    check, and is the same record."""
+    from kvcdn_core import artifact
+
+    record = ArtifactRecord.from_json(json.dumps(valid).encode(), "a chunk grant")
+    parsed: list[object] = []
+    real = artifact.parse_header
+    monkeypatch.setattr(artifact, "parse_header", lambda *a: parsed.append(a[0]) or real(*a))
+    header = record.parsed_header()
+    assert parsed == [] and record.parsed_header() is header
+    assert header.path == f"record '{record.name}'"  # named as before, not as the parse's caller
+    assert header == real(f"record '{record.name}'", record.header.encode(), record.size)
+    again = ArtifactRecord.from_checked(record.to_json().decode())
+    assert again == record and parsed == []
+    assert again.parsed_header() == header and again.parsed_header() is again.parsed_header()
+    assert parsed == [f"record '{record.name}'"]
+    with pytest.raises(ArtifactError, match="corrupted"):
+        ArtifactRecord.from_checked('{"format": "kvcdn-chunked"')

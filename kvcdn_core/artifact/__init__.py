@@ -10,6 +10,7 @@ that buffer without copying (:mod:`kvcdn_core.artifact.tensor_io`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -267,6 +268,9 @@ def _check_token_ids(h: Header, piece: int = 1 << 20) -> None:
 # What the pre-parse scan counts: a whole JSON string (unrolled, so re matches it in one pass), or
 # a bracket. Numbers are not counted: the size cap bounds what they cost.
 _JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+# What the short-text scan deletes from the text outside strings: all but the brackets.
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 # A \uD800-\uDFFF escape: only then can a parsed string hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -279,6 +283,10 @@ def _parse_json(path: Any, text: str, what: str) -> Any:
     megabytes of Python objects; it allocates nothing per token. Duplicate keys, ``NaN`` and
     ``Infinity`` (which other JSON readers refuse or read differently) are refused too.
     """
+    if len(text) <= MAX_JSON_TOKENS:  # too short to pass the token limit: only the depth to check
+        if _depth_outside_strings(text) > MAX_JSON_DEPTH:
+            raise _fail(path, f"refused: the {what} nests deeper than {MAX_JSON_DEPTH} levels")
+        return _loads(path, text, what)
     depth = tokens = 0
     for match in _JSON_TOKEN.finditer(text):
         tokens += 1
@@ -291,6 +299,22 @@ def _parse_json(path: Any, text: str, what: str) -> Any:
                 raise _fail(path, f"refused: the {what} nests deeper than {MAX_JSON_DEPTH} levels")
         elif char in "]}":
             depth -= 1
+    return _loads(path, text, what)
+
+
+def _depth_outside_strings(text: str) -> int:
+    """The deepest nesting of brackets outside strings, by C-level passes over the text (the token
+    loop spent most of a header's parse). Exact for any text ``json.loads`` accepts: there, with the
+    escaped backslashes and then the escaped quotes dropped, every quote left opens or closes a
+    string, so the text outside strings is every other piece between quotes. Other text may be
+    misjudged, but the parser then refuses it (its own recursion guard stops a deep one)."""
+    plain = text.replace("\\\\", "").replace('\\"', "")
+    brackets = _NOT_BRACKET.sub("", "".join(plain.split('"')[::2]))
+    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
+def _loads(path: Any, text: str, what: str) -> Any:
+    """``json.loads`` of text :func:`_parse_json` has scanned."""
     try:
         value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:

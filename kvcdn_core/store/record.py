@@ -125,8 +125,18 @@ class ArtifactRecord:
         return sum(c.bytes for c in self.chunks) + (self.tail.bytes if self.tail else 0)
 
     def parsed_header(self) -> artifact.Header:
-        """The `.kv` header, validated by the artifact reader for a file of :attr:`size` bytes."""
-        return artifact.parse_header(f"record '{self.name}'", self.header.encode("utf-8"), self.size)
+        """The `.kv` header, validated by the artifact reader for a file of :attr:`size` bytes.
+        Parsed once per record and kept (:meth:`from_json` keeps the one it checked): the engine's
+        scheduler reads it twice per request after the lookup. Callers only read it."""
+        kept = self.__dict__.get("_header")
+        if kept is None:
+            kept = artifact.parse_header(self._header_path, self.header.encode("utf-8"), self.size)
+            object.__setattr__(self, "_header", kept)
+        return kept
+
+    @property
+    def _header_path(self) -> Any:  # what parse_header names the header by in its messages (a str here)
+        return f"record '{self.name}'"
 
     # -- JSON --------------------------------------------------------------------------------------
 
@@ -163,8 +173,21 @@ class ArtifactRecord:
             raise ArtifactError(f"{where}: corrupted: not UTF-8") from None
         value = artifact._parse_json(where, text, "record")
         record = _from_value(where, value)
-        _check_against_header(where, record)
+        header = _check_against_header(where, record)
+        object.__setattr__(record, "_header", dataclasses.replace(header, path=record._header_path))
         return record
+
+    @classmethod
+    def from_checked(cls, text: str, where: str = "record") -> ArtifactRecord:
+        """A record that :meth:`from_json` checked and :meth:`to_json` wrote where only this program
+        writes (the hosted server's own rows), read back: its fields are checked again, cheaply,
+        but not its header, which was parsed and matched against its chunk plan before it was kept
+        and is the costly part (a prefix lookup's grant reads one record per request)."""
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ArtifactError(f"{where}: corrupted: not valid JSON ({exc})") from None
+        return _from_value(where, value)
 
 
 def _count(value: Any) -> bool:
@@ -280,8 +303,9 @@ def token_bytes(header: artifact.Header, name: str) -> tuple[int, int]:
     return math.prod(shape[:-2]), shape[-1] * artifact.DTYPES[entry["dtype"]][0]
 
 
-def _check_against_header(where: str, record: ArtifactRecord) -> None:
-    """The record's chunk plan must be the one its header implies: the rebuild writes by it."""
+def _check_against_header(where: str, record: ArtifactRecord) -> artifact.Header:
+    """The record's chunk plan must be the one its header implies: the rebuild writes by it.
+    Returns the header, parsed."""
 
     def expect(ok: bool, what: str) -> None:
         if not ok:
@@ -323,3 +347,4 @@ def _check_against_header(where: str, record: ArtifactRecord) -> None:
         (record.tail.bytes if record.tail else 0) == tail_bytes and (record.tail is not None or tail_bytes == 0),
         f"tail is not the {tail_bytes} bytes the chunks leave",
     )
+    return header

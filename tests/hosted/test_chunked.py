@@ -194,6 +194,68 @@ def test_a_chunked_artifact_enters_the_prefix_index_and_leaves_it_when_deleted(s
     assert found() == []
 
 
+def test_a_grant_sends_the_stored_record_without_parsing_its_header_again(server, tmp_path, monkeypatch):
+    """The chunks route and a lookup's grant send the record the upload stored, read back from the
+    artifact's row without parsing and matching its header again (that was checked once, when the
+    upload began): that parse was the largest part of a first-sight lookup's time on the server.
+    The lookup reads the grant's row on its own connection, not a second one."""
+    import json
+
+    from kvcdn_core import artifact
+    from kvcdn_core.artifact.manifest import manifest_of
+    from kvcdn_core.store.pack import root_of
+    from kvcdn_core.store.record import ArtifactRecord
+    from kvcdn_server.db import artifacts
+    from tests.hosted.test_prefix_lookup import query_body
+
+    app, client, keys = server
+    src = write_kv(tmp_path / "a.kv", 272, base_tokens=272)  # one full 256-token chunk: a lookup grants it
+    report = up(client, keys["acme"], src)
+    root = root_of(manifest_of(artifact.read_header(src)))
+    with store_of(app).db.connect() as c:
+        stored = c.execute(sa.select(artifacts.c.record).where(artifacts.c.id == report.artifact_id)).scalar_one()
+    record = ArtifactRecord.from_json(stored.encode())
+    parsed: list[object] = []
+    real = artifact.parse_header
+    monkeypatch.setattr(artifact, "parse_header", lambda *a: parsed.append(a[0]) or real(*a))
+    r = client.post(f"{API}/artifacts/{report.artifact_id}/chunks", headers=bearer(keys["acme"]))
+    assert r.status_code == 200, r.text
+    assert r.json()["record"] == json.loads(stored)
+    assert [o["digest"] for o in r.json()["objects"]] == sorted(set(record.digests))
+    ids = list(range(272)) + [9] * 30
+    connections: list[object] = []  # the grant's row is read on the lookup's own connection
+    count = connections.append
+    sa.event.listen(store_of(app).db, "engine_connect", count)
+    r = client.post(f"{API}/prefix/lookup", headers=bearer(keys["acme"]), json=query_body(root, ids, grant=True))
+    sa.event.remove(store_of(app).db, "engine_connect", count)
+    assert r.status_code == 200, r.text
+    grant = r.json()["grant"]
+    assert grant["artifact_id"] == report.artifact_id and grant["record"] == json.loads(stored)
+    assert parsed == [] and len(connections) == 1
+
+
+def test_a_lookup_hands_off_to_the_thread_pool_only_for_its_credential_and_its_queries(server, monkeypatch):
+    """Each hand-off to the thread pool costs a lookup, which the engine's scheduler waits on, two
+    thread switches: the app's services are a coroutine dependency (one attribute read) and the
+    answer is checked against its model on the event loop, so what runs in the pool is the API-key
+    check and the lookup's own work (its database reads and the grant), once each."""
+    import anyio.to_thread
+
+    app, client, keys = server
+    handed: list[object] = []
+    real = anyio.to_thread.run_sync
+
+    async def run_sync(func, *args, **kwargs):
+        handed.append(func)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", run_sync)
+    body = {"root": "ab" * 32, "keys": [], "blocks": [], "limit": 1, "grant": True, "steps": []}
+    r = client.post(f"{API}/prefix/lookup", headers=bearer(keys["acme"]), json=body)
+    assert r.status_code == 200 and r.json()["matches"] == [] and r.json()["grant"] is None, r.text
+    assert len(handed) == 2, handed
+
+
 def test_a_second_artifact_uploads_only_its_new_chunks(server, tmp_path):
     app, client, keys = server
     first = write_kv(tmp_path / "first.kv", 40)  # chunks [0,16) [16,32) [32,40)

@@ -165,3 +165,14 @@ def test_prefix_filters_are_normalised_like_names(value):
     assert prefix == unicodedata.normalize("NFC", value)
     name = _name_or_none(value + "x.kv")
     assert name is None or name.startswith(prefix)  # a name the prefix spells lists under it
+
+
+def test_ascii_text_is_judged_at_c_speed_exactly_as_character_by_character():
+    """An ASCII string without controls keeps the rule without the per-character loop (every manifest
+    label of every header parse went through it). Each ASCII string of up to two characters is
+    judged as the loop judges it: followed by a letter outside ASCII (which the rule accepts, and
+    which takes the loop), the verdict and its reason are the same."""
+    chars = [chr(c) for c in range(128)]
+    for value in ["", *chars, *(a + b for a in chars for b in chars)]:
+        assert text_problem(value) == text_problem(value + "\u00e9"), repr(value)
+    assert text_problem("layers.0.key") is None and text_problem("a\x7fb") is not None

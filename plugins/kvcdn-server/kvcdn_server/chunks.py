@@ -65,6 +65,15 @@ def parse_record(value: dict[str, Any]) -> ArtifactRecord:
         raise ApiError(422, ErrorCode.INVALID_RECORD, "record: not a valid chunked record") from None
 
 
+def stored_record(text: str) -> ArtifactRecord:
+    """An artifact row's record (written by this server from a record :func:`parse_record` checked),
+    without checking its header again: every grant of a lookup reads one."""
+    try:
+        return ArtifactRecord.from_checked(text)
+    except KvcdnError as exc:
+        raise ApiError(422, ErrorCode.INVALID_RECORD, str(exc).splitlines()[0][:300]) from None
+
+
 def objects_of(record: ArtifactRecord) -> dict[str, int]:
     """The distinct objects a record references, ``digest → bytes``; 422 when it gives one
     digest two sizes."""

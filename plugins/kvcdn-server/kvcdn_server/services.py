@@ -56,5 +56,7 @@ class Services:
         )
 
 
-def services(request: Request) -> Services:
+async def services(request: Request) -> Services:
+    """The app's services (a dependency of every route). A coroutine: FastAPI runs a plain function
+    dependency in its thread pool, a hand-off per request for one attribute read."""
     return request.app.state.services

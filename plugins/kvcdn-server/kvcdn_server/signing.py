@@ -6,7 +6,6 @@ import hashlib
 import hmac
 import time
 from collections.abc import Callable
-from urllib.parse import urlencode
 
 from kvcdn_server.errors import ApiError
 from kvcdn_wire import ErrorCode
@@ -19,15 +18,20 @@ class UrlSigner:
         self.clock = clock  # the store's clock: a URL and its upload expire on the same time
         # A key of its own, derived so that a leak of one purpose's key reveals nothing of another.
         self._key = hmac.new(key, b"kvcdn/blob-url/v1", hashlib.sha256).digest()
+        #: the HMAC state after the key, copied for each signature (a grant signs one URL per object)
+        self._keyed = hmac.new(self._key, digestmod=hashlib.sha256)
 
     def signature(self, op: str, obj: str, size: int, expires: int) -> str:
-        message = f"{op}\n{obj}\n{size}\n{expires}".encode()
-        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+        mac = self._keyed.copy()
+        mac.update(f"{op}\n{obj}\n{size}\n{expires}".encode())
+        return mac.hexdigest()
 
     def query(self, op: str, obj: str, size: int, expires: int) -> str:
+        """The URL's query: ``op``, ``expires``, ``size`` and ``sig``, in that order. Every value is
+        URL-safe as it is (an op of :data:`OPS`, two integers, hex), so it is joined, not encoded."""
         if op not in OPS:
             raise ValueError(op)
-        return urlencode({"op": op, "expires": expires, "size": size, "sig": self.signature(op, obj, size, expires)})
+        return f"op={op}&expires={expires}&size={size}&sig={self.signature(op, obj, size, expires)}"
 
     def check(self, op: str, obj: str, params) -> int:
         """Verify a request's ``op/expires/size/sig``; return the signed size or raise 403."""

@@ -79,14 +79,17 @@ class Uploads:
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def row(self, artifact_id: str):
+    def row(self, artifact_id: str, conn: sa.Connection | None = None):
+        """The artifact's row, read on ``conn`` when given (a caller that holds a read connection)."""
+        if conn is not None:
+            return conn.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first()
         with self.reads.connect() as c:
-            return c.execute(sa.select(artifacts).where(artifacts.c.id == artifact_id)).first()
+            return self.row(artifact_id, c)
 
-    def readable(self, tenant: str | None, artifact_id: str):
+    def readable(self, tenant: str | None, artifact_id: str, conn: sa.Connection | None = None):
         """The caller's own artifact (any live state) or anyone's ready public one; else 404."""
         check_id(artifact_id)
-        row = self.row(artifact_id)
+        row = self.row(artifact_id, conn)
         if row is None or row.status not in LIVE:
             raise not_found()
         if tenant is not None and row.tenant == tenant:

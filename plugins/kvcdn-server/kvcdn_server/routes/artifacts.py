@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import sqlalchemy as sa
 from anyio import from_thread
 from fastapi import APIRouter, Request, Response
 
@@ -101,11 +102,14 @@ def artifact_chunks(identity: MaybeAuth, artifact_id: str, s: Svc):
     return grant
 
 
-def chunks_grant(s: Services, identity: Identity | None, artifact_id: str, whole_ok: bool = False) -> dict | None:
+def chunks_grant(
+    s: Services, identity: Identity | None, artifact_id: str, whole_ok: bool = False, conn: sa.Connection | None = None
+) -> dict | None:
     """What the chunks route answers for a ready artifact the caller may read (its own or a public
-    one), also carried by a prefix lookup's answer; None when it is not ready. An artifact stored
-    whole is refused, or with ``whole_ok`` granted with no record and no objects."""
-    row = s.store.readable(identity.tenant if identity else None, artifact_id)
+    one), also carried by a prefix lookup's answer (its row read on the lookup's ``conn``); None
+    when it is not ready. An artifact stored whole is refused, or with ``whole_ok`` granted with no
+    record and no objects."""
+    row = s.store.readable(identity.tenant if identity else None, artifact_id, conn)
     if row.status != "ready":
         return None
     ttl = s.config.download_ttl
@@ -115,7 +119,7 @@ def chunks_grant(s: Services, identity: Identity | None, artifact_id: str, whole
         if not whole_ok:
             raise validation("this artifact is stored whole: download it with download-url")
         return {**grant, "record": None, "objects": [], "expires_at": now_iso(expires)}
-    record = chunks.parse_record(json.loads(row.record))
+    record = chunks.stored_record(row.record)
     objects = _signed_objects(s, record, ttl)
     return {**grant, "record": record.to_dict(), "objects": objects, "expires_at": now_iso(expires)}
 
@@ -237,7 +241,7 @@ def _infer_remote(identity: Identity, artifact_id: str, row, body: InferRequest,
     engine cannot load the artifact's representation: the in-process engine answers."""
     assert s.remote is not None
     ttl = int(s.config.infer_timeout) + 60
-    record = chunks.parse_record(json.loads(row.record))
+    record = chunks.stored_record(row.record)
     manifest = json.loads(row.manifest) if row.manifest else {}
     if not s.remote.loads(manifest, record.root):
         return None
