@@ -1113,3 +1113,62 @@ def test_a_service_stopped_mid_run_costs_recompute_and_one_line_then_loads_resum
     log = hosted_outage["log"]
     lines = [line for line in log.splitlines() if "prefix lookup in the store failed" in line]
     assert len(lines) == 1 and "Traceback" not in log
+
+
+# 9. Saves gathered after the forward hold their request's blocks until the gather is done: four
+#    prompts in one batch outgrow a cache of 7 blocks, so vLLM preempts requests whose saves began.
+#    Every answer equals vLLM's alone in the same batch and cache, every prompt is saved once, no
+#    held block leaks (the batch would stall), and a fresh engine serves every save token-exact.
+
+PREEMPT_BLOCKS = 7
+
+
+@pytest.fixture(scope="module")
+def preempted_saves(tmp_path_factory):
+    from kvcdn_core.model.tiny import SAMPLE_TEXT
+
+    tmp = tmp_path_factory.mktemp("preempted-saves")
+    smol = run_vllm_python(["-m", "kvcdn_core.testing.smollm2"], timeout=1200).stdout.strip().splitlines()[-1]
+    # no two prompts share a first token: nothing a request loads can come from another one's save
+    prompts = [encode(Path(smol), f"{word}. " + SAMPLE_TEXT[:800], True) for word in ("One", "Two", "Three", "Four")]
+    store = tmp / "store"
+
+    def run(connector: dict | None, prompts: list[list[int]], max_tokens: int, **more) -> dict:
+        return {"model": smol, "connector": connector, "prompts": prompts, "max_tokens": max_tokens,
+                "max_model_len": 512, **more}  # fmt: skip
+
+    def connector(tier: str, save: bool) -> dict:
+        return {"store": str(store), "save": save, "tier_directory": str(tmp / tier), "tier_memory_bytes": 1 << 28}
+
+    batch = {"together": True, "num_gpu_blocks": PREEMPT_BLOCKS}
+    runs, log = drive_logged(
+        tmp,
+        "preempted-saves",
+        [
+            run(None, prompts, 120, **batch),
+            run(connector("tier-a", True), prompts, 120, **batch),
+            run(None, prompts, MAX_TOKENS),
+            run(connector("tier-b", False), prompts, MAX_TOKENS),
+        ],
+    )
+    return {"runs": runs, "log": log, "store": store, "prompts": prompts}
+
+
+def test_saves_gathered_after_the_forward_survive_preemption(preempted_saves):
+    from kvcdn_vllm.writer import artifact_name
+
+    from kvcdn_core.builtin.local_storage import LocalStorage
+    from kvcdn_core.store.chunkstore import ChunkStore
+
+    alone, saving, reference, served = preempted_saves["runs"]
+    prompts, log = preempted_saves["prompts"], preempted_saves["log"]
+    assert all(128 < len(p) <= 256 for p in prompts)  # two blocks each: three of them fill the cache
+    assert [r["ids"] for r in saving] == [r["ids"] for r in alone]
+    assert [len(r["ids"]) for r in saving] == [120] * 4  # every request ran to its end: no block leaked
+    assert "preempted after its save began" in log  # the batch did outgrow the cache
+    assert not [line for line in log.splitlines() if "WARNING" in line and "kvcdn" in line]
+    names = ChunkStore(LocalStorage(preempted_saves["store"])).names()
+    assert sorted(names) == sorted(artifact_name(p).removesuffix(".kv") for p in prompts)
+    for got, want in zip(served, reference):
+        assert got["ids"] == want["ids"]
+        assert got["cached"] == got["kv_transfer_params"]["kvcdn_loaded_tokens"] == 128

@@ -3,7 +3,9 @@
 Run with the vLLM environment's Python: ``python vllm_driver.py SPEC.json OUT.json``. SPEC holds
 ``runs``, each ``{"model", "connector": null | kv_connector_extra_config, "prompts": [[ids]],
 "max_tokens" (one for every prompt, or a list: one per prompt), "max_model_len"}``, and
-``"tensor_parallel_size"`` or ``"pipeline_parallel_size"`` when not 1; OUT gets, per run, per
+``"tensor_parallel_size"`` or ``"pipeline_parallel_size"`` when not 1, ``"together": true`` to send
+every prompt in one batch (they then share the engine's steps), ``"num_gpu_blocks"`` to cap vLLM's
+KV blocks (so that a batch outgrows them and vLLM preempts); OUT gets, per run, per
 prompt: the greedy token ids, ``num_cached_tokens`` and the connector's ``kv_transfer_params``.
 Engines are float32, eager, with vLLM's own prefix cache off, so any cached token was loaded by the
 connector.
@@ -54,12 +56,24 @@ def run_engine(run: dict) -> list[dict]:
         distributed_executor_backend="uni" if tp * pp == 1 else "mp",
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        num_gpu_blocks_override=run.get("num_gpu_blocks"),
         **kwargs,
     )
     try:
         max_tokens = run.get("max_tokens", 8)
         if isinstance(max_tokens, int):
             max_tokens = [max_tokens] * len(run["prompts"])
+        if run.get("together"):
+            params = [SamplingParams(max_tokens=most, temperature=0.0) for most in max_tokens]
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in run["prompts"]], params, use_tqdm=False)
+            return [
+                {
+                    "ids": list(o.outputs[0].token_ids),
+                    "cached": o.num_cached_tokens,
+                    "kv_transfer_params": o.kv_transfer_params,
+                }
+                for o in outs
+            ]
         results = []
         for ids, most in zip(run["prompts"], max_tokens):  # one at a time: each request's load is its own step
             params = SamplingParams(max_tokens=most, temperature=0.0)
