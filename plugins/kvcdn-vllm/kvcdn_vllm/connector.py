@@ -634,9 +634,9 @@ class KvcdnConnector(KVConnectorBase_V1):
                 continue
             self._gathered.setdefault(job.req_id, {})[index] = [(k.cpu(), v.cpu()) for k, v in parts]
 
-    def _drop_save(self, rows: _SaveRows | None) -> None:
+    def _drop_save(self, rows: _SaveRows) -> None:
         """A save given up after its shared memory was set aside: the memory goes back."""
-        if rows is not None and rows.handover is not None and self._saver is not None:
+        if rows.handover is not None and self._saver is not None:
             self._saver.drop(rows.handover)
 
     def _rows_to_copy(self, job: SaveJob, kv_layer: torch.Tensor) -> _SaveRows | None:
@@ -712,7 +712,6 @@ class KvcdnConnector(KVConnectorBase_V1):
                 _warn(
                     f"not saving request {job.req_id}: {counts[job.req_id]} of {self._shape.num_layers} layers gathered"
                 )
-                self._drop_save(rows)
                 continue
             if whole is not None and job.req_id not in whole:
                 _warn(f"not saving request {job.req_id}: another tensor-parallel worker did not gather its layers")
