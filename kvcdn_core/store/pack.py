@@ -26,6 +26,7 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import blake3
 import numpy as np
@@ -36,6 +37,9 @@ from kvcdn_core.atomic import atomic_path
 from kvcdn_core.errors import ArtifactError, KvcdnError
 from kvcdn_core.store import keys
 from kvcdn_core.store.record import MODEL_KEYS, VERSION, ArtifactRecord, ChunkRef, PieceRef, TailRef, token_bytes
+
+#: an object's bytes, read or mapped
+Bytes = TypeVar("Bytes", bytes, memoryview)
 
 
 def digest_of(data: bytes | memoryview) -> str:
@@ -252,7 +256,7 @@ def record_for(name: str, path: Path, header: artifact.Header, cutter: Cutter, p
     )
 
 
-def checked(data: bytes | None, digest: str, size: int, where: str) -> bytes:
+def checked(data: Bytes | None, digest: str, size: int, where: str) -> Bytes:
     """``data`` when it is the object named ``digest`` (BLAKE3) of ``size`` bytes; else one line."""
     if data is None:
         raise ArtifactError(f"{where}: chunk {digest} is missing from the store (run kvcdn store check)")

@@ -17,7 +17,8 @@ forward instead, on a thread of its own (see :meth:`KvcdnConnector.wait_for_save
 On a chunk store (``store`` instead of ``source``): the scheduler looks each prompt up in the
 store's prefix index (:mod:`kvcdn_vllm.lookup`) and plans the chunks that hold the match; the worker
 takes them from its local tier (:mod:`kvcdn_vllm.tier`: memory, disk, then the store, each chunk's
-digest checked once where it enters) and reports per-request figures back to the scheduler
+digest checked once where it enters), copies them into the blocks layer by layer under the forward
+(:mod:`kvcdn_vllm.layers`), and reports per-request figures back to the scheduler
 (:class:`KvcdnWorkerMeta`), which returns them in ``kv_transfer_params``. Saves go to a bounded
 queue whose process puts only the chunks the store lacks (:mod:`kvcdn_vllm.saver`).
 """
@@ -46,6 +47,7 @@ from kvcdn_core import KvcdnError, artifact, layer_tensor_name
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm import lookup as chunks
 from kvcdn_vllm.catalog import Catalog, Hit, ModelShape, check_fits
+from kvcdn_vllm.layers import LayerLoader
 from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
@@ -234,6 +236,10 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._gatherer: ThreadPoolExecutor | None = None
         self._tier = None
         self._saver = None
+        #: this step's parts copied layer by layer under the forward (kvcdn_vllm.layers)
+        self._layer_copies: list[_PartCopy] = []
+        self._copy_failed: dict[str, tuple[LoadJob, Exception]] = {}  # written by the loader thread
+        self._loader: LayerLoader | None = None
         self._step_figures: dict[str, dict[str, int]] = {}
         self._totals: dict[str, int] = {}
         if self._store is not None and role == KVConnectorRole.WORKER:
@@ -251,6 +257,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 _warn,
                 write_queue_bytes=s.tier_write_queue_bytes,
             )
+            self._loader = LayerLoader()
             if self._can_save and (self._heads_gather is None or self._heads_gather.first):
                 from kvcdn_vllm.saver import SaveQueue, SaveTarget
 
@@ -464,6 +471,7 @@ class KvcdnConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcdnMetadata)
+        self._finish_layer_copies()
         planned = [p.digest for job in meta.loads if job.chunks is not None for p in job.chunks.parts]
         if self._tier is not None and planned:  # no fetch of this step evicts a chunk it planned
             self._tier.pin(planned)
@@ -472,19 +480,27 @@ class KvcdnConnector(KVConnectorBase_V1):
         finally:
             if self._tier is not None and planned:
                 self._tier.unpin(planned)
+        if self._layer_copies:
+            assert self._loader is not None  # a chunk store's worker has both
+            layers = sorted(self._caches, key=_layer_index)  # the forward's order
+            self._loader.start(layers, self._copy_layer)
 
     def _load_all(self, meta: KvcdnMetadata) -> None:
         for job in meta.loads:
             self._kept.pop(job.req_id, None)
             try:
                 self._load(job)
-            except (KvcdnError, paged.LayoutError, OSError, KeyError, RuntimeError, ValueError) as exc:
-                self._kept.pop(job.req_id, None)
-                detail = str(exc).removeprefix(f"{job.path}: ")
-                _warn(f"skipping {job.path} for request {job.req_id}: {detail}; vLLM recomputes those tokens")
-                first = job.start // self._block_size
-                last = -(-job.end // self._block_size)
-                self._failed_blocks.update(job.block_ids[first:last])
+            except LOAD_ERRORS as exc:
+                self._load_failed(job, exc)
+
+    def _load_failed(self, job: LoadJob, exc: Exception) -> None:
+        """One warning line; vLLM recomputes the job's blocks (reported after the forward)."""
+        self._kept.pop(job.req_id, None)
+        detail = str(exc).removeprefix(f"{job.path}: ")
+        _warn(f"skipping {job.path} for request {job.req_id}: {detail}; vLLM recomputes those tokens")
+        first = job.start // self._block_size
+        last = -(-job.end // self._block_size)
+        self._failed_blocks.update(job.block_ids[first:last])
 
     def _load(self, job: LoadJob) -> None:
         if job.chunks is not None:
@@ -518,10 +534,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 figures[f"chunks_{where}"] += 1
                 if where == "remote":
                     figures["bytes_fetched"] += len(data)
-                if job.keep:
-                    got.append((part, data))
-                else:
-                    self._copy_part(job, plan, part, data)
+                got.append((part, data))
         finally:
             self._tier.unpin(digests)
             self._step_figures[job.req_id] = figures
@@ -529,6 +542,8 @@ class KvcdnConnector(KVConnectorBase_V1):
                 self._totals[key] = self._totals.get(key, 0) + value
         if job.keep:  # the request is to be saved: its loaded rows are kept whole for the save
             self._kept[job.req_id] = self._copy_kept(job, plan, got)
+        else:  # copied layer by layer under the forward (kvcdn_vllm.layers)
+            self._layer_copies.extend(self._part_copies(job, plan, got))
         logger.info(
             "kvcdn: request %s loaded %d tokens of '%s' (chunks: %d memory, %d disk, %d remote; %d bytes fetched)",
             job.req_id,
@@ -540,21 +555,46 @@ class KvcdnConnector(KVConnectorBase_V1):
             figures["bytes_fetched"],
         )
 
-    def _copy_part(self, job: LoadJob, plan: chunks.ChunkPlan, part: chunks.Part, data: bytes) -> None:
-        """Scatter the part's share of tokens ``[start, end)`` into the request's blocks, every layer,
-        from views of its bytes (no copy of the whole prefix first)."""
-        start, end = max(job.start, part.start), min(job.end, part.start + part.tokens)
-        if start >= end:
-            return
-        views = _part_views(plan, part, data, start, end)
-        slots = self._slots(job.block_ids, end, start)
-        for name, kv in self._caches.items():
-            index = _layer_index(name)
-            keys = views[layer_tensor_name(index, "key")][self._heads]
-            values = views[layer_tensor_name(index, "value")][self._heads]
-            paged.scatter(kv, slots(name, kv), keys, values)
+    def _part_copies(
+        self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, bytes | memoryview]]
+    ) -> list[_PartCopy]:
+        """What :meth:`_copy_layer` needs of each part that holds some of tokens ``[start, end)``."""
+        copies = []
+        for part, data in got:
+            start, end = max(job.start, part.start), min(job.end, part.start + part.tokens)
+            if start < end:
+                views = _part_views(plan, part, data, start, end)
+                copies.append(_PartCopy(job, views, self._slots(job.block_ids, end, start)))
+        return copies
 
-    def _copy_kept(self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, bytes]]) -> _Kept:
+    def _copy_rows(self, copy: _PartCopy, name: str) -> None:
+        kv, index = self._caches[name], _layer_index(name)
+        keys = copy.views[layer_tensor_name(index, "key")][self._heads]
+        values = copy.views[layer_tensor_name(index, "value")][self._heads]
+        paged.scatter(kv, copy.slots(name, kv), keys, values)
+
+    def _copy_layer(self, name: str) -> None:
+        """The loader thread's work for one layer: every part of this step that did not fail yet."""
+        for copy in self._layer_copies:
+            if copy.job.req_id in self._copy_failed:
+                continue
+            try:
+                self._copy_rows(copy, name)
+            except LOAD_ERRORS as exc:
+                self._copy_failed[copy.job.req_id] = (copy.job, exc)
+
+    def _finish_layer_copies(self) -> None:
+        """Wait for the copies under the forward, then report the requests whose copy failed."""
+        if self._loader is not None:
+            self._loader.finish()
+        self._layer_copies = []
+        failed, self._copy_failed = self._copy_failed, {}
+        for job, exc in failed.values():
+            self._load_failed(job, exc)
+
+    def _copy_kept(
+        self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, bytes | memoryview]]
+    ) -> _Kept:
         """Copy tokens ``[start, end)`` into the blocks through one tensor per layer, kept for the
         request's save (this worker's heads: all of them, without tensor parallelism)."""
         tensors = chunks.slices(plan, got, job.start, job.end)
@@ -611,7 +651,9 @@ class KvcdnConnector(KVConnectorBase_V1):
         return [b * r + i for b in block_ids for i in range(r)]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous, done in start_load_kv
+        """Chunk loads are copied layer by layer under the forward; the rest in start_load_kv."""
+        if self._loader is not None:
+            self._loader.wait(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self._gatherer is not None:  # gathered after the forward (wait_for_save)
@@ -674,6 +716,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         for the copy (about 50 ms for 2,300 SmolLM2 tokens), and the copy releases Python's lock.
         vLLM keeps the blocks until :meth:`get_finished` reports the gather done, and a preemption
         waits for it (:meth:`handle_preemptions`): nothing overwrites rows being read."""
+        self._finish_layer_copies()  # every layer was waited for by now; the gathers read blocks
         meta = self._connector_metadata
         if not isinstance(meta, KvcdnMetadata) or not meta.saves:
             return
@@ -804,6 +847,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_copies()  # wait_for_save may be deferred (a draft model's forward)
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
@@ -819,6 +863,8 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Finish the queued saves, then log the tier's totals once (the engine's exit summary)."""
+        if self._loader is not None:
+            self._loader.close()
         if self._gatherer is not None:
             self._gatherer.shutdown(wait=True)  # the gathers hand their saves over first
         saver, self._saver = self._saver, None
@@ -840,6 +886,19 @@ class KvcdnConnector(KVConnectorBase_V1):
                 saver.skipped if saver else 0,
                 saver.failed if saver else 0,
             )
+
+
+#: what makes a load of one request fail (one line, its blocks recomputed), never the step
+LOAD_ERRORS = (KvcdnError, paged.LayoutError, OSError, KeyError, RuntimeError, ValueError)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PartCopy:
+    """One part's share of a load: views of its bytes per tensor, and where its rows go."""
+
+    job: LoadJob
+    views: dict[str, torch.Tensor]
+    slots: Callable[[str, torch.Tensor], paged.TokenSlots]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -867,7 +926,7 @@ def _joined(
 
 
 def _part_views(
-    plan: chunks.ChunkPlan, part: chunks.Part, data: bytes, start: int, end: int
+    plan: chunks.ChunkPlan, part: chunks.Part, data: bytes | memoryview, start: int, end: int
 ) -> dict[str, torch.Tensor]:
     """Each chunked tensor's tokens ``[start, end)`` (within ``part``) as ``[outer, tokens, last]``
     views of the part's bytes."""

@@ -307,3 +307,40 @@ def test_which_temp_files_count_as_stale(tmp_path):
     assert sweep_temp_files(tmp_path, now) == 2
     assert (fresh.exists(), old.exists(), reused.exists(), mine.exists()) == (True, False, False, True)
     assert sweep_temp_files(tmp_path / "missing", now) == 0
+
+
+def test_a_chunk_read_from_disk_keeps_its_bytes_when_its_file_is_deleted_or_replaced(tmp_path):
+    """Disk reads are mapped, not copied (a fresh engine's load paid most for first touches of new
+    memory): a chunk handed to a load keeps the bytes it was checked with, whatever happens to its
+    file after, since the tier only renames files into place and deletes them."""
+    store = Store(3)
+    a, b, c = store.digests
+    first = tier(store, tmp_path)
+    for x in (a, b, c):
+        first.get(x, 100)
+    second = tier(store, tmp_path, memory=100)  # a restart; memory holds one chunk
+    got_a, where = second.get(a, 100)
+    assert (got_a, where) == (store.chunks[a], DISK)
+    got_b, _ = second.get(b, 100)
+    path_a, path_b = (tmp_path / "tier" / x[:2] / x for x in (a, b))
+    path_a.unlink()  # an eviction (or another engine sharing the directory) deletes a's file
+    other = path_b.with_name(".other")
+    other.write_bytes(b"\x00" * 100)
+    os.replace(other, path_b)  # and a writer renames other bytes over b's
+    assert bytes(got_a) == store.chunks[a] and bytes(got_b) == store.chunks[b]
+    third = tier(store, tmp_path, warnings=(warnings := []))  # what a later start finds: b is dropped
+    assert third.get(b, 100) == (store.chunks[b], REMOTE)
+    assert len(warnings) == 1 and "corrupted" in warnings[0]
+
+
+def test_an_empty_file_in_the_tier_is_dropped_and_fetched_again(tmp_path):
+    store = Store(1)
+    (a,) = store.digests
+    folder = tmp_path / "tier" / a[:2]
+    folder.mkdir(parents=True)
+    (folder / a).write_bytes(b"")  # a disk that filled up under another program's writer
+    t = tier(store, tmp_path, warnings=(warnings := []))
+    assert t.on_disk(a)
+    assert t.get(a, 100) == (store.chunks[a], REMOTE)
+    assert len(warnings) == 1 and "corrupted" in warnings[0]
+    assert (folder / a).read_bytes() == store.chunks[a]

@@ -458,6 +458,7 @@ def fleet(tmp_path_factory):
                 "connector": connector("tier-b", False),
                 "prompts": [prompts[1]] * 3,
                 "max_tokens": [8, 8, 1],
+                "slow_layer_copy_s": 0.02,  # the forward reaches layers before they are copied
             }
         ],
     )
@@ -477,12 +478,15 @@ def fleet(tmp_path_factory):
                 "connector": {**connector("tier-b", False), "tier_write_queue_bytes": 1},
                 "prompts": [prompts[1]],
                 "max_tokens": 8,
+                "fail_layer_copy": 3,
             },
             {"model": smol, "connector": connector("tier-c", True), "prompts": [prompts[1]], "max_tokens": 8},
         ],
     )
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
+    layers = json.loads((Path(smol) / "config.json").read_text())["num_hidden_layers"]
     return {
+        "layers": layers,
         "reference": first[0],
         "a": first[1][0],
         "b": second[0],
@@ -530,6 +534,24 @@ def test_a_request_that_ends_in_its_load_step_carries_its_figures(fleet):
     assert params["kvcdn_matched_tokens"] == before["kvcdn_matched_tokens"] == params["kvcdn_loaded_tokens"]
     assert params["kvcdn_chunks_memory"] == before["kvcdn_chunks_remote"] > 0
     assert params["kvcdn_chunks_disk"] == params["kvcdn_chunks_remote"] == params["kvcdn_bytes_fetched"] == 0
+
+
+def test_the_forward_waits_for_each_layer_copied_under_it(fleet):
+    # engine B's layer copies were slowed by 20 ms a layer: its forward reached layers before they
+    # were copied, waited for each (once per layer, in the load step only), and every answer above
+    # is token-exact all the same
+    for result in fleet["b"]:
+        assert result["layer_waits"]["total"] == fleet["layers"]
+        assert result["layer_waits"]["blocked"] > 0
+
+
+def test_a_failed_layer_copy_costs_recompute_and_one_line(fleet):
+    # the restarted engine's copy of layer 3 failed under the forward: one line, its blocks
+    # recomputed by vLLM, the answer token-exact
+    restarted = fleet["faults"][0]
+    assert restarted["ids"] == fleet["reference"][1]["ids"]
+    lines = [line for line in fleet["log"].splitlines() if "injected copy failure" in line]
+    assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
 
 
 def test_a_corrupted_chunk_in_the_tier_is_dropped_and_fetched_again(fleet):

@@ -5,8 +5,11 @@ Run with the vLLM environment's Python: ``python vllm_driver.py SPEC.json OUT.js
 "max_tokens" (one for every prompt, or a list: one per prompt), "max_model_len"}``, and
 ``"tensor_parallel_size"`` or ``"pipeline_parallel_size"`` when not 1, ``"together": true`` to send
 every prompt in one batch (they then share the engine's steps), ``"num_gpu_blocks"`` to cap vLLM's
-KV blocks (so that a batch outgrows them and vLLM preempts); OUT gets, per run, per
-prompt: the greedy token ids, ``num_cached_tokens`` and the connector's ``kv_transfer_params``.
+KV blocks (so that a batch outgrows them and vLLM preempts), ``"slow_layer_copy_s"`` to make the
+connector's layer-by-layer copies that much slower per layer (the forward must then wait for them),
+``"fail_layer_copy"`` (a layer index) to make the first copy of that layer fail; OUT gets, per run,
+per prompt: the greedy token ids, ``num_cached_tokens``, the connector's ``kv_transfer_params`` and
+``layer_waits`` (the forward's waits for a layer, and how many found it not yet copied).
 Engines are float32, eager, with vLLM's own prefix cache off, so any cached token was loaded by the
 connector.
 
@@ -28,6 +31,47 @@ import time
 CORES = sorted(os.sched_getaffinity(0))
 
 
+#: the forward's waits for a connector layer copy: all, and those that found it not yet copied
+WAITS = {"total": 0, "blocked": 0}
+#: the hooked methods as the connector defines them (each run hooks them afresh)
+ORIGINAL: dict = {}
+
+
+def hook_layer_copies(run: dict) -> None:
+    """The run's ``slow_layer_copy_s`` and ``fail_layer_copy``, and the count of waits (WAITS)."""
+    from kvcdn_vllm import connector, layers
+
+    if not ORIGINAL:
+        ORIGINAL.update(
+            start=layers.LayerLoader.start, wait=layers.LayerLoader.wait, rows=connector.KvcdnConnector._copy_rows
+        )
+    real_start, real_wait, real_rows = ORIGINAL["start"], ORIGINAL["wait"], ORIGINAL["rows"]
+    slow, fail = run.get("slow_layer_copy_s", 0.0), run.get("fail_layer_copy")
+    failed = []
+
+    def start(self, names, copy):
+        def slowed(name):
+            time.sleep(slow)
+            copy(name)
+
+        real_start(self, names, slowed if slow else copy)
+
+    def wait(self, layer):
+        event = self._ready.get(layer)
+        WAITS["total"] += event is not None
+        WAITS["blocked"] += event is not None and not event.is_set()
+        real_wait(self, layer)
+
+    def copy_rows(self, copy, name):
+        if fail is not None and not failed and connector._layer_index(name) == fail:
+            failed.append(name)
+            raise RuntimeError(f"injected copy failure of {name}")
+        real_rows(self, copy, name)
+
+    layers.LayerLoader.start, layers.LayerLoader.wait = start, wait
+    connector.KvcdnConnector._copy_rows = copy_rows
+
+
 def run_engine(run: dict) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -42,6 +86,8 @@ def run_engine(run: dict) -> list[dict]:
             kv_load_failure_policy="recompute",
         )
     tp, pp = run.get("tensor_parallel_size", 1), run.get("pipeline_parallel_size", 1)
+    if run.get("connector") is not None and tp * pp == 1:
+        hook_layer_copies(run)
     os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     if tp * pp > 1:
         # vLLM's CPU workers bind to NUMA nodes unless told which cores; a small machine has one node
@@ -77,7 +123,7 @@ def run_engine(run: dict) -> list[dict]:
         results = []
         for ids, most in zip(run["prompts"], max_tokens):  # one at a time: each request's load is its own step
             params = SamplingParams(max_tokens=most, temperature=0.0)
-            started = time.perf_counter()
+            started, waits = time.perf_counter(), dict(WAITS)
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             results.append(
                 {
@@ -85,6 +131,7 @@ def run_engine(run: dict) -> list[dict]:
                     "cached": out.num_cached_tokens,
                     "kv_transfer_params": out.kv_transfer_params,
                     "seconds": time.perf_counter() - started,
+                    "layer_waits": {k: WAITS[k] - waits[k] for k in WAITS},
                 }
             )
         return results
