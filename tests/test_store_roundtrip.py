@@ -119,6 +119,44 @@ def test_an_artifact_continued_from_a_shared_prefix_stores_the_prefix_once(store
     assert len(chunk_objects) == 3 + 1 + 2  # first's 3 chunks, second's new piece, 2 tails
 
 
+@pytest.mark.parametrize("settled", [None, 288])
+def test_rows_past_the_settled_point_are_a_piece_of_their_own(store, tmp_path, settled):
+    """A vLLM save: the next turn recomputes the rows of a prompt's last, partial block (here
+    288-300), to other bits; cut there, the rows before it are still referenced."""
+    first = tmp_path / "first.kv"
+    tensors = write_kinds(first, ["full_attention"], 300, seed=1)
+    store.put(first, "first", settled=settled)
+    last = store.record("first").chunks[1]
+    if settled:
+        assert last.digest is None and [p.tokens for p in last.pieces] == [32, 12]
+    recomputed = {name: t.clone() for name, t in tensors.items()}
+    for role in ("key", "value"):
+        recomputed[f"layers.0.{role}"][..., 288:300, :] += 1e-6
+    second = tmp_path / "second.kv"
+    write_kinds(second, ["full_attention"], 400, seed=2, prefix_of=recomputed)
+    report = store.put(second, "second", settled=384 if settled else None)
+    chunk = store.record("second").chunks[1]
+    per_token = store.record("first").chunks[0].bytes // 256
+    if settled:  # 256-288 referenced, then 288-384 and 384-400 new
+        assert chunk.pieces[0].digest == last.pieces[0].digest
+        assert [p.tokens for p in chunk.pieces] == [32, 96, 16]
+        assert report.bytes_saved == (256 + 32) * per_token
+    else:  # the stored chunk's rows differ past 288: the chunk is new, whole
+        assert chunk.digest is not None
+        assert report.bytes_saved == 256 * per_token
+    for name, path in (("first", first), ("second", second)):
+        store.get(name, tmp_path / f"{name}.got.kv")
+        assert (tmp_path / f"{name}.got.kv").read_bytes() == path.read_bytes()
+
+
+def test_a_settled_point_does_not_cut_a_chunk_the_store_holds_whole(store, tmp_path):
+    path = tmp_path / "a.kv"
+    write_kinds(path, ["full_attention"], 300, seed=1)
+    store.put(path, "a")
+    report = store.put(path, "b", settled=288)
+    assert store.record("b").chunks == store.record("a").chunks and report.chunks_new == 0
+
+
 def test_a_corrupted_chunk_is_refused_on_get(store, tmp_path, cli):
     path = tmp_path / "a.kv"
     write_kinds(path, ["full_attention"], TOKENS)

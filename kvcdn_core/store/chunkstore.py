@@ -231,7 +231,12 @@ class ChunkStore:
     # -- put ---------------------------------------------------------------------------------------
 
     def put(
-        self, path: str | os.PathLike[str], name: str | None = None, force: bool = False, verified: bool = False
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        force: bool = False,
+        verified: bool = False,
+        settled: int | None = None,
     ) -> PutReport:
         """Store the `.kv` file at ``path`` as ``name`` (default: the file's stem).
 
@@ -239,7 +244,10 @@ class ChunkStore:
         chunks the store lacks are read and hashed again, as they are uploaded. Before that, the
         file's tensors are checked against its manifest's digests, unless ``verified``: the caller
         wrote the file itself, from tensors it has just hashed (the vLLM connector's saves), and a
-        second pass over every byte would prove nothing new.
+        second pass over every byte would prove nothing new. ``settled``: the rows of later tokens
+        may come back other bits in a longer artifact of the same tokens (an engine recomputes a
+        prompt's last, partial block in the next turn), so the last chunk's new bytes are cut into
+        two pieces there and that artifact can reference the first.
         """
         from kvcdn_core import artifact
         from kvcdn_core.store import keys, pack
@@ -257,7 +265,7 @@ class ChunkStore:
         def present(digest: str) -> bool:
             return self.backend.exists(chunk_key(digest))
 
-        plan = cutter.plan(self._stored_prefix(cutter, ids), present)
+        plan = cutter.plan(self._stored_prefix(cutter, ids), present, settled)
         marker = f"{PENDING}{uuid.uuid4().hex}.json"
         stamp = {"created": self.clock(), "name": name, "digests": sorted({b.digest for b in plan.blobs})}
         self.backend.write_bytes(marker, json.dumps(stamp).encode())

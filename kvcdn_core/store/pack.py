@@ -166,7 +166,9 @@ class Cutter:
         spans = [self.header.entries[n]["data_offsets"] for n in self.tail]
         return b"".join(self.data[base + a : base + b].tobytes() for a, b in spans)
 
-    def plan(self, candidates: dict[int, tuple[PieceRef, ...]], present: Callable[[str], bool]) -> Plan:
+    def plan(
+        self, candidates: dict[int, tuple[PieceRef, ...]], present: Callable[[str], bool], settled: int | None = None
+    ) -> Plan:
         """Each chunk whole, or as stored pieces plus the rest, and the tail; every byte read and
         hashed once, a chunk with a rest piece twice.
 
@@ -177,6 +179,11 @@ class Cutter:
         chunk is whole. The chunk's whole digest is computed only for a chunk with a rest piece (a
         turn's last chunk, about once a put): when the store holds those whole bytes already (under
         another artifact, or left by a deleted one), the chunk references them and stores no rest.
+
+        ``settled``: the last chunk's new bytes (its rest, or the chunk when nothing was reused) are
+        cut into two pieces at that token when it falls inside them, unless the store holds the
+        chunk's whole bytes; the rows past it may differ in a longer artifact, the rows before it
+        then still match a piece of their own.
         """
         chunks: list[ChunkRef] = []
         blobs: list[Blob] = []
@@ -188,10 +195,18 @@ class Cutter:
             t0, t1 = self.bounds[i]
             pieces, rest = self._reused(t0, t1, candidates.get(i, ()), i, blob)
             whole = None
-            if rest:  # a piece of new bytes, unless the store holds the whole chunk already
+            new_from = t1 - pieces[-1][0].tokens if rest else t0 if not pieces else t1
+            cut = settled is not None and i == len(self.chain) - 1 and new_from < settled < t1
+            if rest or cut:  # new bytes, unless the store holds the whole chunk already
                 whole = blob(self.chunk(i), i, functools.partial(self.chunk, i))
                 if present(whole.digest):
-                    pieces = []
+                    pieces, cut = [], False
+            if cut:
+                assert settled is not None
+                pieces = pieces[:-1] if rest else []
+                for a, b in ((new_from, settled), (settled, t1)):
+                    got = blob(self.rows(a, b), i, functools.partial(self.rows, a, b))
+                    pieces.append((PieceRef(got.digest, b - a, got.size), got))
             if len(pieces) > 1:
                 chunks.append(ChunkRef(key, None, t1 - t0, sum(b.size for _, b in pieces), tuple(p for p, _ in pieces)))
                 blobs += [b for _, b in pieces]

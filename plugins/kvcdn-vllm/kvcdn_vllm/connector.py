@@ -265,7 +265,9 @@ class KvcdnConnector(KVConnectorBase_V1):
                 # that saving never holds the forward's Python lock nor waits on the tier's fetches
                 assert s.store is not None
                 model = SavedModel.of_engine(vllm_config, self._model_dir, self._fingerprint)
-                self._saver = SaveQueue(SaveTarget(s.store, model), s.save_queue, _warn, self._saved, _info)
+                self._saver = SaveQueue(
+                    SaveTarget(s.store, model, self._block_size), s.save_queue, _warn, self._saved, _info
+                )
                 if self._gather_after_forward:
                     self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="kvcdn-gather")
 

@@ -65,6 +65,10 @@ class SaveTarget:
 
     store: str  # the store's URI, opened in the save process
     model: SavedModel
+    #: the engine's block size: the rows of a prompt's last, partial block are recomputed by the
+    #: next turn (vLLM caches full blocks only), not always to the same bits, so a chunk store's put
+    #: cuts its last chunk there (``settled``) and the next turn's save references the rows before
+    block_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,10 +391,14 @@ def _serve(conn: Connection) -> None:
         try:
             if store is None:
                 store = open_chunk_store(open_storage(target.store))
-            verified = {"verified": True} if isinstance(store, ChunkStore) else {}
+            own: dict[str, Any] = {}  # a chunk store's own put options (not the hosted one's)
+            if isinstance(store, ChunkStore):
+                own["verified"] = True
+                if target.block_size:
+                    own["settled"] = len(job.prompt_ids) // target.block_size * target.block_size
             with tempfile.TemporaryDirectory(prefix="kvcdn-save-") as scratch:
                 path = write_prompt_artifact(Path(scratch), target.model, job.prompt_ids, _layers(memory, job))
-                report = store.put(path, job.name, force=True, **verified)
+                report = store.put(path, job.name, force=True, **own)
             answer: tuple[int, str, Any] = (job.seq, "saved", report)
         except Exception as exc:  # a store that fails must not stop the saves: the engine says it in one line
             answer = (job.seq, "failed", str(exc).splitlines()[0] if str(exc) else repr(exc))
