@@ -4,6 +4,7 @@ queue (only new chunks put, back pressure, and a run of failures as one warning 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -97,6 +98,23 @@ def test_saves_put_only_new_chunks_from_a_process_of_their_own(store, tmp_path):
     assert all(torch.equal(back[name], t) for name, t in second.items())
     saver.close()
     assert warnings == [] and saver.saved == 1
+
+
+def test_a_save_cuts_its_last_chunk_where_the_prompts_last_partial_block_starts(store, tmp_path):
+    """vLLM recomputes a prompt's last, partial block in the next turn: the save process puts with
+    ``settled`` at its start (700 tokens, blocks of 128: 640), so that turn can reference the rest."""
+    tensors = write_kinds(tmp_path / "turn.kv", ["full_attention"] * 2, 700, seed=3)
+    done = []
+    target = dataclasses.replace(saves_to(store.backend.root), block_size=128)
+    saver = SaveQueue(target, 2, print, lambda name, report: done.append(report))
+    assert saver.save("turn", tensors[artifact.TOKEN_IDS].tolist(), layer_pieces(tensors))
+    saver.join()
+    saver.close()
+    last = store.record("turn").chunks[-1]
+    assert last.digest is None and [p.tokens for p in last.pieces] == [128, 60]
+    store.get("turn", tmp_path / "back.kv")
+    back = artifact.load_tensors(artifact.read_header(tmp_path / "back.kv"))
+    assert all(torch.equal(back[name], t) for name, t in tensors.items())
 
 
 def test_the_save_process_puts_without_checking_the_file_it_has_just_written(store, tmp_path, monkeypatch):
