@@ -72,11 +72,13 @@ def upload(
     chunk_tokens: int | None = None,
     replace: bool = False,
     reuse: Callable[[Any, list[int]], dict[int, tuple[Any, ...]]] | None = None,
+    settled: int | None = None,
 ) -> ChunkedReport:
     """Upload the `.kv` file at ``path`` by chunks as ``name``; the report of what moved.
 
     ``replace``: the confirm also deletes the caller's other artifacts of this name. ``reuse(cutter,
-    token_ids)``: the stored pieces the plan may build on (:func:`stored_prefix`); none without it."""
+    token_ids)``: the stored pieces the plan may build on (:func:`stored_prefix`); none without it.
+    ``settled``: the last chunk's new bytes cut into two pieces there (:meth:`pack.Cutter.plan`)."""
     from kvcdn_core import artifact
     from kvcdn_core.store import keys, pack
     from kvcdn_core.store.record import NAME
@@ -88,7 +90,7 @@ def upload(
     cutter.check_digests()
     # the server says which objects it holds only once it has the record: a chunk whose pieces
     # match is built on them even when its whole bytes are stored too (both are exact)
-    plan = cutter.plan(reuse(cutter, ids) if reuse else {}, lambda _digest: False)
+    plan = cutter.plan(reuse(cutter, ids) if reuse else {}, lambda _digest: False, settled)
     stem = pack.file_stem(path)
     record = pack.record_for(stem if NAME.fullmatch(stem) else "artifact", path, header, cutter, plan)
     body = {"name": name, "sha256": _sha256(path), "visibility": visibility, "record": record.to_dict()}

@@ -61,17 +61,24 @@ class HostedChunkStore:
                     newest[a.name] = a
         return [self._named_record(newest[name]) for name in sorted(newest)]
 
-    def put(self, path: str | os.PathLike[str], name: str | None = None, force: bool = False) -> PutReport:
+    def put(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        force: bool = False,
+        settled: int | None = None,
+    ) -> PutReport:
         """Upload the `.kv` file by chunks as ``name`` (default: its stem), sending only the chunks
         the server does not hold for the caller, a chunk built on the stored pieces of the caller's
-        best matching artifact where they match; ``force`` replaces the caller's artifact of that name."""
+        best matching artifact where they match; ``force`` replaces the caller's artifact of that
+        name; ``settled`` as for core's :meth:`~kvcdn_core.store.chunkstore.ChunkStore.put`."""
         from kvcdn_core.store import pack
 
         path = Path(path)
         name = chunkstore.check_name(name if name is not None else pack.file_stem(path))
         if not force and self.storage._current(name) is not None:
             raise KvcdnError(f"artifact '{name}' exists in the store; pass --force to replace it")
-        report = self.storage.upload_chunked(path, name, replace=force)
+        report = self.storage.upload_chunked(path, name, replace=force, settled=settled)
         record = report.record
         new = sum(1 for c in record.chunks if any(p.digest in report.moved for p in c.parts))
         chunks = len(record.chunks)

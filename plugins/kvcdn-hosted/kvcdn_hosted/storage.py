@@ -261,14 +261,20 @@ class HostedStorage(StorageBackend):
         return self.client.read(ArtifactRecord, "GET", path, what=f"artifact {artifact_id}")
 
     def upload_chunked(
-        self, source: Path, name: str, visibility: Literal["private", "public"] = "private", replace: bool = False
+        self,
+        source: Path,
+        name: str,
+        visibility: Literal["private", "public"] = "private",
+        replace: bool = False,
+        settled: int | None = None,
     ):
         """Upload a ``.kv`` file by its chunks, sending only those the server does not hold for
         this tenant (:mod:`kvcdn_hosted.chunked`), a chunk that starts inside the partial last
         chunk of the caller's best matching artifact built on its stored pieces
         (:func:`kvcdn_hosted.chunked.stored_prefix`); the report of bytes moved and saved.
 
-        ``replace``: the confirm also deletes the caller's other artifacts of this name."""
+        ``replace``: the confirm also deletes the caller's other artifacts of this name; ``settled``:
+        the last chunk's new bytes cut there (:meth:`kvcdn_core.store.pack.Cutter.plan`)."""
         from kvcdn_hosted import chunked
 
         self.client.require_credential("upload")
@@ -282,6 +288,7 @@ class HostedStorage(StorageBackend):
             visibility,
             replace=replace,
             reuse=functools.partial(chunked.stored_prefix, self),
+            settled=settled,
         )
 
     def chunk_record(self, artifact_id: str):

@@ -66,7 +66,7 @@ class SaveTarget:
     store: str  # the store's URI, opened in the save process
     model: SavedModel
     #: the engine's block size: the rows of a prompt's last, partial block are recomputed by the
-    #: next turn (vLLM caches full blocks only), not always to the same bits, so a chunk store's put
+    #: next turn (vLLM caches full blocks only), not always to the same bits, so the store's put
     #: cuts its last chunk there (``settled``) and the next turn's save references the rows before
     block_size: int | None = None
 
@@ -391,11 +391,9 @@ def _serve(conn: Connection) -> None:
         try:
             if store is None:
                 store = open_chunk_store(open_storage(target.store))
-            own: dict[str, Any] = {}  # a chunk store's own put options (not the hosted one's)
-            if isinstance(store, ChunkStore):
-                own["verified"] = True
-                if target.block_size:
-                    own["settled"] = len(job.prompt_ids) // target.block_size * target.block_size
+            own: dict[str, Any] = {"verified": True} if isinstance(store, ChunkStore) else {}
+            if target.block_size:  # both stores' puts take it (core's, and the hosted one's)
+                own["settled"] = len(job.prompt_ids) // target.block_size * target.block_size
             with tempfile.TemporaryDirectory(prefix="kvcdn-save-") as scratch:
                 path = write_prompt_artifact(Path(scratch), target.model, job.prompt_ids, _layers(memory, job))
                 report = store.put(path, job.name, force=True, **own)

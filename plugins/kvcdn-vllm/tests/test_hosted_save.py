@@ -41,13 +41,14 @@ def client_env(monkeypatch):
 class Saves:
     """A :class:`SaveQueue` on the service at ``url`` as the connector opens it, and what it said."""
 
-    def __init__(self, url: str, capacity: int = 4):
+    def __init__(self, url: str, capacity: int = 4, block_size: int | None = None):
         self.warnings: list[str] = []
         self.infos: list[str] = []
         self.reports: list = []
         self.backend = open_storage("kvcdn+" + url)
         done = lambda name, report: self.reports.append(report)  # noqa: E731
-        target = SaveTarget("kvcdn+" + url, SavedModel("example/tiny", None, "no-model", FINGERPRINT, None))
+        model = SavedModel("example/tiny", None, "no-model", FINGERPRINT, None)
+        target = SaveTarget("kvcdn+" + url, model, block_size)
         self.queue = SaveQueue(target, capacity, self.warnings.append, done, self.infos.append)
 
     def save(self, name: str, path: Path) -> None:
@@ -91,6 +92,30 @@ def test_saves_upload_only_new_chunks_and_a_refused_save_is_one_line(tmp_path, c
         assert (saves.queue.saved, saves.queue.failed) == (2, 1)
         saves.close()
         finder.backend.close()
+
+
+def test_a_hosted_save_cuts_its_last_chunk_where_the_prompts_last_partial_block_starts(tmp_path, client_env):
+    """As into a local chunk store: 700 tokens in blocks of 128, the last chunk cut at 640; the
+    next turn (800 tokens), with rows 640-700 recomputed to other bits, references 512-640 and
+    sends 640-768 as a piece of its own."""
+    with services.kvcdn_server(tmp_path / "home", env=SERVER_ENV) as server:
+        client_env.setenv("KVCDN_API_KEY", mint_key(server.url, SECRET, "cut"))
+        saves = Saves(server.url, block_size=128)
+        first = kinds(tmp_path / "turn1.kv", 700, 1)
+        saves.save("turn1", tmp_path / "turn1.kv")
+        recomputed = {name: t.clone() for name, t in first.items()}
+        for i in range(3):
+            for role in ("key", "value"):
+                recomputed[f"layers.{i}.{role}"][..., 640:700, :] += 1e-6
+        kinds(tmp_path / "turn2.kv", 800, 2, prefix_of=recomputed)
+        saves.save("turn2", tmp_path / "turn2.kv")
+        store = open_chunk_store(saves.backend)
+        one, two = (store.record(name).chunks[2] for name in ("turn1", "turn2"))  # tokens 512-768
+        assert [p.tokens for p in one.pieces] == [128, 60]
+        assert two.pieces[0].digest == one.pieces[0].digest
+        assert [p.tokens for p in two.pieces] == [128, 128]
+        assert saves.warnings == []
+        saves.close()
 
 
 def test_saves_of_a_conversation_build_each_turn_on_the_stored_pieces_of_the_last(tmp_path, client_env):
