@@ -195,7 +195,10 @@ class Cutter:
             t0, t1 = self.bounds[i]
             pieces, rest = self._reused(t0, t1, candidates.get(i, ()), i, blob)
             whole = None
-            new_from = t1 - pieces[-1][0].tokens if rest else t0 if not pieces else t1
+            if rest:  # where this chunk's new bytes start: its rest piece, the chunk, or none
+                new_from = t1 - pieces[-1][0].tokens
+            else:
+                new_from = t1 if pieces else t0
             cut = settled is not None and i == len(self.chain) - 1 and new_from < settled < t1
             if rest or cut:  # new bytes, unless the store holds the whole chunk already
                 whole = blob(self.chunk(i), i, functools.partial(self.chunk, i))

@@ -51,6 +51,7 @@ from kvcdn_vllm.layers import LayerLoader
 from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
+from kvcdn_vllm.tier import ChunkBytes
 from kvcdn_vllm.writer import SavedModel, artifact_name, write_prompt_artifact
 
 if TYPE_CHECKING:
@@ -558,7 +559,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         )
 
     def _part_copies(
-        self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, bytes | memoryview]]
+        self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, ChunkBytes]]
     ) -> list[_PartCopy]:
         """What :meth:`_copy_layer` needs of each part that holds some of tokens ``[start, end)``."""
         copies = []
@@ -594,9 +595,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         for job, exc in failed.values():
             self._load_failed(job, exc)
 
-    def _copy_kept(
-        self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, bytes | memoryview]]
-    ) -> _Kept:
+    def _copy_kept(self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, ChunkBytes]]) -> _Kept:
         """Copy tokens ``[start, end)`` into the blocks through one tensor per layer, kept for the
         request's save (this worker's heads: all of them, without tensor parallelism)."""
         tensors = chunks.slices(plan, got, job.start, job.end)
@@ -928,7 +927,7 @@ def _joined(
 
 
 def _part_views(
-    plan: chunks.ChunkPlan, part: chunks.Part, data: bytes | memoryview, start: int, end: int
+    plan: chunks.ChunkPlan, part: chunks.Part, data: ChunkBytes, start: int, end: int
 ) -> dict[str, torch.Tensor]:
     """Each chunked tensor's tokens ``[start, end)`` (within ``part``) as ``[outer, tokens, last]``
     views of the part's bytes."""

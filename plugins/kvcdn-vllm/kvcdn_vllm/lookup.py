@@ -29,6 +29,8 @@ from kvcdn_core.store.record import ArtifactRecord
 if TYPE_CHECKING:
     import torch
 
+    from kvcdn_vllm.tier import ChunkBytes
+
 
 @dataclasses.dataclass(frozen=True)
 class Match:
@@ -307,9 +309,7 @@ def plan(record: ArtifactRecord, start: int, end: int, locations: Mapping[str, s
     return ChunkPlan(record.name, tuple(tensors), tuple(parts), where)
 
 
-def slices(
-    plan: ChunkPlan, got: Sequence[tuple[Part, bytes | memoryview]], start: int, end: int
-) -> dict[str, torch.Tensor]:
+def slices(plan: ChunkPlan, got: Sequence[tuple[Part, ChunkBytes]], start: int, end: int) -> dict[str, torch.Tensor]:
     """Each chunked tensor's tokens ``[start, end)`` as ``[outer, end - start, last]``, read from the
     bytes of ``plan``'s parts (``got``: each part with its bytes, in token order)."""
     import warnings
