@@ -139,6 +139,21 @@ def test_whole_prefix_artifacts_serve_only_queries_containing_them_whole(tmp_pat
     assert got(backend, root, state[:9] + [42]) == [("chunked", 6, 6)]  # stops short: not usable at all
 
 
+def test_a_base_without_artifacts_fixes_no_chunk_size(tmp_path):
+    # A compaction can list no add at all: the store is empty, or its listing (not atomic) missed the
+    # base another writer had just folded everything into. Its base must not impose the default chunk
+    # size on the adds that follow (CI once refused a 4-token add: "the index 256").
+    backend = LocalStorage(tmp_path)
+    root = root_for(4)
+    index.compact(backend)
+    index.add(LocalStorage(tmp_path), Rec("gone", root, 5, 4), [1, 2, 3, 4, 5])
+    index.remove(LocalStorage(tmp_path), Rec("gone", root, 0, 4))
+    index.compact(LocalStorage(tmp_path))  # cancellations only, no live artifact
+    index.add(LocalStorage(tmp_path), Rec("kept", root, 6, 4), [1, 2, 3, 4, 5, 6])
+    for view in (LocalStorage(tmp_path), backend):  # read afresh, and on top of a cached base
+        assert [(h.name, h.prefix_tokens) for h in index.lookup(view, root, [1, 2, 3, 4, 5, 6, 7])] == [("kept", 6)]
+
+
 def test_concurrent_adds_and_removes_lose_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(index, "COMPACT_AFTER", 8)  # compactions run among the adds and removes
     root = root_for(4)

@@ -320,7 +320,8 @@ class _State:
 
     def merge_base(self, key: str, meta: dict, a: dict[str, np.ndarray]) -> None:
         try:
-            self._chunk(key, meta["chunk_tokens"])
+            if meta["arts"]:  # a base without artifacts fixes no chunk size
+                self._chunk(key, meta["chunk_tokens"])
             roots = [dict(r) for r in meta["roots"]]
             self.dead.update(str(d) for d in meta["dead"])
             node_key, parent = a["node_key"], a["parent"].astype(np.int64)
@@ -383,6 +384,9 @@ class _Trie:
     children contiguous and sorted by tokens), the sorted key table, and per node the best artifact."""
 
     def __init__(self, state: _State):
+        # None until an artifact is indexed: a base written before any add (a compaction that listed
+        # only cancellations, or nothing) must not fix the chunk size of the adds that come after it
+        self.declared_chunk_tokens = state.chunk_tokens
         self.chunk_tokens = state.chunk_tokens or chainkeys.CHUNK_TOKENS
         latest: dict[str, _Art] = {}
         self.superseded: set[str] = set()
@@ -445,7 +449,14 @@ class _Trie:
         """The trie of a base object as it is stored (no rebuild: the base is the trie's arrays)."""
         self = cls.__new__(cls)
         try:
-            self.chunk_tokens = int(meta["chunk_tokens"])
+            rows = meta["arts"]
+            declared = meta["chunk_tokens"]  # a base without artifacts fixes no chunk size
+            if declared is not None or rows:
+                declared = int(declared)
+                if declared <= 0:
+                    raise ValueError
+            self.declared_chunk_tokens = declared if rows else None
+            self.chunk_tokens = self.declared_chunk_tokens or chainkeys.CHUNK_TOKENS
             self.root_meta = [dict(r) for r in meta["roots"]]
             self.root_list = [str(r["root"]) for r in self.root_meta]
             self.root_index = {r: i for i, r in enumerate(self.root_list)}
@@ -457,10 +468,8 @@ class _Trie:
             edges_end = int((self.tok_off + self.tok_len).max()) if self.tok_off.size else 0
             self.tokens = tokens[:edges_end]
             self.art_node = a["art_node"].astype(np.int64)
-            rows = meta["arts"]
             if not (
-                self.chunk_tokens > 0
-                and self.root_list == sorted(self.root_list)
+                self.root_list == sorted(self.root_list)
                 and all(_HEX.fullmatch(r) for r in self.root_list)
                 and self.parent.shape == (n - n_roots,) == self.tok_off.shape == self.tok_len.shape
                 and np.all(self.parent >= 0)
@@ -681,7 +690,7 @@ class _Trie:
         anchor = np.array([a.anchor for a in self.arts], dtype="S16")
         meta = {
             "v": VERSION,
-            "chunk_tokens": self.chunk_tokens,
+            "chunk_tokens": self.declared_chunk_tokens,
             "roots": self.root_meta,
             "arts": [
                 [a.id, a.name, self.root_index[a.root], a.token_count, _REUSE.index(a.reuse), a.at] for a in self.arts
@@ -776,7 +785,10 @@ def load(backend, refresh: bool = True) -> Loaded:
             if not isinstance(dead, list) or not all(isinstance(d, str) for d in dead):
                 raise IndexCorrupt(f"index object '{new[0]}' is corrupted (cancelled ids); rebuild the index")
             state = _State(
-                trie.chunk_tokens, {a.id: a for a in trie.arts}, set(dead), {r["root"]: r for r in trie.root_meta}
+                trie.declared_chunk_tokens,
+                {a.id: a for a in trie.arts},
+                set(dead),
+                {r["root"]: r for r in trie.root_meta},
             )
             loaded = Loaded({new[0]}, state, trie, len(data), (new[0], data))
             with _LOCK:
