@@ -258,6 +258,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 _warn,
                 write_queue_bytes=s.tier_write_queue_bytes,
             )
+            self._tier.start_warming()  # the chunks the last run used, into memory before they are asked
             self._loader = LayerLoader()
             if self._can_save and (self._heads_gather is None or self._heads_gather.first):
                 from kvcdn_vllm.saver import SaveQueue, SaveTarget
@@ -877,7 +878,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             t = self._totals
             logger.info(
                 "kvcdn: summary: %d tokens loaded; chunks %d memory, %d disk, %d remote; %d bytes fetched; "
-                "saves %d done, %d skipped (queue full), %d failed",
+                "saves %d done, %d skipped (queue full), %d failed; %d chunks warmed from disk at start",
                 t.get("matched_tokens", 0),
                 t.get("chunks_memory", 0),
                 t.get("chunks_disk", 0),
@@ -886,6 +887,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 saver.saved if saver else 0,
                 saver.skipped if saver else 0,
                 saver.failed if saver else 0,
+                self._tier.warmed,
             )
 
 

@@ -22,7 +22,14 @@ temporary name and renamed into place, so a half-written file is never taken for
 not fsynced: a file an earlier run left is hashed the first time it is read anyway, so one torn by
 a crash is dropped and fetched again. :meth:`ChunkTier.close` waits for the queued copies.
 The temporary name carries the writer's process id; at start the tier removes the temporary files
-that killed writers left (:func:`sweep_temp_files`). No torch here.
+that killed writers left (:func:`sweep_temp_files`).
+
+A restarted engine's memory level starts empty while its disk level holds what the last run used.
+:meth:`ChunkTier.warm` maps and checks the most recently used files into the free part of the
+memory budget (never evicting), so the first requests after a restart are served from memory as
+later ones are; the connector runs it on one background thread at a lower priority
+(:meth:`ChunkTier.start_warming`), and a request that needs a chunk first simply reads it itself.
+No torch here.
 """
 
 from __future__ import annotations
@@ -113,6 +120,19 @@ def _mapped(path: Path) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux nices threads one by one), so that background work yields the
+    core to the forward; best effort."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+#: how much nicer than the engine the tier's background threads run
+BACKGROUND_NICE = 10
+
+
 def _alive(pid: int) -> bool:
     """Whether a process of that id runs on this machine (signal 0 checks without sending)."""
     if pid <= 0:  # 0 and negatives name process groups, not a writer
@@ -154,6 +174,7 @@ class DiskWriter:
             self._jobs.put(job)
 
     def _run(self) -> None:
+        _lower_priority()  # the copies are for later runs: the forward comes first
         while (job := self._jobs.get()) is not None:
             try:
                 job()
@@ -207,12 +228,60 @@ class ChunkTier:
         self._waiting_bytes = 0
         self.disk_dropped = 0  # copies not made because the queue was full
         self.temp_swept = 0  # temporary files of killed writers removed at start
+        self.warmed = 0  # chunks :meth:`warm` brought from disk into memory
+        self._stop_warming = threading.Event()
+        self._warming: threading.Thread | None = None
         if self.disk_bytes > 0 and self.directory is not None:
             self._scan()
 
     def close(self) -> None:
-        """Wait for the queued disk copies (an engine's shutdown: the next start finds them)."""
+        """Stop warming, then wait for the queued disk copies (an engine's shutdown: the next start
+        finds them)."""
+        self._stop_warming.set()
+        if self._warming is not None:
+            self._warming.join()
         self._writer.close()
+
+    # -- warm start --------------------------------------------------------------------------------
+
+    def warm(self) -> int:
+        """Bring the most recently used disk chunks into the memory level, each checked as any file
+        read first, as many as fit in its free budget; returns how many. Nothing is evicted for them,
+        and they keep the disk level's order, so the least recently used is still dropped first."""
+        with self._lock:
+            free = self.memory_bytes - self._memory_used
+            chosen = []
+            for digest, size in reversed(self._disk.items()):  # most recently used first
+                if digest in self._memory:
+                    continue
+                if size > free:
+                    break
+                chosen.append((digest, size))
+                free -= size
+        brought = 0
+        for digest, size in reversed(chosen):  # least recent first: each goes to the memory's end
+            if self._stop_warming.is_set():
+                break
+            data = self._from_disk(digest, size)
+            if data is not None and self._keep_in_memory(digest, data, evict=False):
+                brought += 1
+        self.warmed += brought
+        return brought
+
+    def start_warming(self) -> None:
+        """Run :meth:`warm` on a background thread at a lower priority (an engine's start)."""
+        if self.memory_bytes <= 0 or not self._disk or self._warming is not None:
+            return
+
+        def run() -> None:
+            _lower_priority()
+            try:
+                self.warm()
+            except Exception as exc:  # a bug here must not stop the engine: requests read the disk
+                self._warn(f"warming the local tier's memory level failed: {exc!r}")
+
+        self._warming = threading.Thread(target=run, name="kvcdn-tier-warm", daemon=True)
+        self._warming.start()
 
     # -- pins --------------------------------------------------------------------------------------
 
@@ -285,11 +354,15 @@ class ChunkTier:
 
     # -- keeping -----------------------------------------------------------------------------------
 
-    def _keep_in_memory(self, digest: str, data: ChunkBytes) -> None:
+    def _keep_in_memory(self, digest: str, data: ChunkBytes, evict: bool = True) -> bool:
+        """Keep the chunk as the most recently used, evicting others over the budget; with ``evict``
+        False only if it fits as it is. Whether it is kept."""
         if len(data) > self.memory_bytes:
-            return
+            return False
         with self._lock:
             if digest not in self._memory:
+                if not evict and self._memory_used + len(data) > self.memory_bytes:
+                    return False
                 self._memory[digest] = data
                 self._memory_used += len(data)
             self._memory.move_to_end(digest)
@@ -297,6 +370,7 @@ class ChunkTier:
                 if self._memory_used <= self.memory_bytes:
                     break
                 self._memory_used -= len(self._memory.pop(victim))
+        return True
 
     def _queue_disk_copy(self, digest: str, data: bytes) -> None:
         """Hand the chunk to the writer, unless it is on disk or queued already, or the queue is full."""

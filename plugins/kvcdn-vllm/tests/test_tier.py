@@ -114,6 +114,34 @@ def test_a_corrupted_file_is_dropped_and_fetched_again_after_a_restart(tmp_path)
     assert store.fetched == [a, b, a]
 
 
+def test_a_restart_warms_memory_from_disk_checking_each_file_and_evicting_nothing(tmp_path):
+    store = Store(5)
+    a, b, c, d, e = store.digests
+    first = tier(store, tmp_path, memory=0, disk=1000)
+    for x in (a, b, c, d, e):  # the disk's last-use order: a first, e last
+        first.get(x, 100)
+    path = tmp_path / "tier" / d[:2] / d
+    path.write_bytes(b"\xff" + path.read_bytes()[1:])
+    warnings: list[str] = []
+    second = tier(store, tmp_path, memory=350, disk=1000, warnings=warnings)
+    assert second.get(a, 100)[1] == DISK  # a request before warming: a is in memory now, the most recent
+    assert second.warm() == 1  # the free 250 bytes: e and d, the most recent not in memory; d is corrupted
+    assert len(warnings) == 1 and "corrupted" in warnings[0] and d in warnings[0]
+    assert (second.in_memory(a), second.in_memory(e), second.in_memory(d)) == (True, True, False)
+    assert second.get(e, 100) == (store.chunks[e], MEMORY)
+    assert second.get(d, 100) == (store.chunks[d], REMOTE)  # dropped, fetched again
+    assert second.get(c, 100)[1] == DISK  # over the free budget: left on disk
+    assert second.warm() == 0 and second.memory_used <= 350
+
+    third = tier(store, tmp_path, memory=1000, disk=1000)
+    third.start_warming()  # the engine's way: one background thread
+    assert third._warming is not None
+    third._warming.join()
+    assert third.warmed == 5 and [third.get(x, 100)[1] for x in store.digests] == [MEMORY] * 5
+    third.close()
+    assert store.fetched == [a, b, c, d, e, d]
+
+
 def test_a_chunk_is_hashed_once_where_it_enters(tmp_path, monkeypatch):
     from kvcdn_vllm import tier as module
 

@@ -463,7 +463,8 @@ def fleet(tmp_path_factory):
         ],
     )
     # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted, and a disk
-    # write queue of one byte (the chunk fetched again gets no disk copy); then an engine with an empty
+    # write queue of one byte (the chunk fetched again gets no disk copy); its tier warms its memory
+    # from disk before the first request (dropping chunk 0); then an engine with an empty
     # tier and `save` on finds chunk 1 deleted from the store after the lookup found its record (its
     # failed load also skips its save).
     digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
@@ -479,6 +480,7 @@ def fleet(tmp_path_factory):
                 "prompts": [prompts[1]],
                 "max_tokens": 8,
                 "fail_layer_copy": 3,
+                "warm_first": True,
             },
             {"model": smol, "connector": connector("tier-c", True), "prompts": [prompts[1]], "max_tokens": 8},
         ],
@@ -554,11 +556,14 @@ def test_a_failed_layer_copy_costs_recompute_and_one_line(fleet):
     assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
 
 
-def test_a_corrupted_chunk_in_the_tier_is_dropped_and_fetched_again(fleet):
+def test_a_restart_warms_memory_from_disk_and_drops_a_corrupted_chunk(fleet):
+    # the restarted engine's tier warmed its memory from the disk level at start: chunk 1 checked and
+    # mapped into memory, chunk 0's corrupted file dropped with one line and fetched again
     restarted = fleet["faults"][0]
     assert restarted["ids"] == fleet["reference"][1]["ids"]
     params = restarted["kv_transfer_params"]
-    assert (params["kvcdn_chunks_disk"], params["kvcdn_chunks_remote"]) == (1, 1)  # chunk 1 from disk, 0 again
+    got = (params["kvcdn_chunks_memory"], params["kvcdn_chunks_disk"], params["kvcdn_chunks_remote"])
+    assert got == (1, 0, 1)
     lines = [line for line in fleet["log"].splitlines() if "is corrupted" in line]
     assert len(lines) == 1 and fleet["digests"][0] in lines[0] and "fetching it again" in lines[0]
 

@@ -7,7 +7,8 @@ Run with the vLLM environment's Python: ``python vllm_driver.py SPEC.json OUT.js
 every prompt in one batch (they then share the engine's steps), ``"num_gpu_blocks"`` to cap vLLM's
 KV blocks (so that a batch outgrows them and vLLM preempts), ``"slow_layer_copy_s"`` to make the
 connector's layer-by-layer copies that much slower per layer (the forward must then wait for them),
-``"fail_layer_copy"`` (a layer index) to make the first copy of that layer fail; OUT gets, per run,
+``"fail_layer_copy"`` (a layer index) to make the first copy of that layer fail, ``"warm_first": true``
+to let the tier's warming thread (memory from disk, at start) end before the first request; OUT gets, per run,
 per prompt: the greedy token ids, ``num_cached_tokens``, the connector's ``kv_transfer_params`` and
 ``layer_waits`` (the forward's waits for a layer, and how many found it not yet copied).
 Engines are float32, eager, with vLLM's own prefix cache off, so any cached token was loaded by the
@@ -70,6 +71,17 @@ def hook_layer_copies(run: dict) -> None:
 
     layers.LayerLoader.start, layers.LayerLoader.wait = start, wait
     connector.KvcdnConnector._copy_rows = copy_rows
+
+    from kvcdn_vllm import tier
+
+    real_warming = ORIGINAL.setdefault("warming", tier.ChunkTier.start_warming)
+
+    def start_warming(self):
+        real_warming(self)
+        if run.get("warm_first") and self._warming is not None:
+            self._warming.join()  # the real thread, let finish before the engine takes requests
+
+    tier.ChunkTier.start_warming = start_warming
 
 
 def run_engine(run: dict) -> list[dict]:
