@@ -216,14 +216,16 @@ def time_lookups(finder, prompt: list[int], count: int) -> dict:
 
 def link_speed(finder, prompt: list[int], tokens: int) -> dict:
     """The chunks holding the prompt's first ``tokens`` tokens fetched once through the lookup's own
-    source (signed GETs from the service, or reads from the store directory): the link's speed."""
+    source (signed GETs from the service, or reads from the store directory) into memory already
+    touched, as the tier's buffers are: the link's speed."""
     from kvcdn_vllm import lookup
 
     match = finder.lookup(prompt)
     plan = lookup.plan(match.record, 0, tokens, match.locations)
     finder.locate(plan)
+    buffers = [memoryview(bytearray(part.bytes)) for part in plan.parts]  # touched, as the tier's are
     began = time.perf_counter()
-    moved = sum(len(finder.fetch(part.digest)) for part in plan.parts)
+    moved = sum(len(finder.fetch(part.digest, into)) for part, into in zip(plan.parts, buffers))
     seconds = time.perf_counter() - began
     return {"bytes": moved, "seconds": seconds, "mb_per_s": moved / seconds / 1e6}
 

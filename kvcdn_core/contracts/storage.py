@@ -216,9 +216,11 @@ class StorageBackend:
         (Unix seconds) those locations hold; None when that artifact is stored whole (not by chunks)."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
-    def read_chunk(self, location: str) -> bytes | None:
+    def read_chunk(self, location: str, into: memoryview | None = None) -> bytes | memoryview | None:
         """``"prefix_lookup"``: the bytes at a location :meth:`hit_chunks` gave (unchecked: the
-        caller checks the digest), or None when the object is gone or the location expired."""
+        caller checks the digest), or None when the object is gone or the location expired. Given
+        ``into`` (memory the caller chose, the size it expects), read the bytes into it where the
+        medium can (:func:`kvcdn_core.store.pack.read_into`); returning other bytes is allowed."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
     def chunk_store(self) -> Any:

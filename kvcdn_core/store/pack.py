@@ -24,9 +24,9 @@ import functools
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import blake3
 import numpy as np
@@ -39,7 +39,7 @@ from kvcdn_core.store import keys
 from kvcdn_core.store.record import MODEL_KEYS, VERSION, ArtifactRecord, ChunkRef, PieceRef, TailRef, token_bytes
 
 #: an object's bytes, read or mapped
-Bytes = TypeVar("Bytes", bytes, memoryview)
+Bytes = TypeVar("Bytes", bound=bytes | memoryview)
 
 
 def digest_of(data: bytes | memoryview) -> str:
@@ -281,6 +281,33 @@ def checked(data: Bytes | None, digest: str, size: int, where: str) -> Bytes:
     if len(data) != size or digest_of(data) != digest:
         raise ArtifactError(f"{where}: chunk {digest} is corrupted (its bytes do not hash to its name)")
     return data
+
+
+def read_into(source: IO[bytes] | Iterable[bytes], into: memoryview) -> bytes | memoryview:
+    """An object's bytes read into ``into`` (memory the caller chose: already touched), a stream
+    through ``readinto`` or an iterable of pieces copied one by one; ``into`` itself when the object
+    is exactly that size. Otherwise the bytes as they came, which :func:`checked` then refuses in
+    one line: a short or long object is never cut or padded to look right."""
+    size, got = len(into), 0
+    if hasattr(source, "readinto"):
+        stream: IO[bytes] = source  # type: ignore[assignment]
+        while got < size and (n := stream.readinto(into[got:])):  # type: ignore[attr-defined]
+            got += n
+        rest = stream.read() if got == size else b""
+    else:
+        read = getattr(source, "read", None)  # a stream without readinto: pieces of 1 MiB
+        pieces = iter(functools.partial(read, 1 << 20), b"") if read is not None else iter(source)
+        rest = b""
+        for piece in pieces:
+            take = min(len(piece), size - got)
+            into[got : got + take] = piece[:take]
+            got += take
+            if take < len(piece):
+                rest = piece[take:] + b"".join(pieces)
+                break
+    if got == size and not rest:
+        return into
+    return bytes(into[:got]) + rest
 
 
 def rebuild(record: ArtifactRecord, fetch: Callable[[str, int], bytes], target: Path) -> int:

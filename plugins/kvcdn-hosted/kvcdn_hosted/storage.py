@@ -513,14 +513,19 @@ class HostedStorage(StorageBackend):
         grant = response.json()
         return self._grant_of(grant["record"], grant["objects"], grant["expires_at"])
 
-    def read_chunk(self, location: str) -> bytes | None:
-        """One object through its signed URL (the URL carries its own credential)."""
-        response = self.client.http.get(location)
-        if response.status_code in (403, 404, 410):
-            return None
-        if response.status_code != 200:
-            raise KvcdnError(f"GET of a chunk failed ({response.status_code})")
-        return response.content
+    def read_chunk(self, location: str, into: memoryview | None = None) -> bytes | memoryview | None:
+        """One object through its signed URL (the URL carries its own credential), its body read
+        into ``into`` as it arrives when given (no joining of the pieces into new memory)."""
+        with self.client.http.stream("GET", location) as response:
+            if response.status_code in (403, 404, 410):
+                return None
+            if response.status_code != 200:
+                raise KvcdnError(f"GET of a chunk failed ({response.status_code})")
+            if into is None:
+                return response.read()
+            from kvcdn_core.store.pack import read_into
+
+            return read_into(response.iter_bytes(), into)
 
     # -- StorageBackend: keys are artifact names -----------------------------------------------
 

@@ -178,6 +178,15 @@ def model_facts(vllm_config: VllmConfig) -> tuple[Path, dict, ModelShape]:
     return model_dir, fingerprint(model_dir), shape
 
 
+def _chunk_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """A whole chunk of the engine's model as a store holds it: every layer's keys and values, all
+    heads, ``CHUNK_TOKENS`` tokens, in the compute dtype. It only sizes the tier's ready buffers
+    (a part of another size is read into new memory), so a model whose chunk differs loses nothing."""
+    from kvcdn_core.store.keys import CHUNK_TOKENS
+
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_size * CHUNK_TOKENS * dtype.itemsize
+
+
 class KvcdnConnector(KVConnectorBase_V1):
     """Loads prompt prefixes from kvcdn ``.kv`` artifacts into vLLM's paged cache, and saves them."""
 
@@ -246,10 +255,11 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._store is not None and role == KVConnectorRole.WORKER:
             from pathlib import Path as _Path
 
-            from kvcdn_vllm.tier import ChunkTier
+            from kvcdn_vllm.tier import ChunkTier, TouchedBuffers
 
             s = self.settings
             directory = _Path(s.tier_directory).expanduser() if s.tier_directory else None
+            chunk_bytes = _chunk_bytes(self._shape, vllm_config.model_config.dtype)
             self._tier = ChunkTier(
                 self._store.fetch,
                 s.tier_memory_bytes,
@@ -257,6 +267,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 directory,
                 _warn,
                 write_queue_bytes=s.tier_write_queue_bytes,
+                buffers=TouchedBuffers.for_budget(chunk_bytes, s.tier_memory_bytes),
             )
             self._tier.start_warming()  # the chunks the last run used, into memory before they are asked
             self._loader = LayerLoader()

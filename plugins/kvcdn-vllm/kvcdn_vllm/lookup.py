@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcdn_core import KvcdnError, StorageBackend, artifact
-from kvcdn_core.store import index, keys
+from kvcdn_core import KvcdnError, ObjectNotFound, StorageBackend, artifact
+from kvcdn_core.store import index, keys, pack
 from kvcdn_core.store.chunkstore import ChunkStore, chunk_key
 from kvcdn_core.store.record import ArtifactRecord
 
@@ -52,10 +52,11 @@ class PrefixLookup(Protocol):
 
 
 class ChunkSource(Protocol):
-    """What a worker's tier fetches a missing chunk from: its bytes, or None when it is not there.
+    """What a worker's tier fetches a missing chunk from: its bytes, read into ``into`` (memory the
+    tier chose, the size the plan says) where the source can, or None when it is not there.
     ``locate`` is told a plan's locations before its chunks are fetched."""
 
-    def fetch(self, digest: str) -> bytes | None: ...
+    def fetch(self, digest: str, into: memoryview) -> ChunkBytes | None: ...
 
     def locate(self, plan: ChunkPlan) -> None: ...
 
@@ -85,8 +86,12 @@ class StoreLookup:
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
 
-    def fetch(self, digest: str) -> bytes | None:
-        return self.store.backend.read_bytes(chunk_key(digest))
+    def fetch(self, digest: str, into: memoryview) -> ChunkBytes | None:
+        try:
+            with self.store.backend.open_read(chunk_key(digest)) as stream:
+                return pack.read_into(stream, into)
+        except ObjectNotFound:
+            return None
 
     def locate(self, plan: ChunkPlan) -> None:
         """A chunk's key is its digest: nothing to learn."""
@@ -227,12 +232,12 @@ class IndexLookup:
             while len(self._locations) > MAX_LOCATIONS:
                 self._locations.popitem(last=False)
 
-    def fetch(self, digest: str) -> bytes | None:
+    def fetch(self, digest: str, into: memoryview) -> ChunkBytes | None:
         with self._lock:
             url = self._locations.get(digest)
         if url is None:
             raise KvcdnError("no URL for it in the load plan")
-        return self.backend.read_chunk(url)
+        return self.backend.read_chunk(url, into)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:

@@ -13,7 +13,8 @@ chunks of its load plan until they are in its blocks, so a fetch for the same or
 cannot evict them halfway (a level may then sit over its budget until they are unpinned). A disk
 that cannot take a chunk (full, read-only) costs one warning line; the chunk is still served.
 
-A chunk fetched from the store is served from memory at once; its disk copy is written by one
+A chunk fetched from the store is read into memory that is already touched
+(:class:`TouchedBuffers`, says why) and served from memory at once; its disk copy is written by one
 background thread (:class:`DiskWriter`), so the load never waits for the disk. Until its file is
 in place the chunk is served from the bytes waiting to be written. Back pressure: at most
 ``write_queue_bytes`` of copies wait (the ``tier_write_queue_bytes`` setting); past that a copy is not made (one warning line per run, the
@@ -191,25 +192,101 @@ class DiskWriter:
             thread.join()
 
 
+#: the buffers kept ready take at most this share of the memory level's budget, and this many bytes
+RESERVE_SHARE = 8
+RESERVE_MAX_BYTES = 256 << 20
+
+
+class TouchedBuffers:
+    """Buffers of ``size`` bytes (a whole chunk of the engine's model) whose pages are already
+    written, ``count`` of them kept ready by one background thread at a lower priority; a fetch from
+    the store reads a chunk into one.
+
+    Why: a chunk read into new memory pays the first write of each of its pages on the load path, and
+    inside an engine that cost more than the read itself (3-4 ms per MB on the benchmark's 2-core
+    machine, where a remote request's load went mostly to it). LMCache preallocates its CPU buffer
+    for the same reason. A part of at most half the size (a piece) gets new memory, so that no
+    buffer held by the memory level is mostly unused.
+    """
+
+    def __init__(self, size: int, count: int):
+        self.size = size
+        self.count = count
+        self.taken = 0  # buffers handed out ready
+        self._ready: list[bytearray] = []
+        self._lock = threading.Lock()
+        self._wanted = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if size > 0 and count > 0:
+            self._wanted.set()
+            self._thread = threading.Thread(target=self._fill, name="kvcdn-tier-buffers", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def for_budget(cls, size: int, memory_bytes: int) -> TouchedBuffers:
+        """As many buffers of ``size`` as an eighth of ``memory_bytes`` holds, at most 256 MiB."""
+        count = min(memory_bytes // RESERVE_SHARE, RESERVE_MAX_BYTES) // size if size > 0 else 0
+        return cls(size, count)
+
+    def take(self, n: int) -> memoryview:
+        """``n`` bytes to read a chunk into: the front of a ready buffer when one is ready and ``n``
+        is more than half of it, else new memory."""
+        if self.size // 2 < n <= self.size:
+            with self._lock:
+                buffer = self._ready.pop() if self._ready else None
+            if buffer is not None:
+                self.taken += 1
+                self._wanted.set()
+                return memoryview(buffer)[:n]
+        return memoryview(bytearray(n))
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def _fill(self) -> None:
+        _lower_priority()
+        while not self._closed:
+            self._wanted.wait()
+            self._wanted.clear()
+            while not self._closed and len(self._ready) < self.count:
+                buffer = bytearray(self.size)  # zero-filled: each page written here, not on a load
+                with self._lock:
+                    self._ready.append(buffer)
+
+    def close(self) -> None:
+        """Stop the filling thread and let the ready buffers go."""
+        self._closed = True
+        self._wanted.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._ready.clear()
+
+
 class ChunkTier:
     """``get(digest, size)`` → the chunk's checked bytes and where they came from.
 
-    ``fetch(digest)`` returns the chunk's bytes from the store, or None when the store lacks it.
+    ``fetch(digest, into)`` returns the chunk's bytes from the store, read into ``into`` (``size``
+    bytes of memory from ``buffers``, or new) where the source can, or None when the store lacks it.
     ``directory`` None (or ``disk_bytes`` 0) keeps no disk level. ``writer`` runs the disk writes
     (default: a :class:`DiskWriter` thread).
     """
 
     def __init__(
         self,
-        fetch: Callable[[str], bytes | None],
+        fetch: Callable[[str, memoryview], ChunkBytes | None],
         memory_bytes: int,
         disk_bytes: int,
         directory: Path | None,
         warn: Callable[[str], None],
         writer: Writer | None = None,
         write_queue_bytes: int = WRITE_QUEUE_BYTES,
+        buffers: TouchedBuffers | None = None,
     ):
         self._fetch = fetch
+        self._buffers = buffers
         self.memory_bytes = memory_bytes
         self.disk_bytes = disk_bytes if directory is not None else 0
         self.directory = Path(directory) if directory is not None else None
@@ -224,7 +301,7 @@ class ChunkTier:
         self._disk_warned = False
         self._writer = writer if writer is not None else DiskWriter(warn)
         self.write_queue_bytes = write_queue_bytes
-        self._waiting: dict[str, bytes] = {}  # chunks whose disk copy is queued, not yet in place
+        self._waiting: dict[str, ChunkBytes] = {}  # chunks whose disk copy is queued, not yet in place
         self._waiting_bytes = 0
         self.disk_dropped = 0  # copies not made because the queue was full
         self.temp_swept = 0  # temporary files of killed writers removed at start
@@ -240,6 +317,8 @@ class ChunkTier:
         self._stop_warming.set()
         if self._warming is not None:
             self._warming.join()
+        if self._buffers is not None:
+            self._buffers.close()
         self._writer.close()
 
     # -- warm start --------------------------------------------------------------------------------
@@ -312,8 +391,9 @@ class ChunkTier:
         if data is not None:
             self._keep_in_memory(digest, data)
             return data, DISK
+        into = self._buffers.take(size) if self._buffers is not None else memoryview(bytearray(size))
         try:
-            fetched = self._fetch(digest)
+            fetched = self._fetch(digest, into)
         except Exception as exc:  # any backend's error (a network one too) is a failed load, one line
             detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
             raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
@@ -372,7 +452,7 @@ class ChunkTier:
                 self._memory_used -= len(self._memory.pop(victim))
         return True
 
-    def _queue_disk_copy(self, digest: str, data: bytes) -> None:
+    def _queue_disk_copy(self, digest: str, data: ChunkBytes) -> None:
         """Hand the chunk to the writer, unless it is on disk or queued already, or the queue is full."""
         if len(data) > self.disk_bytes:
             return
@@ -394,7 +474,7 @@ class ChunkTier:
                 "chunks fetched meanwhile are kept in memory only (counted, not logged again)"
             )
 
-    def _keep_on_disk(self, digest: str, data: bytes) -> None:
+    def _keep_on_disk(self, digest: str, data: ChunkBytes) -> None:
         """The writer's job: the file under a temporary name, renamed into place, then counted."""
         try:
             self._write_file(digest, data)
@@ -403,7 +483,7 @@ class ChunkTier:
                 if self._waiting.pop(digest, None) is not None:
                     self._waiting_bytes -= len(data)
 
-    def _write_file(self, digest: str, data: bytes) -> None:
+    def _write_file(self, digest: str, data: ChunkBytes) -> None:
         path = self._path(digest)
         tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:

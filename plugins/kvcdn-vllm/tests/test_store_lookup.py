@@ -237,9 +237,10 @@ def test_on_s3_a_lookup_lists_only_the_index_and_fetches_only_the_planned_chunks
     put(writer, tmp_path, "other", 600, seed=4)
     backend = open_storage(s3_uri)  # another engine's view of the same store
     listed, read = [], []
-    real_list, real_read = backend.list, backend.read_bytes
+    real_list, real_read, real_open = backend.list, backend.read_bytes, backend.open_read
     backend.list = lambda prefix="": listed.append(prefix) or real_list(prefix)
     backend.read_bytes = lambda key: read.append(key) or real_read(key)
+    backend.open_read = lambda key: read.append(key) or real_open(key)  # chunks are read into the tier's memory
     finder = lookup.StoreLookup(ChunkStore(backend), ROOT, print)
     match = finder.lookup(tensors[artifact.TOKEN_IDS].tolist()[:520] + [5, 6])
     assert match is not None and (match.name, match.prefix_tokens) == ("doc", 520)

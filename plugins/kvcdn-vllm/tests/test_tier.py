@@ -28,7 +28,7 @@ class Store:
             self.chunks[blake3.blake3(data).hexdigest()] = data
         self.fetched: list[str] = []
 
-    def fetch(self, digest):
+    def fetch(self, digest, into=None):  # a source that returns its own bytes, as one may
         self.fetched.append(digest)
         return self.chunks.get(digest)
 
@@ -142,6 +142,63 @@ def test_a_restart_warms_memory_from_disk_checking_each_file_and_evicting_nothin
     assert store.fetched == [a, b, c, d, e, d]
 
 
+class IntoStore(Store):
+    """A source that reads each chunk into the memory the tier hands it, as the real ones do."""
+
+    def fetch(self, digest, into=None):
+        data = super().fetch(digest)
+        if data is None or len(data) != len(into):
+            return data
+        into[:] = data
+        return into
+
+
+def ready(buffers, count):
+    """Wait for the filling thread (it runs at a lower priority): a bound that only a hang reaches."""
+    deadline = time.monotonic() + 120
+    while buffers.ready < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return buffers.ready
+
+
+def test_a_fetched_chunk_lands_in_a_ready_buffer_and_the_reserve_refills(tmp_path):
+    from kvcdn_vllm.tier import TouchedBuffers
+
+    store = IntoStore(3, size=100)
+    a, b, c = store.digests
+    buffers = TouchedBuffers(100, 2)
+    assert ready(buffers, 2) == 2
+    made = {id(x) for x in buffers._ready}
+    t = ChunkTier(store.fetch, 1000, 0, None, print, Inline(), buffers=buffers)
+    data, where = t.get(a, 100)
+    assert (bytes(data), where) == (store.chunks[a], REMOTE)
+    assert isinstance(data, memoryview) and id(data.obj) in made and buffers.taken == 1
+    assert ready(buffers, 2) == 2  # refilled in the background
+    assert t.get(a, 100) == (data, MEMORY)  # the memory level keeps that very buffer
+    small = Store(1, size=40)  # a piece of under half a buffer: new memory, no buffer wasted on it
+    (p,) = small.digests
+    store.chunks[p] = small.chunks[p]
+    assert bytes(t.get(p, 40)[0]) == small.chunks[p] and buffers.taken == 1
+    bad = bytes([7]) * 100  # a store holding other bytes: refused, and the buffer not kept
+    store.chunks[c] = bad
+    with pytest.raises(ArtifactError, match="corrupted"):
+        t.get(c, 100)
+    assert not t.in_memory(c)
+    t.close()
+    assert buffers.ready == 0  # closing the tier lets the ready buffers go
+
+
+def test_the_reserve_is_an_eighth_of_the_memory_budget_at_most_256_mib():
+    from kvcdn_vllm.tier import TouchedBuffers
+
+    counts = []
+    for budget in (1 << 30, 4 << 30, 0):
+        buffers = TouchedBuffers.for_budget(12 << 20, budget)
+        buffers.close()  # only the count is asked here, not the memory
+        counts.append(buffers.count)
+    assert counts == [10, 21, 0]  # 128 MiB of 12 MiB buffers; the 256 MiB cap; no memory level, none
+
+
 def test_a_chunk_is_hashed_once_where_it_enters(tmp_path, monkeypatch):
     from kvcdn_vllm import tier as module
 
@@ -166,7 +223,7 @@ def test_the_store_lacking_or_corrupting_a_chunk_is_one_line(tmp_path):
     with pytest.raises(ArtifactError, match="corrupted"):
         t.get(a, 100)
 
-    def broken(digest):
+    def broken(digest, into):
         raise ConnectionError("connection refused\nmore")
 
     with pytest.raises(ArtifactError, match="^cannot fetch chunk .*: connection refused$"):
