@@ -300,7 +300,7 @@ def read_into(source: IO[bytes] | Iterable[bytes], into: memoryview) -> bytes | 
         rest = b""
         for piece in pieces:
             take = min(len(piece), size - got)
-            into[got : got + take] = piece[:take]
+            into[got : got + take] = memoryview(piece)[:take]
             got += take
             if take < len(piece):
                 rest = piece[take:] + b"".join(pieces)

@@ -150,6 +150,10 @@ class IndexLookup:
         self._found: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._quiet_until = 0.0  # no lookup before this time (the service timed out)
         self._quiet_s = 0.0
+        try:  # the HTTP client (TLS context, credentials: 0.1 s here) at engine start, not in a first load
+            getattr(backend, "client", None)
+        except Exception:
+            pass  # the first lookup or fetch reports it, in one line
 
     def lookup(self, prompt_ids: list[int]) -> Match | None:
         """The prompt's match, or None. It runs on the scheduler's step, so it waits little: one

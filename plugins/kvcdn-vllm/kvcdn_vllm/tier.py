@@ -36,6 +36,7 @@ No torch here.
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import mmap
 import os
@@ -213,7 +214,7 @@ class TouchedBuffers:
         self.size = size
         self.count = count
         self.taken = 0  # buffers handed out ready
-        self._ready: list[bytearray] = []
+        self._ready: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._wanted = threading.Event()
         self._closed = False
@@ -251,7 +252,7 @@ class TouchedBuffers:
             self._wanted.wait()
             self._wanted.clear()
             while not self._closed and len(self._ready) < self.count:
-                buffer = bytearray(self.size)  # zero-filled: each page written here, not on a load
+                buffer = _touched(self.size)
                 with self._lock:
                     self._ready.append(buffer)
 
@@ -263,6 +264,17 @@ class TouchedBuffers:
             self._thread.join()
         with self._lock:
             self._ready.clear()
+
+
+def _touched(size: int) -> mmap.mmap:
+    """``size`` bytes of new memory with every page written, without holding Python's lock: a
+    ctypes call releases it, where ``bytearray(size)`` would hold it through the whole memset (40 ms
+    for a chunk here) and the load on the engine's thread would wait for it."""
+    buffer = mmap.mmap(-1, size)
+    start = ctypes.c_char.from_buffer(buffer)
+    ctypes.memset(ctypes.addressof(start), 0, size)
+    del start  # releases the buffer it exported
+    return buffer
 
 
 class ChunkTier:
