@@ -249,6 +249,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         #: this step's parts copied layer by layer under the forward (kvcdn_vllm.layers)
         self._layer_copies: list[_PartCopy] = []
         self._copy_failed: dict[str, tuple[LoadJob, Exception]] = {}  # written by the loader thread
+        #: chunks fetched this step whose digest is checked under the forward: size, requests using them
+        self._to_check: dict[str, tuple[int, list[LoadJob]]] = {}
         self._loader: LayerLoader | None = None
         self._step_figures: dict[str, dict[str, int]] = {}
         self._totals: dict[str, int] = {}
@@ -498,7 +500,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._layer_copies:
             assert self._loader is not None  # a chunk store's worker has both
             layers = sorted(self._caches, key=_layer_index)  # the forward's order
-            self._loader.start(layers, self._copy_layer)
+            self._loader.start(layers, self._copy_layer, then=self._check_fetched)
 
     def _load_all(self, meta: KvcdnMetadata) -> None:
         for job in meta.loads:
@@ -506,6 +508,9 @@ class KvcdnConnector(KVConnectorBase_V1):
             try:
                 self._load(job)
             except LOAD_ERRORS as exc:
+                for _, jobs in self._to_check.values():  # failed already: its chunks' checks fail nothing
+                    if job in jobs:
+                        jobs.remove(job)
                 self._load_failed(job, exc)
 
     def _load_failed(self, job: LoadJob, exc: Exception) -> None:
@@ -545,7 +550,10 @@ class KvcdnConnector(KVConnectorBase_V1):
         got = []
         try:
             for part in plan.parts:
-                data, where = self._tier.get(part.digest, part.bytes)
+                # a chunk fetched for a copy under the forward is checked there too (_check_fetched)
+                data, where = self._tier.get(part.digest, part.bytes, check_later=not job.keep)
+                if not job.keep and self._tier.unchecked(part.digest):
+                    self._to_check.setdefault(part.digest, (part.bytes, []))[1].append(job)
                 figures[f"chunks_{where}"] += 1
                 if where == "remote":
                     figures["bytes_fetched"] += len(data)
@@ -598,10 +606,26 @@ class KvcdnConnector(KVConnectorBase_V1):
             except LOAD_ERRORS as exc:
                 self._copy_failed[copy.job.req_id] = (copy.job, exc)
 
+    def _check_fetched(self) -> None:
+        """Check the digests of the chunks this step fetched and copied unchecked (the loader thread's
+        last work, beside the forward), letting each into the tier; a chunk that fails fails the
+        requests that copied it: one line each, and vLLM recomputes their blocks."""
+        assert self._tier is not None
+        while self._to_check:
+            digest, (size, jobs) = self._to_check.popitem()
+            try:
+                self._tier.admit(digest, size)
+            except LOAD_ERRORS as exc:
+                for job in jobs:
+                    self._copy_failed.setdefault(job.req_id, (job, exc))
+
     def _finish_layer_copies(self) -> None:
-        """Wait for the copies under the forward, then report the requests whose copy failed."""
+        """Wait for the copies under the forward and their checks, then report the requests whose
+        copy or check failed."""
         if self._loader is not None:
             self._loader.finish()
+        if self._to_check:  # a step whose copies did not run (a load that failed before them)
+            self._check_fetched()
         self._layer_copies = []
         failed, self._copy_failed = self._copy_failed, {}
         for job, exc in failed.values():

@@ -30,8 +30,9 @@ class LayerLoader:
         self._ready: dict[str, threading.Event] = {}
         self._running: Future | None = None
 
-    def start(self, layers: Sequence[str], copy: Callable[[str], None]) -> None:
-        """Copy ``layers`` in order on the thread; the previous step's copies are finished first."""
+    def start(self, layers: Sequence[str], copy: Callable[[str], None], then: Callable[[], None] | None = None) -> None:
+        """Copy ``layers`` in order on the thread, then run ``then`` (work the forward need not wait
+        for: the digest checks of chunks fetched for this step); the previous step's are finished first."""
         self.finish()
         ready = {name: threading.Event() for name in layers}
 
@@ -43,6 +44,8 @@ class LayerLoader:
             finally:  # whatever happened, no layer is left waited for
                 for event in ready.values():
                     event.set()
+            if then is not None:
+                then()
 
         self._ready = ready
         self._running = self._thread.submit(run)

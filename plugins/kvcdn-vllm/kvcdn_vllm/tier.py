@@ -2,7 +2,9 @@
 
 A chunk is named by the BLAKE3 digest of its bytes. Its digest is checked once, where it enters the
 tier: when it comes from the store, and when it is first read from disk by this process (a file
-left by an earlier run or by another process sharing the directory). A chunk that passed is
+left by an earlier run or by another process sharing the directory). A chunk fetched with
+``check_later`` enters only when :meth:`ChunkTier.admit` has checked it: the connector copies it into
+vLLM's blocks first and checks it beside the forward. A chunk that passed is
 trusted from then on: the worker copies its bytes into vLLM's cache without hashing them again.
 A file that fails the check is deleted with one warning line and the chunk is fetched again. Files
 are mapped, not read (:func:`_mapped` says why), and the memory level keeps the mapping; a mapped
@@ -313,7 +315,10 @@ class ChunkTier:
         self._disk_warned = False
         self._writer = writer if writer is not None else DiskWriter(warn)
         self.write_queue_bytes = write_queue_bytes
-        self._waiting: dict[str, ChunkBytes] = {}  # chunks whose disk copy is queued, not yet in place
+        self._waiting: dict[str, ChunkBytes] = {}
+        self._unchecked: dict[
+            str, ChunkBytes
+        ] = {}  # fetched with check_later, not yet admitted  # chunks whose disk copy is queued, not yet in place
         self._waiting_bytes = 0
         self.disk_dropped = 0  # copies not made because the queue was full
         self.temp_swept = 0  # temporary files of killed writers removed at start
@@ -387,9 +392,20 @@ class ChunkTier:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def get(self, digest: str, size: int) -> tuple[ChunkBytes, str]:
+    def get(self, digest: str, size: int, check_later: bool = False) -> tuple[ChunkBytes, str]:
         """The chunk's bytes (checked once) and ``memory``, ``disk`` or ``remote``; :class:`ArtifactError`
-        (one line) when the store lacks it or holds other bytes under its name."""
+        (one line) when the store lacks it or holds other bytes under its name.
+
+        With ``check_later``, a chunk fetched from the store is returned before its digest is
+        checked and kept nowhere yet: the caller copies it, then calls :meth:`admit`, which checks it
+        and only then lets it into the tier (the connector checks under the forward, and a chunk that
+        fails costs its request a recompute)."""
+        with self._lock:
+            unchecked = self._unchecked.get(digest)
+        if unchecked is not None:  # fetched for another request of this step
+            if not check_later:
+                self.admit(digest, size)
+            return unchecked, MEMORY
         with self._lock:
             data = self._memory.get(digest)
             if data is not None and len(data) == size:
@@ -409,10 +425,26 @@ class ChunkTier:
         except Exception as exc:  # any backend's error (a network one too) is a failed load, one line
             detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
             raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
+        if check_later and fetched is not None:
+            with self._lock:
+                self._unchecked[digest] = fetched
+            return fetched, REMOTE
         data = checked(fetched, digest, size, "the store")
+        self._keep(digest, data)
+        return data, REMOTE
+
+    def admit(self, digest: str, size: int) -> None:
+        """Check a chunk :meth:`get` fetched with ``check_later`` and keep it in both levels;
+        :class:`ArtifactError` (one line) when its bytes are not the chunk's, and it is dropped."""
+        with self._lock:
+            data = self._unchecked.pop(digest, None)
+        if data is not None:
+            self._keep(digest, checked(data, digest, size, "the store"))
+
+    def _keep(self, digest: str, data: ChunkBytes) -> None:
+        """A chunk checked as it came from the store: into memory, and its disk copy queued."""
         self._keep_in_memory(digest, data)
         self._queue_disk_copy(digest, data)
-        return data, REMOTE
 
     def _path(self, digest: str) -> Path:
         assert self.directory is not None
@@ -568,6 +600,10 @@ class ChunkTier:
     @property
     def disk_used(self) -> int:
         return self._disk_used
+
+    def unchecked(self, digest: str) -> bool:
+        """Whether the chunk was fetched with ``check_later`` and not yet admitted."""
+        return digest in self._unchecked
 
     def in_memory(self, digest: str) -> bool:
         return digest in self._memory

@@ -199,6 +199,26 @@ def test_the_reserve_is_an_eighth_of_the_memory_budget_at_most_256_mib():
     assert counts == [10, 21, 0]  # 128 MiB of 12 MiB buffers; the 256 MiB cap; no memory level, none
 
 
+def test_a_chunk_checked_later_enters_the_tier_only_once_admitted(tmp_path):
+    store = Store(3)
+    a, b, c = store.digests
+    t = tier(store, tmp_path, memory=1000, disk=1000)
+    assert t.get(a, 100, check_later=True) == (store.chunks[a], REMOTE)
+    assert t.unchecked(a) and not t.in_memory(a) and not t.on_disk(a)  # nowhere in the tier yet
+    assert t.get(a, 100, check_later=True) == (store.chunks[a], MEMORY)  # another request of the step
+    t.admit(a, 100)
+    assert not t.unchecked(a) and t.in_memory(a) and t.on_disk(a)
+    store.chunks[c] = bytes([9]) * 100  # the store holds other bytes under c's name
+    assert t.get(c, 100, check_later=True)[1] == REMOTE
+    with pytest.raises(ArtifactError, match="corrupted"):
+        t.admit(c, 100)
+    assert not (t.unchecked(c) or t.in_memory(c) or t.on_disk(c))  # dropped: never served again unchecked
+    t.get(b, 100, check_later=True)
+    assert t.get(b, 100) == (store.chunks[b], MEMORY)  # a request that needs it checked now: checked first
+    assert not t.unchecked(b) and t.in_memory(b)
+    assert store.fetched == [a, c, b]
+
+
 def test_a_chunk_is_hashed_once_where_it_enters(tmp_path, monkeypatch):
     from kvcdn_vllm import tier as module
 

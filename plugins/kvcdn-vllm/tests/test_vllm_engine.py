@@ -469,6 +469,8 @@ def fleet(tmp_path_factory):
     # failed load also skips its save).
     digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
     flip_byte(tmp / "tier-b" / digests[0][:2] / digests[0], 1000)
+    shutil.copytree(store, tmp / "store-corrupt")  # a store whose chunk 0 holds other bytes
+    flip_byte(tmp / "store-corrupt" / chunk_key(digests[0]), 997)  # a float's sign and exponent
     (store / chunk_key(digests[1])).unlink()
     third, log = drive_logged(
         tmp,
@@ -483,6 +485,12 @@ def fleet(tmp_path_factory):
                 "warm_first": True,
             },
             {"model": smol, "connector": connector("tier-c", True), "prompts": [prompts[1]], "max_tokens": 8},
+            {
+                "model": smol,
+                "connector": {**connector("tier-d", False), "store": str(tmp / "store-corrupt")},
+                "prompts": [prompts[1]],
+                "max_tokens": 8,
+            },
         ],
     )
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
@@ -564,7 +572,7 @@ def test_a_restart_warms_memory_from_disk_and_drops_a_corrupted_chunk(fleet):
     params = restarted["kv_transfer_params"]
     got = (params["kvcdn_chunks_memory"], params["kvcdn_chunks_disk"], params["kvcdn_chunks_remote"])
     assert got == (1, 0, 1)
-    lines = [line for line in fleet["log"].splitlines() if "is corrupted" in line]
+    lines = [line for line in fleet["log"].splitlines() if "the local tier" in line and "is corrupted" in line]
     assert len(lines) == 1 and fleet["digests"][0] in lines[0] and "fetching it again" in lines[0]
 
 
@@ -584,6 +592,20 @@ def test_a_chunk_deleted_from_the_store_costs_recompute_and_one_line(fleet):
     lines = [line for line in fleet["log"].splitlines() if f"chunk {fleet['digests'][1]} is missing" in line]
     assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
     assert "Traceback" not in fleet["log"]
+
+
+def test_a_chunk_the_store_corrupted_is_caught_under_the_forward_and_recomputed(fleet):
+    # fetched chunks are copied into the blocks first and their digests checked beside the forward:
+    # chunk 0, corrupted in that store, fails its check, the request is recomputed (one line), the
+    # answer token-exact; chunk 1 passes and enters the tier
+    corrupted = fleet["faults"][2]
+    assert corrupted["ids"] == fleet["reference"][1]["ids"]
+    assert corrupted["kv_transfer_params"]["kvcdn_chunks_remote"] == 2
+    lines = [line for line in fleet["log"].splitlines() if "the store: chunk" in line and "is corrupted" in line]
+    assert len(lines) == 1 and fleet["digests"][0] in lines[0] and "vLLM recomputes those tokens" in lines[0]
+    tier_d = fleet["tier_b"].parent / "tier-d"
+    first, second = fleet["digests"][:2]
+    assert not (tier_d / first[:2] / first).exists() and (tier_d / second[:2] / second).exists()
 
 
 def test_a_request_whose_load_failed_is_not_saved(fleet):

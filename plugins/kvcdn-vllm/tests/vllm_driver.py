@@ -50,12 +50,12 @@ def hook_layer_copies(run: dict) -> None:
     slow, fail = run.get("slow_layer_copy_s", 0.0), run.get("fail_layer_copy")
     failed = []
 
-    def start(self, names, copy):
+    def start(self, names, copy, then=None):
         def slowed(name):
             time.sleep(slow)
             copy(name)
 
-        real_start(self, names, slowed if slow else copy)
+        real_start(self, names, slowed if slow else copy, then)
 
     def wait(self, layer):
         event = self._ready.get(layer)
