@@ -154,6 +154,40 @@ def test_a_base_without_artifacts_fixes_no_chunk_size(tmp_path):
         assert [(h.name, h.prefix_tokens) for h in index.lookup(view, root, [1, 2, 3, 4, 5, 6, 7])] == [("kept", 6)]
 
 
+class CompactedMidListing(LocalStorage):
+    """A store whose listing of the index is interrupted, once, by another writer's compaction: a
+    listing is not atomic (a directory walk, S3's pages). One listing of ``index/`` walks the bases
+    first, as a directory walk may; listings of its two folders get the compaction between them."""
+
+    interrupted = False
+
+    def _compaction_by_another_writer(self) -> None:
+        if not self.interrupted:
+            self.interrupted = True
+            index.compact(LocalStorage(self.root))
+
+    def list(self, prefix=""):
+        if prefix == index.PREFIX:
+            bases = super().list(index.BASES)
+            self._compaction_by_another_writer()
+            return bases + super().list(index.OPS)
+        found = super().list(prefix)
+        if prefix in (index.OPS, index.BASES):
+            self._compaction_by_another_writer()
+        return found
+
+
+def test_a_compaction_during_the_listing_hides_no_artifact(tmp_path):
+    # the compaction folds x's add into a new base and deletes the add: read bases first, then the
+    # operations, and x would be in neither, and a remove would cancel nothing
+    root = root_for(4)
+    index.add(LocalStorage(tmp_path), Rec("x", root, 6, 4), [1, 2, 3, 4, 5, 6])
+    view = CompactedMidListing(tmp_path)
+    assert index.remove(view, Rec("x", root, 0, 4)) == 1
+    assert view.interrupted
+    assert index.lookup(LocalStorage(tmp_path), root, [1, 2, 3, 4, 5, 6, 7]) == []
+
+
 def test_concurrent_adds_and_removes_lose_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(index, "COMPACT_AFTER", 8)  # compactions run among the adds and removes
     root = root_for(4)

@@ -752,10 +752,15 @@ _LOCK = threading.Lock()
 
 
 def _index_objects(backend) -> dict[str, int]:
+    """Every index object: the operations listed first, then the bases. A listing is not atomic (a
+    directory walk, S3's pages), and a compaction writes its base before it deletes the operations
+    it folded: so an operation gone from the first listing is in a base the second one finds, where
+    one walk over both folders, bases first, could miss it in both."""
     found = {}
-    for info in backend.list(PREFIX):
-        if _OBJECT.fullmatch(info.key):
-            found[info.key] = info.size
+    for prefix in (OPS, BASES):
+        for info in backend.list(prefix):
+            if _OBJECT.fullmatch(info.key):
+                found[info.key] = info.size
     return found
 
 
