@@ -238,8 +238,8 @@ class TouchedBuffers:
         if self.size // 2 < n <= self.size:
             with self._lock:
                 buffer = self._ready.pop() if self._ready else None
+                self.taken += buffer is not None
             if buffer is not None:
-                self.taken += 1
                 self._wanted.set()
                 return memoryview(buffer)[:n]
         return memoryview(bytearray(n))
@@ -250,13 +250,16 @@ class TouchedBuffers:
 
     def _fill(self) -> None:
         _lower_priority()
-        while not self._closed:
-            self._wanted.wait()
-            self._wanted.clear()
-            while not self._closed and len(self._ready) < self.count:
-                buffer = _touched(self.size)
-                with self._lock:
-                    self._ready.append(buffer)
+        try:
+            while not self._closed:
+                self._wanted.wait()
+                self._wanted.clear()
+                while not self._closed and len(self._ready) < self.count:
+                    buffer = _touched(self.size)
+                    with self._lock:
+                        self._ready.append(buffer)
+        except (OSError, MemoryError, ValueError):  # no memory for more: fetches read into new memory
+            return
 
     def close(self) -> None:
         """Stop the filling thread and let the ready buffers go."""
