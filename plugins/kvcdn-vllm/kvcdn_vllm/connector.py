@@ -44,6 +44,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcdn_core import KvcdnError, artifact, layer_tensor_name
+from kvcdn_core.store.keys import CHUNK_TOKENS
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm import lookup as chunks
 from kvcdn_vllm.catalog import Catalog, Hit, ModelShape, check_fits
@@ -182,8 +183,6 @@ def _chunk_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
     """A whole chunk of the engine's model as a store holds it: every layer's keys and values, all
     heads, ``CHUNK_TOKENS`` tokens, in the compute dtype. It only sizes the tier's ready buffers
     (a part of another size is read into new memory), so a model whose chunk differs loses nothing."""
-    from kvcdn_core.store.keys import CHUNK_TOKENS
-
     return shape.num_layers * 2 * shape.num_kv_heads * shape.head_size * CHUNK_TOKENS * dtype.itemsize
 
 

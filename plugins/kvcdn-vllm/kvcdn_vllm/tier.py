@@ -124,6 +124,10 @@ def _mapped(path: Path) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
+#: how much nicer than the engine the tier's background threads run
+BACKGROUND_NICE = 10
+
+
 def _lower_priority() -> None:
     """Nice the calling thread (Linux nices threads one by one), so that background work yields the
     core to the forward; best effort."""
@@ -131,10 +135,6 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except (AttributeError, OSError):
         pass
-
-
-#: how much nicer than the engine the tier's background threads run
-BACKGROUND_NICE = 10
 
 
 def _alive(pid: int) -> bool:
@@ -318,10 +318,8 @@ class ChunkTier:
         self._disk_warned = False
         self._writer = writer if writer is not None else DiskWriter(warn)
         self.write_queue_bytes = write_queue_bytes
-        self._waiting: dict[str, ChunkBytes] = {}
-        self._unchecked: dict[
-            str, ChunkBytes
-        ] = {}  # fetched with check_later, not yet admitted  # chunks whose disk copy is queued, not yet in place
+        self._waiting: dict[str, ChunkBytes] = {}  # chunks whose disk copy is queued, not yet in place
+        self._unchecked: dict[str, ChunkBytes] = {}  # fetched with check_later, not yet admitted
         self._waiting_bytes = 0
         self.disk_dropped = 0  # copies not made because the queue was full
         self.temp_swept = 0  # temporary files of killed writers removed at start

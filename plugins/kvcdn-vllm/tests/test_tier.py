@@ -13,7 +13,7 @@ import time
 
 import blake3
 import pytest
-from kvcdn_vllm.tier import DISK, MEMORY, REMOTE, ChunkTier, DiskWriter, sweep_temp_files
+from kvcdn_vllm.tier import DISK, MEMORY, REMOTE, ChunkTier, DiskWriter, TouchedBuffers, sweep_temp_files
 
 from kvcdn_core.errors import ArtifactError
 
@@ -162,8 +162,6 @@ def ready(buffers, count):
 
 
 def test_a_fetched_chunk_lands_in_a_ready_buffer_and_the_reserve_refills(tmp_path):
-    from kvcdn_vllm.tier import TouchedBuffers
-
     store = IntoStore(3, size=100)
     a, b, c = store.digests
     buffers = TouchedBuffers(100, 2)
@@ -189,8 +187,6 @@ def test_a_fetched_chunk_lands_in_a_ready_buffer_and_the_reserve_refills(tmp_pat
 
 
 def test_the_reserve_is_an_eighth_of_the_memory_budget_at_most_256_mib():
-    from kvcdn_vllm.tier import TouchedBuffers
-
     counts = []
     for budget in (1 << 30, 4 << 30, 0):
         buffers = TouchedBuffers.for_budget(12 << 20, budget)
@@ -361,6 +357,35 @@ def test_loads_on_several_threads_and_the_writer_keep_the_budgets(tmp_path):
     files = [p for p in (tmp_path / "tier").rglob("*") if p.is_file()]
     assert t.memory_used <= 300 and t.disk_used == 100 * len(files) <= 500
     assert all(store.chunks[p.name] == p.read_bytes() and t.on_disk(p.name) for p in files)
+
+
+def test_warming_beside_loads_on_several_threads_keeps_every_byte_and_the_budget(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = IntoStore(16)
+    first = ChunkTier(store.fetch, 0, 2000, tmp_path / "tier", print)
+    for d in store.digests:
+        first.get(d, 100)
+    first.close()  # the disk level holds all 16 for the restart
+    flip = store.digests[5]
+    path = tmp_path / "tier" / flip[:2] / flip
+    path.write_bytes(b"\x00" + path.read_bytes()[1:])  # one file corrupted meanwhile
+    store.fetched.clear()
+    warnings: list[str] = []
+    buffers = TouchedBuffers(100, 4)
+    t = ChunkTier(store.fetch, 900, 2000, tmp_path / "tier", warnings.append, buffers=buffers)
+    order = [d for _ in range(3) for d in reversed(store.digests)]
+    t.start_warming()  # beside the loads, as at an engine's start
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda d: bytes(t.get(d, 100)[0]), order))
+    t.close()
+    assert got == [store.chunks[d] for d in order]  # every byte, whoever read each chunk first
+    assert t.memory_used <= 900
+    assert all(t.in_memory(d) is False or bytes(t.get(d, 100)[0]) == store.chunks[d] for d in store.digests)
+    # the corrupted file is caught (by the warming or by a load, whichever reads it first; both at
+    # once may each say so) and the chunk fetched again; nothing else is
+    assert set(store.fetched) == {flip} and warnings and all(flip in w and "corrupted" in w for w in warnings)
+    assert path.read_bytes() == store.chunks[flip]  # the good bytes replaced the corrupted file
 
 
 def dead_pid() -> int:
