@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcdn_core import KvcdnError, artifact, layer_tensor_name
+from kvcdn_core import ArtifactError, KvcdnError, artifact, layer_tensor_name
 from kvcdn_core.store.keys import CHUNK_TOKENS
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm import lookup as chunks
@@ -548,15 +548,22 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._tier.pin(digests)
         got = []
         try:
-            for part in plan.parts:
-                # a chunk fetched for a copy under the forward is checked there too (_check_fetched)
-                data, where = self._tier.get(part.digest, part.bytes, check_later=not job.keep)
+            # a chunk fetched for a copy under the forward is checked there too (_check_fetched)
+            results = self._tier.get_all([(p.digest, p.bytes) for p in plan.parts], check_later=not job.keep)
+            failed = None
+            for part, result in zip(plan.parts, results):
+                if isinstance(result, ArtifactError):
+                    failed = failed or result
+                    continue
+                data, where = result
                 if not job.keep and self._tier.unchecked(part.digest):
                     self._to_check.setdefault(part.digest, (part.bytes, []))[1].append(job)
                 figures[f"chunks_{where}"] += 1
                 if where == "remote":
                     figures["bytes_fetched"] += len(data)
                 got.append((part, data))
+            if failed is not None:
+                raise failed
         finally:
             self._tier.unpin(digests)
             self._step_figures[job.req_id] = figures

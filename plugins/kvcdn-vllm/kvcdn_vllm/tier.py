@@ -46,7 +46,8 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -59,6 +60,9 @@ ChunkBytes = bytes | memoryview
 
 #: Where a chunk came from, as the per-request figures count them.
 MEMORY, DISK, REMOTE = "memory", "disk", "remote"
+
+#: chunks :meth:`ChunkTier.get_all` gets at once (each a request of its own to the store)
+FETCH_STREAMS = 4
 
 #: bytes of disk copies that may wait for the writer by default; past it a fetched chunk gets no
 #: disk copy (``tier_write_queue_bytes`` in :mod:`kvcdn_vllm.settings` sets it per engine)
@@ -326,6 +330,7 @@ class ChunkTier:
         self.warmed = 0  # chunks :meth:`warm` brought from disk into memory
         self._stop_warming = threading.Event()
         self._warming: threading.Thread | None = None
+        self._fetcher: ThreadPoolExecutor | None = None  # get_all's streams, started by the first
         if self.disk_bytes > 0 and self.directory is not None:
             self._scan()
 
@@ -337,6 +342,8 @@ class ChunkTier:
             self._warming.join()
         if self._buffers is not None:
             self._buffers.close()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
         self._writer.close()
 
     # -- warm start --------------------------------------------------------------------------------
@@ -433,6 +440,35 @@ class ChunkTier:
         data = checked(fetched, digest, size, "the store")
         self._keep(digest, data)
         return data, REMOTE
+
+    def get_all(
+        self, wanted: Sequence[tuple[str, int]], check_later: bool = False
+    ) -> list[tuple[ChunkBytes, str] | ArtifactError]:
+        """:meth:`get` of each ``(digest, size)``, in order, up to :data:`FETCH_STREAMS` at once; a
+        chunk that cannot be had gets its :class:`ArtifactError` in its place rather than raised, so
+        that the caller still sees (and, with ``check_later``, checks) what the others fetched.
+
+        Why at once: a chunk from the store costs a request's latency as well as its bytes, and one
+        stream at a time pays every latency in turn while the link idles between bodies."""
+        unique = list(dict.fromkeys(wanted))
+
+        def one(item: tuple[str, int]) -> tuple[ChunkBytes, str] | ArtifactError:
+            try:
+                return self.get(item[0], item[1], check_later=check_later)
+            except ArtifactError as exc:
+                return exc
+
+        with self._lock:
+            held = self._memory.keys() | self._waiting.keys() | self._unchecked.keys()
+        if sum(digest not in held for digest, _ in unique) <= 1:  # nothing to wait for side by side
+            got = [one(item) for item in unique]
+        else:
+            with self._lock:
+                if self._fetcher is None:
+                    self._fetcher = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="kvcdn-fetch")
+            got = list(self._fetcher.map(one, unique))
+        found = dict(zip(unique, got))
+        return [found[item] for item in wanted]
 
     def admit(self, digest: str, size: int) -> None:
         """Check a chunk :meth:`get` fetched with ``check_later`` and keep it in both levels;

@@ -215,6 +215,40 @@ def test_a_chunk_checked_later_enters_the_tier_only_once_admitted(tmp_path):
     assert store.fetched == [a, c, b]
 
 
+def test_chunks_from_the_store_are_fetched_several_at_once_each_error_in_its_place(tmp_path):
+    import threading
+
+    from kvcdn_vllm.tier import FETCH_STREAMS
+
+    class Gated(Store):
+        gate: threading.Barrier | None = None
+
+        def fetch(self, digest, into=None):
+            if self.gate is not None:
+                self.gate.wait()
+            return super().fetch(digest, into)
+
+    store = Gated(FETCH_STREAMS + 2)
+    *fetched, held = store.digests
+    t = tier(store, tmp_path, memory=10_000, disk=10_000)
+    t.get(held, 100)
+    store.fetched.clear()
+    store.gate = threading.Barrier(FETCH_STREAMS, timeout=120)  # broken only if the fetches run one by one
+    missing = "f" * 64
+    wanted = [(d, 100) for d in fetched[: FETCH_STREAMS - 1]] + [(missing, 100), (held, 100), (fetched[0], 100)]
+    got = t.get_all(wanted, check_later=True)
+    assert [g[1] if isinstance(g, tuple) else "error" for g in got] == [REMOTE] * (FETCH_STREAMS - 1) + [
+        "error",
+        MEMORY,
+        REMOTE,
+    ]
+    assert isinstance(got[FETCH_STREAMS - 1], ArtifactError) and "missing" in str(got[FETCH_STREAMS - 1])
+    assert [g[0] for g in got if isinstance(g, tuple)] == [store.chunks[d] for d, _ in wanted if d != missing]
+    assert sorted(store.fetched) == sorted(fetched[: FETCH_STREAMS - 1] + [missing])  # a repeat fetched once
+    assert all(t.unchecked(d) for d in fetched[: FETCH_STREAMS - 1])  # what did come is still checked later
+    t.close()
+
+
 def test_a_chunk_is_hashed_once_where_it_enters(tmp_path, monkeypatch):
     from kvcdn_vllm import tier as module
 
