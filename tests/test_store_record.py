@@ -103,6 +103,13 @@ def test_structured_mutations_never_crash(valid, data):
     _parse(json.dumps(doc).encode())
 
 
+@pytest.mark.parametrize("name", ["\n", "a\r\nb", "layers.9.key\n"])
+def test_a_chunked_tensor_name_with_a_line_break_is_refused_in_one_line(valid, name):
+    doc = json.loads(json.dumps(valid))
+    doc["chunked"][0] = name  # found by the fuzzer above: the name was echoed as it was
+    assert _parse(json.dumps(doc).encode()) is None
+
+
 def test_the_pieced_record_parses_and_round_trips(pieced, valid):
     record = _parse(json.dumps(pieced).encode())
     assert record is not None and record.version == 2 and record.chunks[1].digest is None

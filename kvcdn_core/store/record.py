@@ -324,7 +324,7 @@ def _check_against_header(where: str, record: ArtifactRecord) -> artifact.Header
         entry = header.entries.get(name)
         expect(
             entry is not None and len(entry["shape"]) >= 2 and entry["shape"][-2] == record.token_count,
-            f"chunked tensor '{name}' is not a [..., tokens, inner] tensor of the header",
+            f"chunked tensor {name!r} is not a [..., tokens, inner] tensor of the header",
         )
     offsets = [header.entries[n]["data_offsets"][0] for n in record.chunked]
     expect(offsets == sorted(offsets), "chunked tensors are not in file order")

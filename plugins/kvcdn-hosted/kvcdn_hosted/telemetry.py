@@ -4,8 +4,10 @@ What is sent: the command name, the kvcdn version, the duration and whether it s
 prompts, file contents, paths, artifact names or ids, tokens or who you are (no Authorization
 header either). Off with the ``telemetry`` setting (``KVCDN_TELEMETRY=0``); never sent when no
 ``api_url`` is configured.
-The event goes out after the command's output is written, from a daemon thread that the command
-waits for at most :data:`MAX_WAIT_S`; a slow or absent receiver costs at most that.
+The event goes out after the command's output is written, from a thread that the command waits
+for at most :data:`MAX_WAIT_S`; the request's own timeouts are that long too, and the process ends
+once the thread has. Not a daemon thread: one still inside the HTTP client when the interpreter
+shut down crashed the process (exit 139, under load in CI) after the command had succeeded.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def _post(url: str, payload: dict, timeout: float) -> None:
 def send(
     settings: Settings, command: str, duration_s: float, success: bool, max_wait_s: float = MAX_WAIT_S
 ) -> threading.Thread | None:
-    """Send one event if telemetry is on; return after it was sent or ``max_wait_s``, whichever first."""
+    """Send one event if telemetry is on; return after it was sent or ``max_wait_s``, whichever first
+    (the thread then ends by its own timeouts of ``max_wait_s`` each)."""
     api_url = settings.api_url
     if api_url is None or not enabled(settings):
         return None
@@ -60,9 +63,8 @@ def send(
     started = time.monotonic()
     thread = threading.Thread(
         target=_post,
-        args=(api_url.rstrip("/") + PATH, event(command, duration_s, success), 2.0),
+        args=(api_url.rstrip("/") + PATH, event(command, duration_s, success), max_wait_s),
         name="kvcdn-telemetry",
-        daemon=True,
     )
     thread.start()
     thread.join(max(0.0, max_wait_s - (time.monotonic() - started)))
