@@ -459,8 +459,10 @@ class ChunkTier:
                 return exc
 
         with self._lock:
-            held = self._memory.keys() | self._waiting.keys() | self._unchecked.keys()
-        if sum(digest not in held for digest, _ in unique) <= 1:  # nothing to wait for side by side
+            outside = [
+                d for d, _ in unique if d not in self._memory and d not in self._waiting and d not in self._unchecked
+            ]
+        if len(outside) <= 1:  # nothing to wait for side by side
             got = [one(item) for item in unique]
         else:
             with self._lock:
