@@ -65,6 +65,7 @@ def send(
         target=_post,
         args=(api_url.rstrip("/") + PATH, event(command, duration_s, success), max_wait_s),
         name="kvcdn-telemetry",
+        daemon=False,  # the interpreter waits for it at exit (a daemon inside httpx crashed the exit)
     )
     thread.start()
     thread.join(max(0.0, max_wait_s - (time.monotonic() - started)))
