@@ -56,6 +56,7 @@ _EXPORTS = {
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.model.linear_attention",
     "is_linear_attention": "kvcdn_core.model.linear_attention",
+    "set_linear_token_count": "kvcdn_core.model.linear_attention",
     # multi-head latent attention layers, with DeepSeek sparse attention's indexer (DeepSeek, GLM-MoE-DSA, Kimi Linear)
     "MlaLayers": "kvcdn_core.model.mla",
     "mla_widths": "kvcdn_core.model.mla",
@@ -156,6 +157,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
     from kvcdn_core.model.linear_attention import (
         LinearAttentionLayers as LinearAttentionLayers,
         is_linear_attention as is_linear_attention,
+        set_linear_token_count as set_linear_token_count,
     )
     from kvcdn_core.model.mla import (
         MlaLayers as MlaLayers,

@@ -24,6 +24,28 @@ def is_linear_attention(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
 
 
+def set_linear_token_count(layer, tokens: int) -> None:
+    """Tell a linear-attention layer how many tokens its state holds, where transformers counts them.
+
+    From transformers 5.25 such a layer keeps its own count (``cumulative_length_linear``), and a cache
+    whose first layer is linear answers ``get_seq_length()`` from it: the next forward's positions and
+    causal mask start there. A state put in from outside (a restored artifact, a family that keeps the
+    state itself) must set it, or the continuation restarts at position 0. Earlier releases ask the
+    first attention layer instead and keep no count: nothing to do there.
+    """
+    count = getattr(layer, "cumulative_length_linear", None)
+    if count is not None:
+        count.fill_(int(tokens))
+
+
+def attention_token_count(layers) -> int | None:
+    """The tokens held by the first layer of ``layers`` that is not linear attention, or None."""
+    for layer in layers:
+        if not is_linear_attention(layer):
+            return int(layer.get_seq_length())
+    return None
+
+
 if TYPE_CHECKING:  # a mixin of ModelAdapter subclasses: type-check it as one
     from kvcdn_core.contracts.adapter import ModelAdapter as _MixinBase
 else:
@@ -35,6 +57,17 @@ class LinearAttentionLayers(_MixinBase):
 
     A cache without linear-attention layers never reaches this code.
     """
+
+    def import_cache(self, model, layers, tensors, device):
+        cache = super().import_cache(model, layers, tensors, device)
+        # The restored states hold as many tokens as the attention layers beside them.
+        targets = self.cache_layers(cache)
+        tokens = attention_token_count(targets)
+        if tokens is not None:
+            for layer in targets:
+                if is_linear_attention(layer):
+                    set_linear_token_count(layer, tokens)
+        return cache
 
     def layer_kind(self, layer) -> str:
         if is_linear_attention(layer):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvcdn_core import LinearAttentionLayers, TinyDecoderFamily
+from kvcdn_core import LinearAttentionLayers, TinyDecoderFamily, set_linear_token_count
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -128,6 +128,9 @@ def _cache_owned_forward(index: int, block: Any, inner: Callable[..., Any]) -> C
         else:
             out = inner(input_states, position_ids, attention_mask, use_cache=True, cache=cache, **kwargs)
         _store(slot, block.conv1d_state, block.rg_lru.recurrent_states)
+        # The state now holds every token up to the last position; a cache whose first layer is
+        # recurrent starts the next forward there (transformers 5.25 and later).
+        set_linear_token_count(slot, int(position_ids[0, -1]) + 1)
         block.conv1d_state = block.rg_lru.recurrent_states = None  # the cache holds it now
         return out
 

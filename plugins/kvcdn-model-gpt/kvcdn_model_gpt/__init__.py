@@ -13,11 +13,13 @@ multi-query, grouped), so the base adapter exports and imports them. What this p
   what its tensors are (a multi-query layer holds one key head for all query heads; an ALiBi layer's
   keys carry no position at all). GPT-Neo's local layers mask attention to a window but cache every
   token, so they are full-attention caches; their entry adds ``attention_window``;
-- for Falcon's new decoder architecture (Falcon-40B/180B), where transformers caches a copy of each
-  key/value head for every query head of its group, the artifact keeps one head per group
-  (``repeated_heads`` in the layer entry) and the import repeats it: the artifact shrinks by
-  ``num_attention_heads / num_kv_heads`` (16x for Falcon-40B) and the rebuilt cache is bitwise the one
-  transformers made.
+- for Falcon's new decoder architecture (Falcon-40B/180B), the artifact keeps one key/value head per
+  group, with ``repeated_heads`` (query heads per group) in the layer entry. transformers up to 5.24
+  caches a copy of each head for every query head of its group: the export keeps one of the copies
+  and the import repeats it, so the artifact is ``num_attention_heads / num_kv_heads`` smaller (16x
+  for Falcon-40B) and the rebuilt cache is bitwise the one transformers made. From 5.25 transformers
+  caches one head per group itself and the import leaves the heads as stored; the same artifact loads
+  under either release.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class GptAdapter(ModelAdapter):
         heads = int(model.config.num_attention_heads)
         for entry in layers:
             repeat = int(entry.family_fields.get("repeated_heads", 1))
-            if repeat == 1:
+            if repeat == 1 or not caches_every_query_head():
                 continue
             for name in entry.tensors.values():
                 t = tensors[name]
@@ -188,6 +190,16 @@ def falcon_kv_groups(config: Any) -> int | None:
         return None
     groups = int(config.num_kv_heads)
     return groups if groups < int(config.num_attention_heads) else None
+
+
+def caches_every_query_head() -> bool:
+    """Whether this transformers' Falcon caches a copy of each key/value head for every query head of
+    its group: up to 5.24 it broadcast the heads before caching; from 5.25 it repeats them inside
+    attention and caches each group's one head."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return (major, minor) < (5, 25)
 
 
 def collapse_heads(t: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Variants of the GPT-family configs that real checkpoints use, and the refusals."""
 
 import pytest
-from kvcdn_model_gpt import GptAdapter
+from kvcdn_model_gpt import GptAdapter, caches_every_query_head
 
 from kvcdn_core import Manifest, artifact, runtime
 from kvcdn_core.errors import KvcdnError
@@ -46,7 +46,8 @@ def _artifact(adapter_cls, architecture, tmp_path):
 
 
 def test_falcon_grouped_heads_are_stored_once(tmp_path):
-    """Falcon-40B layout: the artifact keeps num_kv_heads heads and the rebuilt cache is transformers' own."""
+    """Falcon-40B layout: the artifact keeps num_kv_heads heads and the rebuilt cache is transformers' own
+    (every query head's copy up to transformers 5.24, one head per group from 5.25)."""
     import torch
 
     session, header = _artifact(GptAdapter, "FalconForCausalLM", tmp_path)
@@ -58,8 +59,9 @@ def test_falcon_grouped_heads_are_stored_once(tmp_path):
     ids = artifact.read_token_ids(header.path, header)
     fresh, _ = runtime.prefill(session, ids, progress=False)
     rebuilt, _ = runtime.load_cache(session, header)
+    cached_heads = config.num_attention_heads if caches_every_query_head() else config.num_kv_heads
     for a, b in zip(fresh.layers, rebuilt.layers):
-        assert a.keys.shape[1] == config.num_attention_heads
+        assert a.keys.shape[1] == cached_heads
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 

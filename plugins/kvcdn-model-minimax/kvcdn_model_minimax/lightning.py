@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvcdn_core import LinearAttentionLayers, TinyDecoderFamily
+from kvcdn_core import LinearAttentionLayers, TinyDecoderFamily, is_linear_attention
 
 #: TINY_DECODER plus MiniMax's own fields. Lightning blocks of 16 tokens so that a 64-token prefill
 #: chunk crosses block boundaries (the real model uses 256).
@@ -94,5 +94,15 @@ def _lightning_cache_class() -> type:
 
         def __len__(self) -> int:
             return len(self.layers)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            # A lightning layer keeps no token count (the model sets its state through
+            # set_linear_cache), so a length asked of one comes from the first softmax layer:
+            # transformers 5.24 did that for every cache, 5.25 asks the layer itself.
+            if layer_idx >= len(self.layers):
+                return 0
+            asked = self.layers[layer_idx]
+            softmax = [layer for layer in [asked, *self.layers] if not is_linear_attention(layer)]
+            return int(softmax[0].get_seq_length()) if softmax else 0
 
     return LightningCache
