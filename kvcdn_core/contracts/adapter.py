@@ -186,6 +186,8 @@ class ModelAdapter:
 
     def import_cache(self, model: Model, layers: Sequence[LayerEntry], tensors: Tensors, device: str) -> Cache:
         """Rebuild a cache for ``model`` from named tensors and manifest layer entries."""
+        from kvcdn_core.model.linear_attention import count_restored_states
+
         cache = self.new_cache(model)
         targets = self.cache_layers(cache)
         if len(targets) != len(layers):
@@ -193,6 +195,7 @@ class ModelAdapter:
         for entry, layer in zip(layers, targets):
             named = {k: tensors[v].to(device) for k, v in entry.tensors.items()}
             self.import_layer(entry, named, layer)
+        count_restored_states(targets)  # restored linear-attention states carry no token count
         return cache
 
     def streams_layers(self, layers: Sequence[LayerEntry]) -> bool:

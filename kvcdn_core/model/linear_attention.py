@@ -38,12 +38,15 @@ def set_linear_token_count(layer, tokens: int) -> None:
         count.fill_(int(tokens))
 
 
-def attention_token_count(layers) -> int | None:
-    """The tokens held by the first layer of ``layers`` that is not linear attention, or None."""
-    for layer in layers:
-        if not is_linear_attention(layer):
-            return int(layer.get_seq_length())
-    return None
+def count_restored_states(layers) -> None:
+    """Give each linear-attention layer of a restored cache the token count of the first attention
+    layer beside it (see :func:`set_linear_token_count`); a cache without both kinds is left as is."""
+    linear = [layer for layer in layers if is_linear_attention(layer)]
+    attention = next((layer for layer in layers if not is_linear_attention(layer)), None)
+    if linear and attention is not None:
+        tokens = int(attention.get_seq_length())
+        for layer in linear:
+            set_linear_token_count(layer, tokens)
 
 
 if TYPE_CHECKING:  # a mixin of ModelAdapter subclasses: type-check it as one
@@ -57,17 +60,6 @@ class LinearAttentionLayers(_MixinBase):
 
     A cache without linear-attention layers never reaches this code.
     """
-
-    def import_cache(self, model, layers, tensors, device):
-        cache = super().import_cache(model, layers, tensors, device)
-        # The restored states hold as many tokens as the attention layers beside them.
-        targets = self.cache_layers(cache)
-        tokens = attention_token_count(targets)
-        if tokens is not None:
-            for layer in targets:
-                if is_linear_attention(layer):
-                    set_linear_token_count(layer, tokens)
-        return cache
 
     def layer_kind(self, layer) -> str:
         if is_linear_attention(layer):
