@@ -55,8 +55,8 @@ _EXPORTS = {
     "nfc": "kvcdn_core.text",
     # linear-attention state layers (Qwen3-Next, Qwen3.5 and other hybrids)
     "LinearAttentionLayers": "kvcdn_core.model.linear_attention",
-    "is_linear_attention": "kvcdn_core.model.linear_attention",
-    "set_linear_token_count": "kvcdn_core.model.linear_attention",
+    "is_linear_attention": "kvcdn_core.model.linear_layers",
+    "set_linear_token_count": "kvcdn_core.model.linear_layers",
     # multi-head latent attention layers, with DeepSeek sparse attention's indexer (DeepSeek, GLM-MoE-DSA, Kimi Linear)
     "MlaLayers": "kvcdn_core.model.mla",
     "mla_widths": "kvcdn_core.model.mla",
@@ -156,6 +156,8 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors (tes
     )
     from kvcdn_core.model.linear_attention import (
         LinearAttentionLayers as LinearAttentionLayers,
+    )
+    from kvcdn_core.model.linear_layers import (
         is_linear_attention as is_linear_attention,
         set_linear_token_count as set_linear_token_count,
     )

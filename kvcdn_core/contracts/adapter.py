@@ -186,7 +186,7 @@ class ModelAdapter:
 
     def import_cache(self, model: Model, layers: Sequence[LayerEntry], tensors: Tensors, device: str) -> Cache:
         """Rebuild a cache for ``model`` from named tensors and manifest layer entries."""
-        from kvcdn_core.model.linear_attention import count_restored_states
+        from kvcdn_core.model.linear_layers import count_restored_states
 
         cache = self.new_cache(model)
         targets = self.cache_layers(cache)
