@@ -256,11 +256,12 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._store is not None and role == KVConnectorRole.WORKER:
             from pathlib import Path as _Path
 
-            from kvcdn_vllm.tier import ChunkTier, TouchedBuffers
+            from kvcdn_vllm.tier import ChunkTier, StandAside, TouchedBuffers
 
             s = self.settings
             directory = _Path(s.tier_directory).expanduser() if s.tier_directory else None
             chunk_bytes = _chunk_bytes(self._shape, vllm_config.model_config.dtype)
+            stand_aside = StandAside()  # held while a step's chunks load (start_load_kv)
             self._tier = ChunkTier(
                 self._store.fetch,
                 s.tier_memory_bytes,
@@ -268,7 +269,8 @@ class KvcdnConnector(KVConnectorBase_V1):
                 directory,
                 _warn,
                 write_queue_bytes=s.tier_write_queue_bytes,
-                buffers=TouchedBuffers.for_budget(chunk_bytes, s.tier_memory_bytes),
+                buffers=TouchedBuffers.for_budget(chunk_bytes, s.tier_memory_bytes, stand_aside),
+                stand_aside=stand_aside,
             )
             self._tier.start_warming()  # the chunks the last run used, into memory before they are asked
             self._loader = LayerLoader()
@@ -491,6 +493,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         planned = [p.digest for job in meta.loads if job.chunks is not None for p in job.chunks.parts]
         if self._tier is not None and planned:  # no fetch of this step evicts a chunk it planned
             self._tier.pin(planned)
+            self._tier.stand_aside.hold()  # until this step's copies and checks end (_finish_layer_copies)
         try:
             self._load_all(meta)
         finally:
@@ -633,6 +636,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._to_check:  # a step whose copies did not run (a load that failed before them)
             self._check_fetched()
         self._layer_copies = []
+        if self._tier is not None:
+            self._tier.stand_aside.release()  # the tier's disk copies and buffers may run now
         failed, self._copy_failed = self._copy_failed, {}
         for job, exc in failed.values():
             self._load_failed(job, exc)

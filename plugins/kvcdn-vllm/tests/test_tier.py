@@ -13,7 +13,16 @@ import time
 
 import blake3
 import pytest
-from kvcdn_vllm.tier import DISK, MEMORY, REMOTE, ChunkTier, DiskWriter, TouchedBuffers, sweep_temp_files
+from kvcdn_vllm.tier import (
+    DISK,
+    MEMORY,
+    REMOTE,
+    ChunkTier,
+    DiskWriter,
+    StandAside,
+    TouchedBuffers,
+    sweep_temp_files,
+)
 
 from kvcdn_core.errors import ArtifactError
 
@@ -184,6 +193,52 @@ def test_a_fetched_chunk_lands_in_a_ready_buffer_and_the_reserve_refills(tmp_pat
     assert not t.in_memory(c)
     t.close()
     assert buffers.ready == 0  # closing the tier lets the ready buffers go
+
+
+def until(predicate):
+    """Wait for a background thread to get somewhere: a bound that only a hang reaches."""
+    deadline = time.monotonic() + 120
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_background_work_stands_aside_while_loads_are_held_and_goes_on_after(tmp_path):
+    """Disk copies, buffer refills and warming wait while a step's loads are in flight."""
+    store = IntoStore(4, size=100)
+    a, b, c, d = store.digests
+    aside = StandAside(longest_s=600)  # only the release lets them go here
+    buffers = TouchedBuffers(100, 1, aside)
+    assert ready(buffers, 1) == 1
+    t = ChunkTier(store.fetch, 1000, 1000, tmp_path / "tier", print, buffers=buffers, stand_aside=aside)
+    aside.hold()
+    assert bytes(t.get(a, 100)[0]) == store.chunks[a]  # the load itself never waits
+    assert until(lambda: aside.waiting == 2)  # the refill and the disk copy, each standing aside
+    assert buffers.ready == 0 and not t.on_disk(a)
+    aside.release()
+    assert ready(buffers, 1) == 1 and until(lambda: t.on_disk(a))
+    t.close()
+    # warming a restarted tier stands aside too
+    aside = StandAside(longest_s=600)
+    again = ChunkTier(store.fetch, 1000, 1000, tmp_path / "tier", print, stand_aside=aside)
+    aside.hold()
+    again.start_warming()
+    assert until(lambda: aside.waiting == 1)
+    assert again.warmed == 0 and not again.in_memory(a)
+    aside.release()
+    assert until(lambda: again.in_memory(a))
+    again.close()
+
+
+def test_background_work_waits_for_held_loads_at_most_its_longest():
+    """An engine that loads in every step still gets its disk copies, later."""
+    aside = StandAside(longest_s=0)
+    aside.hold()
+    ran = []
+    writer = DiskWriter(print, stand_aside=aside)
+    writer.submit(lambda: ran.append(1))
+    writer.close()  # runs the queued job, though the hold was never released
+    assert ran == [1]
 
 
 def test_the_reserve_is_an_eighth_of_the_memory_budget_at_most_256_mib():
