@@ -5,8 +5,9 @@ Run with the vLLM environment's Python: ``python vllm_driver.py SPEC.json OUT.js
 "max_tokens" (one for every prompt, or a list: one per prompt), "max_model_len"}``, and
 ``"tensor_parallel_size"`` or ``"pipeline_parallel_size"`` when not 1, ``"together": true`` to send
 every prompt in one batch (they then share the engine's steps), ``"num_gpu_blocks"`` to cap vLLM's
-KV blocks (so that a batch outgrows them and vLLM preempts), ``"slow_layer_copy_s"`` to make the
-connector's layer-by-layer copies that much slower per layer (the forward must then wait for them),
+KV blocks (so that a batch outgrows them and vLLM preempts), ``"copy_when_asked": true`` to hold
+each of the connector's layer-by-layer copies until the forward asks for that layer (so it must wait
+for every one),
 ``"fail_layer_copy"`` (a layer index) to make the first copy of that layer fail, ``"warm_first": true``
 to let the tier's warming thread (memory from disk, at start) end before the first request; OUT gets, per run,
 per prompt: the greedy token ids, ``num_cached_tokens``, the connector's ``kv_transfer_params`` and
@@ -26,6 +27,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 
 #: this machine's cores, read before any engine binds this process's threads
@@ -39,7 +41,7 @@ ORIGINAL: dict = {}
 
 
 def hook_layer_copies(run: dict) -> None:
-    """The run's ``slow_layer_copy_s`` and ``fail_layer_copy``, and the count of waits (WAITS)."""
+    """The run's ``copy_when_asked`` and ``fail_layer_copy``, and the count of waits (WAITS)."""
     from kvcdn_vllm import connector, layers
 
     if not ORIGINAL:
@@ -47,20 +49,26 @@ def hook_layer_copies(run: dict) -> None:
             start=layers.LayerLoader.start, wait=layers.LayerLoader.wait, rows=connector.KvcdnConnector._copy_rows
         )
     real_start, real_wait, real_rows = ORIGINAL["start"], ORIGINAL["wait"], ORIGINAL["rows"]
-    slow, fail = run.get("slow_layer_copy_s", 0.0), run.get("fail_layer_copy")
+    held, fail = bool(run.get("copy_when_asked")), run.get("fail_layer_copy")
     failed = []
+    asked: dict[str, dict[str, threading.Event]] = {}  # "step": this step's layer → asked
 
     def start(self, names, copy, then=None):
-        def slowed(name):
-            time.sleep(slow)
+        step = asked["step"] = {name: threading.Event() for name in names}
+
+        def when_asked(name):
+            step[name].wait(120)  # a bound only a forward that never asks reaches
             copy(name)
 
-        real_start(self, names, slowed if slow else copy, then)
+        real_start(self, names, when_asked if held else copy, then)
 
     def wait(self, layer):
         event = self._ready.get(layer)
         WAITS["total"] += event is not None
         WAITS["blocked"] += event is not None and not event.is_set()
+        step = asked.get("step", {})
+        if layer in step:
+            step[layer].set()
         real_wait(self, layer)
 
     def copy_rows(self, copy, name):
