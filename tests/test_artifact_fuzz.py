@@ -111,21 +111,33 @@ random_files = st.binary(max_size=512) | st.builds(
 )
 
 
+def _header_and_peak(path: Path):
+    """``read_header(path)`` (None for an ArtifactError, which must be one line) and the peak of
+    Python memory allocated meanwhile."""
+    tracemalloc.start()
+    try:
+        header = artifact.read_header(path)
+    except ArtifactError as exc:
+        assert "\n" not in str(exc)
+        header = None
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return header, peak
+
+
 def _read(data: bytes, cli=None):
     """Read ``data`` as an artifact the ways every reader does; only ArtifactError may escape."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fuzz.kv"
         path.write_bytes(data)
-        tracemalloc.start()
-        try:
-            header = artifact.read_header(path)
-        except ArtifactError as exc:
-            assert "\n" not in str(exc)
-            header = None
-        finally:
-            _, peak = tracemalloc.get_traced_memory()
-            tracemalloc.stop()
-        assert peak < PEAK_LIMIT, f"reading {len(data)} bytes took {peak >> 20} MiB"
+        header, peak = _header_and_peak(path)
+        if peak >= PEAK_LIMIT:
+            # tracemalloc counts every thread of the process, and a thread an earlier test of this
+            # worker left running once allocated 10 MiB inside the window (CI; the same bytes read
+            # again took 0.7 MiB). The reader's own allocations repeat on the same bytes.
+            header, peak = _header_and_peak(path)
+        assert peak < PEAK_LIMIT, f"reading {len(data)} bytes took {peak >> 20} MiB, twice"
         if header is None:
             return
         try:
