@@ -156,9 +156,10 @@ class GptAdapter(ModelAdapter):
     ) -> Any:
         tensors = dict(tensors)
         heads = int(model.config.num_attention_heads)
+        repeats_heads = caches_every_query_head()
         for entry in layers:
             repeat = int(entry.family_fields.get("repeated_heads", 1))
-            if repeat == 1 or not caches_every_query_head():
+            if repeat == 1 or not repeats_heads:
                 continue
             for name in entry.tensors.values():
                 t = tensors[name]

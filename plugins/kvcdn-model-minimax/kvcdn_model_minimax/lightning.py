@@ -101,8 +101,8 @@ def _lightning_cache_class() -> type:
             # transformers 5.24 did that for every cache, 5.25 asks the layer itself.
             if layer_idx >= len(self.layers):
                 return 0
-            asked = self.layers[layer_idx]
-            softmax = [layer for layer in [asked, *self.layers] if not is_linear_attention(layer)]
-            return int(softmax[0].get_seq_length()) if softmax else 0
+            candidates = (self.layers[layer_idx], *self.layers)
+            softmax = next((layer for layer in candidates if not is_linear_attention(layer)), None)
+            return int(softmax.get_seq_length()) if softmax is not None else 0
 
     return LightningCache
