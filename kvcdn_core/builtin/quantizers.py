@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from kvcdn_core import artifact, hookimpl
 from kvcdn_core.contracts.quantizer import KEY, Quantizer
-from kvcdn_core.quant.numerics import round_up_param
+from kvcdn_core.quant.numerics import FLOAT32_SUBNORMAL_STEP, round_up_param, scale_to_fit
 
 INT8_MAX = 127
 FP8_MAX = 448.0
@@ -38,7 +38,7 @@ class Int8TensorQuantizer(Quantizer):
     def encode(self, role, x):
         import torch
 
-        scale = (x.abs().max() / INT8_MAX).reshape(1)
+        scale = scale_to_fit(x.abs().max(), INT8_MAX).reshape(1)
         codes = torch.round(_divide(x, scale)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         return {"": codes, "scale": scale}, {}
 
@@ -48,7 +48,7 @@ class Int8TensorQuantizer(Quantizer):
         return parts[""].to(torch.float32) * parts["scale"].to(torch.float32)
 
     def body_error_bound(self, role, x):
-        return (x.abs().max() / (2 * INT8_MAX) * SCALE_SLACK).reshape([1] * x.dim())
+        return (x.abs().max() / (2 * INT8_MAX) * SCALE_SLACK + FLOAT32_SUBNORMAL_STEP).reshape([1] * x.dim())
 
 
 class Int8Quantizer(Quantizer):
@@ -65,7 +65,7 @@ class Int8Quantizer(Quantizer):
     def encode(self, role, x):
         import torch
 
-        scale = round_up_param(x.abs().amax(dim=self._axis(role), keepdim=True) / INT8_MAX)
+        scale = round_up_param(scale_to_fit(x.abs().amax(dim=self._axis(role), keepdim=True), INT8_MAX))
         codes = torch.round(_divide(x, scale)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         return {"": codes, "scale": scale}, {"granularity": "per_channel" if role == KEY else "per_token"}
 
@@ -75,7 +75,7 @@ class Int8Quantizer(Quantizer):
         return parts[""].to(torch.float32) * parts["scale"].to(torch.float32)
 
     def body_error_bound(self, role, x):
-        return x.abs().amax(dim=self._axis(role), keepdim=True) / (2 * INT8_MAX) * SCALE_SLACK
+        return x.abs().amax(dim=self._axis(role), keepdim=True) / (2 * INT8_MAX) * SCALE_SLACK + FLOAT32_SUBNORMAL_STEP
 
 
 class Fp8Quantizer(Quantizer):
@@ -87,7 +87,7 @@ class Fp8Quantizer(Quantizer):
     def encode(self, role, x):
         import torch
 
-        scale = round_up_param(x.abs().amax(dim=-1, keepdim=True) / FP8_MAX)
+        scale = round_up_param(scale_to_fit(x.abs().amax(dim=-1, keepdim=True), FP8_MAX))
         codes = _divide(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return {"": codes, "scale": scale}, {"granularity": "per_token", "format": "e4m3fn"}
 
@@ -106,10 +106,6 @@ class Fp8Quantizer(Quantizer):
 
         scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX * SCALE_SLACK
         return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * SCALE_SLACK + FLOAT32_SUBNORMAL_STEP
-
-
-#: the spacing of float32's subnormals: no float32 product is exact to less than half of it
-FLOAT32_SUBNORMAL_STEP = 2.0**-149
 
 
 @hookimpl

@@ -12,6 +12,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 F16_MAX = 60000.0
 F16_TINY = 6.2e-5  # smallest normal float16 is 6.1e-5
+#: the spacing of float32's subnormals: a float32 division or product near 1e-38 is no closer than this
+FLOAT32_SUBNORMAL_STEP = 2.0**-149
 
 
 def round_up_param(t: torch.Tensor) -> torch.Tensor:
@@ -31,6 +33,24 @@ def round_up_param(t: torch.Tensor) -> torch.Tensor:
     if bool(low.any()):
         half = torch.where(low, torch.nextafter(half, torch.full_like(half, float("inf"))), half)
     return torch.where(t > 0, half, torch.zeros_like(half))
+
+
+def scale_to_fit(peak: torch.Tensor, top: float) -> torch.Tensor:
+    """The float32 scale that maps ``peak`` onto code ``top``, rounded up so no code is clamped.
+
+    ``peak / top`` in float32 rounds to nearest, which can be below the exact quotient by half of
+    its spacing; for a peak under ``top * 2^-149`` it underflows to 0, which would zero the whole
+    row. Stepping such a scale up to the next float keeps every code in range and every nonzero row
+    nonzero, so the schemes' bounds hold down to the smallest subnormal inputs.
+    """
+    import torch
+
+    peak = peak.to(torch.float32)
+    scale = peak / top
+    short = scale * top < peak
+    if bool(short.any()):
+        scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    return scale
 
 
 def round_down_param(t: torch.Tensor) -> torch.Tensor:
