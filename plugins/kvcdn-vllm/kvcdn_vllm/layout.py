@@ -4,7 +4,9 @@ vLLM gives every attention layer one cache tensor whose first dimension is the b
 each backend lays out ``block_size`` tokens × ``num_kv_heads`` heads × ``head_size`` channels of
 keys and of values its own way, so this module never assumes one: a :class:`BlockLayout` records,
 for every (head, token-in-block, channel), the element offset of its key and of its value from the
-start of the block. Copying is then one gather or scatter per layer, whatever the backend.
+start of the block. Copying is then one gather or scatter per layer, whatever the backend; where
+those offsets are affine in (head, token, channel), as on every backend measured, the copy moves
+whole blocks through strided views instead of one index per element (about twice as fast on CPU).
 
 Two ways to build a layout, kept apart:
 
@@ -23,6 +25,7 @@ Everything here is plain torch on whatever device the cache lives on; nothing im
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -62,6 +65,47 @@ class BlockLayout:
 
     def to(self, device: str | torch.device) -> BlockLayout:
         return BlockLayout(self.block_stride, self.key_offsets.to(device), self.value_offsets.to(device))
+
+    @functools.cached_property
+    def strides(self) -> tuple[BlockStrides, BlockStrides] | None:
+        """Keys' and values' strides when both sets of offsets are affine, else None."""
+        keys, values = _affine(self.key_offsets), _affine(self.value_offsets)
+        return (keys, values) if keys is not None and values is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStrides:
+    """An affine layout inside a block: ``offset = base + head·h + token·t + channel·c``."""
+
+    base: int
+    head: int
+    token: int
+    channel: int
+
+    def blocks(self, flat: torch.Tensor, count: int, block_stride: int, shape: tuple[int, int, int]) -> torch.Tensor:
+        """``[count, heads, block_size, head_size]``: the first ``count`` blocks of the cache."""
+        strides = (block_stride, self.head, self.token, self.channel)
+        return flat.as_strided((count, *shape), strides, flat.storage_offset() + self.base)
+
+    def rows(self, flat: torch.Tensor, start: int, shape: tuple[int, int, int]) -> torch.Tensor:
+        """``[heads, rows, head_size]`` from element ``start`` of the cache (a block's plus a row's)."""
+        return flat.as_strided(shape, (self.head, self.token, self.channel), flat.storage_offset() + self.base + start)
+
+
+def _affine(offsets: torch.Tensor) -> BlockStrides | None:
+    """The strides that give every offset of ``[heads, block_size, head_size]``, if any do."""
+    origin = offsets[0, 0, 0]
+    h, t, c = offsets.shape
+    head = int(offsets[1, 0, 0] - origin) if h > 1 else 0
+    token = int(offsets[0, 1, 0] - origin) if t > 1 else 0
+    channel = int(offsets[0, 0, 1] - origin) if c > 1 else 0
+    grid = (
+        origin
+        + torch.arange(h, device=offsets.device).view(-1, 1, 1) * head
+        + torch.arange(t, device=offsets.device).view(1, -1, 1) * token
+        + torch.arange(c, device=offsets.device).view(1, 1, -1) * channel
+    )
+    return BlockStrides(int(origin), head, token, channel) if torch.equal(grid, offsets) else None
 
 
 # -- GPU backends: the layout follows from the strides ------------------------------------------
@@ -164,12 +208,51 @@ def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class TokenSlots:
-    """Flat element indices of a request's tokens ``[start, end)``, keys and values, in ``[heads,
-    tokens, channels]`` order. Every layer with the same layout shares them, so compute them once."""
+    """Where a request's tokens ``[start, end)`` live: the blocks they occupy and the row of the first
+    one in its block. Every layer with the same layout shares them, so compute them once."""
 
-    key: torch.Tensor
-    value: torch.Tensor
-    shape: tuple[int, int, int]
+    layout: BlockLayout
+    block_ids: tuple[int, ...]
+    first_row: int
+    shape: tuple[int, int, int]  # [heads, tokens, channels]
+    device: torch.device
+
+    @functools.cached_property
+    def key(self) -> torch.Tensor:
+        """Flat element indices of the keys, ``[heads, tokens, channels]`` order (layouts that are not
+        affine)."""
+        return self._elements(self.layout.key_offsets)
+
+    @functools.cached_property
+    def value(self) -> torch.Tensor:
+        return self._elements(self.layout.value_offsets)
+
+    def _elements(self, offsets: torch.Tensor) -> torch.Tensor:
+        h, tokens, d = self.shape
+        blocks = torch.as_tensor(self.block_ids, dtype=torch.long, device=self.device)
+        base = (blocks * self.layout.block_stride).view(1, -1, 1, 1)
+        rows = len(self.block_ids) * self.layout.block_size
+        per_token = (offsets.to(self.device).unsqueeze(1) + base).reshape(h, rows, d)
+        return per_token[:, self.first_row : self.first_row + tokens].reshape(-1)
+
+    @functools.cached_property
+    def pieces(self) -> tuple[tuple[int, torch.Tensor] | None, list[tuple[int, int, int, int]]]:
+        """The tokens split by block: ``(first token, ids)`` of the blocks they fill whole, and
+        ``(block id, first row, rows, first token)`` of each block they fill in part (at most two)."""
+        bs, tokens = self.layout.block_size, self.shape[1]
+        whole, partial = [], []
+        token, row = 0, self.first_row
+        for block in self.block_ids:
+            rows = min(bs - row, tokens - token)
+            if rows == bs:
+                whole.append((token, block))
+            else:
+                partial.append((block, row, rows, token))
+            token, row = token + rows, 0
+        if not whole:
+            return None, partial
+        ids = torch.as_tensor([b for _, b in whole], dtype=torch.long, device=self.device)
+        return (whole[0][0], ids), partial
 
 
 def token_slots(
@@ -187,16 +270,9 @@ def token_slots(
     first, needed = start // bs, -(-end // bs)
     if needed > len(block_ids):
         raise LayoutError(f"{end} tokens need {needed} blocks, the request has {len(block_ids)}")
-    blocks = torch.as_tensor(block_ids[first:needed], dtype=torch.long, device=device)
-    base = (blocks * layout.block_stride).view(1, -1, 1, 1)
-    h, d, lo = layout.num_kv_heads, layout.head_size, start - first * bs
-    rows = (needed - first) * bs
-
-    def flat(offsets: torch.Tensor) -> torch.Tensor:
-        per_token = (offsets.to(device).unsqueeze(1) + base).reshape(h, rows, d)  # [heads, tokens, channels]
-        return per_token[:, lo : lo + end - start].reshape(-1)
-
-    return TokenSlots(flat(layout.key_offsets), flat(layout.value_offsets), (h, end - start, d))
+    shape = (layout.num_kv_heads, end - start, layout.head_size)
+    used = tuple(block_ids[first:needed]) if end > start else ()
+    return TokenSlots(layout, used, start - first * bs, shape, torch.device(device))
 
 
 def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -205,25 +281,69 @@ def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, value
         if tuple(t.shape) != slots.shape:
             raise LayoutError(f"{name} of shape {list(t.shape)} do not fit {list(slots.shape)} slots")
     flat = _flat(kv_cache)
-    # scatter_, not index assignment: that is many times slower on CPU for long index lists.
-    flat.scatter_(0, slots.key, keys.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1))
-    flat.scatter_(0, slots.value, values.to(device=kv_cache.device, dtype=kv_cache.dtype).reshape(-1))
+    keys = keys.to(device=kv_cache.device, dtype=kv_cache.dtype)
+    values = values.to(device=kv_cache.device, dtype=kv_cache.dtype)
+    strides = slots.layout.strides
+    if strides is None:
+        # scatter_, not index assignment: that is many times slower on CPU for long index lists.
+        flat.scatter_(0, slots.key, keys.reshape(-1))
+        flat.scatter_(0, slots.value, values.reshape(-1))
+        return
+    for part, source in zip(strides, (keys, values)):
+        for target, token, rows in _runs(flat, kv_cache.shape[0], slots, part):
+            if isinstance(rows, torch.Tensor):  # whole blocks: [blocks, heads, block_size, head_size]
+                h, bs, d = target.shape[1:]
+                grouped = source[:, token : token + rows.numel() * bs].reshape(h, -1, bs, d).transpose(0, 1)
+                target.index_copy_(0, rows, grouped)
+            else:
+                target.copy_(source[:, token : token + rows])
 
 
 def gather(kv_cache: torch.Tensor, slots: TokenSlots) -> tuple[torch.Tensor, torch.Tensor]:
     """Read the slots back: ``(keys, values)``, each ``[num_kv_heads, tokens, head_size]``."""
-    flat = _flat(kv_cache)
-    return flat.index_select(0, slots.key).view(slots.shape), flat.index_select(0, slots.value).view(slots.shape)
+    keys = torch.empty(slots.shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    values = torch.empty_like(keys)
+    gather_into(kv_cache, slots, keys, values)
+    return keys, values
 
 
 def gather_into(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, values: torch.Tensor) -> None:
     """:func:`gather` written into ``keys`` and ``values`` (contiguous, of ``slots.shape``): on a
     cache in host memory, straight from the blocks, with no tensor allocated between."""
     flat = _flat(kv_cache)
-    for out, index in ((keys, slots.key), (values, slots.value)):
+    for out in (keys, values):
         if out.shape != slots.shape or not out.is_contiguous():
             raise LayoutError(f"cannot gather {tuple(slots.shape)} into a tensor of {tuple(out.shape)}")
-        if flat.device == out.device and flat.dtype == out.dtype:
-            torch.index_select(flat, 0, index, out=out.view(-1))
-        else:
-            out.copy_(flat.index_select(0, index).view(slots.shape))
+    strides = slots.layout.strides
+    if strides is None:
+        for out, index in ((keys, slots.key), (values, slots.value)):
+            if flat.device == out.device and flat.dtype == out.dtype:
+                torch.index_select(flat, 0, index, out=out.view(-1))
+            else:
+                out.copy_(flat.index_select(0, index).view(slots.shape))
+        return
+    for part, out in zip(strides, (keys, values)):
+        for source, token, rows in _runs(flat, kv_cache.shape[0], slots, part):
+            if isinstance(rows, torch.Tensor):  # whole blocks, read one by one into their place
+                bs = source.shape[2]
+                for i, block in enumerate(rows.tolist()):
+                    out[:, token + i * bs : token + (i + 1) * bs].copy_(source[block])
+            else:
+                out[:, token : token + rows].copy_(source)
+
+
+def _runs(
+    flat: torch.Tensor, blocks: int, slots: TokenSlots, part: BlockStrides
+) -> list[tuple[torch.Tensor, int, torch.Tensor | int]]:
+    """The copies an affine layout needs: ``(view of all blocks, first token, block ids)`` for the
+    blocks the tokens fill whole, and ``(view of the rows, first token, row count)`` for each block
+    they fill in part."""
+    h, _, d = slots.shape
+    bs, block_stride = slots.layout.block_size, slots.layout.block_stride
+    whole, partial = slots.pieces
+    runs: list[tuple[torch.Tensor, int, torch.Tensor | int]] = []
+    if whole is not None:
+        runs.append((part.blocks(flat, blocks, block_stride, (h, bs, d)), whole[0], whole[1]))
+    for block, row, rows, token in partial:
+        runs.append((part.rows(flat, block * block_stride + row * part.token, (h, rows, d)), token, rows))
+    return runs
