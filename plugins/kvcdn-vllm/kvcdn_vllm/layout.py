@@ -289,14 +289,18 @@ def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, value
         flat.scatter_(0, slots.key, keys.reshape(-1))
         flat.scatter_(0, slots.value, values.reshape(-1))
         return
+    h, _, d = slots.shape
+    bs, block_stride = slots.layout.block_size, slots.layout.block_stride
+    whole, partial = slots.pieces
     for part, source in zip(strides, (keys, values)):
-        for target, token, rows in _runs(flat, kv_cache.shape[0], slots, part):
-            if isinstance(rows, torch.Tensor):  # whole blocks: [blocks, heads, block_size, head_size]
-                h, bs, d = target.shape[1:]
-                grouped = source[:, token : token + rows.numel() * bs].reshape(h, -1, bs, d).transpose(0, 1)
-                target.index_copy_(0, rows, grouped)
-            else:
-                target.copy_(source[:, token : token + rows])
+        if whole is not None:  # one copy for every block filled whole
+            token, ids = whole
+            grouped = source[:, token : token + ids.numel() * bs].reshape(h, -1, bs, d).transpose(0, 1)
+            part.blocks(flat, kv_cache.shape[0], block_stride, (h, bs, d)).index_copy_(0, ids, grouped)
+        for block, row, rows, token in partial:
+            part.rows(flat, block * block_stride + row * part.token, (h, rows, d)).copy_(
+                source[:, token : token + rows]
+            )
 
 
 def gather(kv_cache: torch.Tensor, slots: TokenSlots) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,28 +326,14 @@ def gather_into(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, v
             else:
                 out.copy_(flat.index_select(0, index).view(slots.shape))
         return
-    for part, out in zip(strides, (keys, values)):
-        for source, token, rows in _runs(flat, kv_cache.shape[0], slots, part):
-            if isinstance(rows, torch.Tensor):  # whole blocks, read one by one into their place
-                bs = source.shape[2]
-                for i, block in enumerate(rows.tolist()):
-                    out[:, token + i * bs : token + (i + 1) * bs].copy_(source[block])
-            else:
-                out[:, token : token + rows].copy_(source)
-
-
-def _runs(
-    flat: torch.Tensor, blocks: int, slots: TokenSlots, part: BlockStrides
-) -> list[tuple[torch.Tensor, int, torch.Tensor | int]]:
-    """The copies an affine layout needs: ``(view of all blocks, first token, block ids)`` for the
-    blocks the tokens fill whole, and ``(view of the rows, first token, row count)`` for each block
-    they fill in part."""
     h, _, d = slots.shape
     bs, block_stride = slots.layout.block_size, slots.layout.block_stride
     whole, partial = slots.pieces
-    runs: list[tuple[torch.Tensor, int, torch.Tensor | int]] = []
-    if whole is not None:
-        runs.append((part.blocks(flat, blocks, block_stride, (h, bs, d)), whole[0], whole[1]))
-    for block, row, rows, token in partial:
-        runs.append((part.rows(flat, block * block_stride + row * part.token, (h, rows, d)), token, rows))
-    return runs
+    for part, out in zip(strides, (keys, values)):
+        if whole is not None:  # block by block, each straight into its place
+            token, ids = whole
+            blocks = part.blocks(flat, kv_cache.shape[0], block_stride, (h, bs, d))
+            for i, block in enumerate(ids.tolist()):
+                out[:, token + i * bs : token + (i + 1) * bs].copy_(blocks[block])
+        for block, row, rows, token in partial:
+            out[:, token : token + rows].copy_(part.rows(flat, block * block_stride + row * part.token, (h, rows, d)))
