@@ -38,16 +38,16 @@ def round_up_param(t: torch.Tensor) -> torch.Tensor:
 def scale_to_fit(peak: torch.Tensor, top: float) -> torch.Tensor:
     """The float32 scale that maps ``peak`` onto code ``top``, rounded up so no code is clamped.
 
-    ``peak / top`` in float32 rounds to nearest, which can be below the exact quotient by half of
-    its spacing; for a peak under ``top * 2^-149`` it underflows to 0, which would zero the whole
-    row. Stepping such a scale up to the next float keeps every code in range and every nonzero row
-    nonzero, so the schemes' bounds hold down to the smallest subnormal inputs.
+    ``peak / top`` in float32 rounds to nearest, which can be below the exact quotient; for a peak
+    under about ``top * 2^-150`` it underflows to 0, which would zero the whole row. Stepping such a
+    scale up to the next float (compared in float64, where ``scale * top`` is exact) keeps every
+    code in range and every nonzero row nonzero, so the bounds hold down to the smallest subnormals.
     """
     import torch
 
     peak = peak.to(torch.float32)
     scale = peak / top
-    short = scale * top < peak
+    short = scale.double() * top < peak.double()
     if bool(short.any()):
         scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     return scale

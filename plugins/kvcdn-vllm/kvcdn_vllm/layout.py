@@ -275,6 +275,15 @@ def token_slots(
     return TokenSlots(layout, used, start - first * bs, shape, torch.device(device))
 
 
+def _blocks_in_cache(kv_cache: torch.Tensor, slots: TokenSlots) -> None:
+    """Strided views reach the whole allocation (vLLM's layers share one), not just this layer's
+    cache, so a block id outside it is refused here rather than written into another layer."""
+    count = kv_cache.shape[0]
+    outside = [b for b in slots.block_ids if not 0 <= b < count]
+    if outside:
+        raise LayoutError(f"block {outside[0]} is outside the cache's {count} blocks")
+
+
 def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Write ``keys``/``values`` ``[num_kv_heads, tokens, head_size]`` into the slots."""
     for name, t in (("keys", keys), ("values", values)):
@@ -289,6 +298,7 @@ def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, value
         flat.scatter_(0, slots.key, keys.reshape(-1))
         flat.scatter_(0, slots.value, values.reshape(-1))
         return
+    _blocks_in_cache(kv_cache, slots)
     h, _, d = slots.shape
     bs, block_stride = slots.layout.block_size, slots.layout.block_stride
     whole, partial = slots.pieces
@@ -326,14 +336,19 @@ def gather_into(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, v
             else:
                 out.copy_(flat.index_select(0, index).view(slots.shape))
         return
+    _blocks_in_cache(kv_cache, slots)
     h, _, d = slots.shape
     bs, block_stride = slots.layout.block_size, slots.layout.block_stride
     whole, partial = slots.pieces
     for part, out in zip(strides, (keys, values)):
-        if whole is not None:  # block by block, each straight into its place
+        if whole is not None:
             token, ids = whole
             blocks = part.blocks(flat, kv_cache.shape[0], block_stride, (h, bs, d))
-            for i, block in enumerate(ids.tolist()):
-                out[:, token + i * bs : token + (i + 1) * bs].copy_(blocks[block])
+            into = out[:, token : token + ids.numel() * bs]
+            if flat.device != out.device:  # one gather on the cache's device, one transfer
+                into.view(h, -1, bs, d).copy_(blocks.index_select(0, ids).transpose(0, 1))
+            else:  # block by block, each straight into its place
+                for i, block in enumerate(ids.tolist()):
+                    into[:, i * bs : (i + 1) * bs].copy_(blocks[block])
         for block, row, rows, token in partial:
             out[:, token : token + rows].copy_(part.rows(flat, block * block_stride + row * part.token, (h, rows, d)))

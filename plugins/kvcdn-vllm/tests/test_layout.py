@@ -163,3 +163,19 @@ def test_the_copy_benchmark_runs_and_both_paths_write_the_same_bytes():
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "same bytes written" in done.stdout
+
+
+@pytest.mark.parametrize("kind", ["NHD", "cpu", "tiled"])
+def test_a_block_outside_the_cache_is_refused_not_written_into_the_next_layer(kind):
+    """vLLM's layers share one allocation: a strided view reaches past this layer's blocks."""
+    layout = layout_of(kind)
+    storage = torch.zeros(2 * BLOCKS, HEADS, BLOCK, 2 * DIM)
+    layer0, layer1 = storage[:BLOCKS], storage[BLOCKS:]
+    keys, values = request(BLOCK + 2)
+    for blocks in ([0, BLOCKS], [BLOCKS + 1, 0], [-1, 0]):
+        slots = paged.token_slots(layout, blocks, BLOCK + 2)
+        with pytest.raises((paged.LayoutError, RuntimeError)):
+            paged.scatter(layer0, slots, keys, values)
+        with pytest.raises((paged.LayoutError, RuntimeError, IndexError)):
+            paged.gather(layer0, slots)
+    assert not layer1.any()
