@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from kvcdn_model_qwen import QwenAdapter
+from safetensors.torch import load_file
 
 from kvcdn_core import artifact, runtime
 from kvcdn_core.errors import ArtifactError, KvcdnError
@@ -297,6 +298,21 @@ def _fake_artifact(path, kinds):
         "quantization": None,
     }
     return artifact.write_artifact(path, manifest, tensors)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_cache_holding_nan_or_inf_is_refused_in_one_line_and_nothing_written(tmp_path, cli, bad):
+    path = tmp_path / "bad.kv"
+    _fake_artifact(path, [artifact.FULL_ATTENTION, artifact.FULL_ATTENTION])
+    header = artifact.read_manifest(path)
+    tensors = load_file(path)
+    tensors["layers.1.value"][0, 1, 7, 3] = bad
+    artifact.write_artifact(path, header, tensors)
+    result = cli("quant", "--kv-path", path)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and "holds inf or NaN" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.kv"]
 
 
 def test_unsupported_layer_kinds_are_kept_and_recorded(tmp_path):

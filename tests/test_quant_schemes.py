@@ -8,6 +8,8 @@ low-bit schemes come from the kvcdn-quant-lowbit plugin; they are exercised here
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -108,6 +110,50 @@ def test_rows_of_subnormals_stay_within_bound(cls):
                 err = (x - q.dequantize(parts, record, torch.float32)).abs()
                 worst = float((err - q.error_bound(role, x)).max())
                 assert worst <= 0, f"{cls.scheme} {role}: {k} steps, {other} steps: over by {worst / step} steps"
+
+
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
+def test_rows_at_float32s_largest_values_decode_finite_within_bound(cls):
+    """A row whose peak is near float32's largest value decodes finite: the scale rounded up for it
+    would make ``top code * scale`` overflow to inf, so such a scale is kept at the largest that
+    fits (its top code then misses the peak by under a float32 step of the scale)."""
+    q = cls(**({"residual": 0} if "residual" in cls.default_params else {}))
+    big = torch.finfo(torch.float32).max
+    for peak in (big, torch.nextafter(torch.tensor(big), torch.tensor(0.0)).item(), big * 0.999999, big / 2):
+        for other in (0.0, 1.0, peak / 3):
+            row = torch.tensor([[[[peak, other], [peak / 2, -other]]]])
+            for x, role in itertools.product((row, -row), (KEY, VALUE)):
+                parts, record = q.quantize(role, x)
+                y = q.dequantize(parts, record, torch.float32)
+                assert torch.isfinite(y).all(), f"{cls.scheme} {role}: peak {peak} decodes to {y.flatten().tolist()}"
+                assert ((x - y).abs() <= q.error_bound(role, x)).all(), f"{cls.scheme} {role}: peak {peak}"
+
+
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)
+def test_inf_and_nan_are_refused_in_one_line(cls):
+    """No scale keeps a bound on inf or NaN: every scheme refuses them instead of writing garbage."""
+    q = cls(**({"residual": 0} if "residual" in cls.default_params else {}))
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        x = torch.ones(1, 2, 8, 4)
+        x[0, 1, 3, 2] = bad
+        for role in (KEY, VALUE):
+            with pytest.raises(KvcdnError, match="holds inf or NaN") as caught:
+                q.quantize(role, x)
+            assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("cls", [c for c in SCHEMES if "group_size" in c.default_params], ids=lambda c: c.scheme)
+def test_a_group_spanning_more_than_float32_is_refused(cls):
+    """Asymmetric codes decode as ``code * scale + zero``: a group from near -3.4e38 to near +3.4e38
+    has no float32 scale for that, so it is refused rather than decoded to NaN."""
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[[[big, 1.0], [-big, -1.0]]]])
+    for role in (KEY, VALUE):
+        q = cls(residual=0, group_size=2)
+        if role == VALUE:
+            x = x.transpose(-1, -2).contiguous()  # values are grouped along channels
+        with pytest.raises(KvcdnError, match="spans more than float32"):
+            q.quantize(role, x)
 
 
 @pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.scheme)

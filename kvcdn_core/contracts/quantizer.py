@@ -138,6 +138,9 @@ class Quantizer:
         tokens = tensor.shape[-2]
         keep = min(self.residual, tokens)
         body = tensor.narrow(-2, 0, tokens - keep).to(torch.float32)
+        if body.numel() and not bool(torch.isfinite(body).all()):
+            # no scale keeps a bound on inf or NaN: the codes would be garbage, silently
+            raise KvcdnError(f"scheme {self.scheme}: the {role} tensor holds inf or NaN values; it cannot be quantized")
         parts: Parts
         record: Record
         parts, record = ({}, {}) if body.numel() == 0 else self.encode(role, body.contiguous())

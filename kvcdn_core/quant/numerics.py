@@ -14,6 +14,8 @@ F16_MAX = 60000.0
 F16_TINY = 6.2e-5  # smallest normal float16 is 6.1e-5
 #: the spacing of float32's subnormals: a float32 division or product near 1e-38 is no closer than this
 FLOAT32_SUBNORMAL_STEP = 2.0**-149
+#: float32's largest finite value
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def round_up_param(t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +44,9 @@ def scale_to_fit(peak: torch.Tensor, top: float) -> torch.Tensor:
     under about ``top * 2^-150`` it underflows to 0, which would zero the whole row. Stepping such a
     scale up to the next float (compared in float64, where ``scale * top`` is exact) keeps every
     code in range and every nonzero row nonzero, so the bounds hold down to the smallest subnormals.
+    At the other end, a scale whose ``top`` multiple passes float32's largest value would decode
+    that code to inf: such a scale is stepped back down, and the top code, clamped, then misses
+    the peak by less than ``top`` steps of the scale's last bit (far inside every bound).
     """
     import torch
 
@@ -50,6 +55,9 @@ def scale_to_fit(peak: torch.Tensor, top: float) -> torch.Tensor:
     short = scale.double() * top < peak.double()
     if bool(short.any()):
         scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    over = scale.double() * top > FLOAT32_MAX
+    if bool(over.any()):
+        scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     return scale
 
 

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcdn_core import FULL_ATTENTION, KEY, SLIDING_WINDOW, Quantizer, hookimpl, round_down_param, round_up_param
+from kvcdn_core import (
+    FULL_ATTENTION,
+    KEY,
+    SLIDING_WINDOW,
+    KvcdnError,
+    Quantizer,
+    hookimpl,
+    round_down_param,
+    round_up_param,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -86,6 +95,10 @@ class GroupedQuantizer(Quantizer):
         import torch
 
         groups, length = self._groups(x, role)
+        if not bool(torch.isfinite(groups.amax(dim=-1) - groups.amin(dim=-1)).all()):
+            # a group spanning more than float32 holds (values near +-3.4e38 of both signs) has no
+            # float32 scale and zero point that decode it finite
+            raise KvcdnError(f"scheme {self.scheme}: a group of the {role} tensor spans more than float32 can hold")
         zero = round_down_param(groups.amin(dim=-1))
         scale = round_up_param((groups.amax(dim=-1) - zero.to(torch.float32)) / self.levels)
         s = scale.to(torch.float32).unsqueeze(-1)
