@@ -294,6 +294,11 @@ class KvcdnConnector(KVConnectorBase_V1):
         if not _plain_text_request(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
+        if not self._can_save and num_computed_tokens >= (len(prompt) - 1) // self._block_size * self._block_size:
+            # vLLM's own prefix cache holds every block a load could fill (all but the last token
+            # is computed, in whole blocks): no store can add to that, so no lookup is made. An
+            # engine that saves still asks: the answer says whether the store holds the prompt.
+            return 0, False
         hit: _StoreHit | Hit | None
         grant = _grant_of(request)
         if grant is not None:

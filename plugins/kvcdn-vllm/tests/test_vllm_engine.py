@@ -462,6 +462,20 @@ def fleet(tmp_path_factory):
             }
         ],
     )
+    # vLLM's own prefix cache on: the second request's blocks are all there, so it makes no lookup
+    apc, apc_log = drive_logged(
+        tmp,
+        "apc",
+        [
+            {
+                "model": smol,
+                "connector": connector("tier-b", False),
+                "prompts": [prompts[1]] * 2,
+                "max_tokens": 8,
+                "prefix_caching": True,
+            }
+        ],
+    )
     # Faults, in a third process: B restarts on its tier with chunk 0's file corrupted, and a disk
     # write queue of one byte (the chunk fetched again gets no disk copy); its tier warms its memory
     # from disk before the first request (dropping chunk 0); then an engine with an empty
@@ -500,6 +514,9 @@ def fleet(tmp_path_factory):
         "reference": first[0],
         "a": first[1][0],
         "b": second[0],
+        "apc": apc[0],
+        "apc_log": apc_log,
+        "prompts": prompts,
         "names": names,
         "shared": shared,
         "faults": [run[0] for run in third],
@@ -533,6 +550,18 @@ def test_a_second_request_takes_the_chunks_from_the_memory_tier(fleet):
     params = again["kv_transfer_params"]
     assert params["kvcdn_chunks_memory"] == first["kv_transfer_params"]["kvcdn_chunks_remote"]
     assert params["kvcdn_chunks_remote"] == params["kvcdn_bytes_fetched"] == 0
+
+
+def test_a_prompt_vllms_prefix_cache_holds_whole_is_not_looked_up(fleet):
+    """With vLLM's prefix cache on, a request whose every block but the last token's is cached
+    there cannot get more from any store: the connector makes no lookup for it (no save is on)."""
+    first, again = fleet["apc"]
+    assert first["ids"] == again["ids"] == fleet["reference"][1]["ids"]
+    assert first["kv_transfer_params"]["kvcdn_loaded_tokens"] == block_aligned(fleet["shared"])
+    assert again["cached"] == block_aligned(len(fleet["prompts"][1]) - 1) and again["kv_transfer_params"] is None
+    lookups = [line for line in fleet["apc_log"].splitlines() if "store lookup" in line]
+    assert len(lookups) == 1, lookups
+    assert "Traceback" not in fleet["apc_log"]
 
 
 def test_a_request_that_ends_in_its_load_step_carries_its_figures(fleet):

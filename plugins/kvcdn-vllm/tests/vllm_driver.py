@@ -9,11 +9,12 @@ KV blocks (so that a batch outgrows them and vLLM preempts), ``"copy_when_asked"
 each of the connector's layer-by-layer copies until the forward asks for that layer (so it must wait
 for every one),
 ``"fail_layer_copy"`` (a layer index) to make the first copy of that layer fail, ``"warm_first": true``
-to let the tier's warming thread (memory from disk, at start) end before the first request; OUT gets, per run,
+to let the tier's warming thread (memory from disk, at start) end before the first request,
+``"prefix_caching": true`` to turn vLLM's own prefix cache on; OUT gets, per run,
 per prompt: the greedy token ids, ``num_cached_tokens``, the connector's ``kv_transfer_params`` and
 ``layer_waits`` (the forward's waits for a layer, and how many found it not yet copied).
-Engines are float32, eager, with vLLM's own prefix cache off, so any cached token was loaded by the
-connector.
+Engines are float32, eager, with vLLM's own prefix cache off unless asked, so any cached token was
+loaded by the connector.
 
 Engines run inside this process (no engine-core or worker subprocess, on one thread, as vLLM's CPU
 binding gives a 2-core machine): each spawned process re-imports vLLM and torch, which took about
@@ -117,7 +118,7 @@ def run_engine(run: dict) -> list[dict]:
         dtype="float32",
         max_model_len=run.get("max_model_len", 2048),
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(run.get("prefix_caching")),
         seed=0,
         distributed_executor_backend="uni" if tp * pp == 1 else "mp",
         tensor_parallel_size=tp,
