@@ -133,6 +133,13 @@ def lookup_ms(lines: list[str]) -> list[float]:
     return [float(m.group(1)) for line in lines if (m := re.search(r"store lookup ([0-9.]+) ms", line))]
 
 
+def lookup_cpu_ms(lines: list[str]) -> list[float]:
+    """The scheduler thread's CPU time within each lookup (the rest waited on the store)."""
+    return [
+        float(m.group(1)) for line in lines if (m := re.search(r"store lookup [0-9.]+ ms \(([0-9.]+) ms CPU", line))
+    ]
+
+
 def load_figures(params: dict) -> dict:
     """The connector's per-request figures, from the request's ``kv_transfer_params``."""
     keys = ("loaded_tokens", "chunks_memory", "chunks_disk", "chunks_remote", "bytes_fetched")
@@ -193,6 +200,7 @@ def timed(llm, prompt: list[int], reps: int, traffic: Traffic, lines: Lines, pro
                 "http_responses": traffic.responses,
                 "http_by_route": dict(traffic.by_route),
                 "lookup_ms": lookup_ms(got),
+                "lookup_cpu_ms": lookup_cpu_ms(got),
                 "load": load_figures(params),
             }
         )
@@ -603,7 +611,9 @@ def report(r: dict, args) -> None:
             f"{load['chunks_memory']}/{load['chunks_disk']}/{load['chunks_remote']}" if load["loaded_tokens"] else ""
         )
         looked = [ms for x in runs for ms in x["lookup_ms"]]
+        cpu = [ms for x in runs for ms in x.get("lookup_cpu_ms", [])]
         looked = f"{statistics.median(looked):.1f}" if looked else ""
+        looked += f" ({statistics.median(cpu):.1f} CPU)" if cpu else ""
         return (
             f"| {name} | {t:.3f} s | {t / apc:.2f}x | {last['cached_tokens']} | {chunks} | "
             f"{load['bytes_fetched']:,} | {last['http_body_bytes']:,} | {looked} | {note} |"
@@ -617,7 +627,7 @@ def report(r: dict, args) -> None:
     )
     print(
         f"| first token (median of {len(r['apc_hit'])} where 'later') | TTFT | x APC hit | cached tokens "
-        "| chunks memory/disk/remote | bytes fetched | HTTP body bytes | lookup ms (median) | |"
+        "| chunks memory/disk/remote | bytes fetched | HTTP body bytes | lookup ms (median; CPU here) | |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     print(row("cold (vLLM alone)", [r["cold"]]))

@@ -95,11 +95,12 @@ def test_load_figures_read_the_requests_kv_transfer_params(fleet):
 
 def test_lookup_times_read_the_connectors_per_request_line(fleet):
     lines = [
-        "kvcdn: request 1-a8bf7ef8: store lookup 45.3 ms, 512 tokens matched",
+        "kvcdn: request 1-a8bf7ef8: store lookup 45.3 ms (1.7 ms CPU here), 512 tokens matched",
         "kvcdn: request 1-a8bf7ef8 loaded 512 tokens of 'document' (chunks: 0 memory, 0 disk, 2 remote; "
         "23592960 bytes fetched)",
     ]
     assert fleet.lookup_ms(lines) == [45.3]
+    assert fleet.lookup_cpu_ms(lines) == [1.7]
 
 
 def run(ttft: float, fetched: int = 0, loaded: int = 0, http: int = 0) -> dict:
