@@ -95,12 +95,13 @@ class GroupedQuantizer(Quantizer):
         import torch
 
         groups, length = self._groups(x, role)
-        if not bool(torch.isfinite(groups.amax(dim=-1) - groups.amin(dim=-1)).all()):
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+        if not bool(torch.isfinite(hi - lo).all()):
             # a group spanning more than float32 holds (values near +-3.4e38 of both signs) has no
             # float32 scale and zero point that decode it finite
             raise KvcdnError(f"scheme {self.scheme}: a group of the {role} tensor spans more than float32 can hold")
-        zero = round_down_param(groups.amin(dim=-1))
-        scale = round_up_param((groups.amax(dim=-1) - zero.to(torch.float32)) / self.levels)
+        zero = round_down_param(lo)
+        scale = round_up_param((hi - zero.to(torch.float32)) / self.levels)
         s = scale.to(torch.float32).unsqueeze(-1)
         shifted = groups - zero.to(torch.float32).unsqueeze(-1)
         codes = torch.where(s > 0, shifted / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(shifted))

@@ -294,7 +294,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         if not _plain_text_request(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        if not self._can_save and num_computed_tokens >= (len(prompt) - 1) // self._block_size * self._block_size:
+        if not self._can_save and num_computed_tokens >= self._loadable(prompt, len(prompt)):
             # vLLM's own prefix cache holds every block a load could fill (all but the last token
             # is computed, in whole blocks): no store can add to that, so no lookup is made. An
             # engine that saves still asks: the answer says whether the store holds the prompt.
@@ -350,10 +350,14 @@ class KvcdnConnector(KVConnectorBase_V1):
             return None
         return self._fitting_hit(chunks.Match(record.name, record.token_count, record, urls), prompt)
 
+    def _loadable(self, prompt: list[int], matched: int) -> int:
+        """How many of ``matched`` tokens a load may fill: whole blocks, one prompt token left to compute."""
+        return min(matched, len(prompt) - 1) // self._block_size * self._block_size
+
     def _fitting_hit(self, match: chunks.Match, prompt: list[int]) -> _StoreHit | None:
         """``match`` cut to whole blocks (one prompt token left to compute), when it fits the engine."""
         assert self._store is not None
-        tokens = min(match.prefix_tokens, len(prompt) - 1) // self._block_size * self._block_size
+        tokens = self._loadable(prompt, match.prefix_tokens)
         if tokens < max(self.settings.min_tokens, 1):
             return None
         try:
