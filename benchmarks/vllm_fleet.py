@@ -66,7 +66,8 @@ REPLY = " Assistant: Noted. The ledger, the storm and the harbour office are in 
 
 
 class Traffic:
-    """Counts every HTTP response body this process receives (all httpx clients, any route)."""
+    """Counts every HTTP response body this process receives (all httpx clients, any route, and the
+    standard library's client that reads the chunk bodies)."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -104,6 +105,36 @@ class Traffic:
             return response
 
         httpx.HTTPTransport.handle_request = handle_request
+        self._install_http_client()
+
+    def _install_http_client(self) -> None:
+        """The chunk GETs that :class:`kvcdn_hosted.objects.ObjectReader` makes with the standard
+        library's client: every response, and every body byte it reads."""
+        import http.client
+
+        traffic, response = self, http.client.HTTPResponse
+        begin, readinto, read = response.begin, response.readinto, response.read
+
+        def counted(n: int) -> None:
+            traffic.bytes += n
+            traffic.by_route["chunk GET"] = traffic.by_route.get("chunk GET", 0) + n
+
+        def counted_begin(self) -> None:
+            begin(self)
+            traffic.responses += 1
+
+        def counted_readinto(self, b) -> int:
+            n = readinto(self, b)
+            counted(n)
+            return n
+
+        def counted_read(self, amt=None) -> bytes:
+            data = read(self, amt)
+            if amt is None:  # read(amt) reads through readinto, counted there
+                counted(len(data))
+            return data
+
+        response.begin, response.readinto, response.read = counted_begin, counted_readinto, counted_read  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.bytes, self.responses, self.by_route = 0, 0, {}

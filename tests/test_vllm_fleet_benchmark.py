@@ -6,6 +6,7 @@ The benchmark itself needs the vLLM environment and minutes of CPU; these tests 
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import importlib.util
 import math
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvcdn_hosted.objects import ObjectReader
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -53,6 +56,8 @@ class Bodies(http.server.BaseHTTPRequestHandler):
 
 def test_traffic_counts_every_response_body_by_route(fleet, monkeypatch):
     monkeypatch.setattr(httpx.HTTPTransport, "handle_request", httpx.HTTPTransport.handle_request)  # restored after
+    for name in ("begin", "readinto", "read"):
+        monkeypatch.setattr(http.client.HTTPResponse, name, getattr(http.client.HTTPResponse, name))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bodies)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -64,9 +69,13 @@ def test_traffic_counts_every_response_body_by_route(fleet, monkeypatch):
             client.post(f"{url}/api/v1/artifacts/0123456789abcdef0123/chunks", json={})
             with client.stream("GET", f"{url}/1000") as streamed:  # a body read in pieces counts too
                 assert sum(len(piece) for piece in streamed.iter_bytes()) == 1000
-        assert traffic.bytes == 300_000 + 15 + 1000
-        assert traffic.responses == 3
-        assert traffic.by_route == {"chunk GET": 301_000, "POST /api/v1/artifacts/ID/chunks": 15}
+        objects = ObjectReader(httpx.Client(), "test")  # the chunk GETs of the hosted backend
+        assert len(objects.get(f"{url}/5000", memoryview(bytearray(5000)))) == 5000
+        assert len(objects.get(f"{url}/700")) == 700
+        objects.close()
+        assert traffic.bytes == 300_000 + 15 + 1000 + 5000 + 700
+        assert traffic.responses == 5
+        assert traffic.by_route == {"chunk GET": 306_700, "POST /api/v1/artifacts/ID/chunks": 15}
         traffic.reset()
         assert (traffic.bytes, traffic.responses, traffic.by_route) == (0, 0, {})
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import threading
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,6 +20,7 @@ from kvcdn_hosted.config import Settings
 from kvcdn_wire import NOT_DONE_UNAVAILABLE
 
 if TYPE_CHECKING:
+    from kvcdn_hosted.objects import ObjectReader
     from kvcdn_wire.responses import Answer
 
     A = TypeVar("A", bound=Answer)
@@ -154,9 +156,24 @@ class HostedClient:
         self.credential = credential
         if auth and credential is None:
             self.credential = resolve_credential(settings, self.http)
+        self._objects: ObjectReader | None = None
+        self._objects_lock = threading.Lock()
+
+    @property
+    def objects(self) -> ObjectReader:
+        """The GETs of signed object URLs (chunk bodies), read straight into memory
+        (:mod:`kvcdn_hosted.objects`)."""
+        with self._objects_lock:
+            if self._objects is None:
+                from kvcdn_hosted.objects import ObjectReader
+
+                self._objects = ObjectReader(self.http, _user_agent())
+            return self._objects
 
     def close(self) -> None:
         self.http.close()
+        if self._objects is not None:
+            self._objects.close()
 
     def __enter__(self):
         return self

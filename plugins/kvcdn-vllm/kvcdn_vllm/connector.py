@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -202,6 +203,10 @@ class KvcdnConnector(KVConnectorBase_V1):
             dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
             root = chunks.engine_root(self._fingerprint, dtype)
             self._store = chunks.open_lookup(self.settings.store, root, _warn)
+            if role == KVConnectorRole.SCHEDULER and isinstance(self._store, chunks.StoreLookup):
+                # the index read while the engine starts (a slow store does not hold the start up),
+                # so that the first request's lookup does not read all of it
+                threading.Thread(target=self._store.warm, name="kvcdn-index-warm", daemon=True).start()
         else:
             assert self.settings.source is not None
             self._source = Source(self.settings.source, create=self.settings.save, warn=_warn)

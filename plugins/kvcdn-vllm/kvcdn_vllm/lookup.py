@@ -75,6 +75,16 @@ class StoreLookup:
         self._warn = warn
         self._warned: set[str] = set()
 
+    def warm(self) -> None:
+        """Read the store's index now (the scheduler does, on a thread of its own, at engine start),
+        so that the first request's lookup reads only the index objects written since, not all of
+        them. A lookup meanwhile reads the index itself, as without this. A store that fails here is
+        left to that lookup to report, in its one line."""
+        try:
+            index.load(self.store.backend)
+        except Exception:
+            pass
+
     def lookup(self, prompt_ids: list[int]) -> Match | None:
         try:
             hits = index.lookup(self.store.backend, self.root, prompt_ids, limit=1)

@@ -7,6 +7,11 @@ stored whole is skipped with one line."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
 import httpx
 import pytest
 import torch
@@ -32,11 +37,21 @@ def served(tmp_path_factory):
 
 
 class Traffic:
-    """Every response the backend's HTTP client received: (method, path, body bytes)."""
+    """Every response the backend received: (method, path, body bytes), from its API client (httpx)
+    and from its reader of signed object URLs (the chunk GETs: :mod:`kvcdn_hosted.objects`)."""
 
     def __init__(self, backend):
         self.seen: list[tuple[str, str, int]] = []
         backend.client.http.event_hooks["response"].append(self._hook)
+        objects = backend.client.objects
+        get = objects.get
+
+        def recorded(url: str, into=None):
+            body = get(url, into)  # all the bytes the response carried (never cut to fit ``into``)
+            self.seen.append(("GET", urlsplit(url).path, 0 if body is None else len(body)))
+            return body
+
+        objects.get = recorded
 
     def _hook(self, response: httpx.Response) -> None:
         response.read()
@@ -277,3 +292,18 @@ def test_a_backend_without_the_grant_in_its_lookup_costs_two_requests(served, mo
         ("POST", f"{API}/artifacts/{doc_id}/chunks"),
     ]
     assert WARNINGS == []
+
+
+def test_the_object_get_benchmark_runs_both_readers_on_a_real_server():
+    """benchmarks/object_get.py on a small artifact: both readers fetch every chunk into place."""
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "object_get.py"
+    args = ["--tokens", "512", "--layers", "4", "--reps", "1"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| httpx", "| ObjectReader"))]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [" httpx ", " 1 "],
+        [" ObjectReader ", " 1 "],
+        [" httpx ", " 4 "],
+        [" ObjectReader ", " 4 "],
+    ]

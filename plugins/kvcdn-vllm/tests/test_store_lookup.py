@@ -74,6 +74,50 @@ def test_another_model_or_dtype_finds_nothing_and_a_failing_store_is_a_miss(stor
     assert warnings == ["prefix lookup in the store failed: store unreachable"]  # one line, once
 
 
+class CountingStorage(LocalStorage):
+    """A local store that counts the index objects read."""
+
+    index_reads = 0
+
+    def read_bytes(self, key):
+        if key.startswith("index/"):
+            CountingStorage.index_reads += 1
+        return super().read_bytes(key)
+
+
+def test_warm_reads_the_index_at_start_so_the_first_lookup_reads_only_what_is_new(tmp_path):
+    backend = CountingStorage(tmp_path / "store")
+    writer = ChunkStore(LocalStorage(tmp_path / "store"))
+    tensors, _ = put(writer, tmp_path, "doc", 300)
+    put(writer, tmp_path, "other", 300, seed=1)
+    prompt = tensors[artifact.TOKEN_IDS].tolist()
+    warnings: list[str] = []
+
+    cold = lookup.StoreLookup(ChunkStore(CountingStorage(tmp_path / "store")), ROOT, warnings.append)
+    CountingStorage.index_reads = 0
+    assert cold.lookup(prompt) is not None
+    assert CountingStorage.index_reads == 2  # without warm: the first request reads every index object
+
+    warmed = lookup.StoreLookup(ChunkStore(backend), ROOT, warnings.append)
+    CountingStorage.index_reads = 0
+    warmed.warm()
+    assert CountingStorage.index_reads == 2
+    match = warmed.lookup(prompt)
+    assert match is not None and match.name == "doc" and CountingStorage.index_reads == 2  # none read again
+    put(writer, tmp_path, "third", 300, seed=2)
+    assert warmed.lookup(prompt) is not None and CountingStorage.index_reads == 3  # only the new one
+
+    class Down(LocalStorage):
+        def list(self, prefix=""):
+            raise ConnectionError("store unreachable")
+
+    down = lookup.StoreLookup(ChunkStore(Down(tmp_path / "store")), ROOT, warnings.append)
+    down.warm()  # nothing raised, nothing said: the first lookup says it
+    assert warnings == []
+    assert down.lookup(prompt) is None
+    assert warnings == ["prefix lookup in the store failed: store unreachable"]
+
+
 def saves_to(store_dir, model_dir="no-model", fingerprint=FINGERPRINT) -> SaveTarget:
     """Where a test's save queue puts: a local chunk store, an engine of ``fingerprint``."""
     return SaveTarget(str(store_dir), SavedModel("example/tiny", None, str(model_dir), fingerprint, None))

@@ -24,6 +24,12 @@ from kvcdn_wire import ErrorCode
 
 router = APIRouter()
 
+#: Bytes read and sent at a time by a GET of a blob or chunk. Larger blocks mean fewer thread hops and
+#: socket writes per MB: on the benchmark's 2-core machine 4 MiB took 0.53-0.62 ms of the server's CPU
+#: per MB against 0.67-0.90 ms for 1 MiB (benchmarks/object_get.py). A GET holds at most about two
+#: blocks (the one being sent waits for the socket to drain).
+BODY_BLOCK = 4 << 20
+
 
 def _checked(s, op: str, artifact_id: str, request: Request) -> int:
     if not UUID.match(artifact_id):
@@ -91,7 +97,7 @@ def blob_get(artifact_id: str, request: Request, s: Svc):
 
 def _stream(body, owner=None):
     try:
-        while block := body.read(1 << 20):
+        while block := body.read(BODY_BLOCK):
             yield block
     finally:
         body.close()
