@@ -2,9 +2,10 @@
 
 A vLLM engine's remote load is tens of MB of chunk bodies per request, and on the engine's machine
 the client's CPU per byte bounds it. httpx hands a body over in pieces that h11 has copied at least
-once on the way, which the caller then copies into place: about 0.64 ms of CPU per MB on the
+once on the way, which the caller then copies into place: 0.59-0.68 ms of CPU per MB on the
 benchmark's 2-core machine. The standard library's ``http.client`` reads the body with ``readinto``
-straight into the caller's buffer, the kernel's copy only: about 0.25 ms per MB there. So the data
+straight into the caller's buffer, the kernel's copy only: 0.24-0.25 ms per MB there
+(benchmarks/object_get.py). So the data
 plane's GETs go through :class:`ObjectReader`, and the API calls stay on httpx.
 
 The URL carries its own credential (the server's signature or a presigned S3 one), so no header
@@ -22,6 +23,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from kvcdn_core import KvcdnError
+from kvcdn_core.store.pack import read_into
 
 #: Statuses that mean the object is gone or the URL no longer grants it: a miss, not an error.
 MISSING = (403, 404, 410)
@@ -128,13 +130,9 @@ class ObjectReader:
             return self._tls
 
     def _through_fallback(self, url: str, into: memoryview | None) -> bytes | memoryview | None:
-        from kvcdn_core.store.pack import read_into
-
         with self._fallback.stream("GET", url) as response:
-            if response.status_code in MISSING:
+            if _missing(response.status_code):
                 return None
-            if response.status_code != 200:
-                raise KvcdnError(f"GET of a chunk failed ({response.status_code})")
             if into is None:
                 return response.read()
             return read_into(response.iter_bytes(), into)
@@ -143,12 +141,8 @@ class ObjectReader:
 def _body(response: http.client.HTTPResponse, into: memoryview | None) -> bytes | memoryview | None:
     """A 200's body (into ``into`` when given); None for a missing object; one error line else.
     The body of any other status is not read: its connection is closed, not kept."""
-    from kvcdn_core.store.pack import read_into
-
-    if response.status in MISSING:
+    if _missing(response.status):
         return None
-    if response.status != 200:
-        raise KvcdnError(f"GET of a chunk failed ({response.status})")
     declared = response.length  # None: a chunked transfer
     early = "a chunk's body ended early" + ("" if declared is None else f" (it declared {declared} bytes)")
     try:
@@ -158,6 +152,15 @@ def _body(response: http.client.HTTPResponse, into: memoryview | None) -> bytes 
     if declared is not None and response.length:  # readinto ends at the stream's end without a word
         raise KvcdnError(early)
     return data
+
+
+def _missing(status: int) -> bool:
+    """True for a missing object (403, 404, 410), False for a 200; one error line for any other."""
+    if status in MISSING:
+        return True
+    if status != 200:
+        raise KvcdnError(f"GET of a chunk failed ({status})")
+    return False
 
 
 def _proxied(parts: SplitResult, proxies: dict[str, str]) -> bool:
