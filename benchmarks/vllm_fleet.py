@@ -38,11 +38,18 @@ chunks fetched once through that object's own source. ``--profile`` runs the kvc
 and the last saved turn under cProfile (saves run in a process of their own) and prints where their time goes (the timings then include
 the profiler's overhead: use it for shares, not for the table). ``--conversation-only`` runs only figure 3
 (the conversation without a connector, then with ``save`` on): no stores, no server, about 2 minutes.
+
+``--link-mb-per-s N`` puts the engines' hosted store behind a link of N MB/s (``paced_link.py``: a
+proxy that paces every answer through one shared schedule; the server's ``--public-url`` names it,
+so the signed chunk URLs go through it too): on loopback the fetch is CPU time of the same two
+cores the forward runs on, where a fleet's store sits across a network that bounds it instead.
+The hosted rows, the hosted lookups and the hosted link's speed then go through the proxy.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -50,6 +57,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -409,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only figure 3: the conversation without a connector, then with save on (no stores, no server)",
     )
+    parser.add_argument(
+        "--link-mb-per-s",
+        type=float,
+        default=None,
+        help="reach the hosted store through a link paced to this many MB/s (default: loopback as it is)",
+    )
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--json", default=None, help="also write the JSON results here")
     args = parser.parse_args(argv)
@@ -472,11 +486,17 @@ def main(argv: list[str] | None = None) -> int:
         results["shared_prefix_tokens"] = len(document)
 
         quota = {"KVCDN_QUOTA_ARTIFACTS": str(args.artifacts + 10)}  # the default is 1,000 per tenant
-        with services.kvcdn_server(work / "home", env=quota, kvcdn=kvcdn_command(args.kvcdn)) as server:
+        link_port = services.free_port() if args.link_mb_per_s else None
+        public = ["--public-url", f"http://127.0.0.1:{link_port}"] if link_port else []
+        with (
+            services.kvcdn_server(work / "home", public, env=quota, kvcdn=kvcdn_command(args.kvcdn)) as server,
+            paced(server.url, link_port, args.link_mb_per_s) as hosted_url,
+        ):
             os.environ["KVCDN_API_KEY"] = mint_key(server.url, server.admin_secret(), "fleet")
             stores = build_stores(args, work, real, model_info, server)
             results["stores_loaded_s"] = stores["loaded_s"]
-            hosted_uri = "kvcdn+" + server.url
+            results["link_mb_per_s"] = args.link_mb_per_s
+            hosted_uri = "kvcdn+" + hosted_url
 
             def tiered(tier: str, **more) -> dict:
                 return kvcdn({"tier_directory": str(work / tier), "tier_memory_bytes": 1 << 30, **more})
@@ -549,6 +569,27 @@ def main(argv: list[str] | None = None) -> int:
     results["wall_s"] = time.perf_counter() - began
     report(results, args)
     return 0
+
+
+@contextlib.contextmanager
+def paced(server_url: str, port: int | None, mb_per_s: float | None):
+    """The URL the engines reach the hosted store at: the server's own, or with ``port`` a
+    ``paced_link.py`` proxy on it, forwarding to the server through a link of ``mb_per_s``."""
+    if port is None:
+        yield server_url
+        return
+    script = Path(__file__).resolve().parent / "paced_link.py"
+    target = server_url.rsplit(":", 1)[1]
+    proxy = subprocess.Popen(
+        [sys.executable, str(script), str(port), target, str(mb_per_s)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        if proxy.stdout is None or proxy.stdout.readline().strip() != "ready":
+            raise RuntimeError("the paced link did not start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
 
 
 def median_ttft(runs: list[dict]) -> float:
@@ -654,8 +695,10 @@ def report(r: dict, args) -> None:
         f"threads {r['threads']} (of {r['cpu_count']} CPUs), load {r['load_average_start'][0]:.1f} at start, "
         f"{r['load_average_end'][0]:.1f} at end; prompt {r['prompt_tokens']} tokens sharing "
         f"{r['shared_prefix_tokens']} with one of {r['artifacts']} + 1 artifacts (stores filled in "
-        f"{r['stores_loaded_s']:.0f} s); run {r['wall_s']:.0f} s\n"
+        f"{r['stores_loaded_s']:.0f} s); run {r['wall_s']:.0f} s"
     )
+    paced_at = r.get("link_mb_per_s")
+    print(f"the hosted store behind a link paced to {paced_at:g} MB/s\n" if paced_at else "")
     print(
         f"| first token (median of {len(r['apc_hit'])} where 'later') | TTFT | x APC hit | cached tokens "
         "| chunks memory/disk/remote | bytes fetched | HTTP body bytes | lookup ms (median; CPU here) | |"

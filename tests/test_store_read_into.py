@@ -44,6 +44,31 @@ def test_the_bytes_come_back_whole_and_in_the_callers_memory_only_at_their_expec
     assert (got is into) == (len(data) == expected)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    size=st.integers(0, 3000),
+    cuts=st.lists(st.integers(0, 3000), max_size=6),
+    medium=st.sampled_from(["readinto", "read", "pieces"]),
+)
+def test_landed_tells_how_many_bytes_are_in_place_as_they_arrive(size, cuts, medium):
+    from unittest import mock
+
+    from kvcdn_core.store import pack
+
+    data = bytes(i % 251 for i in range(size))
+    into = memoryview(bytearray(size))
+    source = {"readinto": io.BytesIO(data), "read": ReadOnly(data), "pieces": pieces_of(data, cuts)}[medium]
+    snapshots: list[tuple[int, bytes]] = []
+    with mock.patch.object(pack, "LANDED_STEP", 256):  # small steps: several per object
+        got = read_into(source, into, lambda n: snapshots.append((n, bytes(into[:n]))))
+    assert got is into and bytes(got) == data
+    assert [n for n, _ in snapshots] == sorted(n for n, _ in snapshots)
+    assert all(front == data[:n] for n, front in snapshots)  # each told front is the object's
+    assert not size or snapshots[-1][0] == size
+    if medium == "readinto":
+        assert all(b - a <= 256 for a, b in zip([0, *(n for n, _ in snapshots)], (n for n, _ in snapshots)))
+
+
 def test_a_short_or_long_object_is_refused_by_the_digest_check_in_one_line():
     data = bytes(range(200))
     for body in (data[:150], data + b"more"):

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvcdn_hosted.objects import ObjectReader
+from tests.support import services
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -78,6 +79,30 @@ def test_traffic_counts_every_response_body_by_route(fleet, monkeypatch):
         assert traffic.by_route == {"chunk GET": 306_700, "POST /api/v1/artifacts/ID/chunks": 15}
         traffic.reset()
         assert (traffic.bytes, traffic.responses, traffic.by_route) == (0, 0, {})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_paced_link_carries_every_byte_and_no_faster_than_its_rate(fleet):
+    """``--link-mb-per-s``: the proxy in front of a real HTTP server hands each body over byte for
+    byte, two at once sharing the one link; the time is only checked from below (a busy machine can
+    only make it slower than the link)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bodies)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = services.free_port()
+    try:
+        with fleet.paced(f"http://127.0.0.1:{server.server_address[1]}", port, 20.0) as url:
+            assert url == f"http://127.0.0.1:{port}"
+            began = time.perf_counter()
+            with ThreadPoolExecutor(2) as pool, httpx.Client() as client:
+                bodies = list(pool.map(lambda n: client.get(f"{url}/{n}").content, (1_000_000, 1_000_000)))
+                assert client.post(f"{url}/api/v1/prefix/lookup", json={}).json() == {"matches": []}
+            assert bodies == [b"x" * 1_000_000] * 2
+            assert time.perf_counter() - began >= 2_000_000 / 20e6  # 0.1 s: both bodies through one link
     finally:
         server.shutdown()
         server.server_close()

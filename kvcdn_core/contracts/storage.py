@@ -54,6 +54,7 @@ import builtins
 import dataclasses
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -216,11 +217,16 @@ class StorageBackend:
         (Unix seconds) those locations hold; None when that artifact is stored whole (not by chunks)."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
-    def read_chunk(self, location: str, into: memoryview | None = None) -> bytes | memoryview | None:
+    def read_chunk(
+        self, location: str, into: memoryview | None = None, landed: Callable[[int], None] | None = None
+    ) -> bytes | memoryview | None:
         """``"prefix_lookup"``: the bytes at a location :meth:`hit_chunks` gave (unchecked: the
         caller checks the digest), or None when the object is gone or the location expired. Given
         ``into`` (memory the caller chose, the size it expects), read the bytes into it where the
-        medium can (:func:`kvcdn_core.store.pack.read_into`); returning other bytes is allowed."""
+        medium can (:func:`kvcdn_core.store.pack.read_into`); returning other bytes is allowed.
+        Given ``landed``, tell it as the bytes arrive how many of ``into``'s first bytes are in
+        place (``read_into`` does); a medium that never calls it, or whose ``read_chunk`` has no
+        ``landed`` parameter (it is then not passed), is waited for whole."""
         raise NotSupported(f"{type(self).__name__} does not declare prefix_lookup")
 
     def chunk_store(self) -> Any:

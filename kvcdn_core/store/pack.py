@@ -283,16 +283,29 @@ def checked(data: Bytes | None, digest: str, size: int, where: str) -> Bytes:
     return data
 
 
-def read_into(source: IO[bytes] | Iterable[bytes], into: memoryview) -> bytes | memoryview:
+#: bytes a :func:`read_into` that reports progress reads at a time (about a layer of a SmolLM2 chunk)
+LANDED_STEP = 256 << 10
+
+
+def read_into(
+    source: IO[bytes] | Iterable[bytes], into: memoryview, landed: Callable[[int], None] | None = None
+) -> bytes | memoryview:
     """An object's bytes read into ``into`` (memory the caller chose: already touched), a stream
     through ``readinto`` or an iterable of pieces copied one by one; ``into`` itself when the object
     is exactly that size. Otherwise the bytes as they came, which :func:`checked` then refuses in
-    one line: a short or long object is never cut or padded to look right."""
+    one line: a short or long object is never cut or padded to look right.
+
+    ``landed(n)`` is told, as the bytes arrive, that the first ``n`` of ``into`` are in place (a
+    stream is then read :data:`LANDED_STEP` bytes at a time): a reader may use the front of an
+    object before its end arrives (the vLLM connector copies a chunk's first layers meanwhile)."""
     size, got = len(into), 0
+    step = LANDED_STEP if landed is not None else size
     if hasattr(source, "readinto"):
         stream: IO[bytes] = source  # type: ignore[assignment]
-        while got < size and (n := stream.readinto(into[got:])):  # type: ignore[attr-defined]
+        while got < size and (n := stream.readinto(into[got : got + step])):  # type: ignore[attr-defined]
             got += n
+            if landed is not None:
+                landed(got)
         rest = stream.read() if got == size else b""
     else:
         read = getattr(source, "read", None)  # a stream without readinto: pieces of 1 MiB
@@ -305,6 +318,8 @@ def read_into(source: IO[bytes] | Iterable[bytes], into: memoryview) -> bytes | 
             if take < len(piece):
                 rest = piece[take:] + b"".join(pieces)
                 break
+            if landed is not None:
+                landed(got)
     if got == size and not rest:
         return into
     return bytes(into[:got]) + rest

@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import threading
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
@@ -46,14 +47,16 @@ class ObjectReader:
         self._closed = False
         self._proxies = urllib.request.getproxies()  # read once, as httpx reads them
 
-    def get(self, url: str, into: memoryview | None = None) -> bytes | memoryview | None:
-        """The object's body, read into ``into`` when given (see
-        :func:`kvcdn_core.store.pack.read_into`); None when the URL answers 403, 404 or 410."""
+    def get(
+        self, url: str, into: memoryview | None = None, landed: Callable[[int], None] | None = None
+    ) -> bytes | memoryview | None:
+        """The object's body, read into ``into`` when given, ``landed`` told as its bytes arrive
+        (see :func:`kvcdn_core.store.pack.read_into`); None when the URL answers 403, 404 or 410."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise KvcdnError(f"a chunk's URL is not an http(s) URL (scheme '{parts.scheme}')")
         if _proxied(parts, self._proxies):
-            return self._through_fallback(url, into)
+            return self._through_fallback(url, into, landed)
         key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         while True:
@@ -68,13 +71,13 @@ class ObjectReader:
                 raise
             except (http.client.InvalidURL, UnicodeError):  # a URL http.client will not send as it is
                 connection.close()
-                return self._through_fallback(url, into)  # httpx encodes it (no error repeats the URL)
+                return self._through_fallback(url, into, landed)  # httpx encodes it (no error repeats the URL)
             except BaseException:
                 connection.close()
                 raise
             break
         try:
-            body = _body(response, into)
+            body = _body(response, into, landed)
         except BaseException:
             connection.close()
             raise
@@ -129,16 +132,20 @@ class ObjectReader:
                 self._tls = httpx.create_ssl_context()  # the verification the API calls get
             return self._tls
 
-    def _through_fallback(self, url: str, into: memoryview | None) -> bytes | memoryview | None:
+    def _through_fallback(
+        self, url: str, into: memoryview | None, landed: Callable[[int], None] | None
+    ) -> bytes | memoryview | None:
         with self._fallback.stream("GET", url) as response:
             if _missing(response.status_code):
                 return None
             if into is None:
                 return response.read()
-            return read_into(response.iter_bytes(), into)
+            return read_into(response.iter_bytes(), into, landed)
 
 
-def _body(response: http.client.HTTPResponse, into: memoryview | None) -> bytes | memoryview | None:
+def _body(
+    response: http.client.HTTPResponse, into: memoryview | None, landed: Callable[[int], None] | None
+) -> bytes | memoryview | None:
     """A 200's body (into ``into`` when given); None for a missing object; one error line else.
     The body of any other status is not read: its connection is closed, not kept."""
     if _missing(response.status):
@@ -146,7 +153,7 @@ def _body(response: http.client.HTTPResponse, into: memoryview | None) -> bytes 
     declared = response.length  # None: a chunked transfer
     early = "a chunk's body ended early" + ("" if declared is None else f" (it declared {declared} bytes)")
     try:
-        data = response.read() if into is None else read_into(response, into)
+        data = response.read() if into is None else read_into(response, into, landed)
     except http.client.IncompleteRead:
         raise KvcdnError(early) from None
     if declared is not None and response.length:  # readinto ends at the stream's end without a word

@@ -513,11 +513,13 @@ class HostedStorage(StorageBackend):
         grant = response.json()
         return self._grant_of(grant["record"], grant["objects"], grant["expires_at"])
 
-    def read_chunk(self, location: str, into: memoryview | None = None) -> bytes | memoryview | None:
+    def read_chunk(
+        self, location: str, into: memoryview | None = None, landed: Callable[[int], None] | None = None
+    ) -> bytes | memoryview | None:
         """One object through its signed URL (the URL carries its own credential), its body read
-        into ``into`` as it arrives when given (:mod:`kvcdn_hosted.objects`: no piece copied on the
-        way)."""
-        return self.client.objects.get(location, into)
+        into ``into`` as it arrives when given, ``landed`` told how much is in place
+        (:mod:`kvcdn_hosted.objects`: no piece copied on the way)."""
+        return self.client.objects.get(location, into, landed)
 
     # -- StorageBackend: keys are artifact names -----------------------------------------------
 

@@ -53,6 +53,27 @@ def test_the_body_lands_in_the_callers_buffer_and_the_connection_is_kept(receive
     objects.close()
 
 
+def test_landed_is_told_as_the_body_arrives_through_either_path(receiver, monkeypatch):
+    """A reader (the vLLM tier) may use the front of a body before its end: ``landed`` is told, in
+    order, how many of the buffer's first bytes are in place, the last time all of them; through
+    http.client and through httpx (a proxy) alike."""
+    from kvcdn_core.store.pack import LANDED_STEP
+
+    payload = body_of(3 * LANDED_STEP + 1000)
+    url = serve_bytes(receiver, "/o/l", payload)
+    for proxied in (False, True):
+        if proxied:  # the receiver as the proxy (asked for the absolute URL): the GET goes through httpx
+            receiver.routes[("GET", url.split("?")[0])] = lambda h: (200, {}, payload)
+            monkeypatch.setenv("HTTP_PROXY", receiver.url)
+            for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+                monkeypatch.delenv(name, raising=False)
+        told: list[int] = []
+        into = memoryview(bytearray(len(payload)))
+        assert reader().get(url, into, told.append) is into and bytes(into) == payload
+        assert len(told) >= 4 and told == sorted(told) and told[-1] == len(payload), told
+        assert all(b - a <= LANDED_STEP for a, b in zip([0, *told], told))
+
+
 def test_a_kept_connection_the_server_closed_is_replaced_once(receiver):
     payload = body_of(5000)
     ports: list[int] = []

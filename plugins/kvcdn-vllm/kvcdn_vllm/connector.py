@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcdn_core import ArtifactError, KvcdnError, artifact, layer_tensor_name
+from kvcdn_core import KvcdnError, artifact, layer_tensor_name
 from kvcdn_core.store.keys import CHUNK_TOKENS
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm import lookup as chunks
@@ -53,7 +53,7 @@ from kvcdn_vllm.layers import LayerLoader
 from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
-from kvcdn_vllm.tier import ChunkBytes
+from kvcdn_vllm.tier import MEMORY, REMOTE, Arrival, ChunkBytes
 from kvcdn_vllm.writer import SavedModel, artifact_name, write_prompt_artifact
 
 if TYPE_CHECKING:
@@ -255,6 +255,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._copy_failed: dict[str, tuple[LoadJob, Exception]] = {}  # written by the loader thread
         #: chunks fetched this step whose digest is checked under the forward: size, requests using them
         self._to_check: dict[str, tuple[int, list[LoadJob]]] = {}
+        #: this step's chunk loads, their figures counted once their chunks settled
+        self._arriving: list[tuple[LoadJob, chunks.ChunkPlan, list[Arrival]]] = []
         self._loader: LayerLoader | None = None
         self._step_figures: dict[str, dict[str, int]] = {}
         self._totals: dict[str, int] = {}
@@ -556,69 +558,70 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def _load_chunks(self, job: LoadJob, plan: chunks.ChunkPlan) -> None:
         """Copy tokens ``[start, end)`` from the planned chunks, taken through the local tier (the
-        tier checked each chunk's digest where it entered: no second hash here). Each part is
-        copied into the blocks straight from its bytes as soon as the tier hands it over."""
+        tier checked each chunk's digest where it entered: no second hash here). Under the forward,
+        each layer is copied once every part's bytes of it have arrived (a chunk's first layers
+        while its last ones are still being fetched); a load kept for a save waits for its chunks
+        and checks them first."""
         assert self._tier is not None and self._store is not None
         self._store.locate(plan)
-        digests = [p.digest for p in plan.parts]
-        figures = {"matched_tokens": job.end, "chunks_memory": 0, "chunks_disk": 0, "chunks_remote": 0}
-        figures["bytes_fetched"] = 0
-        self._tier.pin(digests)
-        got = []
-        try:
-            # a chunk fetched for a copy under the forward is checked there too (_check_fetched)
-            results = self._tier.get_all([(p.digest, p.bytes) for p in plan.parts], check_later=not job.keep)
-            failed = None
-            for part, result in zip(plan.parts, results):
-                if isinstance(result, ArtifactError):
-                    failed = failed or result
+        arrivals = self._tier.arrive_all([(p.digest, p.bytes) for p in plan.parts])
+        self._arriving.append((job, plan, arrivals))
+        for part in plan.parts:  # each fetched one checked beside the forward (_check_fetched)
+            jobs = self._to_check.setdefault(part.digest, (part.bytes, []))[1]
+            if not job.keep:  # a kept load's chunks are checked before its copy, here
+                jobs.append(job)
+        if job.keep:  # the request is to be saved: its loaded rows are kept whole for the save
+            got = []
+            for part, arrival in zip(plan.parts, arrivals):
+                got.append((part, arrival.wait_settled()))
+                self._tier.admit(part.digest, part.bytes)
+            self._kept[job.req_id] = self._copy_kept(job, plan, got)
+        else:  # copied layer by layer under the forward (kvcdn_vllm.layers)
+            self._layer_copies.extend(self._part_copies(job, plan, arrivals))
+
+    def _count_loads(self) -> None:
+        """The figures of this step's chunk loads, their chunks settled: per request (sent back in
+        ``kv_transfer_params``), in the totals, and one log line each."""
+        loads, self._arriving = self._arriving, []
+        counted: set[int] = set()  # a chunk fetched once for two loads: the second took it from memory
+        for job, plan, arrivals in loads:
+            figures = {"matched_tokens": job.end, "chunks_memory": 0, "chunks_disk": 0, "chunks_remote": 0}
+            figures["bytes_fetched"] = 0
+            for arrival in arrivals:
+                if arrival.where is None or not arrival.settled:
                     continue
-                data, where = result
-                if not job.keep and self._tier.unchecked(part.digest):
-                    self._to_check.setdefault(part.digest, (part.bytes, []))[1].append(job)
+                where = MEMORY if id(arrival) in counted else arrival.where
+                counted.add(id(arrival))
                 figures[f"chunks_{where}"] += 1
-                if where == "remote":
-                    figures["bytes_fetched"] += len(data)
-                got.append((part, data))
-            if failed is not None:
-                raise failed
-        finally:
-            self._tier.unpin(digests)
+                figures["bytes_fetched"] += arrival.size if where == REMOTE else 0
             self._step_figures[job.req_id] = figures
             for key, value in figures.items():
                 self._totals[key] = self._totals.get(key, 0) + value
-        if job.keep:  # the request is to be saved: its loaded rows are kept whole for the save
-            self._kept[job.req_id] = self._copy_kept(job, plan, got)
-        else:  # copied layer by layer under the forward (kvcdn_vllm.layers)
-            self._layer_copies.extend(self._part_copies(job, plan, got))
-        logger.info(
-            "kvcdn: request %s loaded %d tokens of '%s' (chunks: %d memory, %d disk, %d remote; %d bytes fetched)",
-            job.req_id,
-            job.end - job.start,
-            plan.name,
-            figures["chunks_memory"],
-            figures["chunks_disk"],
-            figures["chunks_remote"],
-            figures["bytes_fetched"],
-        )
+            logger.info(
+                "kvcdn: request %s loaded %d tokens of '%s' (chunks: %d memory, %d disk, %d remote; %d bytes fetched)",
+                job.req_id,
+                job.end - job.start,
+                plan.name,
+                figures["chunks_memory"],
+                figures["chunks_disk"],
+                figures["chunks_remote"],
+                figures["bytes_fetched"],
+            )
 
-    def _part_copies(
-        self, job: LoadJob, plan: chunks.ChunkPlan, got: list[tuple[chunks.Part, ChunkBytes]]
-    ) -> list[_PartCopy]:
+    def _part_copies(self, job: LoadJob, plan: chunks.ChunkPlan, arrivals: list[Arrival]) -> list[_PartCopy]:
         """What :meth:`_copy_layer` needs of each part that holds some of tokens ``[start, end)``."""
         copies = []
-        for part, data in got:
+        for part, arrival in zip(plan.parts, arrivals):
             start, end = max(job.start, part.start), min(job.end, part.start + part.tokens)
             if start < end:
-                views = _part_views(plan, part, data, start, end)
-                copies.append(_PartCopy(job, views, self._slots(job.block_ids, end, start)))
+                copies.append(_PartCopy(job, plan, part, arrival, start, end, self._slots(job.block_ids, end, start)))
         return copies
 
     def _copy_rows(self, copy: _PartCopy, name: str) -> None:
         kv, index = self._caches[name], _layer_index(name)
-        keys = copy.views[layer_tensor_name(index, "key")][self._heads]
-        values = copy.views[layer_tensor_name(index, "value")][self._heads]
-        paged.scatter(kv, copy.slots(name, kv), keys, values)
+        key, value = layer_tensor_name(index, "key"), layer_tensor_name(index, "value")
+        views = copy.views_through(key, value)
+        paged.scatter(kv, copy.slots(name, kv), views[key][self._heads], views[value][self._heads])
 
     def _copy_layer(self, name: str) -> None:
         """The loader thread's work for one layer: every part of this step that did not fail yet."""
@@ -650,6 +653,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             self._loader.finish()
         if self._to_check:  # a step whose copies did not run (a load that failed before them)
             self._check_fetched()
+        self._count_loads()
         self._layer_copies = []
         if self._tier is not None:
             self._tier.stand_aside.release()  # the tier's disk copies and buffers may run now
@@ -956,13 +960,30 @@ class KvcdnConnector(KVConnectorBase_V1):
 LOAD_ERRORS = (KvcdnError, paged.LayoutError, OSError, KeyError, RuntimeError, ValueError)
 
 
-@dataclasses.dataclass(frozen=True)
 class _PartCopy:
-    """One part's share of a load: views of its bytes per tensor, and where its rows go."""
+    """One part's share of a load: its bytes as they arrive, and where its rows go."""
 
-    job: LoadJob
-    views: dict[str, torch.Tensor]
-    slots: Callable[[str, torch.Tensor], paged.TokenSlots]
+    def __init__(
+        self,
+        job: LoadJob,
+        plan: chunks.ChunkPlan,
+        part: chunks.Part,
+        arrival: Arrival,
+        start: int,
+        end: int,
+        slots: Callable[[str, torch.Tensor], paged.TokenSlots],
+    ):
+        self.job, self.slots = job, slots
+        self._plan, self._part, self._arrival, self._start, self._end = plan, part, arrival, start, end
+        self._ends = _byte_ends(plan, part)
+        self._views: dict[str, torch.Tensor] | None = None
+
+    def views_through(self, *names: str) -> dict[str, torch.Tensor]:
+        """Views of every tensor's rows, once the bytes of the ``names`` tensors have arrived."""
+        data = self._arrival.wait(max(self._ends[name] for name in names))
+        if self._views is None:
+            self._views = _part_views(self._plan, self._part, data, self._start, self._end)
+        return self._views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -987,6 +1008,15 @@ def _joined(
         else:
             layers[index] = (torch.cat([k for k, _ in pieces], dim=1), torch.cat([v for _, v in pieces], dim=1))
     return layers
+
+
+def _byte_ends(plan: chunks.ChunkPlan, part: chunks.Part) -> dict[str, int]:
+    """Where each chunked tensor's bytes end within ``part`` (a chunk holds them in plan order)."""
+    ends, offset = {}, 0
+    for t in plan.tensors:
+        offset += t.outer * part.tokens * t.last * getattr(torch, t.dtype).itemsize
+        ends[t.name] = offset
+    return ends
 
 
 def _part_views(

@@ -6,7 +6,9 @@ SmolLM2 tokens in the fleet benchmark, on an APC-hit first token of 0.14-0.25 s)
 the worker copies every planned part's rows of layer 0, then of layer 1, and so on, while the
 forward runs: vLLM calls the connector's ``wait_for_layer_load`` before each attention layer reads
 its cache, and that waits only for the layer it names. The copies release Python's lock, so they
-run on another core where one is free, and at worst in turn with the forward.
+run on another core where one is free, and at worst in turn with the forward. A chunk still being
+fetched is copied as its bytes arrive: a layer's copy waits only for that layer's bytes
+(:class:`kvcdn_vllm.tier.Arrival`), so the forward also starts before the fetches end.
 
 A layer's copy of one request failing skips that request's later layers (the caller's ``copy``
 says so by raising); the forward is never left waiting: every layer is marked ready when the thread

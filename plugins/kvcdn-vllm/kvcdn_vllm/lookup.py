@@ -53,10 +53,13 @@ class PrefixLookup(Protocol):
 
 class ChunkSource(Protocol):
     """What a worker's tier fetches a missing chunk from: its bytes, read into ``into`` (memory the
-    tier chose, the size the plan says) where the source can, or None when it is not there.
+    tier chose, the size the plan says) where the source can, ``landed(n)`` told as the first ``n``
+    are in place (:func:`kvcdn_core.store.pack.read_into`), or None when it is not there.
     ``locate`` is told a plan's locations before its chunks are fetched."""
 
-    def fetch(self, digest: str, into: memoryview) -> ChunkBytes | None: ...
+    def fetch(
+        self, digest: str, into: memoryview, landed: Callable[[int], None] | None = None
+    ) -> ChunkBytes | None: ...
 
     def locate(self, plan: ChunkPlan) -> None: ...
 
@@ -96,10 +99,10 @@ class StoreLookup:
             self._warn_once(f"prefix lookup in the store failed: {detail}")
             return None
 
-    def fetch(self, digest: str, into: memoryview) -> ChunkBytes | None:
+    def fetch(self, digest: str, into: memoryview, landed: Callable[[int], None] | None = None) -> ChunkBytes | None:
         try:
             with self.store.backend.open_read(chunk_key(digest)) as stream:
-                return pack.read_into(stream, into)
+                return pack.read_into(stream, into, landed)
         except ObjectNotFound:
             return None
 
@@ -158,6 +161,8 @@ class IndexLookup:
         )
         #: a query's chain key -> the artifact a lookup through it found (whose grant may be kept)
         self._found: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: whether the backend's read_chunk takes ``landed`` (a plugin written before it was added may not)
+        self._reports_landing = _takes(getattr(backend, "read_chunk", None), "landed")
         self._quiet_until = 0.0  # no lookup before this time (the service timed out)
         self._quiet_s = 0.0
         try:  # the HTTP client (TLS context, credentials: 0.1 s here) at engine start, not in a first load
@@ -246,12 +251,14 @@ class IndexLookup:
             while len(self._locations) > MAX_LOCATIONS:
                 self._locations.popitem(last=False)
 
-    def fetch(self, digest: str, into: memoryview) -> ChunkBytes | None:
+    def fetch(self, digest: str, into: memoryview, landed: Callable[[int], None] | None = None) -> ChunkBytes | None:
         with self._lock:
             url = self._locations.get(digest)
         if url is None:
             raise KvcdnError("no URL for it in the load plan")
-        return self.backend.read_chunk(url, into)
+        if landed is None or not self._reports_landing:
+            return self.backend.read_chunk(url, into)
+        return self.backend.read_chunk(url, into, landed=landed)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -260,6 +267,17 @@ class IndexLookup:
 
 
 Lookup = StoreLookup | IndexLookup
+
+
+def _takes(function: Any, name: str) -> bool:
+    """Whether ``function`` accepts a keyword argument ``name``."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def open_lookup(uri: str, root: str, warn: Callable[[str], None]) -> Lookup:

@@ -15,6 +15,11 @@ chunks of its load plan until they are in its blocks, so a fetch for the same or
 cannot evict them halfway (a level may then sit over its budget until they are unpinned). A disk
 that cannot take a chunk (full, read-only) costs one warning line; the chunk is still served.
 
+The connector takes a step's chunks through :meth:`ChunkTier.arrive_all`, which hands each out
+at once as an :class:`Arrival` while the tier reads or fetches the missing ones side by side; a
+fetch tells its arrival how many bytes are in place as they land, so the connector copies a
+chunk's first layers while its last ones are still on the way, and checks it once it is whole.
+
 A chunk fetched from the store is read into memory that is already touched
 (:class:`TouchedBuffers`, says why) and served from memory at once; its disk copy is written by one
 background thread (:class:`DiskWriter`), so the load never waits for the disk. Until its file is
@@ -64,7 +69,7 @@ ChunkBytes = bytes | memoryview
 #: Where a chunk came from, as the per-request figures count them.
 MEMORY, DISK, REMOTE = "memory", "disk", "remote"
 
-#: chunks :meth:`ChunkTier.get_all` gets at once (each a request of its own to the store)
+#: chunks :meth:`ChunkTier.arrive_all` gets at once (each a request of its own to the store)
 FETCH_STREAMS = 4
 
 #: bytes of disk copies that may wait for the writer by default; past it a fetched chunk gets no
@@ -341,6 +346,71 @@ def _touched(size: int) -> mmap.mmap:
     return buffer
 
 
+class Arrival:
+    """A chunk on its way to a reader (:meth:`ChunkTier.arrive_all`): its bytes once known, how
+    many of them are in place, and where it came from (``where``, None until it settled). A reader
+    waits only for the bytes it needs (:meth:`wait`); a fetch into the tier's memory makes its
+    front readable while the rest is still arriving."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.where: str | None = None
+        self._data: ChunkBytes | None = None
+        self._landed = 0
+        self._settled = False
+        self._error: ArtifactError | None = None
+        self._changed = threading.Condition()
+
+    def landing(self, into: memoryview) -> Callable[[int], None]:
+        """The ``landed`` callback of a fetch into ``into``: its first ``n`` bytes are readable."""
+
+        def landed(n: int) -> None:
+            with self._changed:
+                self._data, self._landed = into, n
+                self._changed.notify_all()
+
+        return landed
+
+    def settle(self, data: ChunkBytes, where: str) -> None:
+        """All of it is here: ``data`` (the memory it streamed into, if it did), from ``where``."""
+        with self._changed:
+            if self._data is not None and data is not self._data:
+                # read into the tier's memory but not the size planned: what landed is not the chunk
+                self._error = ArtifactError(f"the store: a chunk of {self.size} bytes came as {len(data)}")
+            else:
+                self.where = where
+            self._data, self._landed, self._settled = data, len(data), True
+            self._changed.notify_all()
+
+    def fail(self, error: ArtifactError) -> None:
+        with self._changed:
+            self._error, self._settled = error, True
+            self._changed.notify_all()
+
+    def wait(self, n: int) -> ChunkBytes:
+        """The chunk's bytes once their first ``n`` are in place; its :class:`ArtifactError` when
+        it could not be had."""
+        with self._changed:
+            while not self._settled and (self._data is None or self._landed < n):
+                self._changed.wait()
+            if self._error is not None:
+                raise self._error
+            assert self._data is not None
+            return self._data
+
+    def wait_settled(self) -> ChunkBytes:
+        """The chunk's bytes once the fetch is over (its end read and judged: a body longer than
+        planned is refused only then); its :class:`ArtifactError` when it could not be had."""
+        with self._changed:
+            while not self._settled:
+                self._changed.wait()
+        return self.wait(self.size)
+
+    @property
+    def settled(self) -> bool:
+        return self._settled
+
+
 class ChunkTier:
     """``get(digest, size)`` → the chunk's checked bytes and where they came from.
 
@@ -352,7 +422,7 @@ class ChunkTier:
 
     def __init__(
         self,
-        fetch: Callable[[str, memoryview], ChunkBytes | None],
+        fetch: Callable[..., ChunkBytes | None],
         memory_bytes: int,
         disk_bytes: int,
         directory: Path | None,
@@ -381,13 +451,14 @@ class ChunkTier:
         self.write_queue_bytes = write_queue_bytes
         self._waiting: dict[str, ChunkBytes] = {}  # chunks whose disk copy is queued, not yet in place
         self._unchecked: dict[str, ChunkBytes] = {}  # fetched with check_later, not yet admitted
+        self._arriving: dict[str, Arrival] = {}  # being read or fetched for arrive_all
         self._waiting_bytes = 0
         self.disk_dropped = 0  # copies not made because the queue was full
         self.temp_swept = 0  # temporary files of killed writers removed at start
         self.warmed = 0  # chunks :meth:`warm` brought from disk into memory
         self._stop_warming = threading.Event()
         self._warming: threading.Thread | None = None
-        self._fetcher: ThreadPoolExecutor | None = None  # get_all's streams, started by the first
+        self._fetcher: ThreadPoolExecutor | None = None  # arrive_all's streams, started by the first
         if self.disk_bytes > 0 and self.directory is not None:
             self._scan()
 
@@ -459,17 +530,20 @@ class ChunkTier:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def get(self, digest: str, size: int, check_later: bool = False) -> tuple[ChunkBytes, str]:
+    def get(
+        self, digest: str, size: int, check_later: bool = False, arrival: Arrival | None = None
+    ) -> tuple[ChunkBytes, str]:
         """The chunk's bytes (checked once) and ``memory``, ``disk`` or ``remote``; :class:`ArtifactError`
         (one line) when the store lacks it or holds other bytes under its name.
 
         With ``check_later``, a chunk fetched from the store is returned before its digest is
         checked and kept nowhere yet: the caller copies it, then calls :meth:`admit`, which checks it
         and only then lets it into the tier (the connector checks under the forward, and a chunk that
-        fails costs its request a recompute)."""
+        fails costs its request a recompute). ``arrival`` is told as a fetched chunk's bytes land
+        (:meth:`arrive_all`)."""
         with self._lock:
             unchecked = self._unchecked.get(digest)
-        if unchecked is not None:  # fetched for another request of this step
+        if unchecked is not None and len(unchecked) == size:  # fetched for another request of this step
             if not check_later:
                 self.admit(digest, size)
             return unchecked, MEMORY
@@ -488,7 +562,7 @@ class ChunkTier:
             return data, DISK
         into = self._buffers.take(size) if self._buffers is not None else memoryview(bytearray(size))
         try:
-            fetched = self._fetch(digest, into)
+            fetched = self._fetch(digest, into) if arrival is None else self._fetch(digest, into, arrival.landing(into))
         except Exception as exc:  # any backend's error (a network one too) is a failed load, one line
             detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
             raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
@@ -500,42 +574,74 @@ class ChunkTier:
         self._keep(digest, data)
         return data, REMOTE
 
-    def get_all(
-        self, wanted: Sequence[tuple[str, int]], check_later: bool = False
-    ) -> list[tuple[ChunkBytes, str] | ArtifactError]:
-        """:meth:`get` of each ``(digest, size)``, in order, up to :data:`FETCH_STREAMS` at once; a
-        chunk that cannot be had gets its :class:`ArtifactError` in its place rather than raised, so
-        that the caller still sees (and, with ``check_later``, checks) what the others fetched.
+    def arrive_all(self, wanted: Sequence[tuple[str, int]]) -> list[Arrival]:
+        """Each ``(digest, size)`` of ``wanted`` as an :class:`Arrival`, in order, returned at once.
+        A chunk in memory is settled already; the others are read from disk or fetched from the
+        store (as :meth:`get` with ``check_later``: :meth:`admit` checks them) up to
+        :data:`FETCH_STREAMS` at once, a fetched one readable as its bytes land. A chunk that cannot
+        be had fails its arrival with its :class:`ArtifactError` (one line), the others unaffected.
+        A chunk already arriving for an earlier call is not asked for again: its arrival is shared.
 
         Why at once: a chunk from the store costs a request's latency as well as its bytes, and one
-        stream at a time pays every latency in turn while the link idles between bodies."""
-        unique = list(dict.fromkeys(wanted))
-
-        def one(item: tuple[str, int]) -> tuple[ChunkBytes, str] | ArtifactError:
-            try:
-                return self.get(item[0], item[1], check_later=check_later)
-            except ArtifactError as exc:
-                return exc
-
-        with self._lock:
-            outside = [
-                d for d, _ in unique if d not in self._memory and d not in self._waiting and d not in self._unchecked
-            ]
-        if len(outside) <= 1:  # nothing to wait for side by side
-            got = [one(item) for item in unique]
-        else:
+        stream at a time pays every latency in turn while the link idles between bodies. Why
+        arrivals: a chunk holds every layer of its tokens, first layers first, so the connector
+        copies a chunk's first layers into vLLM's blocks under the forward while its last ones are
+        still on the way, instead of waiting for every byte of every chunk before the forward."""
+        arrivals: dict[tuple[str, int], Arrival] = {}
+        for digest, size in dict.fromkeys(wanted):
             with self._lock:
+                arrival = self._arriving.get(digest)
+                if arrival is not None and arrival.size == size:  # already on its way: shared
+                    arrivals[(digest, size)] = arrival
+                    continue
+                arrival = arrivals[(digest, size)] = Arrival(size)
+                held = digest in self._memory or digest in self._waiting or digest in self._unchecked
+                if not held:
+                    self._arriving[digest] = arrival
                 if self._fetcher is None:
                     self._fetcher = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="kvcdn-fetch")
-            got = list(self._fetcher.map(one, unique))
-        found = dict(zip(unique, got))
-        return [found[item] for item in wanted]
+            if held:  # no wait: settled here and now
+                self._arrive(digest, size, arrival)
+                continue
+            try:
+                self._fetcher.submit(self._arrive, digest, size, arrival)
+            except RuntimeError as exc:  # the pool is shut down (the engine is stopping)
+                self._arrive_failed(digest, arrival, ArtifactError(f"cannot fetch chunk {digest}: {exc}"))
+        return [arrivals[item] for item in wanted]
+
+    def _arrive_failed(self, digest: str, arrival: Arrival, error: ArtifactError) -> None:
+        arrival.fail(error)
+        with self._lock:
+            if self._arriving.get(digest) is arrival:
+                del self._arriving[digest]
+
+    def _arrive(self, digest: str, size: int, arrival: Arrival) -> None:
+        try:
+            data, where = self.get(digest, size, check_later=True, arrival=arrival)
+        except ArtifactError as exc:
+            arrival.fail(exc)
+        except BaseException as exc:  # a bug must not leave a reader waiting
+            arrival.fail(ArtifactError(f"cannot get chunk {digest}: {exc!r}"))
+            raise
+        else:
+            arrival.settle(data, where)
+        finally:
+            with self._lock:
+                if self._arriving.get(digest) is arrival:
+                    del self._arriving[digest]
 
     def admit(self, digest: str, size: int) -> None:
-        """Check a chunk :meth:`get` fetched with ``check_later`` and keep it in both levels;
-        :class:`ArtifactError` (one line) when its bytes are not the chunk's, and it is dropped."""
+        """Check a chunk :meth:`get` fetched with ``check_later`` and keep it in both levels (one
+        still arriving is waited for); :class:`ArtifactError` (one line) when its bytes are not the
+        chunk's or it did not arrive, and it is dropped."""
         with self._lock:
-            data = self._unchecked.pop(digest, None)
+            arrival = self._arriving.get(digest)
+        try:
+            if arrival is not None:  # all of it, not just its bytes: its end is checked too
+                arrival.wait_settled()
+        finally:  # what did come is dropped unless it passes the check below
+            with self._lock:
+                data = self._unchecked.pop(digest, None)
         if data is not None:
             self._keep(digest, checked(data, digest, size, "the store"))
 

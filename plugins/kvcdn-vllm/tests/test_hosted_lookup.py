@@ -46,8 +46,8 @@ class Traffic:
         objects = backend.client.objects
         get = objects.get
 
-        def recorded(url: str, into=None):
-            body = get(url, into)  # all the bytes the response carried (never cut to fit ``into``)
+        def recorded(url: str, into=None, landed=None):
+            body = get(url, into, landed)  # all the bytes the response carried (never cut to fit ``into``)
             self.seen.append(("GET", urlsplit(url).path, 0 if body is None else len(body)))
             return body
 
@@ -307,3 +307,28 @@ def test_the_object_get_benchmark_runs_both_readers_on_a_real_server():
         [" httpx ", " 4 "],
         [" ObjectReader ", " 4 "],
     ]
+
+
+def test_a_read_chunk_written_before_landed_existed_still_serves_loads():
+    """A prefix-lookup backend whose ``read_chunk(location, into=None)`` predates ``landed`` is called
+    as it was (its chunk then read whole); one that takes ``landed`` is told as bytes land."""
+    digest, url = "d" * 64, "http://objects.example/o"
+
+    class Before:
+        def read_chunk(self, location, into=None):
+            into[:] = b"x" * len(into)
+            return into
+
+    class After(Before):
+        def read_chunk(self, location, into=None, landed=None):
+            super().read_chunk(location, into)
+            landed(len(into))
+            return into
+
+    for backend, told in ((Before(), []), (After(), [4])):
+        finder = lookup.IndexLookup(backend, "r" * 64, [].append)
+        finder.locate(lookup.ChunkPlan("doc", (), (), ((digest, url),)))
+        calls: list[int] = []
+        into = memoryview(bytearray(4))
+        assert finder.fetch(digest, into, calls.append) is into and bytes(into) == b"xxxx"
+        assert calls == told

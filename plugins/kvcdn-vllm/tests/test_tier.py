@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import blake3
@@ -37,7 +38,7 @@ class Store:
             self.chunks[blake3.blake3(data).hexdigest()] = data
         self.fetched: list[str] = []
 
-    def fetch(self, digest, into=None):  # a source that returns its own bytes, as one may
+    def fetch(self, digest, into=None, landed=None):  # a source that returns its own bytes, as one may
         self.fetched.append(digest)
         return self.chunks.get(digest)
 
@@ -154,11 +155,13 @@ def test_a_restart_warms_memory_from_disk_checking_each_file_and_evicting_nothin
 class IntoStore(Store):
     """A source that reads each chunk into the memory the tier hands it, as the real ones do."""
 
-    def fetch(self, digest, into=None):
+    def fetch(self, digest, into=None, landed=None):
         data = super().fetch(digest)
         if data is None or len(data) != len(into):
             return data
         into[:] = data
+        if landed is not None:
+            landed(len(into))
         return into
 
 
@@ -278,7 +281,7 @@ def test_chunks_from_the_store_are_fetched_several_at_once_each_error_in_its_pla
     class Gated(Store):
         gate: threading.Barrier | None = None
 
-        def fetch(self, digest, into=None):
+        def fetch(self, digest, into=None, landed=None):
             if self.gate is not None:
                 self.gate.wait()
             return super().fetch(digest, into)
@@ -291,16 +294,123 @@ def test_chunks_from_the_store_are_fetched_several_at_once_each_error_in_its_pla
     store.gate = threading.Barrier(FETCH_STREAMS, timeout=120)  # broken only if the fetches run one by one
     missing = "f" * 64
     wanted = [(d, 100) for d in fetched[: FETCH_STREAMS - 1]] + [(missing, 100), (held, 100), (fetched[0], 100)]
-    got = t.get_all(wanted, check_later=True)
-    assert [g[1] if isinstance(g, tuple) else "error" for g in got] == [REMOTE] * (FETCH_STREAMS - 1) + [
-        "error",
-        MEMORY,
-        REMOTE,
-    ]
-    assert isinstance(got[FETCH_STREAMS - 1], ArtifactError) and "missing" in str(got[FETCH_STREAMS - 1])
-    assert [g[0] for g in got if isinstance(g, tuple)] == [store.chunks[d] for d, _ in wanted if d != missing]
+    arrivals = t.arrive_all(wanted)
+    assert arrivals[-1] is arrivals[0]  # a repeat is one arrival
+    with pytest.raises(ArtifactError, match="missing"):
+        arrivals[FETCH_STREAMS - 1].wait(100)
+    got = [a.wait(100) for i, a in enumerate(arrivals) if i != FETCH_STREAMS - 1]
+    assert got == [store.chunks[d] for d, _ in wanted if d != missing]
+    assert [a.where for a in arrivals] == [REMOTE] * (FETCH_STREAMS - 1) + [None, MEMORY, REMOTE]
     assert sorted(store.fetched) == sorted(fetched[: FETCH_STREAMS - 1] + [missing])  # a repeat fetched once
     assert all(t.unchecked(d) for d in fetched[: FETCH_STREAMS - 1])  # what did come is still checked later
+    t.close()
+
+
+class Halves(Store):
+    """Reads each chunk into the tier's memory in two halves: the first lands at once, the second
+    once ``rest`` is set; with ``fail`` it never comes (the fetch raises, as a dropped connection)."""
+
+    def __init__(self, count: int):
+        super().__init__(0)
+        for i in range(count):
+            data = bytes((i * 31 + j) % 256 for j in range(100))
+            self.chunks[blake3.blake3(data).hexdigest()] = data
+        self.rest = threading.Event()
+        self.fail = False
+        self.long = False
+
+    def fetch(self, digest, into=None, landed=None):
+        data = super().fetch(digest)
+        into[:] = data
+        landed(50)
+        if self.fail:
+            raise OSError("the connection dropped")
+        assert self.rest.wait(120)  # a bound only a reader that waits for every byte reaches
+        landed(100)
+        return data + b"!" if self.long else into
+
+
+def test_a_fetched_chunk_is_readable_as_its_bytes_land(tmp_path):
+    store = Halves(2)
+    a, b = store.digests
+    t = tier(store, tmp_path, memory=1000, disk=1000)
+    first, second = t.arrive_all([(a, 100), (b, 100)])  # returned at once, both fetches under way
+    assert bytes(first.wait(50)[:50]) == store.chunks[a][:50]  # the front, while the rest is held
+    assert bytes(second.wait(40)[:40]) == store.chunks[b][:40]
+    assert not first.settled and first.where is None and not t.unchecked(a)
+    store.rest.set()
+    assert bytes(first.wait(100)) == store.chunks[a] and first.where == REMOTE
+    assert bytes(second.wait(100)) == store.chunks[b] and second.settled
+    assert t.unchecked(a) and not t.in_memory(a)  # arrived, not yet checked: admit checks it
+    t.admit(a, 100)
+    t.admit(b, 100)
+    assert t.in_memory(a) and t.in_memory(b) and sorted(store.fetched) == sorted([a, b])
+    again = t.arrive_all([(a, 100)])[0]  # from memory: settled as it is handed out
+    assert again.settled and again.where == MEMORY
+    t.close()
+
+
+def test_admit_waits_for_the_end_of_a_fetch_whose_bytes_all_landed(tmp_path):
+    """A stream's last byte lands before its end is read (a body longer than planned is refused only
+    then): the check waits for the fetch to be over, so it never runs on half the story."""
+
+    class Tail(Store):
+        gate = threading.Event()
+
+        def fetch(self, digest, into=None, landed=None):
+            into[:] = b"\x01" * 100  # not the chunk's bytes: the check must catch them
+            landed(100)
+            assert self.gate.wait(120)
+            return into
+
+    store = Tail(1)
+    (a,) = store.digests
+    t = tier(store, tmp_path, memory=1000, disk=1000)
+    arrival = t.arrive_all([(a, 100)])[0]
+    arrival.wait(100)  # every byte is in place, the fetch not over
+    outcome: list[BaseException | None] = []
+
+    def admit():
+        try:
+            t.admit(a, 100)
+            outcome.append(None)
+        except ArtifactError as exc:
+            outcome.append(exc)
+
+    checking = threading.Thread(target=admit)
+    checking.start()
+    checking.join(0.2)
+    assert checking.is_alive() and not outcome  # waiting for the fetch's end, not done without a check
+    store.gate.set()
+    checking.join(120)
+    assert len(outcome) == 1 and "corrupted" in str(outcome[0])
+    assert not (t.unchecked(a) or t.in_memory(a))
+    t.close()
+
+
+def test_a_fetch_that_stops_halfway_fails_its_arrival_after_its_front_came(tmp_path):
+    store = Halves(1)
+    (a,) = store.digests
+    t = tier(store, tmp_path, memory=1000, disk=1000)
+    store.fail = True
+    arrival = t.arrive_all([(a, 100)])[0]
+    with pytest.raises(ArtifactError, match=f"cannot fetch chunk {a} from the store: the connection dropped"):
+        arrival.wait(100)
+    with pytest.raises(ArtifactError, match="the connection dropped"):
+        arrival.wait(10)  # failed: not even the front is handed out any more
+    t.admit(a, 100)  # nothing arrived whole: nothing to check or keep
+    assert not (t.unchecked(a) or t.in_memory(a) or t.on_disk(a))
+    store.fail, store.long = False, True  # the store then sends one byte too many
+    store.rest.set()
+    arrival = t.arrive_all([(a, 100)])[0]
+    with pytest.raises(ArtifactError, match="a chunk of 100 bytes came as 101"):
+        arrival.wait(100)
+    with pytest.raises(ArtifactError, match="corrupted"):  # the fetch is over: its 101 bytes checked
+        t.admit(a, 100)
+    assert arrival.where is None and not t.unchecked(a)  # dropped, not served to the next load
+    store.long = False
+    assert bytes(t.arrive_all([(a, 100)])[0].wait(100)) == store.chunks[a]  # fetched again, whole
+    assert store.fetched == [a, a, a]
     t.close()
 
 

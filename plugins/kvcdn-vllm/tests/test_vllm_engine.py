@@ -480,8 +480,11 @@ def fleet(tmp_path_factory):
     # write queue of one byte (the chunk fetched again gets no disk copy); its tier warms its memory
     # from disk before the first request (dropping chunk 0); then an engine with an empty
     # tier and `save` on finds chunk 1 deleted from the store after the lookup found its record (its
-    # failed load also skips its save).
+    # failed load also skips its save). Then two engines with empty tiers on a whole copy of the store
+    # whose chunk fetches land their first half only: the rest held until the forward asked for layer
+    # 1, and the rest never coming.
     digests = [c.digest for c in ChunkStore(LocalStorage(store)).record(names[0]).chunks]
+    shutil.copytree(store, tmp / "store-whole")
     flip_byte(tmp / "tier-b" / digests[0][:2] / digests[0], 1000)
     shutil.copytree(store, tmp / "store-corrupt")  # a store whose chunk 0 holds other bytes
     flip_byte(tmp / "store-corrupt" / chunk_key(digests[0]), 997)  # a float's sign and exponent
@@ -505,6 +508,16 @@ def fleet(tmp_path_factory):
                 "prompts": [prompts[1]],
                 "max_tokens": 8,
             },
+            *(
+                {
+                    "model": smol,
+                    "connector": {**connector(f"tier-{halves}", False), "store": str(tmp / "store-whole")},
+                    "prompts": [prompts[1]],
+                    "max_tokens": 8,
+                    "fetch_in_halves": halves,
+                }
+                for halves in ("hold", "fail")
+            ),
         ],
     )
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
@@ -633,6 +646,29 @@ def test_a_chunk_the_store_corrupted_is_caught_under_the_forward_and_recomputed(
     tier_d = fleet["tier_b"].parent / "tier-d"
     first, second = fleet["digests"][:2]
     assert not (tier_d / first[:2] / first).exists() and (tier_d / second[:2] / second).exists()
+
+
+def test_the_forward_runs_on_the_chunks_first_layers_while_the_rest_arrives(fleet):
+    # both chunks, fetched from the store, landed their first half and held the rest until the
+    # forward asked for layer 1: layer 0 was copied from every chunk's front and computed while the
+    # rest was on its way; the answer is token-exact, the chunks counted as fetched
+    held = fleet["faults"][3]
+    assert held["ids"] == fleet["reference"][1]["ids"]
+    assert held["halves"] == {"landed": 2, "forward_layer": 1, "released": True}
+    params = held["kv_transfer_params"]
+    assert params["kvcdn_chunks_remote"] == 2 and params["kvcdn_loaded_tokens"] > 0
+    assert held["cached"] == params["kvcdn_loaded_tokens"]
+
+
+def test_a_chunk_whose_body_stops_halfway_costs_recompute_and_one_line(fleet):
+    # the first layers may have been copied from the halves that came: the request fails at the
+    # first layer whose bytes never came, with one line, and vLLM recomputes its blocks
+    dropped = fleet["faults"][4]
+    assert dropped["ids"] == fleet["reference"][1]["ids"]
+    assert dropped["halves"]["landed"] == 2
+    lines = [line for line in fleet["log"].splitlines() if "the connection dropped halfway" in line]
+    assert len(lines) == 1 and "vLLM recomputes those tokens" in lines[0]
+    assert dropped["kv_transfer_params"]["kvcdn_chunks_remote"] == 0  # nothing came whole
 
 
 def test_a_request_whose_load_failed_is_not_saved(fleet):

@@ -10,9 +10,13 @@ each of the connector's layer-by-layer copies until the forward asks for that la
 for every one),
 ``"fail_layer_copy"`` (a layer index) to make the first copy of that layer fail, ``"warm_first": true``
 to let the tier's warming thread (memory from disk, at start) end before the first request,
-``"prefix_caching": true`` to turn vLLM's own prefix cache on; OUT gets, per run,
-per prompt: the greedy token ids, ``num_cached_tokens``, the connector's ``kv_transfer_params`` and
-``layer_waits`` (the forward's waits for a layer, and how many found it not yet copied).
+``"prefix_caching": true`` to turn vLLM's own prefix cache on, ``"fetch_in_halves": "hold"`` to make
+each chunk fetched from the store land its first half, then hold the rest until the forward has asked
+for a layer after the first (or ``"fail"``: the rest never comes, the fetch raises); OUT gets, per run,
+per prompt: the greedy token ids, ``num_cached_tokens``, the connector's ``kv_transfer_params``,
+``layer_waits`` (the forward's waits for a layer, and how many found it not yet copied) and
+``halves`` (chunks that landed half, the layer the forward asked for while their rest was held, and
+whether the forward let the rest through before the 120 s bound).
 Engines are float32, eager, with vLLM's own prefix cache off unless asked, so any cached token was
 loaded by the connector.
 
@@ -37,6 +41,9 @@ CORES = sorted(os.sched_getaffinity(0))
 
 #: the forward's waits for a connector layer copy: all, and those that found it not yet copied
 WAITS = {"total": 0, "blocked": 0}
+#: chunks that landed half (``fetch_in_halves``), and the last layer the forward asked for before
+#: their rest was let through
+HALVES: dict = {"landed": 0, "forward_layer": -1, "released": None}
 #: the hooked methods as the connector defines them (each run hooks them afresh)
 ORIGINAL: dict = {}
 
@@ -64,6 +71,10 @@ def hook_layer_copies(run: dict) -> None:
         real_start(self, names, when_asked if held else copy, then)
 
     def wait(self, layer):
+        if not rest.is_set() and HALVES["landed"]:
+            HALVES["forward_layer"] = max(HALVES["forward_layer"], connector._layer_index(layer))
+            if HALVES["forward_layer"] >= 1:  # past layer 0, which needed every chunk's front
+                rest.set()
         event = self._ready.get(layer)
         WAITS["total"] += event is not None
         WAITS["blocked"] += event is not None and not event.is_set()
@@ -80,6 +91,26 @@ def hook_layer_copies(run: dict) -> None:
 
     layers.LayerLoader.start, layers.LayerLoader.wait = start, wait
     connector.KvcdnConnector._copy_rows = copy_rows
+
+    from kvcdn_vllm import lookup
+
+    real_fetch = ORIGINAL.setdefault("fetch", lookup.StoreLookup.fetch)
+    halves, rest = run.get("fetch_in_halves"), threading.Event()
+
+    def fetch(self, digest, into, landed=None):
+        data = real_fetch(self, digest, into)  # read whole, then told in two halves
+        if landed is None or data is not into:
+            return data
+        landed(len(into) // 2)
+        HALVES["landed"] += 1
+        if halves == "fail":
+            raise OSError("injected: the connection dropped halfway through the chunk")
+        # False only when the bound passed: a forward that waits for every byte before it starts
+        HALVES["released"] = rest.wait(120) and HALVES["released"] is not False
+        landed(len(into))
+        return data
+
+    lookup.StoreLookup.fetch = fetch if halves else real_fetch
 
     from kvcdn_vllm import tier
 
@@ -145,6 +176,7 @@ def run_engine(run: dict) -> list[dict]:
         for ids, most in zip(run["prompts"], max_tokens):  # one at a time: each request's load is its own step
             params = SamplingParams(max_tokens=most, temperature=0.0)
             started, waits = time.perf_counter(), dict(WAITS)
+            HALVES.update(landed=0, forward_layer=-1, released=None)
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             results.append(
                 {
@@ -153,6 +185,7 @@ def run_engine(run: dict) -> list[dict]:
                     "kv_transfer_params": out.kv_transfer_params,
                     "seconds": time.perf_counter() - started,
                     "layer_waits": {k: WAITS[k] - waits[k] for k in WAITS},
+                    "halves": dict(HALVES),
                 }
             )
         return results
