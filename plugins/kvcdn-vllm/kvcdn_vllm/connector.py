@@ -49,7 +49,7 @@ from kvcdn_core.store.keys import CHUNK_TOKENS
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm import lookup as chunks
 from kvcdn_vllm.catalog import Catalog, Hit, ModelShape, check_fits
-from kvcdn_vllm.layers import LayerLoader
+from kvcdn_vllm.layers import LayerLoader, PartCopy
 from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
@@ -251,7 +251,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._tier = None
         self._saver = None
         #: this step's parts copied layer by layer under the forward (kvcdn_vllm.layers)
-        self._layer_copies: list[_PartCopy] = []
+        self._layer_copies: list[PartCopy] = []
         self._copy_failed: dict[str, tuple[LoadJob, Exception]] = {}  # written by the loader thread
         #: chunks fetched this step whose digest is checked under the forward: size, requests using them
         self._to_check: dict[str, tuple[int, list[LoadJob]]] = {}
@@ -608,20 +608,20 @@ class KvcdnConnector(KVConnectorBase_V1):
                 figures["bytes_fetched"],
             )
 
-    def _part_copies(self, job: LoadJob, plan: chunks.ChunkPlan, arrivals: list[Arrival]) -> list[_PartCopy]:
+    def _part_copies(self, job: LoadJob, plan: chunks.ChunkPlan, arrivals: list[Arrival]) -> list[PartCopy]:
         """What :meth:`_copy_layer` needs of each part that holds some of tokens ``[start, end)``."""
         copies = []
         for part, arrival in zip(plan.parts, arrivals):
             start, end = max(job.start, part.start), min(job.end, part.start + part.tokens)
             if start < end:
-                copies.append(_PartCopy(job, plan, part, arrival, start, end, self._slots(job.block_ids, end, start)))
+                copies.append(PartCopy(job, plan, part, arrival, start, end, self._slots(job.block_ids, end, start)))
         return copies
 
-    def _copy_rows(self, copy: _PartCopy, name: str) -> None:
+    def _copy_rows(self, copy: PartCopy, name: str) -> None:
         kv, index = self._caches[name], _layer_index(name)
         key, value = layer_tensor_name(index, "key"), layer_tensor_name(index, "value")
-        views = copy.views_through(key, value)
-        paged.scatter(kv, copy.slots(name, kv), views[key][self._heads], views[value][self._heads])
+        keys, values = copy.views(key, value)
+        paged.scatter(kv, copy.slots(name, kv), keys[self._heads], values[self._heads])
 
     def _copy_layer(self, name: str) -> None:
         """The loader thread's work for one layer: every part of this step that did not fail yet."""
@@ -960,32 +960,6 @@ class KvcdnConnector(KVConnectorBase_V1):
 LOAD_ERRORS = (KvcdnError, paged.LayoutError, OSError, KeyError, RuntimeError, ValueError)
 
 
-class _PartCopy:
-    """One part's share of a load: its bytes as they arrive, and where its rows go."""
-
-    def __init__(
-        self,
-        job: LoadJob,
-        plan: chunks.ChunkPlan,
-        part: chunks.Part,
-        arrival: Arrival,
-        start: int,
-        end: int,
-        slots: Callable[[str, torch.Tensor], paged.TokenSlots],
-    ):
-        self.job, self.slots = job, slots
-        self._plan, self._part, self._arrival, self._start, self._end = plan, part, arrival, start, end
-        self._ends = _byte_ends(plan, part)
-        self._views: dict[str, torch.Tensor] | None = None
-
-    def views_through(self, *names: str) -> dict[str, torch.Tensor]:
-        """Views of every tensor's rows, once the bytes of the ``names`` tensors have arrived."""
-        data = self._arrival.wait(max(self._ends[name] for name in names))
-        if self._views is None:
-            self._views = _part_views(self._plan, self._part, data, self._start, self._end)
-        return self._views
-
-
 @dataclasses.dataclass(frozen=True)
 class _StoreHit:
     """A chunk store's match for a request: ``tokens`` block-aligned, ``path`` the artifact's name."""
@@ -1008,34 +982,6 @@ def _joined(
         else:
             layers[index] = (torch.cat([k for k, _ in pieces], dim=1), torch.cat([v for _, v in pieces], dim=1))
     return layers
-
-
-def _byte_ends(plan: chunks.ChunkPlan, part: chunks.Part) -> dict[str, int]:
-    """Where each chunked tensor's bytes end within ``part`` (a chunk holds them in plan order)."""
-    ends, offset = {}, 0
-    for t in plan.tensors:
-        offset += t.outer * part.tokens * t.last * getattr(torch, t.dtype).itemsize
-        ends[t.name] = offset
-    return ends
-
-
-def _part_views(
-    plan: chunks.ChunkPlan, part: chunks.Part, data: ChunkBytes, start: int, end: int
-) -> dict[str, torch.Tensor]:
-    """Each chunked tensor's tokens ``[start, end)`` (within ``part``) as ``[outer, tokens, last]``
-    views of the part's bytes."""
-    import warnings
-
-    lo, hi = start - part.start, end - part.start
-    views, offset = {}, 0
-    with warnings.catch_warnings():  # read-only bytes: the views are only read (copied into the blocks)
-        warnings.simplefilter("ignore", UserWarning)
-        for t in plan.tensors:
-            count = t.outer * part.tokens * t.last
-            view = torch.frombuffer(data, dtype=getattr(torch, t.dtype), count=count, offset=offset)
-            views[t.name] = view.view(t.outer, part.tokens, t.last)[:, lo:hi]
-            offset += count * view.element_size()
-    return views
 
 
 def _grant_of(request: Request) -> dict | None:

@@ -8,7 +8,7 @@ forward runs: vLLM calls the connector's ``wait_for_layer_load`` before each att
 its cache, and that waits only for the layer it names. The copies release Python's lock, so they
 run on another core where one is free, and at worst in turn with the forward. A chunk still being
 fetched is copied as its bytes arrive: a layer's copy waits only for that layer's bytes
-(:class:`kvcdn_vllm.tier.Arrival`), so the forward also starts before the fetches end.
+(:class:`PartCopy`, over a :class:`kvcdn_vllm.tier.Arrival`), so the forward also starts before the fetches end.
 
 A layer's copy of one request failing skips that request's later layers (the caller's ``copy``
 says so by raising); the forward is never left waiting: every layer is marked ready when the thread
@@ -22,6 +22,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvcdn_vllm.layout import TokenSlots
+from kvcdn_vllm.lookup import ChunkPlan, Part
+from kvcdn_vllm.tier import Arrival, ChunkBytes
 
 
 class LayerLoader:
@@ -70,3 +77,62 @@ class LayerLoader:
             self.finish()
         finally:
             self._thread.shutdown(wait=True)
+
+
+class PartCopy:
+    """One part's share of a load (``job``, the connector's): its bytes as they arrive, and where its
+    rows go. A layer's views are made when that layer is copied, so the forward's first layer does
+    not wait for views of all the others (60 per SmolLM2 chunk)."""
+
+    def __init__(
+        self,
+        job: Any,
+        plan: ChunkPlan,
+        part: Part,
+        arrival: Arrival,
+        start: int,
+        end: int,
+        slots: Callable[[str, torch.Tensor], TokenSlots],
+    ):
+        self.job, self.slots = job, slots
+        self._arrival, self._rows = arrival, slice(start - part.start, end - part.start)
+        self._spans = _byte_spans(plan, part)
+        self._bytes: torch.Tensor | None = None
+
+    def views(self, *names: str) -> list[torch.Tensor]:
+        """The ``names`` tensors' rows as ``[outer, tokens, last]`` views, once their bytes arrived."""
+        data = self._arrival.wait(max(self._spans[name][1] for name in names))
+        if self._bytes is None:
+            self._bytes = _frombuffer(data, torch.uint8)
+        views = []
+        for name in names:
+            begin, end, dtype, shape = self._spans[name]
+            if begin % dtype.itemsize:  # not aligned for a view of the bytes (mixed dtypes)
+                whole = _frombuffer(data, dtype, (end - begin) // dtype.itemsize, begin)
+            else:
+                whole = self._bytes[begin:end].view(dtype)
+            views.append(whole.view(shape)[:, self._rows])
+        return views
+
+
+def _byte_spans(plan: ChunkPlan, part: Part) -> dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]:
+    """Where each chunked tensor lies in ``part``'s bytes (a chunk holds them in plan order):
+    ``(begin, end, dtype, [outer, tokens, last])``."""
+    spans: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+    offset = 0
+    for t in plan.tensors:
+        dtype = getattr(torch, t.dtype)
+        end = offset + t.outer * part.tokens * t.last * dtype.itemsize
+        spans[t.name] = (offset, end, dtype, (t.outer, part.tokens, t.last))
+        offset = end
+    return spans
+
+
+def _frombuffer(data: ChunkBytes, dtype: torch.dtype, count: int = -1, offset: int = 0) -> torch.Tensor:
+    """A tensor over a chunk's bytes: read-only bytes are only read here (sliced, then copied into
+    the blocks), so torch's warning about them is not shown."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)

@@ -40,7 +40,8 @@ later ones are; the connector runs it on one background thread at a lower priori
 The tier's background work (disk copies, buffer refills, warming) also stands aside while a step's
 chunk loads are in flight (:class:`StandAside`): the connector holds it from the fetches to the end
 of the copies and checks under the forward, and each unit of background work waits for it, at most
-:data:`LONGEST_STAND_ASIDE_S`. No torch here.
+:data:`LONGEST_STAND_ASIDE_S`, before it starts and between its pieces of :data:`BACKGROUND_STEP`
+bytes. No torch here.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ def _alive(pid: int) -> bool:
 #: that an engine that loads in every step still gets its copies and buffers, later
 LONGEST_STAND_ASIDE_S = 0.5
 
+#: a unit of background work (a chunk's disk copy, a buffer's first writes) goes this many bytes at a
+#: time, standing aside between them: a load that starts while a chunk is being written waits for
+#: at most this much of it, not the whole chunk
+BACKGROUND_STEP = 1 << 20
+
 
 class StandAside:
     """Held while a step's chunks are fetched and copied under the forward; the tier's background
@@ -180,8 +186,9 @@ class StandAside:
     and file writes take.
     """
 
-    def __init__(self, longest_s: float = LONGEST_STAND_ASIDE_S):
+    def __init__(self, longest_s: float = LONGEST_STAND_ASIDE_S, clock: Callable[[], float] = time.monotonic):
         self.longest_s = longest_s
+        self._clock = clock
         self._free = threading.Event()
         self._free.set()
         self._lock = threading.Lock()
@@ -193,17 +200,23 @@ class StandAside:
     def release(self) -> None:
         self._free.set()
 
-    def wait(self) -> None:
-        """Return once nothing is held, or after :attr:`longest_s`."""
+    def wait(self, longest_s: float | None = None) -> None:
+        """Return once nothing is held, or after ``longest_s`` (default :attr:`longest_s`)."""
         if self._free.is_set():
             return
         with self._lock:
             self.waiting += 1
         try:
-            self._free.wait(self.longest_s)
+            self._free.wait(self.longest_s if longest_s is None else max(0.0, longest_s))
         finally:
             with self._lock:
                 self.waiting -= 1
+
+    def pauses(self) -> Callable[[], None]:
+        """The pause between the pieces of one unit of work (:data:`BACKGROUND_STEP` bytes each):
+        each returns once nothing is held, or :attr:`longest_s` after this call (the unit's start)."""
+        deadline = self._clock() + self.longest_s
+        return lambda: self.wait(deadline - self._clock())
 
 
 class Writer(Protocol):
@@ -317,7 +330,7 @@ class TouchedBuffers:
                 while not self._closed and len(self._ready) < self.count:
                     if self._stand_aside is not None:
                         self._stand_aside.wait()
-                    buffer = _touched(self.size)
+                    buffer = _touched(self.size, self._stand_aside.pauses() if self._stand_aside else None)
                     with self._lock:
                         self._ready.append(buffer)
         except (OSError, MemoryError, ValueError):  # no memory for more: fetches read into new memory
@@ -335,13 +348,18 @@ class TouchedBuffers:
             self._ready.clear()
 
 
-def _touched(size: int) -> mmap.mmap:
+def _touched(size: int, pause: Callable[[], None] | None = None) -> mmap.mmap:
     """``size`` bytes of new memory with every page written, without holding Python's lock: a
     ctypes call releases it, where ``bytearray(size)`` would hold it through the whole memset (40 ms
-    for a chunk here) and the load on the engine's thread would wait for it."""
+    for a chunk here) and the load on the engine's thread would wait for it. ``pause`` runs between
+    the :data:`BACKGROUND_STEP` pieces written."""
     buffer = mmap.mmap(-1, size)
     start = ctypes.c_char.from_buffer(buffer)
-    ctypes.memset(ctypes.addressof(start), 0, size)
+    address = ctypes.addressof(start)
+    for offset in range(0, size, BACKGROUND_STEP):
+        if pause is not None and offset:
+            pause()
+        ctypes.memset(address + offset, 0, min(BACKGROUND_STEP, size - offset))
     del start  # releases the buffer it exported
     return buffer
 
@@ -736,7 +754,13 @@ class ChunkTier:
         tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
+            pause, view = self.stand_aside.pauses(), memoryview(data)
+            with tmp.open("wb") as f:
+                for offset in range(0, len(view), BACKGROUND_STEP):
+                    if offset:
+                        f.flush()  # the piece is the kernel's before the pause
+                        pause()
+                    f.write(view[offset : offset + BACKGROUND_STEP])
             os.replace(tmp, path)
         except OSError as exc:
             try:

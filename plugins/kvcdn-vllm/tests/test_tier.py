@@ -244,6 +244,78 @@ def test_background_work_waits_for_held_loads_at_most_its_longest():
     assert ran == [1]
 
 
+class HoldAtFirstPause(StandAside):
+    """Held by the first pause between two pieces of a unit of work: as if a load began mid-way."""
+
+    def __init__(self):
+        super().__init__(longest_s=600)  # only the release lets the work go on here
+        self.pieces_paused = 0
+
+    def pauses(self):
+        inner = super().pauses()
+
+        def pause():
+            self.pieces_paused += 1
+            if self.pieces_paused == 1:
+                self.hold()
+            inner()
+
+        return pause
+
+
+def test_a_disk_copy_stands_aside_between_its_pieces(tmp_path, monkeypatch):
+    """A load that starts while a chunk is being written waits for one piece of it, not all."""
+    from kvcdn_vllm import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "BACKGROUND_STEP", 100)
+    store = IntoStore(1, size=250)  # three pieces: 100, 100, 50 bytes
+    (a,) = store.digests
+    aside = HoldAtFirstPause()
+    t = ChunkTier(store.fetch, 1000, 1000, tmp_path / "tier", print, stand_aside=aside)
+    assert bytes(t.get(a, 250)[0]) == store.chunks[a]
+    assert until(lambda: aside.waiting == 1)  # held after the first piece
+    temporary = list((tmp_path / "tier").rglob(".*.tmp"))
+    assert not t.on_disk(a) and len(temporary) == 1
+    assert until(lambda: temporary[0].stat().st_size == 100)  # written piece by piece, not at once
+    aside.release()
+    assert until(lambda: t.on_disk(a))
+    assert (tmp_path / "tier" / a[:2] / a).read_bytes() == store.chunks[a]
+    assert aside.pieces_paused == 2
+    t.close()
+
+
+def test_a_buffers_first_writes_stand_aside_between_their_pieces(monkeypatch):
+    from kvcdn_vllm import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "BACKGROUND_STEP", 4096)
+    aside = HoldAtFirstPause()
+    buffers = TouchedBuffers(3 * 4096, 1, aside)
+    assert until(lambda: aside.waiting == 1)  # the first page written, then held
+    assert buffers.ready == 0
+    aside.release()
+    assert ready(buffers, 1) == 1 and aside.pieces_paused == 2
+    buffers.close()
+
+
+def test_the_pauses_of_one_unit_of_work_wait_until_the_longest_after_its_start():
+    now = [0.0]
+    aside = StandAside(longest_s=600, clock=lambda: now[0])
+    aside.hold()
+    pause = aside.pauses()
+    went = threading.Event()
+    waiting = threading.Thread(target=lambda: (pause(), went.set()), daemon=True)
+    waiting.start()
+    assert until(lambda: aside.waiting == 1) and not went.is_set()  # held: it waits
+    aside.release()
+    assert went.wait(120)
+    aside.hold()
+    now[0] = 600.0  # the unit's whole budget spent: its next pauses go at once, though held
+    later = threading.Thread(target=lambda: (pause(), pause()), daemon=True)
+    later.start()
+    later.join(120)  # a bound on a failure only
+    assert not later.is_alive()
+
+
 def test_the_reserve_is_an_eighth_of_the_memory_budget_at_most_256_mib():
     counts = []
     for budget in (1 << 30, 4 << 30, 0):
