@@ -53,7 +53,7 @@ from kvcdn_vllm.layers import LayerLoader, PartCopy
 from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
-from kvcdn_vllm.tier import MEMORY, REMOTE, Arrival, ChunkBytes
+from kvcdn_vllm.tier import MEMORY, PROCESS_STAND_ASIDE, REMOTE, Arrival, ChunkBytes
 from kvcdn_vllm.writer import SavedModel, artifact_name, write_prompt_artifact
 
 if TYPE_CHECKING:
@@ -263,12 +263,12 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._store is not None and role == KVConnectorRole.WORKER:
             from pathlib import Path as _Path
 
-            from kvcdn_vllm.tier import ChunkTier, StandAside, TouchedBuffers
+            from kvcdn_vllm.tier import ChunkTier, TouchedBuffers
 
             s = self.settings
             directory = _Path(s.tier_directory).expanduser() if s.tier_directory else None
             chunk_bytes = _chunk_bytes(self._shape, vllm_config.model_config.dtype)
-            stand_aside = StandAside()  # held while a step's chunks load (start_load_kv)
+            stand_aside = PROCESS_STAND_ASIDE  # held while a step's chunks load, and by the lookups
             self._tier = ChunkTier(
                 self._store.fetch,
                 s.tier_memory_bytes,
@@ -324,7 +324,11 @@ class KvcdnConnector(KVConnectorBase_V1):
         """The chunk store's best match, block-aligned, when it fits the engine (one index lookup)."""
         assert self._store is not None
         began, cpu = time.perf_counter(), time.thread_time()
-        match = self._store.lookup(prompt)
+        PROCESS_STAND_ASIDE.hold(self)  # this process's tier's background work waits for the lookup
+        try:
+            match = self._store.lookup(prompt)
+        finally:
+            PROCESS_STAND_ASIDE.release(self)
         logger.info(  # the CPU part tells work here from waiting on the store
             "kvcdn: request %s: store lookup %.1f ms (%.1f ms CPU here), %d tokens matched",
             req_id,
@@ -510,7 +514,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         planned = [p.digest for job in meta.loads if job.chunks is not None for p in job.chunks.parts]
         if self._tier is not None and planned:  # no fetch of this step evicts a chunk it planned
             self._tier.pin(planned)
-            self._tier.stand_aside.hold()  # until this step's copies and checks end (_finish_layer_copies)
+            self._tier.stand_aside.hold(self)  # until this step's copies and checks end (_finish_layer_copies)
         try:
             self._load_all(meta)
         finally:
@@ -656,7 +660,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._count_loads()
         self._layer_copies = []
         if self._tier is not None:
-            self._tier.stand_aside.release()  # the tier's disk copies and buffers may run now
+            self._tier.stand_aside.release(self)  # the tier's disk copies and buffers may run now
         failed, self._copy_failed = self._copy_failed, {}
         for job, exc in failed.values():
             self._load_failed(job, exc)

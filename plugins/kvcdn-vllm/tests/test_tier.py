@@ -244,6 +244,25 @@ def test_background_work_waits_for_held_loads_at_most_its_longest():
     assert ran == [1]
 
 
+def test_background_work_goes_on_once_every_holder_released():
+    """A step's load and the scheduler's lookup hold it each for itself (one process, one tier)."""
+    aside = StandAside(longest_s=600)
+    aside.hold("load")
+    aside.hold("lookup")
+    went = threading.Event()
+    threading.Thread(target=lambda: (aside.wait(), went.set()), daemon=True).start()
+    assert until(lambda: aside.waiting == 1)
+    aside.release("load")
+    aside.release("load")  # a second release of the same holder changes nothing
+    assert aside.held and not went.is_set()
+    aside.release("lookup")
+    assert not aside.held and went.wait(120)
+    aside.hold("load")
+    aside.hold("lookup")
+    aside.release_all()  # a closing tier lets its queued copies go at once
+    assert not aside.held
+
+
 class HoldAtFirstPause(StandAside):
     """Held by the first pause between two pieces of a unit of work: as if a load began mid-way."""
 
