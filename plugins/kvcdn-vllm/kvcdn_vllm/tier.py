@@ -653,6 +653,10 @@ class ChunkTier:
 
     def _arrive_failed(self, digest: str, arrival: Arrival, error: ArtifactError) -> None:
         arrival.fail(error)
+        self._forget_arrival(digest, arrival)
+
+    def _forget_arrival(self, digest: str, arrival: Arrival) -> None:
+        """``arrival`` is no longer on its way: a later call asks for the chunk afresh."""
         with self._lock:
             if self._arriving.get(digest) is arrival:
                 del self._arriving[digest]
@@ -668,9 +672,7 @@ class ChunkTier:
         else:
             arrival.settle(data, where)
         finally:
-            with self._lock:
-                if self._arriving.get(digest) is arrival:
-                    del self._arriving[digest]
+            self._forget_arrival(digest, arrival)
 
     def admit(self, digest: str, size: int) -> None:
         """Check a chunk :meth:`get` fetched with ``check_later`` and keep it in both levels (one
