@@ -325,7 +325,7 @@ def read_into(
     return bytes(into[:got]) + rest
 
 
-def rebuild(record: ArtifactRecord, fetch: Callable[[str, int], bytes], target: Path) -> int:
+def rebuild(record: ArtifactRecord, fetch: Callable[[str, int], bytes | memoryview], target: Path) -> int:
     """Write the `.kv` file of ``record`` to ``target`` atomically; return the bytes fetched.
 
     ``fetch(digest, size)`` returns an object's bytes checked against its digest

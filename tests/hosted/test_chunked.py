@@ -568,6 +568,46 @@ def test_cli_upload_and_download_by_chunks_against_a_real_server(tmp_path, monke
         assert sorted((a["name"], a["chunked"]) for a in listed) == [("first", True), ("second", True)]
 
 
+def test_a_chunked_download_reads_objects_through_the_object_reader_and_a_gone_one_leaves_no_file(tmp_path):
+    """``download_chunked`` reads each object's signed URL through the client's ``ObjectReader``
+    (real HTTP); an object deleted between the grant and its GET is one error line and no file,
+    not even a temporary one, is left."""
+    import httpx
+
+    from kvcdn_core import KvcdnError
+    from kvcdn_hosted import chunked
+    from kvcdn_hosted.objects import ObjectReader
+    from tests.hosted.test_store import objects
+    from tests.support import services
+    from tests.support.hosted import mint_key
+
+    src = write_kv(tmp_path / "src.kv", 60)
+    home, out = tmp_path / "home", tmp_path / "out"
+    out.mkdir()
+    with services.kvcdn_server(home) as server, httpx.Client(timeout=120) as http:
+        auth = bearer(mint_key(server.url, server.admin_secret(), "acme"))
+        artifact_id = chunked.upload(http, server.url, auth, src, "a", chunk_tokens=CHUNK).artifact_id
+        reader, read = ObjectReader(http, "kvcdn-test"), []
+
+        def get(url):
+            read.append(url)
+            return reader.get(url)
+
+        report = chunked.download(http, server.url, auth, artifact_id, out / "a.kv", get)
+        assert (out / "a.kv").read_bytes() == src.read_bytes()
+        assert len(read) == report.objects > 1
+
+        def get_after_a_delete(url):
+            for name in objects(home, "chunks"):
+                (home / "kvcdn" / "server" / "objects" / "chunks" / name).unlink()
+            return reader.get(url)
+
+        with pytest.raises(KvcdnError, match="is no longer served"):
+            chunked.download(http, server.url, auth, artifact_id, out / "b.kv", get_after_a_delete)
+        assert sorted(p.name for p in out.iterdir()) == ["a.kv"]
+        reader.close()
+
+
 def test_killed_during_a_chunked_upload_no_artifact_loses_a_chunk_and_orphans_are_reclaimed(
     database_url, tmp_path, progress
 ):

@@ -313,7 +313,9 @@ class HostedStorage(StorageBackend):
         from kvcdn_hosted import chunked
 
         base = self.client.api_url.rstrip("/")
-        return chunked.download(self.client.http, base, self.client.headers(), _id(artifact_id), Path(target))
+        return chunked.download(
+            self.client.http, base, self.client.headers(), _id(artifact_id), Path(target), self.client.objects.get
+        )
 
     def download_grant(self, artifact_id: str) -> DownloadGrant:
         from kvcdn_wire.responses import DownloadGrant

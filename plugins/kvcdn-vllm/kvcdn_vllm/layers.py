@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from kvcdn_vllm.layout import TokenSlots
-from kvcdn_vllm.lookup import ChunkPlan, Part
-from kvcdn_vllm.tier import Arrival, ChunkBytes
+from kvcdn_vllm.lookup import ChunkPlan, Part, byte_spans, view_bytes
+from kvcdn_vllm.tier import Arrival
 
 
 class LayerLoader:
@@ -96,43 +96,20 @@ class PartCopy:
     ):
         self.job, self.slots = job, slots
         self._arrival, self._rows = arrival, slice(start - part.start, end - part.start)
-        self._spans = _byte_spans(plan, part)
+        self._spans = byte_spans(plan, part)
         self._bytes: torch.Tensor | None = None
 
     def views(self, *names: str) -> list[torch.Tensor]:
         """The ``names`` tensors' rows as ``[outer, tokens, last]`` views, once their bytes arrived."""
         data = self._arrival.wait(max(self._spans[name][1] for name in names))
         if self._bytes is None:
-            self._bytes = _frombuffer(data, torch.uint8)
+            self._bytes = view_bytes(data, torch.uint8)
         views = []
         for name in names:
             begin, end, dtype, shape = self._spans[name]
             if begin % dtype.itemsize:  # not aligned for a view of the bytes (mixed dtypes)
-                whole = _frombuffer(data, dtype, (end - begin) // dtype.itemsize, begin)
+                whole = view_bytes(data, dtype, (end - begin) // dtype.itemsize, begin)
             else:
                 whole = self._bytes[begin:end].view(dtype)
             views.append(whole.view(shape)[:, self._rows])
         return views
-
-
-def _byte_spans(plan: ChunkPlan, part: Part) -> dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]:
-    """Where each chunked tensor lies in ``part``'s bytes (a chunk holds them in plan order):
-    ``(begin, end, dtype, [outer, tokens, last])``."""
-    spans: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
-    offset = 0
-    for t in plan.tensors:
-        dtype = getattr(torch, t.dtype)
-        end = offset + t.outer * part.tokens * t.last * dtype.itemsize
-        spans[t.name] = (offset, end, dtype, (t.outer, part.tokens, t.last))
-        offset = end
-    return spans
-
-
-def _frombuffer(data: ChunkBytes, dtype: torch.dtype, count: int = -1, offset: int = 0) -> torch.Tensor:
-    """A tensor over a chunk's bytes: read-only bytes are only read here (sliced, then copied into
-    the blocks), so torch's warning about them is not shown."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)

@@ -349,20 +349,38 @@ def plan(record: ArtifactRecord, start: int, end: int, locations: Mapping[str, s
 def slices(plan: ChunkPlan, got: Sequence[tuple[Part, ChunkBytes]], start: int, end: int) -> dict[str, torch.Tensor]:
     """Each chunked tensor's tokens ``[start, end)`` as ``[outer, end - start, last]``, read from the
     bytes of ``plan``'s parts (``got``: each part with its bytes, in token order)."""
+    import torch
+
+    pieces: dict[str, list[torch.Tensor]] = {t.name: [] for t in plan.tensors}
+    for part, data in got:
+        for name, (begin, stop, dtype, shape) in byte_spans(plan, part).items():
+            pieces[name].append(view_bytes(data, dtype, (stop - begin) // dtype.itemsize, begin).view(shape))
+    base = got[0][0].start if got else start
+    return {name: torch.cat(parts, dim=1)[:, start - base : end - base] for name, parts in pieces.items()}
+
+
+def byte_spans(plan: ChunkPlan, part: Part) -> dict[str, tuple[int, int, torch.dtype, tuple[int, int, int]]]:
+    """Where each chunked tensor lies in ``part``'s bytes (a chunk holds them in plan order):
+    ``(begin, end, dtype, [outer, tokens, last])``."""
+    import torch
+
+    spans: dict[str, tuple[int, int, torch.dtype, tuple[int, int, int]]] = {}
+    offset = 0
+    for t in plan.tensors:
+        dtype = getattr(torch, t.dtype)
+        end = offset + t.outer * part.tokens * t.last * dtype.itemsize
+        spans[t.name] = (offset, end, dtype, (t.outer, part.tokens, t.last))
+        offset = end
+    return spans
+
+
+def view_bytes(data: ChunkBytes, dtype: torch.dtype, count: int = -1, offset: int = 0) -> torch.Tensor:
+    """A tensor over a chunk's bytes: read-only bytes are only read here (sliced, then copied into
+    the blocks), so torch's warning about them is not shown."""
     import warnings
 
     import torch
 
-    pieces: dict[str, list[torch.Tensor]] = {t.name: [] for t in plan.tensors}
-    with warnings.catch_warnings():  # read-only bytes: the views are only read (sliced, then copied)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        for part, data in got:
-            offset = 0
-            for t in plan.tensors:
-                dtype = getattr(torch, t.dtype)
-                count = t.outer * part.tokens * t.last
-                view = torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
-                pieces[t.name].append(view.view(t.outer, part.tokens, t.last))
-                offset += count * view.element_size()
-    base = got[0][0].start if got else start
-    return {name: torch.cat(parts, dim=1)[:, start - base : end - base] for name, parts in pieces.items()}
+        return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)

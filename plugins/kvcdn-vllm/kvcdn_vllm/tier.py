@@ -179,7 +179,8 @@ class StandAside:
     """Held while a step's chunks are fetched and copied under the forward, and while the scheduler
     looks a prompt up; the tier's background threads wait for it before each unit of work and
     between its pieces. Each holder (any key: the connector, its role) holds and releases its own
-    hold; the background goes on once none is held.
+    hold; the background goes on once none is held. A closing tier excuses its own background work
+    (:meth:`excuse`) without touching the holds, which other tiers of the process may still heed.
 
     Why: a lower priority was not enough. In the fleet benchmark (2 cores) the disk copies and
     buffer refills that one remote request set off ran beside its forward, and that forward took
@@ -191,50 +192,55 @@ class StandAside:
     def __init__(self, longest_s: float = LONGEST_STAND_ASIDE_S, clock: Callable[[], float] = time.monotonic):
         self.longest_s = longest_s
         self._clock = clock
-        self._free = threading.Event()
-        self._free.set()
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._holders: set[object] = set()
         self.waiting = 0  # background threads standing aside now
 
     def hold(self, holder: object = None) -> None:
-        with self._lock:
+        with self._changed:
             self._holders.add(holder)
-            self._free.clear()
 
     def release(self, holder: object = None) -> None:
-        with self._lock:
+        with self._changed:
             self._holders.discard(holder)
             if not self._holders:
-                self._free.set()
+                self._changed.notify_all()
 
     @property
     def held(self) -> bool:
-        return not self._free.is_set()
+        return bool(self._holders)
 
-    def release_all(self) -> None:
-        """Let the background go now (the tier closes: its queued copies go at once)."""
-        with self._lock:
-            self._holders.clear()
-            self._free.set()
+    def excuse(self, excused: threading.Event) -> None:
+        """From now on, the work that waits with ``excused`` goes on at once (its tier closes: the
+        queued copies go now); the holds stay, and the rest of the background still heeds them."""
+        with self._changed:
+            excused.set()
+            self._changed.notify_all()
 
-    def wait(self, longest_s: float | None = None) -> None:
-        """Return once nothing is held, or after ``longest_s`` (default :attr:`longest_s`)."""
-        if self._free.is_set():
+    def wait(self, longest_s: float | None = None, excused: threading.Event | None = None) -> None:
+        """Return once nothing is held, ``excused`` is set, or after ``longest_s`` (default
+        :attr:`longest_s`)."""
+        if not self._holders:
             return
-        with self._lock:
+
+        def free() -> bool:
+            return not self._holders or (excused is not None and excused.is_set())
+
+        with self._changed:
+            if free():
+                return
             self.waiting += 1
-        try:
-            self._free.wait(self.longest_s if longest_s is None else max(0.0, longest_s))
-        finally:
-            with self._lock:
+            try:
+                self._changed.wait_for(free, self.longest_s if longest_s is None else max(0.0, longest_s))
+            finally:
                 self.waiting -= 1
 
-    def pauses(self) -> Callable[[], None]:
+    def pauses(self, excused: threading.Event | None = None) -> Callable[[], None]:
         """The pause between the pieces of one unit of work (:data:`BACKGROUND_STEP` bytes each):
-        each returns once nothing is held, or :attr:`longest_s` after this call (the unit's start)."""
+        each returns once nothing is held or ``excused`` is set, or :attr:`longest_s` after this
+        call (the unit's start)."""
         deadline = self._clock() + self.longest_s
-        return lambda: self.wait(deadline - self._clock())
+        return lambda: self.wait(deadline - self._clock(), excused)
 
 
 #: one per process: vLLM runs a single worker in its scheduler's process, so the scheduler's lookups
@@ -255,11 +261,16 @@ class DiskWriter:
     """One daemon thread running submitted jobs in order; started by the first job."""
 
     def __init__(
-        self, warn: Callable[[str], None], name: str = "kvcdn-tier-write", stand_aside: StandAside | None = None
+        self,
+        warn: Callable[[str], None],
+        name: str = "kvcdn-tier-write",
+        stand_aside: StandAside | None = None,
+        excused: threading.Event | None = None,
     ):
         self._warn = warn
         self._name = name
         self._stand_aside = stand_aside
+        self._excused = excused if excused is not None else threading.Event()  # set by close
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -275,14 +286,16 @@ class DiskWriter:
         _lower_priority()  # the copies are for later runs: the forward comes first
         while (job := self._jobs.get()) is not None:
             if self._stand_aside is not None:
-                self._stand_aside.wait()
+                self._stand_aside.wait(excused=self._excused)
             try:
                 job()
             except Exception as exc:  # a bug must not stop the writer: later copies still go
                 self._warn(f"writing the local tier failed: {exc!r}")
 
     def close(self) -> None:
-        """Run the queued jobs, then stop the thread (a later job starts a new one)."""
+        """Run the queued jobs at once, then stop the thread (a later job starts a new one)."""
+        if self._stand_aside is not None:
+            self._stand_aside.excuse(self._excused)
         with self._lock:
             thread, self._thread = self._thread, None
             if thread is not None:
@@ -316,7 +329,7 @@ class TouchedBuffers:
         self._ready: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._wanted = threading.Event()
-        self._closed = False
+        self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         if size > 0 and count > 0:
             self._wanted.set()
@@ -348,13 +361,14 @@ class TouchedBuffers:
     def _fill(self) -> None:
         _lower_priority()
         try:
-            while not self._closed:
+            while not self._closing.is_set():
                 self._wanted.wait()
                 self._wanted.clear()
-                while not self._closed and len(self._ready) < self.count:
-                    if self._stand_aside is not None:
-                        self._stand_aside.wait()
-                    buffer = _touched(self.size, self._stand_aside.pauses() if self._stand_aside else None)
+                while not self._closing.is_set() and len(self._ready) < self.count:
+                    aside = self._stand_aside
+                    if aside is not None:
+                        aside.wait(excused=self._closing)
+                    buffer = _touched(self.size, aside.pauses(self._closing) if aside is not None else None)
                     with self._lock:
                         self._ready.append(buffer)
         except (OSError, MemoryError, ValueError):  # no memory for more: fetches read into new memory
@@ -362,10 +376,11 @@ class TouchedBuffers:
 
     def close(self) -> None:
         """Stop the filling thread and let the ready buffers go."""
-        self._closed = True
-        self._wanted.set()
         if self._stand_aside is not None:
-            self._stand_aside.release_all()
+            self._stand_aside.excuse(self._closing)
+        else:
+            self._closing.set()
+        self._wanted.set()
         if self._thread is not None:
             self._thread.join()
         with self._lock:
@@ -489,7 +504,10 @@ class ChunkTier:
         self._verified: set[str] = set()  # disk files this process wrote or checked
         self._pins: collections.Counter[str] = collections.Counter()
         self._disk_warned = False
-        self._writer = writer if writer is not None else DiskWriter(warn, stand_aside=self.stand_aside)
+        self._closing = threading.Event()  # set by close: warming stops, the background stops standing aside
+        self._writer = (
+            writer if writer is not None else DiskWriter(warn, stand_aside=self.stand_aside, excused=self._closing)
+        )
         self.write_queue_bytes = write_queue_bytes
         self._waiting: dict[str, ChunkBytes] = {}  # chunks whose disk copy is queued, not yet in place
         self._unchecked: dict[str, ChunkBytes] = {}  # fetched with check_later, not yet admitted
@@ -498,7 +516,6 @@ class ChunkTier:
         self.disk_dropped = 0  # copies not made because the queue was full
         self.temp_swept = 0  # temporary files of killed writers removed at start
         self.warmed = 0  # chunks :meth:`warm` brought from disk into memory
-        self._stop_warming = threading.Event()
         self._warming: threading.Thread | None = None
         self._fetcher: ThreadPoolExecutor | None = None  # arrive_all's streams, started by the first
         if self.disk_bytes > 0 and self.directory is not None:
@@ -507,8 +524,7 @@ class ChunkTier:
     def close(self) -> None:
         """Stop warming, then wait for the queued disk copies (an engine's shutdown: the next start
         finds them)."""
-        self._stop_warming.set()
-        self.stand_aside.release_all()  # nothing loads any more: the queued copies go at once
+        self.stand_aside.excuse(self._closing)  # warming stops, the queued copies go at once; the holds stay
         if self._warming is not None:
             self._warming.join()
         if self._buffers is not None:
@@ -535,8 +551,8 @@ class ChunkTier:
                 free -= size
         brought = 0
         for digest, size in reversed(chosen):  # least recent first: each goes to the memory's end
-            self.stand_aside.wait()
-            if self._stop_warming.is_set():
+            self.stand_aside.wait(excused=self._closing)
+            if self._closing.is_set():
                 break
             data = self._from_disk(digest, size)
             if data is not None and self._keep_in_memory(digest, data, evict=False):
@@ -780,7 +796,7 @@ class ChunkTier:
         tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            pause, view = self.stand_aside.pauses(), memoryview(data)
+            pause, view = self.stand_aside.pauses(self._closing), memoryview(data)
             with tmp.open("wb") as f:
                 for offset in range(0, len(view), BACKGROUND_STEP):
                     if offset:

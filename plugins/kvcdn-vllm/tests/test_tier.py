@@ -240,8 +240,8 @@ def test_background_work_waits_for_held_loads_at_most_its_longest():
     ran = []
     writer = DiskWriter(print, stand_aside=aside)
     writer.submit(lambda: ran.append(1))
-    writer.close()  # runs the queued job, though the hold was never released
-    assert ran == [1]
+    assert until(lambda: ran == [1])  # ran, though the hold was never released
+    writer.close()
 
 
 def test_background_work_goes_on_once_every_holder_released():
@@ -257,10 +257,26 @@ def test_background_work_goes_on_once_every_holder_released():
     assert aside.held and not went.is_set()
     aside.release("lookup")
     assert not aside.held and went.wait(120)
-    aside.hold("load")
-    aside.hold("lookup")
-    aside.release_all()  # a closing tier lets its queued copies go at once
-    assert not aside.held
+
+
+def test_a_closing_tier_excuses_its_own_background_work_only(tmp_path):
+    """Two tiers of one process share its StandAside: closing one lets its queued disk copy go at
+    once and leaves the holds, so the other's background work still stands aside."""
+    store = IntoStore(2, size=100)
+    a, b = store.digests
+    aside = StandAside(longest_s=600)  # only a release or a close lets them go here
+    closing = ChunkTier(store.fetch, 1000, 1000, tmp_path / "one", print, stand_aside=aside)
+    staying = ChunkTier(store.fetch, 1000, 1000, tmp_path / "two", print, stand_aside=aside)
+    aside.hold("another engine's load")
+    closing.get(a, 100)
+    staying.get(b, 100)
+    assert until(lambda: aside.waiting == 2)  # both disk copies stand aside
+    closing.close()  # returns once its copy is written, though the hold stays
+    assert closing.on_disk(a) and aside.held
+    assert aside.waiting == 1 and not staying.on_disk(b)
+    aside.release("another engine's load")
+    assert until(lambda: staying.on_disk(b))
+    staying.close()
 
 
 class HoldAtFirstPause(StandAside):
@@ -270,8 +286,8 @@ class HoldAtFirstPause(StandAside):
         super().__init__(longest_s=600)  # only the release lets the work go on here
         self.pieces_paused = 0
 
-    def pauses(self):
-        inner = super().pauses()
+    def pauses(self, excused=None):
+        inner = super().pauses(excused)
 
         def pause():
             self.pieces_paused += 1

@@ -518,6 +518,13 @@ def fleet(tmp_path_factory):
                 }
                 for halves in ("hold", "fail")
             ),
+            {
+                "model": smol,
+                "connector": {**connector("tier-together", False), "store": str(tmp / "store-whole")},
+                "prompts": [prompts[1]] * 2,
+                "max_tokens": 8,
+                "together": True,  # one step loads both: each chunk is fetched once for the two
+            },
         ],
     )
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y)
@@ -533,6 +540,7 @@ def fleet(tmp_path_factory):
         "names": names,
         "shared": shared,
         "faults": [run[0] for run in third],
+        "together": third[-1],
         "log": log,
         "digests": digests,
         "after_faults": ChunkStore(LocalStorage(store)).names(),
@@ -658,6 +666,19 @@ def test_the_forward_runs_on_the_chunks_first_layers_while_the_rest_arrives(flee
     params = held["kv_transfer_params"]
     assert params["kvcdn_chunks_remote"] == 2 and params["kvcdn_loaded_tokens"] > 0
     assert held["cached"] == params["kvcdn_loaded_tokens"]
+
+
+def test_a_chunk_two_requests_of_one_step_load_is_fetched_and_counted_once(fleet):
+    # two requests for the same prompt in one step, on an empty tier: the step fetches each chunk
+    # once; the first request counts them remote, the second from memory, and both are token-exact
+    one, two = fleet["together"]
+    fetched = [r["kv_transfer_params"] for r in (one, two)]
+    alone = fleet["b"][0]["kv_transfer_params"]  # the same prompt from an empty tier, by itself
+    assert one["ids"] == two["ids"] == fleet["reference"][1]["ids"]
+    assert sorted(p["kvcdn_chunks_remote"] for p in fetched) == [0, alone["kvcdn_chunks_remote"]]
+    assert sorted(p["kvcdn_chunks_memory"] for p in fetched) == [0, alone["kvcdn_chunks_remote"]]
+    assert sum(p["kvcdn_bytes_fetched"] for p in fetched) == alone["kvcdn_bytes_fetched"] > 0
+    assert [p["kvcdn_loaded_tokens"] for p in fetched] == [alone["kvcdn_loaded_tokens"]] * 2
 
 
 def test_a_chunk_whose_body_stops_halfway_costs_recompute_and_one_line(fleet):
