@@ -16,7 +16,9 @@ document and another question, so it shares exactly the 2,048-token prefix.
 Engines run one after another in this process (engine core and worker in-process, ``--threads``
 torch threads), float32 and eager; each first serves a short unrelated prompt so that no
 measurement pays the engine's first forward pass. TTFT is the wall time of one request with
-``max_tokens=1``; ``--reps`` requests where it says "later".
+``max_tokens=1``; ``--reps`` requests where it says "later". Each request also has its CPU time
+(:class:`CpuMeter`): this process's (every thread), the hosted server's while it runs, and the
+machine's cores busy over the request (busy time / wall time, from ``/proc/stat``).
 
 1. vLLM alone, its prefix cache on: the prompt cold, then again (the prefix-cache hit, the floor);
    then the conversation of figure 3 with no connector.
@@ -148,6 +150,58 @@ class Traffic:
         self.bytes, self.responses, self.by_route = 0, 0, {}
 
 
+class CpuMeter:
+    """CPU time a request costs: this process's (every thread: the forward, the connector's copies,
+    fetches and checks, the tier's background work), that of ``others`` (the hosted server, the paced
+    link: processes on the same cores), and the machine's busy time on all its cores (``/proc/stat``,
+    whatever ran). Where the machine's busy time is near cores x wall time, CPU time is latency: on
+    2 cores every millisecond of CPU a load adds shows in the first token."""
+
+    def __init__(self) -> None:
+        self.others: list[int] = []
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> tuple[float, float, float]:
+        """(this process's CPU s, ``others``' CPU s, the machine's busy s), each since some origin."""
+        return time.process_time(), sum(self._of(pid) for pid in self.others), self._machine()
+
+    def threads(self) -> dict[str, float]:
+        """This process's CPU s by thread, named as Python names them (a pool's threads summed under
+        its prefix); threads Python did not start (torch's, vLLM's native ones) under "other"."""
+        import threading
+
+        names = {t.native_id: re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
+        out: dict[str, float] = {}
+        for task in Path("/proc/self/task").iterdir():
+            name = names.get(int(task.name), "other")
+            out[name] = out.get(name, 0.0) + self._of(f"self/task/{task.name}")
+        return out
+
+    def _of(self, pid: int | str) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone: it costs nothing more
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / self._tick  # utime, stime
+
+    def _machine(self) -> float:
+        try:
+            first = Path("/proc/stat").read_text().splitlines()[0].split()
+        except OSError:
+            return math.nan
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in first[1:9])
+        return (user + nice + system + irq + softirq + steal) / self._tick
+
+    @staticmethod
+    def spent(before: tuple[float, float, float], after: tuple[float, float, float], wall_s: float) -> dict:
+        here, others, machine = (b - a for a, b in zip(before, after))
+        return {"cpu_ms": here * 1000, "others_cpu_ms": others * 1000, "cores_busy": machine / wall_s}
+
+
+#: the requests' CPU meter; the hosted server's process joins ``others`` once it runs
+CPU = CpuMeter()
+
+
 class Lines(logging.Handler):
     """The connector's log lines (its logger sits under vLLM's)."""
 
@@ -227,12 +281,17 @@ def timed(llm, prompt: list[int], reps: int, traffic: Traffic, lines: Lines, pro
     for rep in range(reps):
         traffic.reset()
         lines.take()
+        before, threads = CPU.read(), CPU.threads()
         times, result = profiled(profile if rep == 0 else None, lambda: ttft(llm, prompt, 1))
+        spent = CPU.spent(before, CPU.read(), times[0])
+        after = CPU.threads()
+        spent["cpu_by_thread_ms"] = {k: round((v - threads.get(k, 0.0)) * 1000) for k, v in after.items()}
         params = dict(result.kv_transfer_params or {})
         got = lines.take()
         out.append(
             {
                 "ttft_s": times[0],
+                **spent,
                 "cached_tokens": result.num_cached_tokens,
                 "kv_transfer_params": params,
                 "http_body_bytes": traffic.bytes,
@@ -493,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             paced(server.url, link_port, args.link_mb_per_s) as hosted_url,
         ):
             os.environ["KVCDN_API_KEY"] = mint_key(server.url, server.admin_secret(), "fleet")
+            CPU.others.append(server.process.pid)
             stores = build_stores(args, work, real, model_info, server)
             results["stores_loaded_s"] = stores["loaded_s"]
             results["link_mb_per_s"] = args.link_mb_per_s
@@ -537,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             results["lookup_local"] = time_lookups(finder, prompt, args.lookups)
             results["link_local"] = link_speed(finder, prompt, len(document))
             hosted_record = stores["hosted_record"]
+            CPU.others.clear()  # the server stops here
 
         # 4. kvcdn on the local directory store, empty tier
         llm = engine(model, tiered("tier-local", store=str(work / "store")), in_process=True)
@@ -586,10 +647,21 @@ def paced(server_url: str, port: int | None, mb_per_s: float | None):
     try:
         if proxy.stdout is None or proxy.stdout.readline().strip() != "ready":
             raise RuntimeError("the paced link did not start")
+        CPU.others.append(proxy.pid)
         yield f"http://127.0.0.1:{port}"
     finally:
         proxy.terminate()
         proxy.wait(30)
+
+
+def cpu_spent(runs: list[dict]) -> str:
+    """The runs' median CPU (this process, plus the server's where it ran) and busy cores."""
+    if not runs or "cpu_ms" not in runs[0]:
+        return ""
+    here = statistics.median(x["cpu_ms"] for x in runs)
+    others = statistics.median(x["others_cpu_ms"] for x in runs)
+    busy = statistics.median(x["cores_busy"] for x in runs)
+    return f"{here:.0f}" + (f" + {others:.0f}" if others else "") + f"; {busy:.2f}"
 
 
 def median_ttft(runs: list[dict]) -> float:
@@ -688,7 +760,7 @@ def report(r: dict, args) -> None:
         looked += f" ({statistics.median(cpu):.1f} CPU)" if cpu else ""
         return (
             f"| {name} | {t:.3f} s | {t / apc:.2f}x | {last['cached_tokens']} | {chunks} | "
-            f"{load['bytes_fetched']:,} | {last['http_body_bytes']:,} | {looked} | {note} |"
+            f"{load['bytes_fetched']:,} | {last['http_body_bytes']:,} | {looked} | {cpu_spent(runs)} | {note} |"
         )
 
     print(
@@ -701,9 +773,10 @@ def report(r: dict, args) -> None:
     print(f"the hosted store behind a link paced to {paced_at:g} MB/s\n" if paced_at else "")
     print(
         f"| first token (median of {len(r['apc_hit'])} where 'later') | TTFT | x APC hit | cached tokens "
-        "| chunks memory/disk/remote | bytes fetched | HTTP body bytes | lookup ms (median; CPU here) | |"
+        "| chunks memory/disk/remote | bytes fetched | HTTP body bytes | lookup ms (median; CPU here) "
+        "| CPU ms here + server; cores busy | |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print(row("cold (vLLM alone)", [r["cold"]]))
     print(row("vLLM prefix-cache hit, later (the floor)", r["apc_hit"]))
     print(row("kvcdn, hosted store, empty tier", [r["hosted_remote"]], f"goal <= {g['hosted_remote_goal_s']:.3f} s"))

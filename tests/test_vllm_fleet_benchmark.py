@@ -198,3 +198,26 @@ def test_the_conversation_only_report_prints_its_ratios(fleet, capsys):
     assert r["goals"] == {"stored_ratio": pytest.approx(1.25), "save_ttft_change": pytest.approx(0.1)}
     out = capsys.readouterr().out
     assert "save on 1.100 s (+10.0%)" in out and "= 1.250" in out and "load 7.0 -> 8.0" in out
+
+
+def test_the_cpu_meter_counts_this_process_another_and_the_machine(fleet):
+    """A request's CPU: this process's spin shows in ``cpu_ms``, a child's in ``others_cpu_ms``, and
+    both in the machine's busy time (lower bounds only: a busy machine adds, never takes away)."""
+    import subprocess
+    import time
+
+    meter = fleet.CpuMeter()
+    spin = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('spun', flush=True)\nsys.stdin.read()"
+    spinner = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    meter.others = [spinner.pid]
+    before, began = meter.read(), time.perf_counter()
+    t = time.process_time()
+    while time.process_time() - t < 0.2:
+        pass
+    assert spinner.stdout.readline().strip() == "spun"
+    wall = time.perf_counter() - began
+    spent = fleet.CpuMeter.spent(before, meter.read(), wall)
+    spinner.communicate("")
+    assert spent["cpu_ms"] >= 200 and spent["others_cpu_ms"] >= 250  # the child's, in 10 ms ticks
+    assert spent["cores_busy"] * wall >= 0.4  # both spins, in ticks
+    assert meter.read()[1] == 0.0  # gone now: it costs nothing more

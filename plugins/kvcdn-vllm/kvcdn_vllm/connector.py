@@ -49,7 +49,7 @@ from kvcdn_core.store.keys import CHUNK_TOKENS
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm import lookup as chunks
 from kvcdn_vllm.catalog import Catalog, Hit, ModelShape, check_fits
-from kvcdn_vllm.layers import LayerLoader, PartCopy
+from kvcdn_vllm.layers import LayerCopies, LayerLoader, PartCopy
 from kvcdn_vllm.parallel import HeadGather, head_selection
 from kvcdn_vllm.settings import Settings
 from kvcdn_vllm.source import Source
@@ -252,6 +252,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._saver = None
         #: this step's parts copied layer by layer under the forward (kvcdn_vllm.layers)
         self._layer_copies: list[PartCopy] = []
+        self._step_copies: LayerCopies | None = None  # this step's, over _layer_copies
         self._copy_failed: dict[str, tuple[LoadJob, Exception]] = {}  # written by the loader thread
         #: chunks fetched this step whose digest is checked under the forward: size, requests using them
         self._to_check: dict[str, tuple[int, list[LoadJob]]] = {}
@@ -523,6 +524,9 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._layer_copies:
             assert self._loader is not None  # a chunk store's worker has both
             layers = sorted(self._caches, key=_layer_index)  # the forward's order
+            self._step_copies = LayerCopies(
+                self._layer_copies, self._heads, self._copy_rows, self._copy_failed, LOAD_ERRORS
+            )
             self._loader.start(layers, self._copy_layer, then=self._check_fetched)
 
     def _load_all(self, meta: KvcdnMetadata) -> None:
@@ -629,13 +633,8 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def _copy_layer(self, name: str) -> None:
         """The loader thread's work for one layer: every part of this step that did not fail yet."""
-        for copy in self._layer_copies:
-            if copy.job.req_id in self._copy_failed:
-                continue
-            try:
-                self._copy_rows(copy, name)
-            except LOAD_ERRORS as exc:
-                self._copy_failed[copy.job.req_id] = (copy.job, exc)
+        assert self._step_copies is not None
+        self._step_copies.copy_layer(name, self._caches[name], _layer_index(name), self._layouts[name])
 
     def _check_fetched(self) -> None:
         """Check the digests of the chunks this step fetched and copied unchecked (the loader thread's
@@ -658,7 +657,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._to_check:  # a step whose copies did not run (a load that failed before them)
             self._check_fetched()
         self._count_loads()
-        self._layer_copies = []
+        self._layer_copies, self._step_copies = [], None
         if self._tier is not None:
             self._tier.stand_aside.release(self)  # the tier's disk copies and buffers may run now
         failed, self._copy_failed = self._copy_failed, {}

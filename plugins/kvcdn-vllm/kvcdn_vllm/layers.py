@@ -10,6 +10,13 @@ run on another core where one is free, and at worst in turn with the forward. A 
 fetched is copied as its bytes arrive: a layer's copy waits only for that layer's bytes
 (:class:`PartCopy`, over a :class:`kvcdn_vllm.tier.Arrival`), so the forward also starts before the fetches end.
 
+Each layer is copied in a handful of torch calls, whatever the number of parts (:class:`LayerCopies`:
+one ``torch._foreach_copy_`` of every part's runs of whole blocks). Every torch call lets go of
+Python's lock and takes it back, and vLLM's forward on the engine's thread is Python between its
+kernels: with a call or four per part and layer (480-4,800 a request for 2,048 SmolLM2 tokens), a
+Python-heavy forward beside the copies took 9-22 ms longer; with one call per layer, 1-4 ms, the
+same copies (a throwaway harness; docs/benchmarks.md).
+
 A layer's copy of one request failing skips that request's later layers (the caller's ``copy``
 says so by raising); the forward is never left waiting: every layer is marked ready when the thread
 ends, however it ends. :meth:`LayerLoader.finish` waits for the thread; the connector calls it
@@ -19,6 +26,7 @@ blocks, the next step's loads, shutdown).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +34,8 @@ from typing import Any
 
 import torch
 
-from kvcdn_vllm.layout import TokenSlots
+from kvcdn_core.artifact import layer_tensor_name
+from kvcdn_vllm.layout import BlockLayout, LayoutError, TokenSlots, block_runs, flat_view
 from kvcdn_vllm.lookup import ChunkPlan, Part, byte_spans, view_bytes
 from kvcdn_vllm.tier import Arrival
 
@@ -81,8 +90,9 @@ class LayerLoader:
 
 class PartCopy:
     """One part's share of a load (``job``, the connector's): its bytes as they arrive, and where its
-    rows go. A layer's views are made when that layer is copied, so the forward's first layer does
-    not wait for views of all the others (60 per SmolLM2 chunk)."""
+    rows go. Its rows of every layer are cut in a few calls (:meth:`grouped`), or, for a part that
+    cannot be, made when that layer is copied (:meth:`views`), so the forward's first layer does not
+    wait for views of all the others (60 per SmolLM2 chunk)."""
 
     def __init__(
         self,
@@ -99,6 +109,33 @@ class PartCopy:
         self._spans = byte_spans(plan, part)
         self._bytes: torch.Tensor | None = None
 
+    def wait_layer(self, index: int) -> None:
+        """Return once layer ``index``'s keys and values have landed (or raise the fetch's error)."""
+        key, value = self._spans[layer_tensor_name(index, "key")], self._spans[layer_tensor_name(index, "value")]
+        self._arrival.wait(max(key[1], value[1]))
+
+    def grouped(self, slots: TokenSlots, heads: slice, dtype: torch.dtype) -> Grouped | None:
+        """This part's rows of every layer at once, cut where ``slots`` places them, in a few torch
+        calls: None when its tensors are not all ``dtype`` of one shape (then :meth:`views`, layer by
+        layer). Views only: each layer is read after :meth:`wait_layer`."""
+        order = _uniform_order(self._spans, dtype)
+        if order is None:
+            return None
+        outer, tokens, last = next(iter(self._spans.values()))[3]
+        typed = view_bytes(self._arrival.wait(1), dtype)  # the buffer the bytes land in
+        mine = typed[: len(order) * outer * tokens * last].view(len(order), outer, tokens, last)[:, heads, self._rows]
+        keys = [order[layer_tensor_name(i, "key")] for i in range(len(order) // 2)]
+        values = [order[layer_tensor_name(i, "value")] for i in range(len(order) // 2)]
+        bs = slots.layout.block_size
+        runs, rows = [], []
+        for token, block, count in block_runs(slots):
+            every = mine[:, :, token : token + count * bs].unflatten(2, (count, bs)).transpose(1, 2).unbind(0)
+            runs.append(BlockRun(block, count, tuple(every[k] for k in keys), tuple(every[v] for v in values)))
+        for block, row, count, token in slots.pieces[1]:
+            every = mine[:, :, token : token + count].unbind(0)
+            rows.append(BlockRows(block, row, count, tuple(every[k] for k in keys), tuple(every[v] for v in values)))
+        return Grouped(runs, rows)
+
     def views(self, *names: str) -> list[torch.Tensor]:
         """The ``names`` tensors' rows as ``[outer, tokens, last]`` views, once their bytes arrived."""
         data = self._arrival.wait(max(self._spans[name][1] for name in names))
@@ -113,3 +150,146 @@ class PartCopy:
                 whole = self._bytes[begin:end].view(dtype)
             views.append(whole.view(shape)[:, self._rows])
         return views
+
+
+def _uniform_order(
+    spans: dict[str, tuple[int, int, torch.dtype, tuple[int, int, int]]], dtype: torch.dtype
+) -> dict[str, int] | None:
+    """Each tensor's place in a part whose tensors are all ``dtype`` of one shape (so the part is one
+    ``[tensors, outer, tokens, last]`` array), holding layers ``0..n-1``'s keys and values; else None."""
+    shapes = {(d, shape) for _, _, d, shape in spans.values()}
+    if shapes != {(dtype, next(iter(spans.values()))[3])} or len(spans) % 2:
+        return None
+    order = {name: place for place, name in enumerate(sorted(spans, key=lambda n: spans[n][0]))}
+    layers = len(spans) // 2
+    wanted = {layer_tensor_name(i, role) for i in range(layers) for role in ("key", "value")}
+    return order if set(order) == wanted else None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRun:
+    """Whole blocks ``[block, block + count)`` of one part: per layer, their keys and their values as
+    ``[count, heads, block_size, head_size]`` views of the part's bytes."""
+
+    block: int
+    count: int
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRows:
+    """``count`` rows of block ``block`` from its row ``row`` (a block the part fills in part): per layer,
+    their keys and values as ``[heads, count, head_size]`` views."""
+
+    block: int
+    row: int
+    count: int
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """A part's rows of every layer, cut where they go (:meth:`PartCopy.grouped`)."""
+
+    runs: list[BlockRun]
+    rows: list[BlockRows]
+
+
+class LayerCopies:
+    """A step's parts copied into one layer at a time: each part grouped once (:meth:`PartCopy.grouped`),
+    then per layer one ``torch._foreach_copy_`` of every part's blocks, whatever their number. A part
+    that cannot be grouped (a layout that is not affine, another dtype, heads picked by index, a cache
+    off the CPU) is copied by ``copy_rows(copy, name)``, one part at a time.
+
+    A part whose bytes fail (a fetch that stopped, an error ``copy_rows`` raised) fails its request:
+    ``failed[req_id] = (job, error)``, and its request's later layers are skipped, as the other
+    requests' are not.
+    """
+
+    def __init__(
+        self,
+        copies: list[PartCopy],
+        heads: slice | torch.Tensor,
+        copy_rows: Callable[[PartCopy, str], None],
+        failed: dict[str, tuple[Any, Exception]],
+        errors: tuple[type[Exception], ...],
+    ):
+        self._copies, self._heads, self._copy_rows = copies, heads, copy_rows
+        self._failed, self._errors = failed, errors
+        self._grouped: dict[tuple[int, int], Grouped | None] = {}  # (part, layout) -> grouped, once
+
+    def copy_layer(self, name: str, kv: torch.Tensor, index: int, layout: BlockLayout) -> None:
+        ready: list[Grouped] = []
+        jobs = []
+        for copy in self._copies:
+            if copy.job.req_id in self._failed:
+                continue
+            try:
+                grouped = self._group(copy, name, kv, layout)
+                if grouped is None:
+                    self._copy_rows(copy, name)
+                    continue
+                copy.wait_layer(index)
+            except self._errors as exc:
+                self._failed[copy.job.req_id] = (copy.job, exc)
+                continue
+            ready.append(grouped)
+            jobs.append(copy.job)
+        if not ready:
+            return
+        try:
+            _copy_grouped(kv, layout, index, ready)
+        except self._errors as exc:  # nothing a part did: every request of the call fails alike
+            for job in jobs:
+                self._failed.setdefault(job.req_id, (job, exc))
+
+    def _group(self, copy: PartCopy, name: str, kv: torch.Tensor, layout: BlockLayout) -> Grouped | None:
+        key = (id(copy), id(layout))
+        if key not in self._grouped:
+            heads, grouped = self._heads, None
+            if isinstance(heads, slice) and layout.strides is not None and kv.device.type == "cpu":
+                grouped = copy.grouped(copy.slots(name, kv), heads, kv.dtype)
+            if grouped is not None:
+                _check_blocks(kv, grouped)
+            self._grouped[key] = grouped
+        return self._grouped[key]
+
+
+def _check_blocks(kv: torch.Tensor, grouped: Grouped) -> None:
+    """Strided views reach the whole allocation (vLLM's layers share one): a block outside this
+    layer's cache is refused, not written into another layer."""
+    count = kv.shape[0]
+    for block, blocks in [(r.block, r.count) for r in grouped.runs] + [(r.block, 1) for r in grouped.rows]:
+        if block < 0 or block + blocks > count:
+            raise LayoutError(f"block {block} is outside the cache's {count} blocks")
+
+
+def _copy_grouped(kv: torch.Tensor, layout: BlockLayout, index: int, parts: list[Grouped]) -> None:
+    """Layer ``index`` of every grouped part into ``kv``: one ``torch._foreach_copy_`` call."""
+    strides = layout.strides
+    assert strides is not None
+    flat = flat_view(kv)
+    h, bs, d = layout.num_kv_heads, layout.block_size, layout.head_size
+    runs = sorted((run for part in parts for run in part.runs), key=lambda r: r.block)
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    if runs:
+        bounds = [edge for run in runs for edge in (run.block, run.block + run.count)]
+        overlap = any(later.block < earlier.block + earlier.count for earlier, later in zip(runs, runs[1:]))
+        for part_strides, side in zip(strides, ("keys", "values")):
+            blocks = part_strides.blocks(flat, kv.shape[0], layout.block_stride, (h, bs, d))
+            if overlap:  # never from the scheduler: one view per run, still one copy call
+                pieces = [blocks.narrow(0, run.block, run.count) for run in runs]
+            else:  # every run's view in one call: the pieces between runs are left out
+                pieces = list(blocks.tensor_split(bounds)[1::2])
+            dsts.extend(pieces)
+            srcs.extend(getattr(run, side)[index] for run in runs)
+    for part in parts:
+        for rows in part.rows:
+            for part_strides, side in zip(strides, ("keys", "values")):
+                start = rows.block * layout.block_stride + rows.row * part_strides.token
+                dsts.append(part_strides.rows(flat, start, (h, rows.count, d)))
+                srcs.append(getattr(rows, side)[index])
+    torch._foreach_copy_(dsts, srcs)

@@ -200,7 +200,7 @@ def _block_size_of(block_numel: int, num_kv_heads: int, head_size: int) -> int:
 # -- copying --------------------------------------------------------------------------------
 
 
-def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+def flat_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """A 1-D view of every element the cache tensor reaches, in storage order."""
     span = 1 + sum((n - 1) * s for n, s in zip(kv_cache.shape, kv_cache.stride()))
     return kv_cache.as_strided((span,), (1,))
@@ -255,6 +255,23 @@ class TokenSlots:
         return (whole[0][0], ids), partial
 
 
+def block_runs(slots: TokenSlots) -> list[tuple[int, int, int]]:
+    """The whole blocks the slots fill, as runs of consecutive block ids: ``(first token, first block,
+    count)`` each (a copy moves a run through one view)."""
+    whole, _ = slots.pieces
+    if whole is None:
+        return []
+    token, ids = whole
+    bs = slots.layout.block_size
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids.tolist()):
+        if runs and block == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((token + i * bs, block, 1))
+    return runs
+
+
 def token_slots(
     layout: BlockLayout, block_ids: list[int], end: int, start: int = 0, device: str | torch.device = "cpu"
 ) -> TokenSlots:
@@ -289,7 +306,7 @@ def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, value
     for name, t in (("keys", keys), ("values", values)):
         if tuple(t.shape) != slots.shape:
             raise LayoutError(f"{name} of shape {list(t.shape)} do not fit {list(slots.shape)} slots")
-    flat = _flat(kv_cache)
+    flat = flat_view(kv_cache)
     keys = keys.to(device=kv_cache.device, dtype=kv_cache.dtype)
     values = values.to(device=kv_cache.device, dtype=kv_cache.dtype)
     strides = slots.layout.strides
@@ -324,7 +341,7 @@ def gather(kv_cache: torch.Tensor, slots: TokenSlots) -> tuple[torch.Tensor, tor
 def gather_into(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, values: torch.Tensor) -> None:
     """:func:`gather` written into ``keys`` and ``values`` (contiguous, of ``slots.shape``): on a
     cache in host memory, straight from the blocks, with no tensor allocated between."""
-    flat = _flat(kv_cache)
+    flat = flat_view(kv_cache)
     for out in (keys, values):
         if out.shape != slots.shape or not out.is_contiguous():
             raise LayoutError(f"cannot gather {tuple(slots.shape)} into a tensor of {tuple(out.shape)}")

@@ -54,9 +54,13 @@ def hook_layer_copies(run: dict) -> None:
 
     if not ORIGINAL:
         ORIGINAL.update(
-            start=layers.LayerLoader.start, wait=layers.LayerLoader.wait, rows=connector.KvcdnConnector._copy_rows
+            start=layers.LayerLoader.start,
+            wait=layers.LayerLoader.wait,
+            rows=connector.KvcdnConnector._copy_rows,
+            grouped=layers._copy_grouped,
         )
     real_start, real_wait, real_rows = ORIGINAL["start"], ORIGINAL["wait"], ORIGINAL["rows"]
+    real_grouped = ORIGINAL["grouped"]
     held, fail = bool(run.get("copy_when_asked")), run.get("fail_layer_copy")
     failed = []
     asked: dict[str, dict[str, threading.Event]] = {}  # "step": this step's layer → asked
@@ -83,14 +87,21 @@ def hook_layer_copies(run: dict) -> None:
             step[layer].set()
         real_wait(self, layer)
 
-    def copy_rows(self, copy, name):
+    def copy_rows(self, copy, name):  # a part copied on its own
         if fail is not None and not failed and connector._layer_index(name) == fail:
             failed.append(name)
             raise RuntimeError(f"injected copy failure of {name}")
         real_rows(self, copy, name)
 
+    def copy_grouped(kv, layout, index, parts):  # every grouped part of a layer, in one call
+        if fail is not None and not failed and index == fail:
+            failed.append(index)
+            raise RuntimeError(f"injected copy failure of layer {index}")
+        real_grouped(kv, layout, index, parts)
+
     layers.LayerLoader.start, layers.LayerLoader.wait = start, wait
     connector.KvcdnConnector._copy_rows = copy_rows
+    layers._copy_grouped = copy_grouped
 
     from kvcdn_vllm import lookup
 

