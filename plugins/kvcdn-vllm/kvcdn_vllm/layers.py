@@ -124,6 +124,8 @@ class PartCopy:
         outer, tokens, last = next(iter(self._spans.values()))[3]
         typed = view_bytes(self._arrival.wait(1), dtype)  # the buffer the bytes land in
         mine = typed[: len(order) * outer * tokens * last].view(len(order), outer, tokens, last)[:, heads, self._rows]
+        if (mine.shape[1], mine.shape[3]) != (slots.shape[0], slots.shape[2]):  # as scatter refuses them
+            raise LayoutError(f"rows of {list(mine.shape[1:])} do not fit {list(slots.shape)} slots")
         keys = [order[layer_tensor_name(i, "key")] for i in range(len(order) // 2)]
         values = [order[layer_tensor_name(i, "value")] for i in range(len(order) // 2)]
         bs = slots.layout.block_size

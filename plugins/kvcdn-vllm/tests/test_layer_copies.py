@@ -200,3 +200,27 @@ def test_a_block_outside_the_layers_cache_fails_the_request_not_another_layer():
     run_layers(step, kv_caches, layout)
     assert "outside" in str(failed["e"][1])
     assert not any(kv.any() for kv in kv_caches.values())
+
+
+def test_a_part_whose_heads_do_not_fit_the_cache_fails_its_request_only():
+    """A part of one head for a cache of two is refused (as ``scatter`` refuses it), not broadcast
+    into both heads, and the other request of the layer's one call is copied all the same."""
+    kv_caches, layout = caches("cpu")
+    g = torch.Generator().manual_seed(9)
+    names = sorted(layer_tensor_name(i, role) for i in range(LAYERS) for role in ("key", "value"))
+    plan = ChunkPlan("doc", tuple(TensorSlot(n, 1, HEAD, "float32") for n in names), (Part("9" * 64, 0, 8, 0),))
+    data = torch.randn(len(names), 1, 8, HEAD, generator=g).numpy().tobytes()
+    plan = ChunkPlan("doc", plan.tensors, (Part("9" * 64, 0, 8, len(data)),))
+    arrival = Arrival(len(data))
+    arrival.settle(data, MEMORY)
+    narrow = PartCopy(
+        Job("one head"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [1, 8], 8)
+    )
+    fine, plans = copies_of(REQUESTS[1:], kv_caches, layout)
+    failed: dict = {}
+    step = LayerCopies([narrow, *fine], slice(None), lambda c, n: None, failed, ERRORS)
+    run_layers(step, kv_caches, layout)
+    assert list(failed) == ["one head"] and "do not fit" in str(failed["one head"][1])
+    expected = reference(REQUESTS[1:], plans, "cpu")
+    for name in kv_caches:
+        assert torch.equal(kv_caches[name], expected[name])
