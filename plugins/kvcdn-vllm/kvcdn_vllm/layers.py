@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvcdn_core.artifact import layer_tensor_name
-from kvcdn_vllm.layout import BlockLayout, LayoutError, TokenSlots, block_runs, flat_view
+from kvcdn_vllm.layout import BlockLayout, LayoutError, TokenSlots, block_runs, blocks_in_cache, flat_view
 from kvcdn_vllm.lookup import ChunkPlan, Part, byte_spans, view_bytes
 from kvcdn_vllm.tier import Arrival
 
@@ -252,20 +252,11 @@ class LayerCopies:
         if key not in self._grouped:
             heads, grouped = self._heads, None
             if isinstance(heads, slice) and layout.strides is not None and kv.device.type == "cpu":
-                grouped = copy.grouped(copy.slots(name, kv), heads, kv.dtype)
-            if grouped is not None:
-                _check_blocks(kv, grouped)
+                slots = copy.slots(name, kv)
+                blocks_in_cache(kv, slots)
+                grouped = copy.grouped(slots, heads, kv.dtype)
             self._grouped[key] = grouped
         return self._grouped[key]
-
-
-def _check_blocks(kv: torch.Tensor, grouped: Grouped) -> None:
-    """Strided views reach the whole allocation (vLLM's layers share one): a block outside this
-    layer's cache is refused, not written into another layer."""
-    count = kv.shape[0]
-    for block, blocks in [(r.block, r.count) for r in grouped.runs] + [(r.block, 1) for r in grouped.rows]:
-        if block < 0 or block + blocks > count:
-            raise LayoutError(f"block {block} is outside the cache's {count} blocks")
 
 
 def _copy_grouped(kv: torch.Tensor, layout: BlockLayout, index: int, parts: list[Grouped]) -> None:

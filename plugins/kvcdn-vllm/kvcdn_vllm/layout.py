@@ -292,7 +292,7 @@ def token_slots(
     return TokenSlots(layout, used, start - first * bs, shape, torch.device(device))
 
 
-def _blocks_in_cache(kv_cache: torch.Tensor, slots: TokenSlots) -> None:
+def blocks_in_cache(kv_cache: torch.Tensor, slots: TokenSlots) -> None:
     """Strided views reach the whole allocation (vLLM's layers share one), not just this layer's
     cache, so a block id outside it is refused here rather than written into another layer."""
     count = kv_cache.shape[0]
@@ -315,7 +315,7 @@ def scatter(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, value
         flat.scatter_(0, slots.key, keys.reshape(-1))
         flat.scatter_(0, slots.value, values.reshape(-1))
         return
-    _blocks_in_cache(kv_cache, slots)
+    blocks_in_cache(kv_cache, slots)
     h, _, d = slots.shape
     bs, block_stride = slots.layout.block_size, slots.layout.block_stride
     whole, partial = slots.pieces
@@ -353,7 +353,7 @@ def gather_into(kv_cache: torch.Tensor, slots: TokenSlots, keys: torch.Tensor, v
             else:
                 out.copy_(flat.index_select(0, index).view(slots.shape))
         return
-    _blocks_in_cache(kv_cache, slots)
+    blocks_in_cache(kv_cache, slots)
     h, _, d = slots.shape
     bs, block_stride = slots.layout.block_size, slots.layout.block_stride
     whole, partial = slots.pieces
