@@ -6,7 +6,10 @@ left by an earlier run or by another process sharing the directory). A chunk fet
 ``check_later`` enters only when :meth:`ChunkTier.admit` has checked it: the connector copies it into
 vLLM's blocks first and checks it beside the forward. A chunk that passed is
 trusted from then on: the worker copies its bytes into vLLM's cache without hashing them again.
-A file that fails the check is deleted with one warning line and the chunk is fetched again. Files
+A file that fails the check is deleted with one warning line and the chunk is fetched again. A
+chunk neither in memory nor among the files this process knows is looked for in the directory
+before it is fetched (:meth:`ChunkTier._adopt`): processes sharing the directory share their
+fetches. Files
 are mapped, not read (:func:`_mapped` says why), and the memory level keeps the mapping; a mapped
 file that the disk level deletes frees its space once the memory level drops it too.
 
@@ -715,8 +718,10 @@ class ChunkTier:
         return self.directory / digest[:2] / digest
 
     def _from_disk(self, digest: str, size: int) -> ChunkBytes | None:
+        if not self.on_disk(digest) and not self._adopt(digest):
+            return None
         with self._lock:
-            if digest not in self._disk:
+            if digest not in self._disk:  # dropped meanwhile (another thread's eviction)
                 return None
             self._disk.move_to_end(digest)
             trusted = digest in self._verified
@@ -739,6 +744,20 @@ class ChunkTier:
             self._drop_file(digest)
             return None
         return data
+
+    def _adopt(self, digest: str) -> bool:
+        """Count a chunk file this process did not find at start nor write (another engine or
+        tensor-parallel worker sharing the directory wrote it since) as one of the disk level's,
+        unchecked until read; whether there is one. Without this a chunk a neighbour fetched a
+        moment ago would be fetched from the store again, until the next restart found it."""
+        if self.disk_bytes <= 0 or self.directory is None:
+            return False
+        try:
+            found = os.stat(self._path(digest))
+        except OSError:
+            return False
+        self._count_on_disk(digest, found.st_size, verified=False)
+        return True
 
     # -- keeping -----------------------------------------------------------------------------------
 
@@ -813,12 +832,18 @@ class ChunkTier:
                 self._disk_warned = True
                 self._warn(f"cannot keep chunks in the local tier ({self.directory}): {exc.strerror or exc}")
             return
+        self._count_on_disk(digest, len(data), verified=True)
+
+    def _count_on_disk(self, digest: str, size: int, verified: bool) -> None:
+        """A file in place counted as the disk level's most recently used, then the least recently
+        used others (never a pinned one) dropped down to the budget."""
         with self._lock:
             if digest not in self._disk:
-                self._disk[digest] = len(data)
-                self._disk_used += len(data)
+                self._disk[digest] = size
+                self._disk_used += size
             self._disk.move_to_end(digest)
-            self._verified.add(digest)
+            if verified:
+                self._verified.add(digest)
             victims = [d for d in self._disk if d != digest and not self._pins[d]]
         for victim in victims:
             if self._disk_used <= self.disk_bytes:

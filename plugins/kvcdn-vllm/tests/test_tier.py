@@ -780,3 +780,47 @@ def test_an_empty_file_in_the_tier_is_dropped_and_fetched_again(tmp_path):
     assert t.get(a, 100) == (store.chunks[a], REMOTE)
     assert len(warnings) == 1 and "corrupted" in warnings[0]
     assert (folder / a).read_bytes() == store.chunks[a]
+
+
+#: another engine's tier on the same directory, in a process of its own: it fetches the chunks
+#: given as hex and closes (its disk copies written)
+PEER = """
+import sys
+from pathlib import Path
+
+import blake3
+from kvcdn_vllm.tier import ChunkTier
+
+chunks = {blake3.blake3(data).hexdigest(): data for data in map(bytes.fromhex, sys.argv[2:])}
+peer = ChunkTier(lambda digest, into: chunks[digest], 1000, 1000, Path(sys.argv[1]), print)
+for digest, data in chunks.items():
+    peer.get(digest, len(data))
+peer.close()
+"""
+
+
+def test_a_chunk_another_process_wrote_since_start_is_read_from_disk_and_checked_once(tmp_path, monkeypatch):
+    """Engines or tensor-parallel workers sharing a directory: a chunk one fetched after the other
+    started is the other's from disk, not fetched again, checked once (its file could hold anything)
+    and counted in the budget."""
+    from kvcdn_vllm import tier as module
+
+    store = Store(3)
+    a, b, c = store.digests
+    checks = []
+    real = module.checked
+    monkeypatch.setattr(module, "checked", lambda *args: checks.append(args[1]) or real(*args))
+    t = tier(store, tmp_path, memory=0, disk=250, warnings=(warnings := []))  # no memory level
+    t.get(c, 100)  # its own, fetched and written before the peer's
+    folder = tmp_path / "tier"
+    subprocess.run([sys.executable, "-c", PEER, str(folder), store.chunks[a].hex(), store.chunks[b].hex()], check=True)
+    path_b = folder / b[:2] / b
+    path_b.write_bytes(b"\x00" * 100)  # b's file damaged after the peer wrote it
+    for _ in range(2):
+        assert t.get(a, 100) == (store.chunks[a], DISK)
+    assert t.get(b, 100) == (store.chunks[b], REMOTE)
+    assert store.fetched == [c, b]
+    assert checks == [c, a, b, b]  # c and b as fetched, a once as read, b's damaged file once
+    assert len(warnings) == 1 and "corrupted" in warnings[0] and b in warnings[0]
+    assert path_b.read_bytes() == store.chunks[b]
+    assert t.disk_used == 200 and not t.on_disk(c) and not (folder / c[:2] / c).exists()  # c: least recent
