@@ -946,7 +946,8 @@ class KvcdnConnector(KVConnectorBase_V1):
             t = self._totals
             logger.info(
                 "kvcdn: summary: %d tokens loaded; chunks %d memory, %d disk, %d remote; %d bytes fetched; "
-                "saves %d done, %d skipped (queue full), %d failed; %d chunks warmed from disk at start",
+                "saves %d done, %d skipped (queue full), %d failed; %d chunks warmed from disk at start; "
+                "%d chunks read from disk after waiting for another process's fetch",
                 t.get("matched_tokens", 0),
                 t.get("chunks_memory", 0),
                 t.get("chunks_disk", 0),
@@ -956,6 +957,7 @@ class KvcdnConnector(KVConnectorBase_V1):
                 saver.skipped if saver else 0,
                 saver.failed if saver else 0,
                 self._tier.warmed,
+                self._tier.fetches_shared,
             )
 
 

@@ -51,8 +51,8 @@ SETTINGS: tuple[settings.Setting, ...] = (
     settings.Setting(
         "tier_directory",
         "With `store`: the directory of the disk level. Engines on one machine may share it: a chunk one "
-        "fetched is read from disk by the others (checked once each); each counts the budget over the "
-        "files it found at start, those it wrote and those it read that the others wrote.",
+        "fetches, the others read from disk (checked once each) instead of fetching it too; each counts the "
+        "budget over the files it found at start, those it wrote and those it read that the others wrote.",
         flag="--tier-directory",
         default_doc="`$XDG_CACHE_HOME/kvcdn/vllm-tier/`",
     ),

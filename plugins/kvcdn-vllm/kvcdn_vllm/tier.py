@@ -8,8 +8,8 @@ vLLM's blocks first and checks it beside the forward. A chunk that passed is
 trusted from then on: the worker copies its bytes into vLLM's cache without hashing them again.
 A file that fails the check is deleted with one warning line and the chunk is fetched again. A
 chunk neither in memory nor among the files this process knows is looked for in the directory
-before it is fetched (:meth:`ChunkTier._adopt`): processes sharing the directory share their
-fetches. Files
+before it is fetched (:meth:`ChunkTier._adopt`), and a fetch is claimed across the processes
+sharing the directory (:mod:`kvcdn_vllm.claims`), so that they fetch each chunk once. Files
 are mapped, not read (:func:`_mapped` says why), and the memory level keeps the mapping; a mapped
 file that the disk level deletes frees its space once the memory level drops it too.
 
@@ -66,6 +66,7 @@ from typing import Protocol
 from kvcdn_core import ArtifactError
 from kvcdn_core.store.pack import checked
 from kvcdn_core.store.record import HEX64
+from kvcdn_vllm.claims import FetchClaims, sweep_claims
 
 #: A chunk's bytes: fetched ones in memory, files of the disk level mapped (see :func:`_mapped`).
 ChunkBytes = bytes | memoryview
@@ -491,6 +492,7 @@ class ChunkTier:
         write_queue_bytes: int = WRITE_QUEUE_BYTES,
         buffers: TouchedBuffers | None = None,
         stand_aside: StandAside | None = None,
+        claims: FetchClaims | None = None,
     ):
         self._fetch = fetch
         self.stand_aside = stand_aside if stand_aside is not None else StandAside()
@@ -521,7 +523,11 @@ class ChunkTier:
         self.warmed = 0  # chunks :meth:`warm` brought from disk into memory
         self._warming: threading.Thread | None = None
         self._fetcher: ThreadPoolExecutor | None = None  # arrive_all's streams, started by the first
+        #: claims on fetches, shared with the other processes on the directory (:mod:`kvcdn_vllm.claims`)
+        self._claims: FetchClaims | None = None
+        self.fetches_shared = 0  # chunks read from disk after waiting for another process's fetch
         if self.disk_bytes > 0 and self.directory is not None:
+            self._claims = claims if claims is not None else FetchClaims(self.directory)
             self._scan()
 
     def close(self) -> None:
@@ -618,15 +624,35 @@ class ChunkTier:
             self._keep_in_memory(digest, data)
             return data, MEMORY
         data = self._from_disk(digest, size)
+        claim = None
+        if data is None and self._claims is not None:
+            claim = self._claims.claim(digest)  # waits while another process fetches it
+            data = self._from_disk(digest, size)  # that process's file, or one written meanwhile
+            if data is not None and claim is not None:
+                claim.release()
+                with self._lock:
+                    self.fetches_shared += claim.waited
         if data is not None:
             self._keep_in_memory(digest, data)
             return data, DISK
-        into = self._buffers.take(size) if self._buffers is not None else memoryview(bytearray(size))
         try:
-            fetched = self._fetch(digest, into) if arrival is None else self._fetch(digest, into, arrival.landing(into))
-        except Exception as exc:  # any backend's error (a network one too) is a failed load, one line
-            detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
-            raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
+            into = self._buffers.take(size) if self._buffers is not None else memoryview(bytearray(size))
+            try:
+                landing = arrival.landing(into) if arrival is not None else None
+                fetched = self._fetch(digest, into) if landing is None else self._fetch(digest, into, landing)
+            except Exception as exc:  # any backend's error (a network one too) is a failed load, one line
+                detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
+            if claim is not None and fetched is not None and len(fetched) <= self.disk_bytes and claim.wanted:
+                # another process waits for this chunk: checked, kept and written now, whatever
+                # check_later says, so that its claim goes as soon as the file is in place
+                data = checked(fetched, digest, size, "the store")
+                self._keep_in_memory(digest, data)
+                self._write_file(digest, data, pause=False)
+                return data, REMOTE
+        finally:
+            if claim is not None:  # held for the fetch alone: never while waiting for anything else
+                claim.release()
         if check_later and fetched is not None:
             with self._lock:
                 self._unchecked[digest] = fetched
@@ -810,17 +836,19 @@ class ChunkTier:
                 if self._waiting.pop(digest, None) is not None:
                     self._waiting_bytes -= len(data)
 
-    def _write_file(self, digest: str, data: ChunkBytes) -> None:
+    def _write_file(self, digest: str, data: ChunkBytes, pause: bool = True) -> None:
+        """The chunk's file, written under a temporary name and renamed into place; standing aside
+        between its pieces unless ``pause`` is False (another process waits for it)."""
         path = self._path(digest)
         tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            pause, view = self.stand_aside.pauses(self._closing), memoryview(data)
+            stand_aside, view = self.stand_aside.pauses(self._closing), memoryview(data)
             with tmp.open("wb") as f:
                 for offset in range(0, len(view), BACKGROUND_STEP):
-                    if offset:
+                    if offset and pause:
                         f.flush()  # the piece is the kernel's before the pause
-                        pause()
+                        stand_aside()
                     f.write(view[offset : offset + BACKGROUND_STEP])
             os.replace(tmp, path)
         except OSError as exc:
@@ -869,6 +897,7 @@ class ChunkTier:
         Temporary files of killed writers are removed first."""
         assert self.directory is not None
         self.temp_swept = sweep_temp_files(self.directory, time.time())
+        sweep_claims(self.directory)
         found = []
         for sub in self.directory.glob("??"):
             for path in sub.iterdir() if sub.is_dir() else ():

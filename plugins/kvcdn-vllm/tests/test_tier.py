@@ -446,8 +446,10 @@ def test_a_fetched_chunk_is_readable_as_its_bytes_land(tmp_path):
     assert bytes(second.wait(40)[:40]) == store.chunks[b][:40]
     assert not first.settled and first.where is None and not t.unchecked(a)
     store.rest.set()
-    assert bytes(first.wait(100)) == store.chunks[a] and first.where == REMOTE
-    assert bytes(second.wait(100)) == store.chunks[b] and second.settled
+    assert bytes(first.wait(100)) == store.chunks[a] and bytes(second.wait(100)) == store.chunks[b]
+    for arrival in (first, second):  # every byte landed; the fetch then ends and the arrival settles
+        arrival.wait_settled()
+        assert arrival.where == REMOTE
     assert t.unchecked(a) and not t.in_memory(a)  # arrived, not yet checked: admit checks it
     t.admit(a, 100)
     t.admit(b, 100)
@@ -511,7 +513,7 @@ def test_a_fetch_that_stops_halfway_fails_its_arrival_after_its_front_came(tmp_p
     store.rest.set()
     arrival = t.arrive_all([(a, 100)])[0]
     with pytest.raises(ArtifactError, match="a chunk of 100 bytes came as 101"):
-        arrival.wait(100)
+        arrival.wait_settled()  # its 100 bytes landed; the fetch's end says there were more
     with pytest.raises(ArtifactError, match="corrupted"):  # the fetch is over: its 101 bytes checked
         t.admit(a, 100)
     assert arrival.where is None and not t.unchecked(a)  # dropped, not served to the next load

