@@ -10,13 +10,15 @@ chunk's claim file (``XX/.DIGEST.claim``, beside the chunk's file), held for the
 finds the chunk claimed marks the claim wanted (one byte written into the file) and waits for it.
 The holder, its fetch done, looks at the mark: wanted, it checks the chunk's digest and writes its
 file at once (not queued behind the forward, as its disk copies otherwise are), then lets go;
-otherwise it lets go at once. The waiter then reads the file; when there is none (the holder's
-fetch failed, the mark came after the holder looked, the holder was killed: the kernel drops a dead
-process's locks), it fetches the chunk itself. A claim is held for one fetch and never while its
-holder waits for anything else, so two processes that each wait for a chunk the other claimed
-never wait for each other. What a waiter gives up is streaming: it reads the chunk once all of it
-is on disk, not as its bytes land. A waiter waits at most :data:`LONGEST_WAIT_S`, then fetches for
-itself.
+otherwise it lets go at once. The waiter lets go too, then reads the file (waiters read it side by
+side); when there is none (the holder's fetch failed or its disk could not take the file, the mark
+came after the holder looked, the holder was killed: the kernel drops a dead process's locks), it
+fetches the chunk itself, unclaimed, so that waiters never fetch one after another. Only a chunk
+that fits the tier's disk budget is claimed (another could have no file). A claim is held for one
+fetch and never while its holder waits for anything else, so two processes that each wait for a
+chunk the other claimed never wait for each other. What a waiter gives up is streaming: it reads
+the chunk once all of it is on disk, not as its bytes land. A waiter waits at most
+:data:`LONGEST_WAIT_S`, then fetches for itself.
 
 The holder removes the claim file before it lets go of the lock, and a claim counts only on the
 file that is at the path when it is taken (a waiter that gets the lock of a removed file tries
@@ -33,6 +35,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +61,8 @@ class Claim:
         self.waited = waited
         self._fd = fd
         self._lock = threading.Lock()
+        #: a claim dropped unreleased (a bug) still lets go of its lock once it is collected
+        self._closes = weakref.finalize(self, os.close, fd)
 
     @property
     def wanted(self) -> bool:
@@ -71,6 +76,7 @@ class Claim:
             fd, self._fd = self._fd, -1
         if fd < 0:
             return
+        self._closes.detach()
         try:
             if _same_file(fd, self.path):
                 os.unlink(self.path)
@@ -107,9 +113,11 @@ class FetchClaims:
             except OSError:
                 return None
             try:
+                marked = False  # each file its holder's: a new holder is told too
                 while not _locked(fd):
-                    if not waited:
+                    if not marked:
                         os.pwrite(fd, b"w", 0)  # wanted: the holder writes the file as soon as it can
+                        marked = True
                     now = self._clock()
                     deadline = now + self.longest_wait_s if deadline is None else deadline
                     if now >= deadline:
@@ -117,11 +125,11 @@ class FetchClaims:
                         return None
                     waited = True
                     self._sleep(POLL_S)
+                if _same_file(fd, path):
+                    return Claim(path, fd, waited)
             except OSError:
                 os.close(fd)
                 return None
-            if _same_file(fd, path):
-                return Claim(path, fd, waited)
             os.close(fd)  # the holder removed this file as it let go: the claim is on the path's new one
 
 

@@ -624,18 +624,27 @@ class ChunkTier:
             self._keep_in_memory(digest, data)
             return data, MEMORY
         data = self._from_disk(digest, size)
-        claim = None
-        if data is None and self._claims is not None:
-            claim = self._claims.claim(digest)  # waits while another process fetches it
-            data = self._from_disk(digest, size)  # that process's file, or one written meanwhile
-            if data is not None and claim is not None:
-                claim.release()
-                with self._lock:
-                    self.fetches_shared += claim.waited
         if data is not None:
             self._keep_in_memory(digest, data)
             return data, DISK
+        # a chunk that could have a file here is claimed for its fetch (one over the budget never has)
+        claim = self._claims.claim(digest) if self._claims is not None and size <= self.disk_bytes else None
         try:
+            if claim is not None and claim.waited:
+                # another process fetched it: its file, if it could write one, is in place. Let go
+                # first, so that the next waiter reads (and checks) it beside this one, and without
+                # a file fetch unclaimed, so that waiters do not fetch one after another.
+                claim.release()
+                claim = None
+                data = self._from_disk(digest, size)
+                if data is not None:
+                    with self._lock:
+                        self.fetches_shared += 1
+            elif claim is not None:
+                data = self._from_disk(digest, size)  # written between the first look and the claim
+            if data is not None:
+                self._keep_in_memory(digest, data)
+                return data, DISK
             into = self._buffers.take(size) if self._buffers is not None else memoryview(bytearray(size))
             try:
                 landing = arrival.landing(into) if arrival is not None else None
@@ -781,6 +790,8 @@ class ChunkTier:
         try:
             found = os.stat(self._path(digest))
         except OSError:
+            return False
+        if found.st_size > self.disk_bytes:  # another engine's budget: counting it would evict every other file
             return False
         self._count_on_disk(digest, found.st_size, verified=False)
         return True

@@ -42,6 +42,30 @@ def test_a_claim_waits_for_the_holder_and_holds_the_new_file_after_it(tmp_path):
     assert not path.exists()
 
 
+def test_a_waiter_marks_each_holder_it_waits_for(tmp_path):
+    """The mark tells the holder to write the chunk's file at once: a second holder, which took the
+    path's new file while the waiter was between two tries, is marked too."""
+    first = FetchClaims(tmp_path).claim(DIGEST)
+    assert first is not None and not first.wanted
+    seen = []
+
+    def sleep(seconds):
+        if not seen:  # the first holder lets go, and another process takes the claim first
+            seen.append(first.wanted)
+            first.release()
+            seen.append(FetchClaims(tmp_path).claim(DIGEST))
+        elif len(seen) == 2:
+            second = seen[1]
+            seen.append(second.wanted)
+            second.release()
+
+    waiter = FetchClaims(tmp_path, sleep=sleep).claim(DIGEST)
+    assert waiter is not None and waiter.waited
+    assert seen[0] is True and seen[2] is True  # both holders were marked
+    assert not waiter.wanted  # its own file: nobody waits for it
+    waiter.release()
+
+
 def test_a_claim_held_past_the_longest_wait_is_given_up(tmp_path):
     holder = FetchClaims(tmp_path).claim(DIGEST)
     now = iter([0.0, 1.0, 2.0, 4.9, 5.0])
@@ -111,9 +135,10 @@ class Store:
         return self.chunks.get(digest)
 
 
-#: another engine's tier on the same directory: it fetches the chunk of the data given as hex,
-#: telling the test when its fetch began and waiting for a line before it returns the bytes (or,
-#: with "fail", nothing: the store lacks it), then closes (its disk copy written)
+#: another engine's tier on the same directory: it takes the chunk of the data given as hex as the
+#: connector does (arrive_all, its digest checked later by admit), telling the test when its fetch
+#: began and waiting for a line before it returns the bytes (or, with "fail", nothing: the store
+#: lacks it), then closes
 PEER = """
 import sys
 from pathlib import Path
@@ -124,13 +149,15 @@ from kvcdn_vllm.tier import ChunkTier
 data = bytes.fromhex(sys.argv[2])
 digest = blake3.blake3(data).hexdigest()
 
-def fetch(asked, into):
+def fetch(asked, into, landed=None):
     print("fetching", flush=True)
     return data if sys.stdin.readline().strip() == "go" else None
 
 peer = ChunkTier(fetch, 1 << 20, 1 << 20, Path(sys.argv[1]), print)
+arrival = peer.arrive_all([(digest, len(data))])[0]  # as the connector takes a step's chunks
 try:
-    peer.get(digest, len(data))
+    arrival.wait_settled()
+    peer.admit(digest, len(data))
     print("got", flush=True)
 except Exception as exc:
     print("failed", str(exc).splitlines()[0], flush=True)
@@ -242,3 +269,61 @@ def test_two_processes_getting_the_same_chunks_at_once_fetch_each_once(tmp_path)
     assert not list(folder.glob("*/.*.claim"))
     assert sorted(p.name for p in folder.glob("*/*") if not p.name.startswith(".")) == sorted(set(fetched))
     assert all(os.path.getsize(p) == 65536 for p in folder.glob("*/*"))
+
+
+class Holder:
+    """A claim another process holds (this process's own, on another open file: ``flock`` excludes it)."""
+
+    def __init__(self, folder: Path, digest: str):
+        self.claim = FetchClaims(folder).claim(digest)
+        assert self.claim is not None
+
+
+def test_after_waiting_for_a_fetch_that_left_no_file_a_tier_fetches_unclaimed(tmp_path):
+    """Waiters do not queue behind each other's fetches: the one that finds no file after its wait
+    fetches without holding the claim."""
+    store = Store(1)
+    ((digest, data),) = store.chunks.items()
+    folder = tmp_path / "tier"
+    holder = Holder(folder, digest)
+    free_during_fetch = []
+
+    def fetch(asked, into):
+        taken = FetchClaims(folder, longest_wait_s=0, sleep=lambda s: None).claim(asked)
+        free_during_fetch.append(taken is not None)
+        if taken is not None:
+            taken.release()
+        return store.fetch(asked)
+
+    claims = FetchClaims(folder, sleep=lambda s: holder.claim.release())  # its fetch left no file
+    t = ChunkTier(fetch, 0, 1 << 20, folder, print, DiskWriter(print), claims=claims)
+    assert t.get(digest, len(data)) == (data, REMOTE)
+    assert free_during_fetch == [True] and t.fetches_shared == 0
+    t.close()
+
+
+class Counted(FetchClaims):
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.asked: list[str] = []
+
+    def claim(self, digest):
+        self.asked.append(digest)
+        return super().claim(digest)
+
+
+def test_a_chunk_over_the_disk_budget_is_not_claimed_and_a_tier_start_sweeps_left_claims(tmp_path):
+    store = Store(2)
+    small = next(iter(store.chunks))
+    big = blake3.blake3(b"x" * 8192).hexdigest()
+    store.chunks[big] = b"x" * 8192
+    folder = tmp_path / "tier"
+    leftover = claim_path(folder, small)
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"w")  # a killed holder's
+    claims = Counted(folder)
+    t = ChunkTier(store.fetch, 0, 5000, folder, print, DiskWriter(print), claims=claims)
+    assert not leftover.exists()  # swept at start
+    assert t.get(big, 8192)[1] == REMOTE and t.get(small, 4096)[1] == REMOTE
+    assert claims.asked == [small]  # the big one never has a file here: nobody would wait for it
+    t.close()

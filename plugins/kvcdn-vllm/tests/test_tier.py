@@ -826,3 +826,21 @@ def test_a_chunk_another_process_wrote_since_start_is_read_from_disk_and_checked
     assert len(warnings) == 1 and "corrupted" in warnings[0] and b in warnings[0]
     assert path_b.read_bytes() == store.chunks[b]
     assert t.disk_used == 200 and not t.on_disk(c) and not (folder / c[:2] / c).exists()  # c: least recent
+
+
+def test_a_file_another_process_wrote_over_this_budget_is_not_taken(tmp_path):
+    """Counting it would evict every other file of the directory, and still leave the level over
+    its budget: the chunk is fetched and served from memory instead."""
+    store = Store(2)
+    a, b = store.digests
+    big = bytes(range(256)) + bytes(44)
+    c = blake3.blake3(big).hexdigest()
+    store.chunks[c] = big
+    t = tier(store, tmp_path, memory=1000, disk=250)
+    t.get(a, 100)
+    t.get(b, 100)
+    folder = tmp_path / "tier" / c[:2]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / c).write_bytes(big)  # another engine's, of a larger budget
+    assert t.get(c, 300) == (big, REMOTE)
+    assert t.on_disk(a) and t.on_disk(b) and t.disk_used == 200 and not t.on_disk(c)
