@@ -133,32 +133,41 @@ class FetchClaims:
             os.close(fd)  # the holder removed this file as it let go: the claim is on the path's new one
 
 
+def hidden_files(directory: Path) -> list[Path]:
+    """The files whose names start with a dot in the tier directory's ``XX`` folders (claim files
+    and the disk copies' temporary files live there, beside the chunks' files)."""
+    found: list[Path] = []
+    try:
+        folders = [sub for sub in directory.glob("??") if sub.is_dir()]
+    except OSError:
+        return found
+    for sub in folders:
+        try:
+            found.extend(p for p in sub.iterdir() if p.name.startswith("."))
+        except OSError:
+            continue
+    return found
+
+
 def sweep_claims(directory: Path) -> int:
     """Remove the claim files that killed holders left under ``directory`` (one that is locked is
     held by a live process and stays); the number removed."""
     removed = 0
-    try:
-        folders = [sub for sub in directory.glob("??") if sub.is_dir()]
-    except OSError:
-        return 0
-    for sub in folders:
+    for path in hidden_files(directory):
+        if not CLAIM_NAME.fullmatch(path.name):
+            continue
         try:
-            paths = [p for p in sub.iterdir() if CLAIM_NAME.fullmatch(p.name)]
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue
-        for path in paths:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                if _locked(fd) and _same_file(fd, path):
-                    os.unlink(path)
-                    removed += 1
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+        try:
+            if _locked(fd) and _same_file(fd, path):
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return removed
 
 

@@ -66,7 +66,7 @@ from typing import Protocol
 from kvcdn_core import ArtifactError
 from kvcdn_core.store.pack import checked
 from kvcdn_core.store.record import HEX64
-from kvcdn_vllm.claims import FetchClaims, sweep_claims
+from kvcdn_vllm.claims import FetchClaims, hidden_files, sweep_claims
 
 #: A chunk's bytes: fetched ones in memory, files of the disk level mapped (see :func:`_mapped`).
 ChunkBytes = bytes | memoryview
@@ -97,30 +97,21 @@ def sweep_temp_files(directory: Path, now: float) -> int:
     writer may still be writing; the number removed. They count against no budget and are never read,
     so without this they would stay forever."""
     removed = 0
-    try:
-        folders = [sub for sub in directory.glob("??") if sub.is_dir()]
-    except OSError:
-        return 0
-    for sub in folders:
+    for path in hidden_files(directory):
+        match = TEMP_NAME.fullmatch(path.name)
+        if match is None or not match.group(1).startswith(path.parent.name):
+            continue
         try:
-            names = [p for p in sub.iterdir() if p.name.startswith(".")]
+            age = now - path.stat().st_mtime
         except OSError:
             continue
-        for path in names:
-            match = TEMP_NAME.fullmatch(path.name)
-            if match is None or not match.group(1).startswith(sub.name):
-                continue
+        stale = age > TEMP_MAX_AGE_S or (age > TEMP_DEAD_WRITER_S and not _alive(int(match.group(2))))
+        if stale:
             try:
-                age = now - path.stat().st_mtime
-            except OSError:
-                continue
-            stale = age > TEMP_MAX_AGE_S or (age > TEMP_DEAD_WRITER_S and not _alive(int(match.group(2))))
-            if stale:
-                try:
-                    path.unlink()
-                    removed += 1
-                except OSError:  # gone meanwhile (another engine swept it), or not ours to remove
-                    pass
+                path.unlink()
+                removed += 1
+            except OSError:  # gone meanwhile (another engine swept it), or not ours to remove
+                pass
     return removed
 
 
