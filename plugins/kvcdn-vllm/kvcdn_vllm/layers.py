@@ -128,14 +128,23 @@ class PartCopy:
             raise LayoutError(f"rows of {list(mine.shape[1:])} do not fit {list(slots.shape)} slots")
         keys = [order[layer_tensor_name(i, "key")] for i in range(len(order) // 2)]
         values = [order[layer_tensor_name(i, "value")] for i in range(len(order) // 2)]
+
+        def by_layer(every: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+            return tuple(every[k] for k in keys), tuple(every[v] for v in values)
+
         bs = slots.layout.block_size
-        runs, rows = [], []
-        for token, block, count in block_runs(slots):
-            every = mine[:, :, token : token + count * bs].unflatten(2, (count, bs)).transpose(1, 2).unbind(0)
-            runs.append(BlockRun(block, count, tuple(every[k] for k in keys), tuple(every[v] for v in values)))
-        for block, row, count, token in slots.pieces[1]:
-            every = mine[:, :, token : token + count].unbind(0)
-            rows.append(BlockRows(block, row, count, tuple(every[k] for k in keys), tuple(every[v] for v in values)))
+        runs = [
+            BlockRun(
+                block,
+                count,
+                *by_layer(mine[:, :, t : t + count * bs].unflatten(2, (count, bs)).transpose(1, 2).unbind(0)),
+            )
+            for t, block, count in block_runs(slots)
+        ]
+        rows = [
+            BlockRows(block, row, count, *by_layer(mine[:, :, t : t + count].unbind(0)))
+            for block, row, count, t in slots.pieces[1]
+        ]
         return Grouped(runs, rows)
 
     def views(self, *names: str) -> list[torch.Tensor]:

@@ -643,7 +643,7 @@ class ChunkTier:
             except Exception as exc:  # any backend's error (a network one too) is a failed load, one line
                 detail = str(exc).splitlines()[0] if str(exc) else repr(exc)
                 raise ArtifactError(f"cannot fetch chunk {digest} from the store: {detail}") from None
-            if claim is not None and fetched is not None and len(fetched) <= self.disk_bytes and claim.wanted:
+            if claim is not None and fetched is not None and claim.wanted:
                 # another process waits for this chunk: checked, kept and written now, whatever
                 # check_later says, so that its claim goes as soon as the file is in place
                 data = checked(fetched, digest, size, "the store")
