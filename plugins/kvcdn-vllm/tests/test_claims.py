@@ -184,7 +184,8 @@ def test_a_tier_waits_for_another_process_fetching_the_chunk_and_reads_its_file(
         waiting.set()
         threading.Event().wait(seconds)
 
-    t = ChunkTier(store.fetch, 0, 1 << 20, folder, print, DiskWriter(print), claims=FetchClaims(folder, sleep=pause))
+    claims = FetchClaims(folder, longest_wait_s=600, sleep=pause)  # a bound a loaded machine never reaches
+    t = ChunkTier(store.fetch, 0, 1 << 20, folder, print, DiskWriter(print), claims=claims)
     got = []
     reader = threading.Thread(target=lambda: got.append(t.get(digest, len(data))))
     reader.start()
@@ -215,7 +216,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
-from kvcdn_vllm.claims import claim_path
+from kvcdn_vllm.claims import FetchClaims, claim_path
 from kvcdn_vllm.tier import ChunkTier
 
 directory, log, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -232,7 +233,7 @@ def fetch(digest, into):
         f.write(digest + "\\n")
     return chunks[digest]
 
-tier = ChunkTier(fetch, 0, 1 << 30, directory, print)
+tier = ChunkTier(fetch, 0, 1 << 30, directory, print, claims=FetchClaims(directory, longest_wait_s=600))
 sys.stdin.readline()
 with ThreadPoolExecutor(count) as pool:
     got = list(pool.map(lambda d: (d, tier.get(d, 65536)), chunks))
