@@ -524,9 +524,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         if self._layer_copies:
             assert self._loader is not None  # a chunk store's worker has both
             layers = sorted(self._caches, key=_layer_index)  # the forward's order
-            self._step_copies = LayerCopies(
-                self._layer_copies, self._heads, self._copy_rows, self._copy_failed, LOAD_ERRORS
-            )
+            self._step_copies = LayerCopies(self._layer_copies, self._heads, self._copy_failed, LOAD_ERRORS)
             self._loader.start(layers, self._copy_layer, then=self._check_fetched)
 
     def _load_all(self, meta: KvcdnMetadata) -> None:
@@ -624,12 +622,6 @@ class KvcdnConnector(KVConnectorBase_V1):
             if start < end:
                 copies.append(PartCopy(job, plan, part, arrival, start, end, self._slots(job.block_ids, end, start)))
         return copies
-
-    def _copy_rows(self, copy: PartCopy, name: str) -> None:
-        kv, index = self._caches[name], _layer_index(name)
-        key, value = layer_tensor_name(index, "key"), layer_tensor_name(index, "value")
-        keys, values = copy.views(key, value)
-        paged.scatter(kv, copy.slots(name, kv), keys[self._heads], values[self._heads])
 
     def _copy_layer(self, name: str) -> None:
         """The loader thread's work for one layer: every part of this step that did not fail yet."""

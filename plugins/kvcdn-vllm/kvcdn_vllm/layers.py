@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvcdn_core.artifact import layer_tensor_name
-from kvcdn_vllm.layout import BlockLayout, LayoutError, TokenSlots, block_runs, blocks_in_cache, flat_view
+from kvcdn_vllm.layout import BlockLayout, LayoutError, TokenSlots, block_runs, blocks_in_cache, flat_view, scatter
 from kvcdn_vllm.lookup import ChunkPlan, Part, byte_spans, view_bytes
 from kvcdn_vllm.tier import Arrival
 
@@ -212,9 +212,13 @@ class LayerCopies:
     """A step's parts copied into one layer at a time: each part grouped once (:meth:`PartCopy.grouped`),
     then per layer one ``torch._foreach_copy_`` of every part's blocks, whatever their number. A part
     that cannot be grouped (a layout that is not affine, another dtype, heads picked by index, a cache
-    off the CPU) is copied by ``copy_rows(copy, name)``, one part at a time.
+    off the CPU) is copied on its own (:meth:`copy_part`: its views, then ``layout.scatter``).
 
-    A part whose bytes fail (a fetch that stopped, an error ``copy_rows`` raised) fails its request:
+    The first layer is copied part by part, before anything is grouped: the forward's first
+    attention layer waits for it, and grouping every layer of 8 SmolLM2 chunks first took about 3 ms,
+    2 of which that layer waited (the copies of the others run under the forward, grouped).
+
+    A part whose bytes fail (a fetch that stopped, an error its copy raised) fails its request:
     ``failed[req_id] = (job, error)``, and its request's later layers are skipped, as the other
     requests' are not.
     """
@@ -223,24 +227,25 @@ class LayerCopies:
         self,
         copies: list[PartCopy],
         heads: slice | torch.Tensor,
-        copy_rows: Callable[[PartCopy, str], None],
         failed: dict[str, tuple[Any, Exception]],
         errors: tuple[type[Exception], ...],
     ):
-        self._copies, self._heads, self._copy_rows = copies, heads, copy_rows
+        self._copies, self._heads = copies, heads
         self._failed, self._errors = failed, errors
         self._grouped: dict[tuple[int, int], Grouped | None] = {}  # (part, layout) -> grouped, once
+        self._first = True
 
     def copy_layer(self, name: str, kv: torch.Tensor, index: int, layout: BlockLayout) -> None:
+        first, self._first = self._first, False
         ready: list[Grouped] = []
         jobs = []
         for copy in self._copies:
             if copy.job.req_id in self._failed:
                 continue
             try:
-                grouped = self._group(copy, name, kv, layout)
+                grouped = None if first else self._group(copy, name, kv, layout)
                 if grouped is None:
-                    self._copy_rows(copy, name)
+                    self.copy_part(copy, name, kv, index)
                     continue
                 copy.wait_layer(index)
             except self._errors as exc:
@@ -255,6 +260,11 @@ class LayerCopies:
         except self._errors as exc:  # nothing a part did: every request of the call fails alike
             for job in jobs:
                 self._failed.setdefault(job.req_id, (job, exc))
+
+    def copy_part(self, copy: PartCopy, name: str, kv: torch.Tensor, index: int) -> None:
+        """Layer ``index`` of one part, on its own, once its bytes arrived."""
+        keys, values = copy.views(layer_tensor_name(index, "key"), layer_tensor_name(index, "value"))
+        scatter(kv, copy.slots(name, kv), keys[self._heads], values[self._heads])
 
     def _group(self, copy: PartCopy, name: str, kv: torch.Tensor, layout: BlockLayout) -> Grouped | None:
         key = (id(copy), id(layout))

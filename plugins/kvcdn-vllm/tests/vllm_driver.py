@@ -56,10 +56,10 @@ def hook_layer_copies(run: dict) -> None:
         ORIGINAL.update(
             start=layers.LayerLoader.start,
             wait=layers.LayerLoader.wait,
-            rows=connector.KvcdnConnector._copy_rows,
+            part=layers.LayerCopies.copy_part,
             grouped=layers._copy_grouped,
         )
-    real_start, real_wait, real_rows = ORIGINAL["start"], ORIGINAL["wait"], ORIGINAL["rows"]
+    real_start, real_wait, real_part = ORIGINAL["start"], ORIGINAL["wait"], ORIGINAL["part"]
     real_grouped = ORIGINAL["grouped"]
     held, fail = bool(run.get("copy_when_asked")), run.get("fail_layer_copy")
     failed = []
@@ -87,11 +87,11 @@ def hook_layer_copies(run: dict) -> None:
             step[layer].set()
         real_wait(self, layer)
 
-    def copy_rows(self, copy, name):  # a part copied on its own
-        if fail is not None and not failed and connector._layer_index(name) == fail:
+    def copy_part(self, copy, name, kv, index):  # a part copied on its own (every part's first layer)
+        if fail is not None and not failed and index == fail:
             failed.append(name)
             raise RuntimeError(f"injected copy failure of {name}")
-        real_rows(self, copy, name)
+        real_part(self, copy, name, kv, index)
 
     def copy_grouped(kv, layout, index, parts):  # every grouped part of a layer, in one call
         if fail is not None and not failed and index == fail:
@@ -100,7 +100,7 @@ def hook_layer_copies(run: dict) -> None:
         real_grouped(kv, layout, index, parts)
 
     layers.LayerLoader.start, layers.LayerLoader.wait = start, wait
-    connector.KvcdnConnector._copy_rows = copy_rows
+    layers.LayerCopies.copy_part = copy_part
     layers._copy_grouped = copy_grouped
 
     from kvcdn_vllm import lookup
