@@ -10,8 +10,10 @@ run on another core where one is free, and at worst in turn with the forward. A 
 fetched is copied as its bytes arrive: a layer's copy waits only for that layer's bytes
 (:class:`PartCopy`, over a :class:`kvcdn_vllm.tier.Arrival`), so the forward also starts before the fetches end.
 
-Each layer is copied in a handful of torch calls, whatever the number of parts (:class:`LayerCopies`:
-one ``torch._foreach_copy_`` of every part's runs of whole blocks). Every torch call lets go of
+Each layer but the first is copied in a handful of torch calls, whatever the number of parts
+(:class:`LayerCopies`: one ``torch._foreach_copy_`` of every part's runs of whole blocks; the first
+is copied part by part, so that the forward's first layer does not wait for the parts to be cut
+into every layer's runs). Every torch call lets go of
 Python's lock and takes it back, and vLLM's forward on the engine's thread is Python between its
 kernels: with a call or four per part and layer (480-4,800 a request for 2,048 SmolLM2 tokens), a
 Python-heavy forward beside the copies took 9-22 ms longer; with one call per layer, 1-4 ms, the
@@ -90,9 +92,10 @@ class LayerLoader:
 
 class PartCopy:
     """One part's share of a load (``job``, the connector's): its bytes as they arrive, and where its
-    rows go. Its rows of every layer are cut in a few calls (:meth:`grouped`), or, for a part that
-    cannot be, made when that layer is copied (:meth:`views`), so the forward's first layer does not
-    wait for views of all the others (60 per SmolLM2 chunk)."""
+    rows go. Its rows of every layer are cut in a few calls (:meth:`grouped`), or made one layer at a
+    time (:meth:`views`): for the step's first layer, so that the forward's first layer does not wait
+    for views of all the others (60 per SmolLM2 chunk), and for every layer of a part that cannot be
+    grouped."""
 
     def __init__(
         self,

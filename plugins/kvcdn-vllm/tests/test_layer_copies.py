@@ -219,19 +219,27 @@ def test_a_layer_waits_for_its_own_bytes_only():
         assert torch.equal(kv_caches[name], expected[name])
 
 
-def test_a_block_outside_the_layers_cache_fails_the_request_not_another_layer():
+@pytest.mark.parametrize("where", ["first layer", "later layers"])
+def test_a_block_outside_the_layers_cache_fails_the_request_not_another_layer(where):
+    """Refused where the first layer is copied part by part (``scatter``) and where the later ones
+    are grouped: a strided view reaches the next layer's blocks, so neither path may write there."""
     kv_caches, layout = caches("cpu")
+    first = next(iter(kv_caches))
     plan, data = part_bytes(8, 4)
     arrival = Arrival(len(data))
     arrival.settle(data, MEMORY)
-    copy = PartCopy(
-        Job("e"), plan, plan.parts[0], arrival, 0, 8, lambda n, kv: paged.token_slots(layout, [1, BLOCKS], 8)
-    )
+
+    def slots(name, kv):  # "later layers": the first layer's blocks are in the cache, the others' not
+        inside = where == "later layers" and name == first
+        return paged.token_slots(layout, [1, 2] if inside else [1, BLOCKS], 8)
+
+    copy = PartCopy(Job("e"), plan, plan.parts[0], arrival, 0, 8, slots)
     failed: dict = {}
     step = LayerCopies([copy], slice(None), failed, ERRORS)
     run_layers(step, kv_caches, layout)
     assert "outside" in str(failed["e"][1])
-    assert not any(kv.any() for kv in kv_caches.values())
+    assert kv_caches[first].any() == (where == "later layers")  # copied before the refusal, or not
+    assert not any(kv.any() for name, kv in kv_caches.items() if name != first)
 
 
 def test_a_part_whose_heads_do_not_fit_the_cache_fails_its_request_only():
@@ -256,3 +264,29 @@ def test_a_part_whose_heads_do_not_fit_the_cache_fails_its_request_only():
     expected = reference(REQUESTS[1:], plans, "cpu")
     for name in kv_caches:
         assert torch.equal(kv_caches[name], expected[name])
+    # refused at the first layer by scatter; the grouped copy of the later layers refuses it too
+    with pytest.raises(paged.LayoutError, match="do not fit"):
+        narrow.grouped(paged.token_slots(layout, [1, 8], 8), slice(None), torch.float32)
+
+
+@pytest.mark.parametrize("heads", [slice(1, 2), torch.tensor([1])], ids=["slice", "index"])
+def test_a_worker_copies_its_own_heads(heads):
+    """Under tensor parallelism a part holds every head and a worker's cache its own: the worker's
+    heads (a slice, grouped after the first layer; or picked by index, part by part) land, bit for bit."""
+    whole = torch.zeros(LAYERS, BLOCKS, 1, BLOCK, 2 * HEAD)
+    kv_caches = {f"model.layers.{i}.attn": whole[i] for i in range(LAYERS)}
+    layout = paged.strided_layout(whole[0], HEAD)
+    blocks = [7, 2, 3, 9, 0]
+    copies, plans = copies_of([(Job("a"), 20, blocks, 2, 19)], kv_caches, layout)
+    failed: dict = {}
+    run_layers(LayerCopies(copies, heads, failed, ERRORS), kv_caches, layout)
+    assert not failed
+    plan, data = plans[0]
+    arrival = Arrival(len(data))
+    arrival.settle(data, MEMORY)
+    source = PartCopy(Job("a"), plan, plan.parts[0], arrival, 2, 19, lambda n, kv: None)  # type: ignore[arg-type, return-value]
+    for i, kv in enumerate(kv_caches.values()):
+        keys, values = source.views(layer_tensor_name(i, "key"), layer_tensor_name(i, "value"))
+        expected = torch.zeros_like(kv)
+        paged.scatter(expected, paged.token_slots(layout, blocks, 19, 2), keys[heads], values[heads])
+        assert torch.equal(kv, expected), i
