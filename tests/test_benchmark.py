@@ -316,3 +316,13 @@ def test_server_fairness_runs_both_phases_against_a_real_server(tmp_path, capsys
     out = capsys.readouterr().out
     assert "| idle |" in out and "| A floods |" in out and "B's median while A floods / idle:" in out
     assert "same tokens in every answer of B: yes" in out
+
+
+def test_index_refresh_times_lookups_with_and_without_the_change_mark(capsys):
+    """benchmarks/index_refresh.py on a small store: a local directory and S3 (moto)."""
+    script = _script("index_refresh")
+    assert script.main(["--artifacts", "20", "--ops", "12", "--lookups", "5", "--adds", "4"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| local") or "moto" in line]
+    assert len(rows) == 2
+    for row in rows:
+        assert "| 20 + 12 |" in row and "(0) |" in row and "(2) |" in row

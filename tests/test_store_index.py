@@ -111,6 +111,74 @@ def test_lookup_equals_brute_force_longest_common_prefix(tmp_path_factory, corpu
         assert got(backend, root, q, start, limit) == brute(arts, q, start, limit)
 
 
+@st.composite
+def histories(draw):
+    """A corpus written one change at a time: adds, re-adds of a name (the newer wins), removes and
+    compactions, in a random order."""
+    chunk, seqs, reuses, queries, start, limit = draw(corpora())
+    steps: list[tuple] = []
+    for i, (ids, reuse) in enumerate(zip(seqs, reuses)):
+        name = f"a{draw(st.integers(0, i)):02d}" if i and draw(st.integers(0, 4)) == 0 else f"a{i:02d}"
+        steps.append(("add", name, ids, reuse))
+        if draw(st.integers(0, 5)) == 0:
+            steps.append(("remove", f"a{draw(st.integers(0, i)):02d}"))
+        if draw(st.integers(0, 7)) == 0:
+            steps.append(("compact",))
+    return chunk, steps, queries, start, limit
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(histories())
+def test_a_reader_looking_up_between_changes_equals_brute_force(tmp_path_factory, history):
+    # the reader keeps its index between lookups: the adds since its last full build sit in the
+    # recent layer, and a lookup over both layers must equal one over the union
+    chunk, steps, queries, start, limit = history
+    where = tmp_path_factory.mktemp("store")
+    writer = LocalStorage(where)
+    readers = [LocalStorage(where)]  # and, after each compaction, one that starts on the lone base
+    root = root_for(chunk)
+    arts: dict[str, tuple[list[int], str]] = {}
+    clock = iter(range(1, 10_000))
+    for step in steps:
+        if step[0] == "add":
+            _, name, ids, reuse = step
+            index.add(writer, Rec(name, root, len(ids), chunk, reuse), ids, now=lambda: next(clock))
+            arts[name] = (ids, reuse)
+        elif step[0] == "remove":
+            assert (index.remove(writer, Rec(step[1], root, 0, chunk)) > 0) == (step[1] in arts)
+            arts.pop(step[1], None)
+        else:
+            index.compact(writer)
+            readers.append(LocalStorage(where))
+        for reader in readers:
+            for q in queries:
+                assert got(reader, root, q, start, limit) == brute(arts, q, start, limit)
+    for reader in readers:
+        assert {a.name for a in index.load(reader).trie.arts} == set(arts)
+
+
+def test_another_writers_adds_join_the_recent_layer_and_the_rest_rebuilds(tmp_path):
+    root = root_for(4)
+    writer, reader = LocalStorage(tmp_path), LocalStorage(tmp_path)
+    index.add(writer, Rec("a", root, 6, 4), [1, 2, 3, 4, 5, 6])
+    main = index.load(reader).main
+    index.add(writer, Rec("b", root, 7, 4), [1, 2, 3, 4, 5, 6, 7])
+    index.add(writer, Rec("c", root, 5, 4), [9, 9, 9, 9, 9])
+    loaded = index.load(reader)
+    assert loaded.main is main and {a.name for a in loaded.recent.arts} == {"b", "c"}  # no rebuild
+    assert got(reader, root, [1, 2, 3, 4, 5, 6, 7, 8]) == [("b", 7, 7)]
+    assert got(reader, root, [9, 9, 9, 9, 9, 1]) == [("c", 5, 5)]
+    index.add(writer, Rec("a", root, 4, 4), [1, 2, 3, 4])  # a name the main layer holds: the newer wins
+    loaded = index.load(reader)
+    assert loaded.recent is None and {a.name for a in loaded.main.arts} == {"a", "b", "c"}
+    assert got(reader, root, [1, 2, 3, 4, 9]) == [("a", 4, 4), ("b", 4, 4)]
+    index.add(writer, Rec("d", root, 5, 4), [1, 2, 3, 4, 5])
+    assert index.load(reader).recent is not None
+    assert index.remove(writer, Rec("b", root, 0, 4)) == 1  # a remove: rebuilt, b gone
+    loaded = index.load(reader)
+    assert loaded.recent is None and {a.name for a in loaded.main.arts} == {"a", "c", "d"}
+
+
 def test_the_match_is_exact_inside_a_chunk_and_other_roots_do_not_match(tmp_path):
     backend = LocalStorage(tmp_path)
     root, other = root_for(256), root_for(256, "bfloat16")
@@ -282,3 +350,184 @@ def test_a_lookup_reads_a_logarithmic_number_of_chunks_whatever_the_store_size(t
         counts[n] = len(reads)
     assert counts[4096] <= 3 * 12 + 4  # log2(4096) = 12 per binary search
     assert counts[4096] - counts[16] <= 3 * (12 - 4) + 2
+
+
+class Counted(LocalStorage):
+    """A view of a store that counts its listings, and runs ``between`` once where the test puts it:
+    after the change mark is read and before the listing (``at="listing"``), or after the listing
+    and before the objects are read (``at="reading"``)."""
+
+    def __init__(self, root, between=None, at=""):
+        super().__init__(root)
+        self.listings, self.between, self.at = 0, between, at
+
+    def _once(self, here: str) -> None:
+        if self.between is not None and self.at == here:
+            run, self.between = self.between, None
+            run()
+
+    def read_bytes(self, key):
+        data = super().read_bytes(key)
+        if key == index.MARK:
+            self._once("listing")
+        return data
+
+    def list(self, prefix=""):
+        self.listings += 1
+        found = super().list(prefix)
+        if prefix == index.BASES:
+            self._once("reading")
+        return found
+
+
+def test_a_lookup_lists_nothing_while_the_change_mark_stays_and_sees_every_finished_change(tmp_path, monkeypatch):
+    monkeypatch.setattr(index, "RELIST_S", float("inf"))  # a slow machine's seconds list nothing either
+    root = root_for(4)
+    index.add(LocalStorage(tmp_path), Rec("a", root, 6, 4), [1, 2, 3, 4, 5, 6])
+    reader = Counted(tmp_path)
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7])] == ["a"]
+    listed = reader.listings
+    for _ in range(3):
+        assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7])] == ["a"]
+    assert reader.listings == listed  # the mark is as it was: one small read per lookup, no listing
+
+    other = LocalStorage(tmp_path)  # another process's writes, each seen by the next lookup
+    index.add(other, Rec("b", root, 7, 4), [1, 2, 3, 4, 5, 6, 7])
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["b"]
+    assert index.remove(other, Rec("b", root, 0, 4)) == 1
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["a"]
+    index.compact(other)
+    index.add(other, Rec("c", root, 8, 4), [1, 2, 3, 4, 9, 9, 9, 9])
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 9, 9, 9, 9])] == ["c"]
+    assert reader.listings > listed
+
+
+@pytest.mark.parametrize("at", ["listing", "reading"])
+def test_an_add_finishing_during_a_load_is_seen_by_the_next_lookup(tmp_path, at):
+    # between the mark's read and the listing, the listing may show the add or not; after the
+    # listing, it does not: either way the mark the load kept is older than the add's, so the next
+    # lookup lists again and finds it
+    root = root_for(4)
+    index.add(LocalStorage(tmp_path), Rec("a", root, 6, 4), [1, 2, 3, 4, 5, 6])
+
+    def another_writer() -> None:
+        index.add(LocalStorage(tmp_path), Rec("b", root, 7, 4), [1, 2, 3, 4, 5, 6, 7])
+
+    reader = Counted(tmp_path, another_writer, at)
+    first = [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])]
+    assert reader.between is None and first == (["b"] if at == "listing" else ["a"])
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["b"]
+
+
+def test_a_store_without_the_mark_is_listed_at_every_lookup(tmp_path, monkeypatch):
+    # a store written by a kvcdn before the change mark has none: its readers list, as they did
+    root = root_for(4)
+    older = LocalStorage(tmp_path)
+    monkeypatch.setattr(index, "_changed", lambda backend: None)
+    index.add(older, Rec("a", root, 6, 4), [1, 2, 3, 4, 5, 6])
+    reader = Counted(tmp_path)
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7])] == ["a"]
+    index.add(older, Rec("b", root, 7, 4), [1, 2, 3, 4, 5, 6, 7])
+    listed = reader.listings
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["b"]
+    assert reader.listings == listed + 2
+
+
+def test_concurrent_lookups_see_every_finished_add_and_remove(tmp_path, monkeypatch):
+    """Writers add and remove (compacting among them) while a reader loads the index over and over:
+    every load sees each add finished before it began (unless its remove had begun by the load's
+    end), and no artifact whose remove finished before it began."""
+    monkeypatch.setattr(index, "COMPACT_AFTER", 8)
+    root = root_for(4)
+    added, removing, removed = set(), set(), set()
+    errors: list[BaseException] = []
+    writing = threading.Event()
+    writing.set()
+
+    def writer(t: int) -> None:
+        try:
+            mine = LocalStorage(tmp_path)
+            for i in range(30):
+                name = f"t{t}-a{i}"
+                index.add(mine, Rec(name, root, 5, 4), [t, i, 1, 2, 3])
+                added.add(name)
+                if i % 3 == 0:
+                    removing.add(name)
+                    assert index.remove(mine, Rec(name, root, 0, 4)) == 1
+                    removed.add(name)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    loads = 0
+
+    def found(view, name: str) -> bool:
+        """Whether a lookup (both layers, no refresh) holds ``name``'s own 5 tokens."""
+        t, i = (int(part[1:]) for part in name.split("-"))
+        hits = index.lookup(view, root, [t, i, 1, 2, 3, 99], limit=100, refresh=False)
+        return any(h.name == name and h.prefix_tokens == 5 for h in hits)
+
+    def reader() -> None:
+        nonlocal loads
+        try:
+            view = Counted(tmp_path)
+            while writing.is_set():
+                done, gone = set(added), set(removed)
+                index.load(view)
+                names = {name for name in done | gone if found(view, name)}  # in the snapshot just loaded
+                assert done - set(removing) <= names, sorted(done - set(removing) - names)
+                assert not gone & names, sorted(gone & names)
+                loads += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
+    looking = threading.Thread(target=reader)
+    looking.start()
+    for th in writers:
+        th.start()
+    for th in writers:
+        th.join()
+    writing.clear()
+    looking.join()
+    assert not errors, errors
+    assert loads > 0
+    final = {a.name for a in index.load(Counted(tmp_path)).trie.arts}
+    assert final == added - removed and len(final) == 60
+
+
+def test_a_name_added_twice_then_removed_stays_removed_for_the_process_that_compacted(tmp_path):
+    # the compaction's base cancels the older add of a name added twice; the process that wrote
+    # it must not keep that add live: another process's remove cancels only the newer one
+    root = root_for(4)
+    mine, other = LocalStorage(tmp_path), LocalStorage(tmp_path)
+    index.add(mine, Rec("x", root, 6, 4), [1, 2, 3, 4, 5, 6], now=lambda: 1)
+    index.add(mine, Rec("x", root, 5, 4), [1, 2, 3, 4, 5], now=lambda: 2)
+    index.compact(mine)
+    assert index.remove(other, Rec("x", root, 0, 4)) == 1
+    assert got(mine, root, [1, 2, 3, 4, 5, 6, 7]) == []
+    index.compact(mine)
+    assert got(LocalStorage(tmp_path), root, [1, 2, 3, 4, 5, 6, 7]) == []
+
+
+def test_a_change_the_mark_missed_is_seen_within_the_relist_time(tmp_path, monkeypatch):
+    # a writer whose mark failed after its object, or a kvcdn from before the mark: the reader
+    # lists again once RELIST_S has passed on its (injected) clock, whatever the mark says
+    root = root_for(4)
+    now = [1000.0]
+    monkeypatch.setattr(index, "_clock", lambda: now[0])
+    index.add(LocalStorage(tmp_path), Rec("a", root, 6, 4), [1, 2, 3, 4, 5, 6])
+    reader = Counted(tmp_path)
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7])] == ["a"]
+
+    class MarkFails(LocalStorage):
+        def write_bytes(self, key, data):
+            if key == index.MARK:
+                raise ConnectionError("store unreachable")
+            super().write_bytes(key, data)
+
+    with pytest.raises(ConnectionError):
+        index.add(MarkFails(tmp_path), Rec("b", root, 7, 4), [1, 2, 3, 4, 5, 6, 7])
+    now[0] += index.RELIST_S - 0.5
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["a"]  # mark unchanged
+    now[0] += 1.0
+    assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["b"]

@@ -20,7 +20,10 @@ only, so concurrent writers on a plain object store never lose an update:
 
 - ``index/ops/<id>.add``: one artifact added (its name, root, reuse rule and token ids);
 - ``index/ops/<id>.del``: the add operations a remove cancelled;
-- ``index/base/<time>-<id>.kvix``: a compacted snapshot (the trie above, and every cancelled id).
+- ``index/base/<time>-<id>.kvix``: a compacted snapshot (the trie above, and every cancelled id);
+- ``index/changed``: a random mark each writer rewrites after its object is written. A reader whose
+  cached index was listed under the mark it reads now has nothing new to list: a lookup costs one
+  small read, not a listing of up to 256 objects (two of S3's requests, or a directory walk).
 
 The index is the union of every object's operations, minus the cancelled adds. Compaction writes
 a new base holding the union of what it read, then deletes what it read: an operation is deleted
@@ -31,6 +34,7 @@ removed artifact comes back, whatever runs concurrently. Pure Python and numpy: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import json
 import re
@@ -51,6 +55,11 @@ from kvcdn_core.store import keys as chainkeys
 PREFIX = "index/"
 OPS = "index/ops/"
 BASES = "index/base/"
+#: Rewritten with a new random value by every writer, after its index object is written.
+MARK = "index/changed"
+#: Seconds after which a reader lists the index even when the mark is the same: a writer whose
+#: mark failed after its object (it raised), or a kvcdn from before the mark, is seen by then.
+RELIST_S = 10.0
 OP_MAGIC = b"KVCDNIO1"
 BASE_MAGIC = b"KVCDNIB1"
 VERSION = 1
@@ -238,6 +247,7 @@ def add(backend, record, token_ids, now: Callable[[], int] = time.time_ns) -> st
         **_describe(record),
     }
     backend.write_bytes(f"{OPS}{op_id}.add", _pack(OP_MAGIC, meta, {"ids": ids.astype("<u4")}))
+    _changed(backend)
     if len(backend.list(OPS)) > COMPACT_AFTER:
         compact(backend)
     return op_id
@@ -256,7 +266,14 @@ def remove(backend, record, token_ids=None) -> int:
         op_id = uuid.uuid4().hex
         meta = {"v": VERSION, "op": "del", "id": op_id, "name": name, "targets": targets}
         backend.write_bytes(f"{OPS}{op_id}.del", _pack(OP_MAGIC, meta, {}))
+        _changed(backend)
     return len(targets)
+
+
+def _changed(backend) -> None:
+    """Tell every reader the index changed: a new mark, written after the change is durable, so a
+    reader that sees the mark it listed under has listed every change made before it."""
+    backend.write_bytes(MARK, uuid.uuid4().hex.encode())
 
 
 # -- the merged state: every operation read, minus the cancelled ones -------------------------------
@@ -544,6 +561,10 @@ class _Trie:
             x.nbytes for x in (self.node_key, self.parent, self.tok_len, self.tok_off, self.tokens)
         ) + sum(r.size * 4 for r in self.rest.values())
 
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.arts)
+
     # -- lookup ---------------------------------------------------------------------------------------
 
     def edge_tokens(self, node: int) -> np.ndarray:
@@ -736,15 +757,65 @@ def _bisect(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
 # -- loading, cached per backend ---------------------------------------------------------------------
 
 
+#: Adds kept in the recent layer at most before the whole trie is rebuilt (as many as a compaction
+#: folds: another writer's compaction usually comes first)
+RECENT_MAX = COMPACT_AFTER
+
+
 @dataclasses.dataclass
 class Loaded:
-    """The index as last read from one backend: the objects read, the merged state, the trie."""
+    """The index as last read from one backend: the objects read, the merged state, and the trie in
+    two layers. ``main`` holds what was read at the last full build; ``recent`` the adds read since
+    (None: none). A lookup asks both: rebuilding the whole trie for each new add would cost every
+    reader time in proportion to the store (26 ms at 1,200 artifacts, 0.5 s at 10,200) at the next
+    lookup after any other writer's put."""
 
     seen: set[str]
     state: _State
-    trie: _Trie
+    main: _Trie
     bytes_read: int
     lazy: tuple[str, bytes] | None = None  # a lone base taken as it is: its artifacts carry no edges
+    #: the change mark read before the listing this was made from (None: the store has none),
+    #: and when (:func:`_clock`)
+    mark: bytes | None = None
+    listed_at: float = 0.0
+    recent: _Trie | None = None
+    recent_ids: frozenset[str] = frozenset()
+
+    @property
+    def trie(self) -> _Trie:
+        """The whole index as one trie (compaction, stats), built on each call: ``main`` when
+        nothing is recent."""
+        return self.main if self.recent is None else _Trie(self.complete())
+
+    def complete(self) -> _State:
+        """A copy of the merged state with every artifact's edges (a lazily taken base decoded)."""
+        old = self.state
+        if self.lazy is None:
+            return _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
+        state = _State()
+        state.merge_object(*self.lazy)
+        for op_id in self.recent_ids - state.dead:
+            state.arts[op_id] = old.arts[op_id]
+        state.chunk_tokens = state.chunk_tokens or old.chunk_tokens
+        for root, meta in old.roots.items():
+            state.roots.setdefault(root, meta)
+        return state
+
+    def root_meta(self) -> list[dict]:
+        return [self.state.roots[r] for r in sorted(self.state.roots)]
+
+    def lookup(self, root: str, query: np.ndarray, start_tokens: int, limit: int) -> list[Hit]:
+        """Both layers' hits as one trie over their union would give them: the artifacts sharing the
+        longest prefix are one layer's, or both layers' merged in rank order; whole-prefix hits of both."""
+        hits = self.main.lookup(root, query, start_tokens, limit)
+        if self.recent is None:
+            return hits
+        more = self.recent.lookup(root, query, start_tokens, limit)
+        anyp = [h for h in hits + more if h.reuse == ANY_PREFIX]
+        longest = max((h.prefix_tokens for h in anyp), default=0)
+        best = sorted((h for h in anyp if h.prefix_tokens == longest), key=lambda h: (h.token_count, h.name))
+        return best[:limit] + [h for h in hits + more if h.reuse != ANY_PREFIX]
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -768,17 +839,25 @@ def load(backend, refresh: bool = True) -> Loaded:
     """The index of ``backend``: the cached one when no index object changed, else re-read.
 
     Only objects not read before are read (the index is a union: what was read stays true). An
-    object deleted between the listing and the read was folded into a newer base: list again.
+    object deleted between the listing and the read was folded into a newer base: list again. The
+    change mark (:data:`MARK`) is read before the listing; while it stays the same, nothing is
+    listed. A store without one (written by a kvcdn before the mark) is listed every time.
     """
     with _LOCK:
         cached = _CACHE.get(backend)
     if cached is not None and not refresh:
         return cached
     for _ in range(20):
+        now = _clock()
+        mark = backend.read_bytes(MARK)
+        if cached is not None and mark is not None and mark == cached.mark and now - cached.listed_at < RELIST_S:
+            return cached
         objects = _index_objects(backend)
         known = cached.seen if cached is not None else set()
         new = sorted(k for k in objects if k not in known)
         if cached is not None and not new:
+            cached = dataclasses.replace(cached, mark=mark, listed_at=now)
+            _keep(backend, cached)
             return cached
         if cached is None and len(new) == 1 and new[0].startswith(BASES):  # compacted: take it as it is
             data = backend.read_bytes(new[0])
@@ -795,33 +874,64 @@ def load(backend, refresh: bool = True) -> Loaded:
                 set(dead),
                 {r["root"]: r for r in trie.root_meta},
             )
-            loaded = Loaded({new[0]}, state, trie, len(data), (new[0], data))
-            with _LOCK:
-                _CACHE[backend] = loaded
+            loaded = Loaded({new[0]}, state, trie, len(data), (new[0], data), mark, now)
+            _keep(backend, loaded)
             return loaded
-        state = _State()
-        if cached is not None and cached.lazy is not None:  # decode the lone base in full, then merge
-            state.merge_object(*cached.lazy)
-        elif cached is not None:  # a copy: a concurrent reader may hold the cached one
-            old = cached.state
-            state = _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
-        read, vanished = 0, False
+        got, vanished = [], False
         for key in sorted(new, key=lambda k: (not k.startswith(BASES), k)):  # bases first
             data = backend.read_bytes(key)
             if data is None:
                 vanished = True
                 break
-            read += len(data)
-            state.merge_object(key, data)
+            got.append((key, data))
         if vanished:
             continue
+        read = (cached.bytes_read if cached else 0) + sum(len(data) for _, data in got)
+        layered = _with_recent(cached, got, read, mark, now) if cached is not None else None
+        if layered is not None:
+            _keep(backend, layered)
+            return layered
+        state = cached.complete() if cached is not None else _State()  # the whole trie, built anew
+        for key, data in got:
+            state.merge_object(key, data)
         for dead in state.dead & state.arts.keys():
             state.arts.pop(dead)
-        loaded = Loaded(known | set(new), state, _Trie(state), (cached.bytes_read if cached else 0) + read)
-        with _LOCK:
-            _CACHE[backend] = loaded
+        loaded = Loaded(known | set(new), state, _Trie(state), read, None, mark, now)
+        _keep(backend, loaded)
         return loaded
     raise KvcdnError("the index kept changing while it was read; try again")
+
+
+def _with_recent(
+    cached: Loaded, got: list[tuple[str, bytes]], read: int, mark: bytes | None, listed_at: float
+) -> Loaded | None:
+    """``cached`` with the adds ``got`` in its recent layer; None when that would not be the index:
+    a base or a remove among them, a name the main layer holds (the newer must replace it), or
+    more adds than :data:`RECENT_MAX`."""
+    added = {key[len(OPS) : -len(".add")] for key, _ in got if key.startswith(OPS) and key.endswith(".add")}
+    if len(added) < len(got) or len(cached.recent_ids) + len(added) > RECENT_MAX:
+        return None
+    old = cached.state
+    state = _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
+    for key, data in got:
+        state.merge_object(key, data)
+    added &= state.arts.keys()  # an add already cancelled stays out
+    if any(state.arts[op_id].name in cached.main.names for op_id in added):
+        return None
+    recent_ids = cached.recent_ids | added
+    layer = _State(state.chunk_tokens, {op_id: state.arts[op_id] for op_id in recent_ids}, set(), dict(state.roots))
+    seen = cached.seen | {key for key, _ in got}
+    return Loaded(seen, state, cached.main, read, cached.lazy, mark, listed_at, _Trie(layer), frozenset(recent_ids))
+
+
+def _clock() -> float:
+    """Seconds, for :data:`RELIST_S` (tests replace it)."""
+    return time.monotonic()
+
+
+def _keep(backend, loaded: Loaded) -> None:
+    with _LOCK:
+        _CACHE[backend] = loaded
 
 
 def lookup(
@@ -838,8 +948,7 @@ def lookup(
     first) and every whole-prefix artifact the query contains whole. A prefix counts only past
     ``start_tokens`` (the tokenizer's own start tokens are no match).
     """
-    trie = load(backend, refresh).trie
-    hits = trie.lookup(root, _check_ids(query_ids), start_tokens, max(1, limit))
+    hits = load(backend, refresh).lookup(root, _check_ids(query_ids), start_tokens, max(1, limit))
     hits.sort(key=Hit.sort_key)
     return hits[:limit]
 
@@ -890,18 +999,22 @@ def from_matches(matches: Iterable[Any], root: str, query_ids, start_tokens: int
 
 def roots(backend, refresh: bool = True) -> list[dict]:
     """The roots in the index, each with the model, compute dtype and quantization that made it."""
-    return list(load(backend, refresh).trie.root_meta)
+    return load(backend, refresh).root_meta()
 
 
 def compact(backend, now: Callable[[], int] = time.time_ns) -> str:
     """Fold every index object read into one new base, then delete those objects. Returns its key."""
     loaded = load(backend)
+    trie = loaded.trie
     key = f"{BASES}{int(now()):020d}-{uuid.uuid4().hex}.kvix"
-    backend.write_bytes(key, loaded.trie.to_base(loaded.state.dead))
+    backend.write_bytes(key, trie.to_base(loaded.state.dead))
     for old in sorted(loaded.seen):
         backend.delete(old)
+    _changed(backend)
     with _LOCK:
-        if _CACHE.get(backend) is loaded:
+        if trie.superseded:  # cancelled in the base, live in the cached state: read the base afresh
+            _CACHE.pop(backend, None)
+        elif _CACHE.get(backend) is loaded:
             _CACHE[backend] = dataclasses.replace(loaded, seen={key})
     return key
 
@@ -928,6 +1041,7 @@ def rebuild(backend, artifacts: Iterable[tuple[Any, Sequence[int]]]) -> int:
     backend.write_bytes(key, trie.to_base(()))
     for old in stale:
         backend.delete(old)
+    _changed(backend)
     with _LOCK:
         _CACHE.pop(backend, None)
     return len(trie.arts)

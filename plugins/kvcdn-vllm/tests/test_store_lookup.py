@@ -17,6 +17,7 @@ from kvcdn_vllm.writer import SavedModel
 
 from kvcdn_core import artifact
 from kvcdn_core.builtin.local_storage import LocalStorage
+from kvcdn_core.store import index as store_index
 from kvcdn_core.store.chunkstore import ChunkStore
 from tests.support.storefiles import layer_pieces, write_kinds
 
@@ -75,17 +76,23 @@ def test_another_model_or_dtype_finds_nothing_and_a_failing_store_is_a_miss(stor
 
 
 class CountingStorage(LocalStorage):
-    """A local store that counts the index objects read."""
+    """A local store that counts the index objects read (not the change mark) and the listings."""
 
     index_reads = 0
+    listings = 0
 
     def read_bytes(self, key):
-        if key.startswith("index/"):
+        if key.startswith("index/") and key != store_index.MARK:
             CountingStorage.index_reads += 1
         return super().read_bytes(key)
 
+    def list(self, prefix=""):
+        CountingStorage.listings += 1
+        return super().list(prefix)
 
-def test_warm_reads_the_index_at_start_so_the_first_lookup_reads_only_what_is_new(tmp_path):
+
+def test_warm_reads_the_index_at_start_so_the_first_lookup_reads_only_what_is_new(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_index, "RELIST_S", float("inf"))  # a slow machine's seconds list nothing either
     backend = CountingStorage(tmp_path / "store")
     writer = ChunkStore(LocalStorage(tmp_path / "store"))
     tensors, _ = put(writer, tmp_path, "doc", 300)
@@ -102,10 +109,13 @@ def test_warm_reads_the_index_at_start_so_the_first_lookup_reads_only_what_is_ne
     CountingStorage.index_reads = 0
     warmed.warm()
     assert CountingStorage.index_reads == 2
+    CountingStorage.listings = 0
     match = warmed.lookup(prompt)
     assert match is not None and match.name == "doc" and CountingStorage.index_reads == 2  # none read again
+    assert CountingStorage.listings == 0  # the change mark is as warm() left it: nothing listed
     put(writer, tmp_path, "third", 300, seed=2)
     assert warmed.lookup(prompt) is not None and CountingStorage.index_reads == 3  # only the new one
+    assert CountingStorage.listings == 2  # the put changed the mark: the index's two folders listed
 
     class Down(LocalStorage):
         def list(self, prefix=""):

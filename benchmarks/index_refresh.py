@@ -1,0 +1,160 @@
+"""What a chunk store's lookup pays to notice other writers, on a local directory and on S3 (moto).
+
+Every lookup of :func:`kvcdn_core.store.index.load` checks whether the index changed since it was
+cached. With the change mark (``index/changed``) that is one small read while nothing changed; a
+store written by a kvcdn before the mark has none, and each lookup lists the index's two folders
+instead: up to 256 operation objects between compactions, two of S3's requests.
+
+The store holds ``--artifacts`` in one base and ``--ops`` more as operation objects (the most
+before a compaction: 256), 2,048 tokens each; each lookup is a prompt sharing one of them whole.
+Both ways run in one process, one after the other, on the same store (the mark is deleted for the
+second). The last ``--adds`` of the operations are written by another view of the store while the
+reader's index is warm, each followed by a lookup of what it added: the reader reads that one
+operation and adds it to its recent layer (:class:`kvcdn_core.store.index.Loaded`). Wall times,
+one thread.
+
+    OMP_NUM_THREADS=1 python benchmarks/index_refresh.py [--artifacts 1000] [--ops 256] [--lookups 200] [--adds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TOKENS = 2048
+FINGERPRINT = {"architecture": "LlamaForCausalLM", "config_sha256": "c" * 64, "tokenizer_sha256": "t" * 64}
+
+
+def Entry(name: str, root: str) -> SimpleNamespace:  # noqa: N802 - reads as the record it stands for
+    """What the index reads of a chunk store's record."""
+    return SimpleNamespace(
+        name=name,
+        root=root,
+        token_count=TOKENS,
+        chunk_tokens=256,
+        reuse="any_prefix",
+        model=dict(FINGERPRINT),
+        compute_dtype="float32",
+        quantization=None,
+    )
+
+
+class Listings:
+    """A backend's listings, counted."""
+
+    def __init__(self, backend) -> None:
+        self.count = 0
+        real = backend.list
+
+        def counted(prefix: str = ""):
+            self.count += 1
+            return real(prefix)
+
+        backend.list = counted
+
+
+def documents(count: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 49_152, size=(count, TOKENS)).tolist()
+
+
+def fill(backend, root: str, artifacts: int, ops: int) -> list[list[int]]:
+    from kvcdn_core.store import index
+
+    docs = documents(artifacts + ops, 0)
+    index.rebuild(backend, [(Entry(f"d{i:05d}", root), ids) for i, ids in enumerate(docs[:artifacts])])
+    for i, ids in enumerate(docs[artifacts:], artifacts):
+        index.add(backend, Entry(f"d{i:05d}", root), ids)
+    return docs
+
+
+def timed(reader, root: str, docs: list[list[int]], lookups: int) -> tuple[float, float]:
+    """Median lookup in ms, and listings per lookup."""
+    from kvcdn_core.store import index
+
+    listings = Listings(reader)
+    index.load(reader)  # warm, as an engine's scheduler is
+    listings.count = 0
+    times = []
+    for i in range(lookups):
+        ids = docs[(i * 7919) % len(docs)]
+        began = time.perf_counter()
+        hits = index.lookup(reader, root, ids + [1, 2, 3], limit=1)
+        times.append((time.perf_counter() - began) * 1000)
+        assert hits and hits[0].prefix_tokens == TOKENS
+    return statistics.median(times), listings.count / lookups
+
+
+def after_adds(reader, writer, root: str, adds: int) -> float:
+    """Median ms of a lookup right after another writer's put (one more operation object)."""
+    from kvcdn_core.store import index
+
+    more = documents(adds, 1)
+    times = []
+    for i, ids in enumerate(more):
+        index.add(writer, Entry(f"new{i:04d}", root), ids)
+        began = time.perf_counter()
+        hits = index.lookup(reader, root, ids + [1], limit=1)
+        times.append((time.perf_counter() - began) * 1000)
+        assert hits and hits[0].name == f"new{i:04d}"
+    return statistics.median(times)
+
+
+def run(label: str, open_backend, args) -> str:
+    from kvcdn_core.store import index, keys
+
+    root = keys.root_key(FINGERPRINT, keys.representation("float32", None))
+    writer = open_backend()
+    docs = fill(writer, root, args.artifacts, args.ops - args.adds)
+    reader = open_backend()
+    index.load(reader)
+    changed = after_adds(reader, writer, root, args.adds)
+    pending = len(writer.list(index.OPS))
+    marked = timed(reader, root, docs, args.lookups)
+    writer.delete(index.MARK)  # as a store written before the mark
+    unmarked = timed(open_backend(), root, docs, args.lookups)
+    return (
+        f"| {label} | {args.artifacts:,} + {pending} | {marked[0]:.2f} ms ({marked[1]:g}) "
+        f"| {unmarked[0]:.2f} ms ({unmarked[1]:g}) | {unmarked[0] / marked[0]:.1f}x | {changed:.2f} ms |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifacts", type=int, default=1000, help="artifacts in the base")
+    parser.add_argument("--ops", type=int, default=256, help="artifacts added after it, one operation each")
+    parser.add_argument("--lookups", type=int, default=200)
+    parser.add_argument("--adds", type=int, default=20, help="of the operations: each followed by a timed lookup")
+    args = parser.parse_args(argv)
+
+    from kvcdn_core import open_storage
+    from kvcdn_core.builtin.local_storage import LocalStorage
+    from tests.support import services
+
+    print(
+        "| store | artifacts: base + operations | lookup p50 (listings each), mark | without the mark | ratio "
+        "| after another writer's add, p50 |"
+    )
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="kvcdn-index-refresh-") as tmp:
+        print(run("local directory", lambda: LocalStorage(Path(tmp) / "store"), args), flush=True)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    with services.moto_s3("kvcdn-bench") as s3:
+        os.environ.update(s3.env)
+        print(run("S3 (moto, loopback)", lambda: open_storage("s3://kvcdn-bench/store"), args), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
