@@ -10,8 +10,10 @@ before a compaction: 256), 2,048 tokens each; each lookup is a prompt sharing on
 Both ways run in one process, one after the other, on the same store (the mark is deleted for the
 second). The last ``--adds`` of the operations are written by another view of the store while the
 reader's index is warm, each followed by a lookup of what it added: the reader reads that one
-operation and adds it to its recent layer (:class:`kvcdn_core.store.index.Loaded`). Wall times,
-one thread.
+operation and adds it to its recent layer (:class:`kvcdn_core.store.index.Loaded`). Then one
+lookup of a new reader (the listing, the base and every operation read), and one of the warm
+reader after the other view compacted the index and added one more artifact (the new base taken
+as stored, the add in the recent layer). Wall times, one thread.
 
     OMP_NUM_THREADS=1 python benchmarks/index_refresh.py [--artifacts 1000] [--ops 256] [--lookups 200] [--adds 20]
 """
@@ -27,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,14 +65,16 @@ class Listings:
         backend.list = counted
 
 
-def documents(count: int, seed: int) -> list[list[int]]:
+def documents(count: int, seed: int) -> Any:
+    """``count`` documents' token ids, one row each: an array, not Python lists (21 million ints in
+    lists would make each of the collector's full passes cost more than what is timed)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 49_152, size=(count, TOKENS)).tolist()
+    return rng.integers(0, 49_152, size=(count, TOKENS))
 
 
-def fill(backend, root: str, artifacts: int, ops: int) -> list[list[int]]:
+def fill(backend, root: str, artifacts: int, ops: int) -> Any:
     from kvcdn_core.store import index
 
     docs = documents(artifacts + ops, 0)
@@ -79,7 +84,7 @@ def fill(backend, root: str, artifacts: int, ops: int) -> list[list[int]]:
     return docs
 
 
-def timed(reader, root: str, docs: list[list[int]], lookups: int) -> tuple[float, float]:
+def timed(reader, root: str, docs, lookups: int) -> tuple[float, float]:
     """Median lookup in ms, and listings per lookup."""
     from kvcdn_core.store import index
 
@@ -88,7 +93,7 @@ def timed(reader, root: str, docs: list[list[int]], lookups: int) -> tuple[float
     listings.count = 0
     times = []
     for i in range(lookups):
-        ids = docs[(i * 7919) % len(docs)]
+        ids = docs[(i * 7919) % len(docs)].tolist()
         began = time.perf_counter()
         hits = index.lookup(reader, root, ids + [1, 2, 3], limit=1)
         times.append((time.perf_counter() - began) * 1000)
@@ -102,13 +107,34 @@ def after_adds(reader, writer, root: str, adds: int) -> float:
 
     more = documents(adds, 1)
     times = []
-    for i, ids in enumerate(more):
+    for i, row in enumerate(more):
+        ids = row.tolist()
         index.add(writer, Entry(f"new{i:04d}", root), ids)
         began = time.perf_counter()
         hits = index.lookup(reader, root, ids + [1], limit=1)
         times.append((time.perf_counter() - began) * 1000)
         assert hits and hits[0].name == f"new{i:04d}"
     return statistics.median(times)
+
+
+def first_lookup(open_backend, root: str, ids: list[int]) -> float:
+    """Seconds of a new reader's first lookup: the listing, the base and every operation read."""
+    from kvcdn_core.store import index
+
+    began = time.perf_counter()
+    assert index.lookup(open_backend(), root, ids + [1], limit=1)
+    return time.perf_counter() - began
+
+
+def after_compaction(reader, writer, root: str, ids: list[int]) -> float:
+    """Seconds of a warm reader's lookup after another writer compacted and added one more."""
+    from kvcdn_core.store import index
+
+    index.compact(writer)
+    index.add(writer, Entry("after", root), documents(1, 2)[0])
+    began = time.perf_counter()
+    assert index.lookup(reader, root, ids + [1], limit=1)
+    return time.perf_counter() - began
 
 
 def run(label: str, open_backend, args) -> str:
@@ -122,11 +148,16 @@ def run(label: str, open_backend, args) -> str:
     changed = after_adds(reader, writer, root, args.adds)
     pending = len(writer.list(index.OPS))
     marked = timed(reader, root, docs, args.lookups)
+    cold = first_lookup(open_backend, root, docs[0].tolist())
+    mark = writer.read_bytes(index.MARK)
     writer.delete(index.MARK)  # as a store written before the mark
     unmarked = timed(open_backend(), root, docs, args.lookups)
+    writer.write_bytes(index.MARK, mark)
+    compacted = after_compaction(reader, writer, root, docs[1].tolist())
     return (
         f"| {label} | {args.artifacts:,} + {pending} | {marked[0]:.2f} ms ({marked[1]:g}) "
-        f"| {unmarked[0]:.2f} ms ({unmarked[1]:g}) | {unmarked[0] / marked[0]:.1f}x | {changed:.2f} ms |"
+        f"| {unmarked[0]:.2f} ms ({unmarked[1]:g}) | {unmarked[0] / marked[0]:.1f}x | {changed:.2f} ms "
+        f"| {compacted * 1000:.0f} ms | {cold * 1000:.0f} ms |"
     )
 
 
@@ -144,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         "| store | artifacts: base + operations | lookup p50 (listings each), mark | without the mark | ratio "
-        "| after another writer's add, p50 |"
+        "| after another writer's add, p50 | after its compaction | a new reader's first |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="kvcdn-index-refresh-") as tmp:
         print(run("local directory", lambda: LocalStorage(Path(tmp) / "store"), args), flush=True)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request

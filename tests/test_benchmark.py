@@ -325,4 +325,4 @@ def test_index_refresh_times_lookups_with_and_without_the_change_mark(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| local") or "moto" in line]
     assert len(rows) == 2
     for row in rows:
-        assert "| 20 + 12 |" in row and "(0) |" in row and "(2) |" in row
+        assert "| 20 + 12 |" in row and "(0) |" in row and "(2) |" in row and row.count("|") == 9

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,17 +130,19 @@ def histories(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(histories())
-def test_a_reader_looking_up_between_changes_equals_brute_force(tmp_path_factory, history):
+def test_a_reader_looking_up_between_changes_equals_brute_force(tmp_path_factory, monkeypatch, history):
     # the reader keeps its index between lookups: the adds since its last full build sit in the
     # recent layer, and a lookup over both layers must equal one over the union
     chunk, steps, queries, start, limit = history
+    monkeypatch.setattr(index, "NEWEST_MAX", 2)  # the newest layer merged into the recent one often
     where = tmp_path_factory.mktemp("store")
     writer = LocalStorage(where)
     readers = [LocalStorage(where)]  # and, after each compaction, one that starts on the lone base
+    lagging = LocalStorage(where)  # looks up every third change only: meets a new base with adds after it
     root = root_for(chunk)
     arts: dict[str, tuple[list[int], str]] = {}
     clock = iter(range(1, 10_000))
-    for step in steps:
+    for n, step in enumerate(steps):
         if step[0] == "add":
             _, name, ids, reuse = step
             index.add(writer, Rec(name, root, len(ids), chunk, reuse), ids, now=lambda: next(clock))
@@ -150,11 +153,16 @@ def test_a_reader_looking_up_between_changes_equals_brute_force(tmp_path_factory
         else:
             index.compact(writer)
             readers.append(LocalStorage(where))
-        for reader in readers:
+        for reader in readers + ([lagging] if n % 3 == 2 else []):
             for q in queries:
                 assert got(reader, root, q, start, limit) == brute(arts, q, start, limit)
-    for reader in readers:
+    for reader in [*readers, lagging]:
         assert {a.name for a in index.load(reader).trie.arts} == set(arts)
+
+
+def added(loaded) -> set[str]:
+    """The names in a loaded index's recent and newest layers."""
+    return {a.name for layer in (loaded.recent, loaded.newest) if layer is not None for a in layer.arts}
 
 
 def test_another_writers_adds_join_the_recent_layer_and_the_rest_rebuilds(tmp_path):
@@ -165,18 +173,18 @@ def test_another_writers_adds_join_the_recent_layer_and_the_rest_rebuilds(tmp_pa
     index.add(writer, Rec("b", root, 7, 4), [1, 2, 3, 4, 5, 6, 7])
     index.add(writer, Rec("c", root, 5, 4), [9, 9, 9, 9, 9])
     loaded = index.load(reader)
-    assert loaded.main is main and {a.name for a in loaded.recent.arts} == {"b", "c"}  # no rebuild
+    assert loaded.main is main and added(loaded) == {"b", "c"}  # no rebuild
     assert got(reader, root, [1, 2, 3, 4, 5, 6, 7, 8]) == [("b", 7, 7)]
     assert got(reader, root, [9, 9, 9, 9, 9, 1]) == [("c", 5, 5)]
     index.add(writer, Rec("a", root, 4, 4), [1, 2, 3, 4])  # a name the main layer holds: the newer wins
     loaded = index.load(reader)
-    assert loaded.recent is None and {a.name for a in loaded.main.arts} == {"a", "b", "c"}
+    assert added(loaded) == set() and {a.name for a in loaded.main.arts} == {"a", "b", "c"}
     assert got(reader, root, [1, 2, 3, 4, 9]) == [("a", 4, 4), ("b", 4, 4)]
     index.add(writer, Rec("d", root, 5, 4), [1, 2, 3, 4, 5])
-    assert index.load(reader).recent is not None
+    assert added(index.load(reader)) == {"d"}
     assert index.remove(writer, Rec("b", root, 0, 4)) == 1  # a remove: rebuilt, b gone
     loaded = index.load(reader)
-    assert loaded.recent is None and {a.name for a in loaded.main.arts} == {"a", "c", "d"}
+    assert added(loaded) == set() and {a.name for a in loaded.main.arts} == {"a", "c", "d"}
 
 
 def test_the_match_is_exact_inside_a_chunk_and_other_roots_do_not_match(tmp_path):
@@ -531,3 +539,93 @@ def test_a_change_the_mark_missed_is_seen_within_the_relist_time(tmp_path, monke
     assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["a"]  # mark unchanged
     now[0] += 1.0
     assert [h.name for h in index.lookup(reader, root, [1, 2, 3, 4, 5, 6, 7, 8])] == ["b"]
+
+
+def test_a_new_base_is_taken_as_stored_with_the_adds_after_it_in_the_recent_layer(tmp_path):
+    root = root_for(4)
+    writer = LocalStorage(tmp_path)
+    index.add(writer, Rec("a", root, 6, 4), [1, 2, 3, 4, 5, 6])
+    folded = index.add(writer, Rec("b", root, 7, 4), [1, 2, 3, 4, 5, 6, 7])
+    warm = LocalStorage(tmp_path)
+    index.load(warm)
+    op = writer.read_bytes(f"{index.OPS}{folded}.add")
+    index.compact(writer)
+    index.add(writer, Rec("c", root, 5, 4), [9, 9, 9, 9, 9])
+    writer.write_bytes(f"{index.OPS}{folded}.add", op)  # a folded add its compaction has not deleted yet
+    for reader in (warm, LocalStorage(tmp_path)):  # one that read the adds before, one that starts now
+        loaded = index.load(reader)
+        assert loaded.lazy is not None and {a.name for a in loaded.main.arts} == {"a", "b"}  # no rebuild
+        assert added(loaded) == {"c"}  # the folded add is the base's, not recent
+        assert got(reader, root, [1, 2, 3, 4, 5, 6, 7, 8]) == [("b", 7, 7)]
+        assert got(reader, root, [9, 9, 9, 9, 9, 1]) == [("c", 5, 5)]
+        assert {a.name for a in loaded.trie.arts} == {"a", "b", "c"}
+
+
+def test_the_newest_layer_stays_small_and_merges_into_the_recent_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(index, "NEWEST_MAX", 3)
+    root = root_for(4)
+    writer, reader = LocalStorage(tmp_path), LocalStorage(tmp_path)
+    index.add(writer, Rec("base", root, 4, 4), [7, 7, 7, 7])
+    index.load(reader)
+    for i in range(5):
+        index.add(writer, Rec(f"n{i}", root, 5, 4), [1, 2, 3, 4, i])
+    loaded = index.load(reader)  # the five in one read: past the newest layer's size, all recent
+    assert {a.name for a in loaded.recent.arts} == {f"n{i}" for i in range(5)} and loaded.newest is None
+    index.add(writer, Rec("n5", root, 5, 4), [1, 2, 3, 4, 5])
+    loaded = index.load(reader)
+    recent = loaded.recent
+    assert {a.name for a in loaded.newest.arts} == {"n5"}  # the recent layer is not rebuilt
+    index.add(writer, Rec("n0", root, 6, 4), [1, 2, 3, 4, 0, 0], now=lambda: time.time_ns() + 10**9)
+    loaded = index.load(reader)  # a name the recent layer holds: merged there, the newer wins
+    assert loaded.recent is not recent and loaded.newest is None
+    assert got(reader, root, [1, 2, 3, 4, 0, 0, 1]) == [("n0", 6, 6)]
+    assert got(reader, root, [1, 2, 3, 4, 0, 9]) == [("n0", 5, 5)]  # once: the older add is gone
+    assert got(reader, root, [1, 2, 3, 4, 5, 1]) == [("n5", 5, 5)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.randoms(use_true_random=False))
+def test_processes_sharing_one_index_each_equal_brute_force(tmp_path_factory, monkeypatch, rng):
+    """Several processes (each its own view and cache) add, re-add, remove and compact in turn, two
+    roots, small layers and early compactions; after every change, every process's lookups equal a
+    brute-force longest common prefix over what is indexed."""
+    monkeypatch.setattr(index, "COMPACT_AFTER", 5)
+    monkeypatch.setattr(index, "RECENT_MAX", 6)
+    monkeypatch.setattr(index, "NEWEST_MAX", 2)
+    where = tmp_path_factory.mktemp("store")
+    chunk = rng.choice([2, 3, 4])
+    roots = [root_for(chunk), root_for(chunk, "bfloat16")]
+    views = [LocalStorage(where) for _ in range(3)]
+    truth: dict[str, dict[str, tuple[list[int], str]]] = {r: {} for r in roots}
+    root_of: dict[str, str] = {}
+    clock = iter(range(1, 10_000))
+    seqs: list[list[int]] = []
+
+    def sequence() -> list[int]:
+        base = rng.choice(seqs) if seqs and rng.random() < 0.6 else []
+        keep = rng.randint(0, len(base))
+        return base[:keep] + [rng.randint(0, 3) for _ in range(rng.randint(0 if keep else 1, 12))]
+
+    for step in range(40):
+        view, draw = rng.choice(views), rng.random()
+        if draw < 0.55:
+            name = rng.choice(sorted(root_of)) if root_of and rng.random() < 0.3 else f"n{step}"
+            root, ids, reuse = rng.choice(roots), sequence(), rng.choice([ANY_PREFIX, ANY_PREFIX, WHOLE_PREFIX])
+            seqs.append(ids)
+            index.add(view, Rec(name, root, len(ids), chunk, reuse), ids, now=lambda: next(clock))
+            if name in root_of:
+                truth[root_of[name]].pop(name)
+            truth[root][name], root_of[name] = (ids, reuse), root
+        elif draw < 0.7 and root_of:
+            name = rng.choice(sorted(root_of))
+            assert index.remove(view, Rec(name, root_of[name], 0, chunk)) > 0
+            truth[root_of.pop(name)].pop(name)
+        elif draw < 0.8:
+            index.compact(view)
+        elif draw < 0.85:
+            views.append(LocalStorage(where))
+        for reader in views:
+            for root in roots:
+                query = sequence()[: rng.randint(0, 14)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))]
+                start, limit = rng.randint(0, 2), rng.randint(1, 4)
+                assert got(reader, root, query, start, limit) == brute(truth[root], query, start, limit)

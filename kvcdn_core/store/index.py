@@ -757,18 +757,21 @@ def _bisect(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
 # -- loading, cached per backend ---------------------------------------------------------------------
 
 
-#: Adds kept in the recent layer at most before the whole trie is rebuilt (as many as a compaction
+#: Adds kept in the recent layers at most before the whole trie is rebuilt (as many as a compaction
 #: folds: another writer's compaction usually comes first)
 RECENT_MAX = COMPACT_AFTER
+#: Adds in the newest layer at most: more, and it is merged into the recent layer (each new add
+#: rebuilds the newest layer, so it stays small; the recent one is rebuilt once per this many)
+NEWEST_MAX = 32
 
 
 @dataclasses.dataclass
 class Loaded:
     """The index as last read from one backend: the objects read, the merged state, and the trie in
-    two layers. ``main`` holds what was read at the last full build; ``recent`` the adds read since
-    (None: none). A lookup asks both: rebuilding the whole trie for each new add would cost every
-    reader time in proportion to the store (26 ms at 1,200 artifacts, 0.5 s at 10,200) at the next
-    lookup after any other writer's put."""
+    layers. ``main`` holds what was read at the last full build (or a base taken as stored);
+    ``recent`` and ``newest`` the adds read since (None: none). A lookup asks every layer:
+    rebuilding the whole trie for each new add would cost every reader time in proportion to the
+    store (26 ms at 1,200 artifacts, 0.5 s at 10,200) at the next lookup after any other writer's put."""
 
     seen: set[str]
     state: _State
@@ -781,12 +784,15 @@ class Loaded:
     listed_at: float = 0.0
     recent: _Trie | None = None
     recent_ids: frozenset[str] = frozenset()
+    #: the latest adds, kept apart from ``recent`` so that each add rebuilds a small trie
+    newest: _Trie | None = None
+    newest_ids: frozenset[str] = frozenset()
 
     @property
     def trie(self) -> _Trie:
         """The whole index as one trie (compaction, stats), built on each call: ``main`` when
         nothing is recent."""
-        return self.main if self.recent is None else _Trie(self.complete())
+        return self.main if self.recent is None and self.newest is None else _Trie(self.complete())
 
     def complete(self) -> _State:
         """A copy of the merged state with every artifact's edges (a lazily taken base decoded)."""
@@ -795,7 +801,7 @@ class Loaded:
             return _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
         state = _State()
         state.merge_object(*self.lazy)
-        for op_id in self.recent_ids - state.dead:
+        for op_id in (self.recent_ids | self.newest_ids) - state.dead:
             state.arts[op_id] = old.arts[op_id]
         state.chunk_tokens = state.chunk_tokens or old.chunk_tokens
         for root, meta in old.roots.items():
@@ -806,16 +812,17 @@ class Loaded:
         return [self.state.roots[r] for r in sorted(self.state.roots)]
 
     def lookup(self, root: str, query: np.ndarray, start_tokens: int, limit: int) -> list[Hit]:
-        """Both layers' hits as one trie over their union would give them: the artifacts sharing the
-        longest prefix are one layer's, or both layers' merged in rank order; whole-prefix hits of both."""
+        """The layers' hits as one trie over their union would give them (no name is in two layers):
+        the artifacts sharing the longest prefix, merged in rank order; whole-prefix hits of all."""
         hits = self.main.lookup(root, query, start_tokens, limit)
-        if self.recent is None:
+        if self.recent is None and self.newest is None:
             return hits
-        more = self.recent.lookup(root, query, start_tokens, limit)
-        anyp = [h for h in hits + more if h.reuse == ANY_PREFIX]
+        for layer in (self.recent, self.newest):
+            hits += layer.lookup(root, query, start_tokens, limit) if layer is not None else []
+        anyp = [h for h in hits if h.reuse == ANY_PREFIX]
         longest = max((h.prefix_tokens for h in anyp), default=0)
         best = sorted((h for h in anyp if h.prefix_tokens == longest), key=lambda h: (h.token_count, h.name))
-        return best[:limit] + [h for h in hits + more if h.reuse != ANY_PREFIX]
+        return best[:limit] + [h for h in hits if h.reuse != ANY_PREFIX]
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -859,24 +866,13 @@ def load(backend, refresh: bool = True) -> Loaded:
             cached = dataclasses.replace(cached, mark=mark, listed_at=now)
             _keep(backend, cached)
             return cached
-        if cached is None and len(new) == 1 and new[0].startswith(BASES):  # compacted: take it as it is
-            data = backend.read_bytes(new[0])
-            if data is None:
+        if any(k.startswith(BASES) for k in new):  # compacted: take the base as it is, if it can be
+            fresh = _on_base(backend, cached, objects, mark, now)
+            if fresh is _VANISHED:
                 continue
-            meta, arrays = _unpack(new[0], BASE_MAGIC, data)
-            trie = _Trie.from_base(new[0], meta, arrays)
-            dead = meta.get("dead")
-            if not isinstance(dead, list) or not all(isinstance(d, str) for d in dead):
-                raise IndexCorrupt(f"index object '{new[0]}' is corrupted (cancelled ids); rebuild the index")
-            state = _State(
-                trie.declared_chunk_tokens,
-                {a.id: a for a in trie.arts},
-                set(dead),
-                {r["root"]: r for r in trie.root_meta},
-            )
-            loaded = Loaded({new[0]}, state, trie, len(data), (new[0], data), mark, now)
-            _keep(backend, loaded)
-            return loaded
+            if isinstance(fresh, Loaded):
+                _keep(backend, fresh)
+                return fresh
         got, vanished = [], False
         for key in sorted(new, key=lambda k: (not k.startswith(BASES), k)):  # bases first
             data = backend.read_bytes(key)
@@ -902,26 +898,104 @@ def load(backend, refresh: bool = True) -> Loaded:
     raise KvcdnError("the index kept changing while it was read; try again")
 
 
+#: what :func:`_on_base` returns when an object it listed was gone when read: list again
+_VANISHED = object()
+
+
+def _on_base(backend, cached: Loaded | None, objects: dict[str, int], mark: bytes | None, now: float) -> Any:
+    """The index of a listing that holds one base and adds only: the base taken as it is stored
+    (the main layer, no rebuild) and the adds it lacks in the recent layer. A listing holds the whole
+    index, so what ``cached`` read before is not needed, but its adds are reused rather than read
+    again. None when the listing is of another shape (a remove, several bases) or its adds would
+    not make a recent layer (see :func:`_with_recent`): the caller builds the whole trie."""
+    bases = [k for k in objects if k.startswith(BASES)]
+    adds = sorted(k for k in objects if k.startswith(OPS) and k.endswith(".add"))
+    if len(bases) != 1 or len(bases) + len(adds) != len(objects):
+        return None
+    data = backend.read_bytes(bases[0])
+    if data is None:
+        return _VANISHED
+    meta, arrays = _unpack(bases[0], BASE_MAGIC, data)
+    main = _Trie.from_base(bases[0], meta, arrays)
+    dead = meta.get("dead")
+    if not isinstance(dead, list) or not all(isinstance(d, str) for d in dead):
+        raise IndexCorrupt(f"index object '{bases[0]}' is corrupted (cancelled ids); rebuild the index")
+    state = _State(
+        main.declared_chunk_tokens, {a.id: a for a in main.arts}, set(dead), {r["root"]: r for r in main.root_meta}
+    )
+    held = state.arts.keys() | state.dead  # an add folded into the base may still be listed
+    reusable: dict[str, _Art] = {}
+    if cached is not None:  # arts read from operations (an artifact of a lazily taken base has no edges)
+        added = cached.recent_ids | cached.newest_ids
+        reusable = {i: cached.state.arts[i] for i in added} if cached.lazy else cached.state.arts
+    read, recent_ids = len(data), set()
+    for key in adds:
+        op_id = key[len(OPS) : -len(".add")]
+        if op_id in held:
+            continue
+        art = reusable.get(op_id)
+        if art is not None and cached is not None and cached.state.chunk_tokens is not None:
+            state._chunk(key, cached.state.chunk_tokens)
+            state.arts[op_id] = art
+            state.roots.setdefault(art.root, cached.state.roots[art.root])
+        else:
+            blob = backend.read_bytes(key)
+            if blob is None:
+                return _VANISHED
+            read += len(blob)
+            state.merge_object(key, blob)
+        if op_id in state.arts:
+            recent_ids.add(op_id)
+    if len(recent_ids) > RECENT_MAX or any(state.arts[i].name in main.names for i in recent_ids):
+        return None
+    recent = _layer(state, recent_ids) if recent_ids else None
+    read += cached.bytes_read if cached is not None else 0
+    return Loaded(set(objects), state, main, read, (bases[0], data), mark, now, recent, frozenset(recent_ids))
+
+
 def _with_recent(
     cached: Loaded, got: list[tuple[str, bytes]], read: int, mark: bytes | None, listed_at: float
 ) -> Loaded | None:
-    """``cached`` with the adds ``got`` in its recent layer; None when that would not be the index:
-    a base or a remove among them, a name the main layer holds (the newer must replace it), or
-    more adds than :data:`RECENT_MAX`."""
+    """``cached`` with the adds ``got`` in its newest layer (merged into the recent one past
+    :data:`NEWEST_MAX`, or when a name repeats there: one trie keeps the newer); None when that
+    would not be the index: a base or a remove among them, a name the main layer holds (the newer
+    must replace it), or more adds than :data:`RECENT_MAX`."""
     added = {key[len(OPS) : -len(".add")] for key, _ in got if key.startswith(OPS) and key.endswith(".add")}
-    if len(added) < len(got) or len(cached.recent_ids) + len(added) > RECENT_MAX:
+    held = len(cached.recent_ids) + len(cached.newest_ids)
+    if len(added) < len(got) or held + len(added) > RECENT_MAX:
         return None
     old = cached.state
     state = _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
     for key, data in got:
         state.merge_object(key, data)
     added &= state.arts.keys()  # an add already cancelled stays out
-    if any(state.arts[op_id].name in cached.main.names for op_id in added):
+    names = {state.arts[op_id].name for op_id in added}
+    if names & cached.main.names:
         return None
-    recent_ids = cached.recent_ids | added
-    layer = _State(state.chunk_tokens, {op_id: state.arts[op_id] for op_id in recent_ids}, set(), dict(state.roots))
+    recent, recent_ids, newest_ids = cached.recent, cached.recent_ids, cached.newest_ids | added
+    repeated = any(names & layer.names for layer in (cached.recent, cached.newest) if layer is not None)
+    if repeated or len(newest_ids) > NEWEST_MAX:
+        recent_ids, newest_ids = recent_ids | newest_ids, frozenset()
+        recent = _layer(state, recent_ids)
+    newest = _layer(state, newest_ids) if newest_ids else None
     seen = cached.seen | {key for key, _ in got}
-    return Loaded(seen, state, cached.main, read, cached.lazy, mark, listed_at, _Trie(layer), frozenset(recent_ids))
+    return dataclasses.replace(
+        cached,
+        seen=seen,
+        state=state,
+        bytes_read=read,
+        mark=mark,
+        listed_at=listed_at,
+        recent=recent,
+        recent_ids=frozenset(recent_ids),
+        newest=newest,
+        newest_ids=frozenset(newest_ids),
+    )
+
+
+def _layer(state: _State, ids: Iterable[str]) -> _Trie:
+    """A trie of the artifacts ``ids`` of ``state`` alone (a recent layer)."""
+    return _Trie(_State(state.chunk_tokens, {op_id: state.arts[op_id] for op_id in ids}, set(), dict(state.roots)))
 
 
 def _clock() -> float:
