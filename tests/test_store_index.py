@@ -629,3 +629,16 @@ def test_processes_sharing_one_index_each_equal_brute_force(tmp_path_factory, mo
                 query = sequence()[: rng.randint(0, 14)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))]
                 start, limit = rng.randint(0, 2), rng.randint(1, 4)
                 assert got(reader, root, query, start, limit) == brute(truth[root], query, start, limit)
+
+
+def test_an_artifact_of_no_tokens_in_a_base_is_no_damage(tmp_path):
+    # it ends on no edge (node -1); a base holding one is taken as stored by every reader
+    root = root_for(4)
+    writer, warm = LocalStorage(tmp_path), LocalStorage(tmp_path)
+    index.add(writer, Rec("a", root, 5, 4), [1, 2, 3, 4, 5])
+    index.add(writer, Rec("empty", root, 0, 4), [])
+    assert got(warm, root, [1, 2, 3, 9]) == [("a", 3, 3)]
+    index.compact(writer)
+    for reader in (warm, LocalStorage(tmp_path)):
+        assert got(reader, root, [1, 2, 3, 9]) == [("a", 3, 3)]
+        assert {a.name for a in index.load(reader).trie.arts} == {"a", "empty"}

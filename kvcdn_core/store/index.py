@@ -510,7 +510,8 @@ class _Trie:
                     art.anchor, art.rest = _kb(a["anchor"][i]), tokens[off : off + size].astype(np.int64)
                     self.rest[i] = art.rest
                     self.art_node[i] = -1
-                elif art_node[i] < n_roots:
+                elif (art_node[i] != -1) if not int(token_count) else (art_node[i] < n_roots):
+                    # an any-prefix artifact of no tokens ends on no edge (its node is -1)
                     raise ValueError
                 self.arts.append(art)
             order = [(x.token_count, x.name) for x in self.arts]
@@ -1123,11 +1124,11 @@ def rebuild(backend, artifacts: Iterable[tuple[Any, Sequence[int]]]) -> int:
 
 def stats(backend) -> dict[str, int]:
     """Sizes for reports: artifacts, nodes, index bytes in the store and in memory."""
-    loaded = load(backend)
+    trie = load(backend).trie
     stored = sum(_index_objects(backend).values())
     return {
-        "artifacts": len(loaded.trie.arts),
-        "nodes": int(loaded.trie.node_key.size),
+        "artifacts": len(trie.arts),
+        "nodes": int(trie.node_key.size),
         "stored_bytes": stored,
-        "memory_bytes": int(loaded.trie.nbytes),
+        "memory_bytes": int(trie.nbytes),
     }
