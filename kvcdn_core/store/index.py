@@ -962,8 +962,8 @@ def _with_recent(
     would not be the index: a base or a remove among them, a name the main layer holds (the newer
     must replace it), or more adds than :data:`RECENT_MAX`."""
     added = {key[len(OPS) : -len(".add")] for key, _ in got if key.startswith(OPS) and key.endswith(".add")}
-    held = len(cached.recent_ids) + len(cached.newest_ids)
-    if len(added) < len(got) or held + len(added) > RECENT_MAX:
+    layered = len(cached.recent_ids) + len(cached.newest_ids)
+    if len(added) < len(got) or layered + len(added) > RECENT_MAX:
         return None
     old = cached.state
     state = _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
