@@ -11,11 +11,19 @@ Both ways run in one process, one after the other, on the same store (the mark i
 second). The last ``--adds`` of the operations are written by another view of the store while the
 reader's index is warm, each followed by a lookup of what it added: the reader reads that one
 operation and adds it to its recent layer (:class:`kvcdn_core.store.index.Loaded`). Then one
-lookup of a new reader (the listing, the base and every operation read), and one of the warm
-reader after the other view compacted the index and added one more artifact (the new base taken
-as stored, the add in the recent layer). Wall times, one thread.
+lookup of a new reader (the listing, the base and every operation read); ``--removes`` artifacts of
+the base removed by the other view, each followed by the warm reader's lookup of the removed
+artifact's own prompt (the reader hides it in its main layer and walks past it); and one lookup of
+the warm reader after the other view compacted the index and added one more artifact (the new
+base taken as stored, the add in the recent layer). Wall times, one thread.
+
+Moto on loopback answers in about 3 ms, most of it the client's and the server's CPU on the same
+cores. A third row puts ``--round-trip-ms`` before every request of the readers (not the writer)
+to a local directory: a store across a network, where a new reader's operations are read several at
+a time (:data:`kvcdn_core.store.index.READERS`).
 
     OMP_NUM_THREADS=1 python benchmarks/index_refresh.py [--artifacts 1000] [--ops 256] [--lookups 200] [--adds 20]
+        [--removes 10] [--round-trip-ms 20]
 """
 
 from __future__ import annotations
@@ -49,6 +57,22 @@ def Entry(name: str, root: str) -> SimpleNamespace:  # noqa: N802 - reads as the
         compute_dtype="float32",
         quantization=None,
     )
+
+
+class RoundTrips:
+    """A backend whose every request waits ``seconds`` first, as one across a network does."""
+
+    def __init__(self, backend, seconds: float) -> None:
+        self.backend, self.seconds = backend, seconds
+
+    def __getattr__(self, name: str):
+        real = getattr(self.backend, name)
+
+        def delayed(*args, **kwargs):
+            time.sleep(self.seconds)
+            return real(*args, **kwargs)
+
+        return delayed
 
 
 class Listings:
@@ -117,6 +141,21 @@ def after_adds(reader, writer, root: str, adds: int) -> float:
     return statistics.median(times)
 
 
+def after_removes(reader, writer, root: str, docs, artifacts: int, removes: int) -> float:
+    """Median ms of a lookup of a removed artifact's prompt right after another writer removed it."""
+    from kvcdn_core.store import index
+
+    times = []
+    for i in range(0, artifacts, max(1, artifacts // removes))[:removes]:  # of the base
+        name, ids = f"d{i:05d}", docs[i].tolist()
+        assert index.remove(writer, Entry(name, root)) == 1
+        began = time.perf_counter()
+        hits = index.lookup(reader, root, ids + [1], limit=1)
+        times.append((time.perf_counter() - began) * 1000)
+        assert name not in {h.name for h in hits}
+    return statistics.median(times)
+
+
 def first_lookup(open_backend, root: str, ids: list[int]) -> float:
     """Seconds of a new reader's first lookup: the listing, the base and every operation read."""
     from kvcdn_core.store import index
@@ -137,11 +176,13 @@ def after_compaction(reader, writer, root: str, ids: list[int]) -> float:
     return time.perf_counter() - began
 
 
-def run(label: str, open_backend, args) -> str:
+def run(label: str, open_backend, args, open_writer=None) -> str:
+    """One row: ``open_backend`` opens each reader's view of the store, ``open_writer`` the other
+    view's (the same by default)."""
     from kvcdn_core.store import index, keys
 
     root = keys.root_key(FINGERPRINT, keys.representation("float32", None))
-    writer = open_backend()
+    writer = (open_writer or open_backend)()
     docs = fill(writer, root, args.artifacts, args.ops - args.adds)
     reader = open_backend()
     index.load(reader)
@@ -153,11 +194,12 @@ def run(label: str, open_backend, args) -> str:
     writer.delete(index.MARK)  # as a store written before the mark
     unmarked = timed(open_backend(), root, docs, args.lookups)
     writer.write_bytes(index.MARK, mark)
+    removed = after_removes(reader, writer, root, docs, args.artifacts, args.removes)
     compacted = after_compaction(reader, writer, root, docs[1].tolist())
     return (
         f"| {label} | {args.artifacts:,} + {pending} | {marked[0]:.2f} ms ({marked[1]:g}) "
         f"| {unmarked[0]:.2f} ms ({unmarked[1]:g}) | {unmarked[0] / marked[0]:.1f}x | {changed:.2f} ms "
-        f"| {compacted * 1000:.0f} ms | {cold * 1000:.0f} ms |"
+        f"| {removed:.2f} ms | {compacted * 1000:.0f} ms | {cold * 1000:.0f} ms |"
     )
 
 
@@ -167,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=256, help="artifacts added after it, one operation each")
     parser.add_argument("--lookups", type=int, default=200)
     parser.add_argument("--adds", type=int, default=20, help="of the operations: each followed by a timed lookup")
+    parser.add_argument("--removes", type=int, default=10, help="artifacts of the base removed, each then looked up")
+    parser.add_argument("--round-trip-ms", type=float, default=20, help="the third row's wait per request (0: no row)")
     args = parser.parse_args(argv)
 
     from kvcdn_core import open_storage
@@ -175,11 +219,20 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         "| store | artifacts: base + operations | lookup p50 (listings each), mark | without the mark | ratio "
-        "| after another writer's add, p50 | after its compaction | a new reader's first |"
+        "| after another writer's add, p50 | after its remove, p50 | after its compaction | a new reader's first |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="kvcdn-index-refresh-") as tmp:
         print(run("local directory", lambda: LocalStorage(Path(tmp) / "store"), args), flush=True)
+    if args.round_trip_ms > 0:
+        with tempfile.TemporaryDirectory(prefix="kvcdn-index-refresh-") as tmp:
+            where, wait = Path(tmp) / "store", args.round_trip_ms / 1000
+
+            def far() -> RoundTrips:
+                return RoundTrips(LocalStorage(where), wait)
+
+            label = f"local directory, {args.round_trip_ms:g} ms a request"
+            print(run(label, far, args, open_writer=lambda: LocalStorage(where)), flush=True)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
     with services.moto_s3("kvcdn-bench") as s3:
         os.environ.update(s3.env)

@@ -319,10 +319,11 @@ def test_server_fairness_runs_both_phases_against_a_real_server(tmp_path, capsys
 
 
 def test_index_refresh_times_lookups_with_and_without_the_change_mark(capsys):
-    """benchmarks/index_refresh.py on a small store: a local directory and S3 (moto)."""
+    """benchmarks/index_refresh.py on a small store: a local directory, one behind round trips, S3 (moto)."""
     script = _script("index_refresh")
-    assert script.main(["--artifacts", "20", "--ops", "12", "--lookups", "5", "--adds", "4"]) == 0
+    argv = ["--artifacts", "20", "--ops", "12", "--lookups", "5", "--adds", "4", "--removes", "3"]
+    assert script.main([*argv, "--round-trip-ms", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| local") or "moto" in line]
-    assert len(rows) == 2
+    assert len(rows) == 3 and "| local directory, 1 ms a request |" in rows[1]
     for row in rows:
-        assert "| 20 + 12 |" in row and "(0) |" in row and "(2) |" in row and row.count("|") == 9
+        assert "| 20 + 12 |" in row and "(0) |" in row and "(2) |" in row and row.count("|") == 10

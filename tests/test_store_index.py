@@ -182,9 +182,86 @@ def test_another_writers_adds_join_the_recent_layer_and_the_rest_rebuilds(tmp_pa
     assert got(reader, root, [1, 2, 3, 4, 9]) == [("a", 4, 4), ("b", 4, 4)]
     index.add(writer, Rec("d", root, 5, 4), [1, 2, 3, 4, 5])
     assert added(index.load(reader)) == {"d"}
-    assert index.remove(writer, Rec("b", root, 0, 4)) == 1  # a remove: rebuilt, b gone
+    assert index.remove(writer, Rec("b", root, 0, 4)) == 1  # a remove: b hidden in the main layer
     loaded = index.load(reader)
-    assert added(loaded) == set() and {a.name for a in loaded.main.arts} == {"a", "c", "d"}
+    assert added(loaded) == {"d"} and {loaded.main.arts[r].name for r in loaded.hidden} == {"b"}
+    assert got(reader, root, [1, 2, 3, 4, 9]) == [("a", 4, 4), ("d", 4, 4)]
+    assert {a.name for a in loaded.trie.arts} == {"a", "c", "d"}
+    index.add(writer, Rec("b", root, 6, 4), [1, 2, 3, 4, 5, 7])  # a removed name comes back, newest layer
+    loaded = index.load(reader)
+    assert added(loaded) == {"b", "d"} and got(reader, root, [1, 2, 3, 4, 5, 7, 0]) == [("b", 6, 6)]
+    assert index.remove(writer, Rec("d", root, 0, 4)) == 1  # a layered add removed: its layer rebuilt
+    loaded = index.load(reader)
+    assert added(loaded) == {"b"} and got(reader, root, [1, 2, 3, 4, 5, 0]) == [("b", 5, 5)]
+
+
+def test_a_remove_hides_without_a_rebuild_and_the_next_longest_prefix_answers(tmp_path, monkeypatch):
+    # the main layer keeps its trie; a lookup whose longest matches were removed walks down to the
+    # next longest live one: inside the same chunk, at the chunk's start, a whole chunk shallower
+    root = root_for(4)
+    writer, reader = LocalStorage(tmp_path), LocalStorage(tmp_path)
+    corpus = {
+        "deep": [1, 2, 3, 4, 5, 6, 7, 8, 9],
+        "deep2": [1, 2, 3, 4, 5, 6, 7, 8, 9, 9],
+        "inside": [1, 2, 3, 4, 5, 6, 7, 0],
+        "inside2": [1, 2, 3, 4, 5, 6, 0],
+        "chunk": [1, 2, 3, 4, 5, 6, 7, 8],
+        "boundary": [1, 2, 3, 4, 0, 0],
+        "short": [1, 2, 3],
+        "other": [7, 7, 7, 7, 7],
+    }
+    for name, ids in corpus.items():
+        index.add(writer, Rec(name, root, len(ids), 4), ids)
+    index.compact(writer)
+    main = index.load(reader).main
+    query = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9]
+    live = dict(corpus)
+    expected_order = ["deep2", "deep", "chunk", "inside", "inside2", "boundary", "short", "other"]
+    for name in expected_order:
+        assert got(reader, root, query, limit=3) == brute({n: (i, ANY_PREFIX) for n, i in live.items()}, query, 0, 3)
+        assert index.load(reader).main is main and len(index.load(reader).hidden) == len(corpus) - len(live)
+        if len(live) == 1:
+            monkeypatch.setattr(index, "HIDDEN_MAX", len(corpus) - 1)  # one more removed than that: rebuilt
+        index.remove(writer, Rec(name, root, 0, 4))
+        del live[name]
+    loaded = index.load(reader)
+    assert loaded.main is not main and not loaded.hidden and loaded.main.arts == [] and got(reader, root, query) == []
+
+
+def test_a_remove_cancelling_only_the_newer_add_of_a_name_leaves_the_older_answering(tmp_path):
+    # the index is every add less the cancelled ones, the newest per name: with the newer add of a
+    # name cancelled alone (a remove object naming just it), its older add is the answer again,
+    # which hiding the main layer's artifact would not give: that reader builds the whole trie
+    root = root_for(4)
+    writer, reader = LocalStorage(tmp_path), LocalStorage(tmp_path)
+    index.add(writer, Rec("x", root, 5, 4), [1, 2, 3, 4, 5], now=lambda: 1)
+    newer = index.add(writer, Rec("x", root, 6, 4), [1, 2, 3, 4, 6, 6], now=lambda: 2)
+    main = index.load(reader).main
+    assert got(reader, root, [1, 2, 3, 4, 6, 6, 0]) == [("x", 6, 6)]
+    meta = {"v": index.VERSION, "op": "del", "id": "d" * 32, "name": "x", "targets": [newer]}
+    writer.write_bytes(f"{index.OPS}{'d' * 32}.del", index._pack(index.OP_MAGIC, meta, {}))
+    index._changed(writer)
+    loaded = index.load(reader)
+    assert loaded.main is not main and not loaded.hidden
+    assert got(reader, root, [1, 2, 3, 4, 5, 0]) == [("x", 5, 5)]
+
+
+def test_a_new_base_with_removes_after_it_is_taken_as_stored(tmp_path):
+    root = root_for(4)
+    writer = LocalStorage(tmp_path)
+    for i in range(5):
+        index.add(writer, Rec(f"a{i}", root, 5, 4), [1, 2, 3, 4, i])
+    index.compact(writer)
+    index.remove(writer, Rec("a1", root, 0, 4))
+    index.add(writer, Rec("b", root, 6, 4), [1, 2, 3, 4, 1, 1])
+    index.remove(writer, Rec("a3", root, 0, 4))
+    reader = LocalStorage(tmp_path)
+    loaded = index.load(reader)
+    assert loaded.lazy is not None and added(loaded) == {"b"}
+    assert sorted(loaded.main.arts[r].name for r in loaded.hidden) == ["a1", "a3"]
+    assert got(reader, root, [1, 2, 3, 4, 1, 1, 0]) == [("b", 6, 6)]
+    assert got(reader, root, [1, 2, 3, 4, 3]) == [("a0", 4, 4), ("a2", 4, 4), ("a4", 4, 4), ("b", 4, 4)]
+    assert {a.name for a in loaded.trie.arts} == {"a0", "a2", "a4", "b"}
 
 
 def test_the_match_is_exact_inside_a_chunk_and_other_roots_do_not_match(tmp_path):
@@ -587,11 +664,12 @@ def test_the_newest_layer_stays_small_and_merges_into_the_recent_one(tmp_path, m
 @given(st.randoms(use_true_random=False))
 def test_processes_sharing_one_index_each_equal_brute_force(tmp_path_factory, monkeypatch, rng):
     """Several processes (each its own view and cache) add, re-add, remove and compact in turn, two
-    roots, small layers and early compactions; after every change, every process's lookups equal a
+    roots, small layers, few hidden removes and early compactions; after every change, every process's lookups equal a
     brute-force longest common prefix over what is indexed."""
     monkeypatch.setattr(index, "COMPACT_AFTER", 5)
     monkeypatch.setattr(index, "RECENT_MAX", 6)
     monkeypatch.setattr(index, "NEWEST_MAX", 2)
+    monkeypatch.setattr(index, "HIDDEN_MAX", 2)  # a third remove since the main layer's build rebuilds
     where = tmp_path_factory.mktemp("store")
     chunk = rng.choice([2, 3, 4])
     roots = [root_for(chunk), root_for(chunk, "bfloat16")]
