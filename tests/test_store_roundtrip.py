@@ -4,14 +4,16 @@ int8/int4, format versions 1 and 2; a shared prefix is stored once; a corrupted 
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
 from kvcdn_core import artifact
 from kvcdn_core.builtin.local_storage import LocalStorage
 from kvcdn_core.errors import ArtifactError, KvcdnError
-from kvcdn_core.store import keys
+from kvcdn_core.store import chunkstore, keys
 from kvcdn_core.store.chunkstore import ChunkStore, chunk_key, record_key
+from kvcdn_core.store.record import ArtifactRecord
 from tests.support import kvfiles
 from tests.support.storefiles import KINDS, write_kinds
 
@@ -220,6 +222,67 @@ def test_a_record_that_lies_about_its_chunks_is_refused(store, tmp_path):
     store.backend.write_bytes(record_key("a"), json.dumps(record).encode())
     with pytest.raises(ArtifactError, match="chunks do not cut token_count"):
         store.get("a", tmp_path / "out.kv")
+
+
+def test_a_record_is_parsed_again_only_when_its_bytes_change(store, tmp_path, monkeypatch):
+    # an engine's scheduler reads the hit's record at every request: the same bytes are parsed once,
+    # and a record rewritten in place (a put with --force, damage) is taken as it is now
+    monkeypatch.setattr(chunkstore, "KEPT_RECORDS", 1)
+    parsed: list[str] = []
+    real = ArtifactRecord.from_json
+    monkeypatch.setattr(
+        ArtifactRecord, "from_json", staticmethod(lambda data, where: parsed.append(where) or real(data, where))
+    )
+    for name, tokens in (("a", TOKENS), ("b", TOKENS + 3)):
+        write_kinds(tmp_path / f"{name}.kv", ["full_attention"], tokens)
+        store.put(tmp_path / f"{name}.kv", name)
+    first, count = store.record("a"), len(parsed)
+    assert store.record("a") is first and len(parsed) == count
+    write_kinds(tmp_path / "a.kv", ["full_attention"], TOKENS + 5)
+    store.put(tmp_path / "a.kv", "a", force=True)
+    again = store.record("a")
+    assert again is not first and again.token_count == TOKENS + 5
+    store.record("b")  # one record kept: b pushes a out, and a is parsed anew
+    count = len(parsed)
+    assert store.record("a") is not again and len(parsed) == count + 1
+    store.backend.write_bytes(record_key("a"), b"{}")
+    with pytest.raises(ArtifactError, match="record 'a'"):
+        store.record("a")
+
+
+def test_records_read_by_threads_while_one_is_rewritten_are_each_as_stored(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(chunkstore, "KEPT_RECORDS", 2)  # three names through two places: evictions too
+    versions: dict[str, set[bytes]] = {}
+    for name, tokens in (("a", TOKENS), ("b", TOKENS + 3), ("c", TOKENS + 7)):
+        write_kinds(tmp_path / f"{name}.kv", ["full_attention"], tokens)
+        store.put(tmp_path / f"{name}.kv", name)
+        versions[name] = {store.backend.read_bytes(record_key(name))}
+    write_kinds(tmp_path / "a2.kv", ["full_attention"], TOKENS + 11)
+    seen: list[tuple[str, object]] = []
+    failures: list[BaseException] = []
+
+    def read(names):
+        try:
+            for _ in range(40):
+                for name in names:
+                    seen.append((name, store.record(name)))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=read, args=(order,)) for order in ("abc", "cba", "bca")]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        store.put(tmp_path / "a2.kv", "a", force=True)
+        versions["a"].add(store.backend.read_bytes(record_key("a")))
+        store.put(tmp_path / "a.kv", "a", force=True)
+    for t in threads:
+        t.join()
+    assert not failures and len(seen) == 3 * 40 * 3
+    parsed = {name: [ArtifactRecord.from_json(v, "check") for v in vs] for name, vs in versions.items()}
+    for name, record in seen:
+        assert any(record.to_json() == p.to_json() for p in parsed[name])
+    assert {r.token_count for name, r in seen if name == "a"} <= {TOKENS, TOKENS + 11}
 
 
 def test_token_ids_come_from_the_tail(store, tmp_path):

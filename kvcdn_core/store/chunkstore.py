@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -49,6 +50,11 @@ TRASH = "trash/"
 #: A pending marker older than this (seconds) belongs to a put that died; its chunks become
 #: reclaimable. A day: longer than any put of one artifact, however slow the link.
 PENDING_TTL = 24 * 3600.0
+#: Parsed records a store keeps, each with the bytes it was parsed from. A record is read at every
+#: use (an engine's scheduler reads the hit's at every request), and parsing it (the ``.kv`` header,
+#: checked against the chunk plan) costs about 1 ms for a 30-layer model against 8 µs for the read
+#: from the page cache: the kept one serves when the bytes read are the same.
+KEPT_RECORDS = 64
 
 
 def chunk_key(digest: str) -> str:
@@ -171,15 +177,29 @@ class ChunkStore:
         self.chunk_tokens = chunk_tokens
         #: whether a put builds a chunk on a stored token-prefix of it (pieces); off only to measure
         self.pieces = pieces
+        self._records: collections.OrderedDict[str, tuple[bytes, ArtifactRecord]] = collections.OrderedDict()
+        self._records_lock = threading.Lock()
 
     # -- records -----------------------------------------------------------------------------------
 
     def record(self, name: str) -> ArtifactRecord:
+        """The record of ``name`` as stored now: read every time, parsed only when its bytes changed."""
         key = record_key(check_name(name))
         data = self.backend.read_bytes(key)
         if data is None:
             raise KvcdnError(f"no artifact '{name}' in the store")
-        return ArtifactRecord.from_json(data, f"record '{name}'")
+        with self._records_lock:
+            kept = self._records.get(key)
+            if kept is not None and kept[0] == data:
+                self._records.move_to_end(key)
+                return kept[1]
+        record = ArtifactRecord.from_json(data, f"record '{name}'")
+        with self._records_lock:
+            self._records[key] = (bytes(data), record)
+            self._records.move_to_end(key)
+            while len(self._records) > KEPT_RECORDS:
+                self._records.popitem(last=False)
+        return record
 
     def names(self) -> list[str]:
         found = []
