@@ -1045,10 +1045,12 @@ def _with_recent(
     state = _State(old.chunk_tokens, dict(old.arts), set(old.dead), dict(old.roots))
     for key, data in got:
         state.merge_object(key, data)
-    removes = any(key.endswith(".del") for key, _ in got)
-    gone = old.arts.keys() - state.arts.keys() if removes else set()  # a set of the whole store: only then
-    rank_of = cached.main.rank_of
-    hiding = {rank_of[op_id] for op_id in gone if op_id in rank_of} - cached.hidden
+    hiding: set[int] = set()
+    gone: AbstractSet[str] = set()
+    if any(key.endswith(".del") for key, _ in got):  # sets the size of the store: only then
+        gone = old.arts.keys() - state.arts.keys()
+        rank_of = cached.main.rank_of
+        hiding = {rank_of[op_id] for op_id in gone if op_id in rank_of} - cached.hidden
     hidden = cached.hidden | hiding
     added = {key[len(OPS) : -len(".add")] for key, _ in got if key.endswith(".add")} & state.arts.keys()
     if hiding:  # an older add of a hidden name, still live, is the index's answer for it: rebuild
