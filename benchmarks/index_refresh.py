@@ -203,13 +203,22 @@ def run(label: str, open_backend, args, open_writer=None) -> str:
     )
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a count of at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", type=int, default=1000, help="artifacts in the base")
     parser.add_argument("--ops", type=int, default=256, help="artifacts added after it, one operation each")
     parser.add_argument("--lookups", type=int, default=200)
     parser.add_argument("--adds", type=int, default=20, help="of the operations: each followed by a timed lookup")
-    parser.add_argument("--removes", type=int, default=10, help="artifacts of the base removed, each then looked up")
+    parser.add_argument(
+        "--removes", type=positive, default=10, help="artifacts of the base removed, each then looked up"
+    )
     parser.add_argument("--round-trip-ms", type=float, default=20, help="the third row's wait per request (0: no row)")
     args = parser.parse_args(argv)
 

@@ -327,3 +327,13 @@ def test_index_refresh_times_lookups_with_and_without_the_change_mark(capsys):
     assert len(rows) == 3 and "| local directory, 1 ms a request |" in rows[1]
     for row in rows:
         assert "| 20 + 12 |" in row and "(0) |" in row and "(2) |" in row and row.count("|") == 10
+
+
+def test_store_lookup_times_the_lookup_with_records_kept_and_parsed_each_time(capsys):
+    """benchmarks/store_lookup.py on a small artifact: both ways find it."""
+    script = _script("store_lookup")
+    assert script.main(["--layers", "3", "--tokens", "300", "--lookups", "5"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "3 layers, 300 tokens" in out and "| records kept |" in out and "| none kept: parsed at every lookup |" in out
+    )
